@@ -1,0 +1,49 @@
+/* cpu_fast_common.h (private): what the fast CPU forward and backward steps
+ * share: the step's inputs widened to fp32 (or borrowed when already fp32),
+ * the per-head gathered bar rows, tile operand lookup and OpenBLAS thread
+ * control (one BLAS thread per OpenMP thread inside a step). */
+#ifndef MTRAIN_CPU_FAST_COMMON_H
+#define MTRAIN_CPU_FAST_COMMON_H
+
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_tiles.h"
+
+/** Columns per score tile. */
+#define MTRAIN_CPU_TILE 256
+
+typedef struct cpu_step_inputs {
+  const mtrain_step_view_t *view;
+  int32_t hkv, d;
+  const float *q, *k, *v, *dout; /* fp32 views, token-major */
+  int64_t ldq, ldk;              /* row strides: Hq*d and Hkv*d */
+  float **kbar, **vbar;          /* [Hq] gathered bar rows, [num_bars x d] */
+  void *owned[5];                /* widened copies to free */
+} cpu_step_inputs_t;
+
+/** Widens q, k, v (and dout when not NULL) to fp32 and gathers bar rows. */
+mtrain_status_t cpu_step_inputs_prepare(cpu_state_t *s, const mtrain_step_view_t *view,
+                                        int32_t hkv, int32_t d, mtrain_dtype_t dtype,
+                                        const void *q, const void *k, const void *v,
+                                        const void *dout, cpu_step_inputs_t *out);
+void cpu_step_inputs_release(cpu_step_inputs_t *in);
+
+/** K and V operands of a tile for head h (kv head hk), with their row stride. */
+static inline void cpu_tile_operands(const cpu_step_inputs_t *in, int32_t h, int32_t hk,
+                                     const cpu_tile_t *t, const float **k, const float **v,
+                                     int64_t *ld) {
+  if (t->is_bar) {
+    *k = in->kbar[h] + t->first * in->d;
+    *v = in->vbar[h] + t->first * in->d;
+    *ld = in->d;
+  } else {
+    *k = in->k + t->first * in->ldk + (int64_t)hk * in->d;
+    *v = in->v + t->first * in->ldk + (int64_t)hk * in->d;
+    *ld = in->ldk;
+  }
+}
+
+/** Sets OpenBLAS to one thread (returns the previous count). */
+int cpu_blas_single_begin(void);
+void cpu_blas_single_end(int previous);
+
+#endif /* MTRAIN_CPU_FAST_COMMON_H */

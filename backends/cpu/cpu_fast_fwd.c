@@ -1,0 +1,158 @@
+/* cpu_fast_fwd.c: the "cpu" backend's forward step: OpenMP over (head, query
+ * block), OpenBLAS sgemm on [rows x tile] score tiles and [rows x d] output
+ * tiles, flash-style online softmax in fp32, and the merge of the step's
+ * partial (O, LSE) into the running fp32 accumulators. Inputs of bf16/fp16
+ * are widened to fp32 once per step; bar rows are gathered per head so that
+ * every bar segment is one contiguous GEMM operand. */
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_fast_common.h"
+#include "backends/cpu/cpu_math.h"
+#include "backends/cpu/cpu_tiles.h"
+#include "core/error.h"
+
+mtrain_status_t mtrain_cpu_fast_fwd_init(void *state, void *o_acc, void *lse_acc, int64_t rows,
+                                         int32_t num_heads, int32_t head_dim) {
+  cpu_state_t *s = state;
+  float *o = o_acc, *lse = lse_acc;
+  const int64_t no = rows * num_heads * head_dim, nl = rows * num_heads;
+#pragma omp parallel num_threads(s->num_threads)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < no; i++) o[i] = 0.0f;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < nl; i++) lse[i] = -INFINITY;
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* Per-thread state of one (head, query block) work item. */
+typedef struct fwd_item {
+  const cpu_step_inputs_t *in;
+  int32_t h, hk, nr, d;
+  float scale;
+  const float *q; /* first row of the block, ld in->ldq */
+  float *s;       /* [G x TILE] scores / probabilities */
+  float *o;       /* [G x d] unnormalised output */
+  float *m, *l;   /* [G] running max and sum */
+} fwd_item_t;
+
+static void fwd_tile(void *ctx, const cpu_tile_t *t) {
+  fwd_item_t *it = ctx;
+  const cpu_step_inputs_t *in = it->in;
+  const float *k, *v;
+  int64_t ldk;
+  cpu_tile_operands(in, it->h, it->hk, t, &k, &v, &ldk);
+  const int32_t n = t->count, nr = it->nr, d = it->d;
+  float *S = it->s;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, d, it->scale, it->q, (int)in->ldq, k,
+              (int)ldk, 0.0f, S, MTRAIN_CPU_TILE);
+  for (int32_t r = 0; r < nr; r++) {
+    float *row = S + (int64_t)r * MTRAIN_CPU_TILE;
+    if (t->causal)
+      for (int32_t c = r + 1; c < n; c++) row[c] = -INFINITY;
+    float mx = -INFINITY;
+    for (int32_t c = 0; c < n; c++) mx = row[c] > mx ? row[c] : mx;
+    const float mnew = mx > it->m[r] ? mx : it->m[r];
+    if (mnew == -INFINITY) continue; /* nothing allowed yet in this row */
+    float sum = 0.0f;
+    for (int32_t c = 0; c < n; c++) {
+      const float p = mtrain_fast_exp(row[c] - mnew);
+      row[c] = p;
+      sum += p;
+    }
+    const float alpha = mtrain_fast_exp(it->m[r] - mnew);
+    it->l[r] = it->l[r] * alpha + sum;
+    it->m[r] = mnew;
+    if (alpha != 1.0f) {
+      float *orow = it->o + (int64_t)r * d;
+      for (int32_t c = 0; c < d; c++) orow[c] *= alpha;
+    }
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, d, n, 1.0f, S, MTRAIN_CPU_TILE, v,
+              (int)ldk, 1.0f, it->o, d);
+}
+
+/* Merges the item's partial result into the running accumulators. */
+static void fwd_merge(const fwd_item_t *it, int64_t row0, float *o_acc, float *lse_acc) {
+  const int32_t Hq = it->in->view->num_heads, d = it->d;
+  for (int32_t r = 0; r < it->nr; r++) {
+    if (!(it->l[r] > 0.0f)) continue; /* no key in this step: contributes nothing */
+    const float lse_s = it->m[r] + logf(it->l[r]);
+    float *li = lse_acc + (row0 + r) * Hq + it->h;
+    float *oi = o_acc + ((row0 + r) * Hq + it->h) * d;
+    const float lo = *li, mx = lo > lse_s ? lo : lse_s;
+    const float lnew = mx + logf(expf(lo - mx) + expf(lse_s - mx));
+    const float w_old = expf(lo - lnew), w_new = expf(lse_s - lnew) / it->l[r];
+    const float *os = it->o + (int64_t)r * d;
+    for (int32_t c = 0; c < d; c++) oi[c] = w_old * oi[c] + w_new * os[c];
+    *li = lnew;
+  }
+}
+
+mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args_t *a) {
+  cpu_state_t *s = state;
+  const mtrain_step_view_t *v = a->view;
+  const int32_t G = v->granularity, d = a->head_dim;
+  cpu_step_inputs_t in;
+  mtrain_status_t st = cpu_step_inputs_prepare(s, v, a->num_kv_heads, d, a->dtype, a->q, a->k,
+                                               a->v, NULL, &in);
+  if (st) return st;
+  int blas_threads = cpu_blas_single_begin();
+  const int32_t group = v->num_heads / a->num_kv_heads;
+  const int64_t items = (int64_t)v->num_heads * v->num_q_blocks;
+  int failed = 0;
+#pragma omp parallel num_threads(s->num_threads) reduction(| : failed)
+  {
+    float *S = malloc(sizeof(float) * (size_t)G * MTRAIN_CPU_TILE);
+    float *O = malloc(sizeof(float) * (size_t)G * d);
+    float *M = malloc(sizeof(float) * (size_t)G * 2);
+    if (!S || !O || !M) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; i++) {
+      if (failed) continue;
+      const int32_t h = (int32_t)(i / v->num_q_blocks), qb = (int32_t)(i % v->num_q_blocks);
+      const int64_t gq = v->q_block_global[qb];
+      fwd_item_t it = {&in, h, h / group,
+                       mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len), d, (float)a->scale,
+                       in.q + (int64_t)qb * G * in.ldq + (int64_t)h * d, S, O, M, M + G};
+      if (it.nr == 0) continue;
+      for (int32_t r = 0; r < it.nr; r++) {
+        it.m[r] = -INFINITY;
+        it.l[r] = 0.0f;
+      }
+      memset(O, 0, sizeof(float) * (size_t)it.nr * d);
+      mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, fwd_tile, &it);
+      fwd_merge(&it, (int64_t)qb * G, a->o_acc, a->lse_acc);
+    }
+    free(S);
+    free(O);
+    free(M);
+  }
+  cpu_blas_single_end(blas_threads);
+  cpu_step_inputs_release(&in);
+  return failed ? mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu forward: out of memory")
+                : MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_cpu_fast_bwd_prepare(void *state, const void *o, const void *dout,
+                                            mtrain_dtype_t dtype, void *delta_acc, int64_t rows,
+                                            int32_t num_heads, int32_t head_dim) {
+  cpu_state_t *s = state;
+  float *delta = delta_acc;
+  const int64_t n = rows * num_heads;
+#pragma omp parallel for num_threads(s->num_threads) schedule(static)
+  for (int64_t r = 0; r < n; r++) {
+    float sum = 0.0f;
+    for (int32_t c = 0; c < head_dim; c++)
+      sum += (float)mtrain_cpu_load(o, dtype, r * head_dim + c) *
+             (float)mtrain_cpu_load(dout, dtype, r * head_dim + c);
+    delta[r] = sum;
+  }
+  return MTRAIN_SUCCESS;
+}

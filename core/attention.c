@@ -1,0 +1,263 @@
+/* attention.c: the attention entry points. Validates tensors against the plan
+ * and the backend, allocates the accumulators in the backend's memory, walks
+ * the plan's sequences and ring steps calling the backend's step operations,
+ * and casts the accumulators to the output dtypes. Single rank: the K/V chunk
+ * in hand is the rank's own; the ring transfers come with the distributed
+ * driver. No kernel math here. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "context_internal.h"
+#include "error.h"
+#include "plan_internal.h"
+
+/* Checks that t is [rows, heads, dim] (or [rows, heads] when dim < 0). */
+static mtrain_status_t check_shape(const char *name, const mtrain_tensor_t *t, int64_t rows,
+                                   int64_t heads, int64_t dim) {
+  if (!t) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor '%s' is NULL", name);
+  int32_t ndim = dim < 0 ? 2 : 3;
+  if (t->ndim != ndim)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "tensor '%s' has %d dimensions, expected %d",
+                        name, t->ndim, ndim);
+  const int64_t want[3] = {rows, heads, dim};
+  static const char *const what[3] = {"tokens", "heads", "head_dim"};
+  for (int32_t i = 0; i < ndim; i++)
+    if (t->shape[i] != want[i])
+      return mtrain_error(i == 1 ? MTRAIN_ERR_HEAD_MISMATCH : MTRAIN_ERR_SHAPE_MISMATCH,
+                          "tensor '%s' has %s = %lld (shape[%d]), expected %lld", name, what[i],
+                          (long long)t->shape[i], i, (long long)want[i]);
+  if (!t->data && rows > 0)
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor '%s' has data == NULL", name);
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t check_dtype(const char *name, const mtrain_tensor_t *t,
+                                   mtrain_dtype_t want) {
+  if (t->dtype != want)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor '%s' has dtype %s, expected %s",
+                        name, mtrain_dtype_name(t->dtype), mtrain_dtype_name(want));
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t check_lse_dtype(const mtrain_tensor_t *lse) {
+  if (lse->dtype != MTRAIN_F32 && lse->dtype != MTRAIN_F64)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor 'lse' has dtype %s, expected fp32 "
+                        "(or fp64)", mtrain_dtype_name(lse->dtype));
+  return MTRAIN_SUCCESS;
+}
+
+/* The dimensions every attention call agrees on, taken from q and k. */
+typedef struct attn_dims {
+  int64_t tokens;
+  int32_t hq, hkv, d;
+  mtrain_dtype_t dtype;
+  double scale;
+} attn_dims_t;
+
+static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                    const mtrain_tensor_t *v, attn_dims_t *dims) {
+  if (!ctx) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "argument 'ctx' is NULL");
+  if (!plan) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "argument 'plan' is NULL");
+  if (!q) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor 'q' is NULL");
+  if (!k) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor 'k' is NULL");
+  if (!v) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor 'v' is NULL");
+  if (plan->granularity != ctx->config.granularity)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "plan granularity %d differs from the context's %d", plan->granularity,
+                        ctx->config.granularity);
+  if (q->ndim != 3)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "tensor 'q' has %d dimensions, expected 3 "
+                        "[tokens, heads, head_dim]", q->ndim);
+  if (k->ndim != 3)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "tensor 'k' has %d dimensions, expected 3 "
+                        "[tokens, kv_heads, head_dim]", k->ndim);
+  mtrain_status_t st;
+  if ((st = check_shape("q", q, plan->local_tokens, plan->num_heads, q->shape[2]))) return st;
+  int64_t hkv = k->shape[1], d = q->shape[2];
+  if (hkv < 1 || hkv > plan->num_heads || plan->num_heads % hkv != 0)
+    return mtrain_error(MTRAIN_ERR_HEAD_MISMATCH,
+                        "query heads %d are not a multiple of kv heads %lld (tensor 'k' "
+                        "shape[1])",
+                        plan->num_heads, (long long)hkv);
+  if (d < 1 || d > 1024)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "head_dim %lld (tensor 'q' shape[2]) "
+                        "is not in [1, 1024]", (long long)d);
+  if ((st = check_shape("k", k, plan->local_tokens, hkv, d))) return st;
+  if ((st = check_shape("v", v, plan->local_tokens, hkv, d))) return st;
+  if ((st = check_dtype("k", k, q->dtype))) return st;
+  if ((st = check_dtype("v", v, q->dtype))) return st;
+  if (mtrain_dtype_size(q->dtype) == 0)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor 'q' has unknown dtype %d",
+                        (int)q->dtype);
+  if ((st = ctx->backend->supports(ctx->backend_state, q->dtype, (int32_t)d))) return st;
+  dims->tokens = plan->local_tokens;
+  dims->hq = plan->num_heads;
+  dims->hkv = (int32_t)hkv;
+  dims->d = (int32_t)d;
+  dims->dtype = q->dtype;
+  dims->scale = ctx->config.softmax_scale > 0 ? ctx->config.softmax_scale : 1.0 / sqrt((double)d);
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t check_finite(mtrain_context_t *ctx, const char *name,
+                                    const mtrain_tensor_t *t) {
+  int64_t bad = -1;
+  int64_t n = mtrain_tensor_numel(t);
+  mtrain_status_t st = ctx->backend->find_nonfinite(ctx->backend_state, t->data, t->dtype, n, &bad);
+  if (st) return st;
+  if (bad >= 0) {
+    int64_t row = t->ndim == 3 ? bad / (t->shape[1] * t->shape[2]) : bad / t->shape[1];
+    int64_t head = t->ndim == 3 ? (bad / t->shape[2]) % t->shape[1] : bad % t->shape[1];
+    return mtrain_error(MTRAIN_ERR_NONFINITE,
+                        "tensor '%s' holds NaN or Inf at element %lld (token %lld, head %lld)",
+                        name, (long long)bad, (long long)row, (long long)head);
+  }
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
+  return ctx->backend->alloc(ctx->backend_state, bytes ? bytes : 1, ptr);
+}
+
+static void backend_free(mtrain_context_t *ctx, void *ptr) {
+  if (ptr) ctx->backend->free(ctx->backend_state, ptr);
+}
+
+/* Pointer to token `row` of a [tokens, heads, dim] buffer. */
+static const void *row_ptr(const void *base, int64_t row, int64_t heads, int64_t dim,
+                           size_t elem) {
+  return (const char *)base + (size_t)(row * heads * dim) * elem;
+}
+
+mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                         const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                         const mtrain_tensor_t *v, mtrain_tensor_t *o,
+                                         mtrain_tensor_t *lse) {
+  attn_dims_t dm = {0};
+  mtrain_status_t st = check_common(ctx, plan, q, k, v, &dm);
+  if (st) return st;
+  if ((st = check_shape("o", o, dm.tokens, dm.hq, dm.d))) return st;
+  if ((st = check_dtype("o", o, dm.dtype))) return st;
+  if ((st = check_shape("lse", lse, dm.tokens, dm.hq, -1))) return st;
+  if ((st = check_lse_dtype(lse))) return st;
+  if (ctx->config.check_inputs) {
+    if ((st = check_finite(ctx, "q", q))) return st;
+    if ((st = check_finite(ctx, "k", k))) return st;
+    if ((st = check_finite(ctx, "v", v))) return st;
+  }
+  const mtrain_backend_ops_t *be = ctx->backend;
+  const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
+  void *o_acc = NULL, *lse_acc = NULL;
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq * dm.d) * acc, &o_acc));
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
+  MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm.tokens, dm.hq, dm.d));
+  for (int32_t s = 0; s < plan->num_seqs; s++) {
+    const mtrain_plan_seq_t *ps = &plan->seqs[s];
+    int64_t off = ps->local_offset;
+    for (int32_t t = 0; t < plan->num_steps; t++) {
+      mtrain_fwd_step_args_t a = {
+          .view = &ps->steps[t].view,
+          .num_kv_heads = dm.hkv,
+          .head_dim = dm.d,
+          .scale = dm.scale,
+          .dtype = dm.dtype,
+          .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
+          .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
+          .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
+          .o_acc = (void *)row_ptr(o_acc, off, dm.hq, dm.d, acc),
+          .lse_acc = (void *)row_ptr(lse_acc, off, dm.hq, 1, acc)};
+      MTRAIN_TRY(be->attn_fwd_step(ctx->backend_state, &a));
+    }
+  }
+  MTRAIN_TRY(be->convert(ctx->backend_state, o_acc, be->acc_dtype, o->data, o->dtype,
+                         dm.tokens * dm.hq * dm.d));
+  MTRAIN_TRY(be->convert(ctx->backend_state, lse_acc, be->acc_dtype, lse->data, lse->dtype,
+                         dm.tokens * dm.hq));
+  MTRAIN_TRY(be->synchronize(ctx->backend_state));
+cleanup:
+  backend_free(ctx, o_acc);
+  backend_free(ctx, lse_acc);
+  return st;
+}
+
+mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                          const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                          const mtrain_tensor_t *v, const mtrain_tensor_t *o,
+                                          const mtrain_tensor_t *lse, const mtrain_tensor_t *dout,
+                                          mtrain_tensor_t *dq, mtrain_tensor_t *dk,
+                                          mtrain_tensor_t *dv) {
+  attn_dims_t dm = {0};
+  mtrain_status_t st = check_common(ctx, plan, q, k, v, &dm);
+  if (st) return st;
+  if ((st = check_shape("o", o, dm.tokens, dm.hq, dm.d))) return st;
+  if ((st = check_dtype("o", o, dm.dtype))) return st;
+  if ((st = check_shape("lse", lse, dm.tokens, dm.hq, -1))) return st;
+  if ((st = check_lse_dtype(lse))) return st;
+  if ((st = check_shape("dout", dout, dm.tokens, dm.hq, dm.d))) return st;
+  if ((st = check_dtype("dout", dout, dm.dtype))) return st;
+  if ((st = check_shape("dq", dq, dm.tokens, dm.hq, dm.d))) return st;
+  if ((st = check_dtype("dq", dq, dm.dtype))) return st;
+  if ((st = check_shape("dk", dk, dm.tokens, dm.hkv, dm.d))) return st;
+  if ((st = check_dtype("dk", dk, dm.dtype))) return st;
+  if ((st = check_shape("dv", dv, dm.tokens, dm.hkv, dm.d))) return st;
+  if ((st = check_dtype("dv", dv, dm.dtype))) return st;
+  if (ctx->config.check_inputs) {
+    if ((st = check_finite(ctx, "q", q))) return st;
+    if ((st = check_finite(ctx, "k", k))) return st;
+    if ((st = check_finite(ctx, "v", v))) return st;
+    if ((st = check_finite(ctx, "o", o))) return st;
+    if ((st = check_finite(ctx, "lse", lse))) return st;
+    if ((st = check_finite(ctx, "dout", dout))) return st;
+  }
+  const mtrain_backend_ops_t *be = ctx->backend;
+  void *bs = ctx->backend_state;
+  const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
+  const int64_t nq = dm.tokens * dm.hq * dm.d, nk = dm.tokens * dm.hkv * dm.d;
+  void *lse_acc = NULL, *delta_acc = NULL, *dq_acc = NULL, *dk_acc = NULL, *dv_acc = NULL;
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &delta_acc));
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)nq * acc, &dq_acc));
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)nk * acc, &dk_acc));
+  MTRAIN_TRY(backend_alloc(ctx, (size_t)nk * acc, &dv_acc));
+  MTRAIN_TRY(be->convert(bs, lse->data, lse->dtype, lse_acc, be->acc_dtype, dm.tokens * dm.hq));
+  MTRAIN_TRY(be->memset_zero(bs, dq_acc, (size_t)nq * acc));
+  MTRAIN_TRY(be->memset_zero(bs, dk_acc, (size_t)nk * acc));
+  MTRAIN_TRY(be->memset_zero(bs, dv_acc, (size_t)nk * acc));
+  MTRAIN_TRY(be->attn_bwd_prepare(bs, o->data, dout->data, dm.dtype, delta_acc, dm.tokens, dm.hq,
+                                  dm.d));
+  for (int32_t s = 0; s < plan->num_seqs; s++) {
+    const mtrain_plan_seq_t *ps = &plan->seqs[s];
+    int64_t off = ps->local_offset;
+    for (int32_t t = 0; t < plan->num_steps; t++) {
+      mtrain_bwd_step_args_t a = {
+          .view = &ps->steps[t].view,
+          .num_kv_heads = dm.hkv,
+          .head_dim = dm.d,
+          .scale = dm.scale,
+          .dtype = dm.dtype,
+          .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
+          .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
+          .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
+          .dout = row_ptr(dout->data, off, dm.hq, dm.d, esz),
+          .lse_acc = row_ptr(lse_acc, off, dm.hq, 1, acc),
+          .delta_acc = row_ptr(delta_acc, off, dm.hq, 1, acc),
+          .dq_acc = (void *)row_ptr(dq_acc, off, dm.hq, dm.d, acc),
+          .dk_acc = (void *)row_ptr(dk_acc, off, dm.hkv, dm.d, acc),
+          .dv_acc = (void *)row_ptr(dv_acc, off, dm.hkv, dm.d, acc)};
+      MTRAIN_TRY(be->attn_bwd_step(bs, &a));
+    }
+  }
+  MTRAIN_TRY(be->convert(bs, dq_acc, be->acc_dtype, dq->data, dq->dtype, nq));
+  MTRAIN_TRY(be->convert(bs, dk_acc, be->acc_dtype, dk->data, dk->dtype, nk));
+  MTRAIN_TRY(be->convert(bs, dv_acc, be->acc_dtype, dv->data, dv->dtype, nk));
+  MTRAIN_TRY(be->synchronize(bs));
+cleanup:
+  backend_free(ctx, lse_acc);
+  backend_free(ctx, delta_acc);
+  backend_free(ctx, dq_acc);
+  backend_free(ctx, dk_acc);
+  backend_free(ctx, dv_acc);
+  return st;
+}

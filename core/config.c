@@ -1,0 +1,87 @@
+/* config.c: validation of the context configuration and its MTRAIN_*
+ * environment overrides (read once per process, NCCL-style). */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "context_internal.h"
+#include "error.h"
+
+typedef struct env_snapshot {
+  char backend[64];
+  const char *granularity;
+  const char *num_threads;
+  const char *check_inputs;
+  char granularity_buf[32], num_threads_buf[32], check_inputs_buf[32];
+  int has_backend;
+} env_snapshot_t;
+
+static env_snapshot_t env;
+static pthread_once_t env_once = PTHREAD_ONCE_INIT;
+
+static const char *copy_env(const char *name, char *buf, size_t cap) {
+  const char *v = getenv(name);
+  if (!v) return NULL;
+  strncpy(buf, v, cap - 1);
+  buf[cap - 1] = '\0';
+  return buf;
+}
+
+static void read_env_once(void) {
+  env.has_backend = copy_env("MTRAIN_BACKEND", env.backend, sizeof env.backend) != NULL;
+  env.granularity = copy_env("MTRAIN_GRANULARITY", env.granularity_buf, sizeof env.granularity_buf);
+  env.num_threads = copy_env("MTRAIN_NUM_THREADS", env.num_threads_buf, sizeof env.num_threads_buf);
+  env.check_inputs =
+      copy_env("MTRAIN_CHECK_INPUTS", env.check_inputs_buf, sizeof env.check_inputs_buf);
+}
+
+static mtrain_status_t parse_int_env(const char *name, const char *text, int32_t lo, int32_t hi,
+                                     int32_t *out) {
+  char *end = NULL;
+  errno = 0;
+  long v = strtol(text, &end, 10);
+  if (errno || end == text || *end != '\0' || v < lo || v > hi)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "environment variable %s='%s' is not an integer in [%d, %d]", name, text,
+                        lo, hi);
+  *out = (int32_t)v;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config) {
+  pthread_once(&env_once, read_env_once);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (env.has_backend) config->backend = env.backend;
+  if (env.granularity)
+    st = parse_int_env("MTRAIN_GRANULARITY", env.granularity, 1, 1 << 20, &config->granularity);
+  if (st == MTRAIN_SUCCESS && env.num_threads)
+    st = parse_int_env("MTRAIN_NUM_THREADS", env.num_threads, 0, 1 << 16, &config->num_threads);
+  if (st == MTRAIN_SUCCESS && env.check_inputs)
+    st = parse_int_env("MTRAIN_CHECK_INPUTS", env.check_inputs, 0, 1, &config->check_inputs);
+  return st;
+}
+
+mtrain_status_t mtrain_config_validate(const mtrain_config_t *c) {
+  if (c->api_version != MTRAIN_API_VERSION)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "config.api_version is %d, this library is version %d (initialise the "
+                        "config with MTRAIN_CONFIG_INIT)",
+                        c->api_version, MTRAIN_API_VERSION);
+  if (!c->backend || !c->backend[0])
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.backend is empty");
+  if (c->granularity < 1 || c->granularity > (1 << 20))
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.granularity %d not in [1, 2^20]",
+                        c->granularity);
+  if (c->num_threads < 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.num_threads %d is negative",
+                        c->num_threads);
+  if (c->check_inputs != 0 && c->check_inputs != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.check_inputs %d is not 0 or 1",
+                        c->check_inputs);
+  if (!(c->softmax_scale >= 0.0) || c->softmax_scale > 1e30)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "config.softmax_scale %g must be finite and >= 0 (0 = 1/sqrt(d))",
+                        c->softmax_scale);
+  return MTRAIN_SUCCESS;
+}

@@ -1,0 +1,74 @@
+/* context.c: creation and destruction of a context: effective configuration,
+ * backend lookup and initialisation, the communicator binding. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "context_internal.h"
+#include "error.h"
+
+mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
+                                      mtrain_context_t **out) {
+  MTRAIN_CHECK_NOT_NULL(config);
+  MTRAIN_CHECK_NOT_NULL(out);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_context_t *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "context: out of memory");
+  ctx->config = *config;
+  MTRAIN_TRY(mtrain_config_validate(&ctx->config));
+  MTRAIN_TRY(mtrain_config_apply_env(&ctx->config));
+  MTRAIN_TRY(mtrain_config_validate(&ctx->config));
+  MTRAIN_FAIL_IF(strlen(ctx->config.backend) >= sizeof ctx->backend_name,
+                 MTRAIN_ERR_INVALID_CONFIG, "config.backend name too long");
+  strcpy(ctx->backend_name, ctx->config.backend);
+  ctx->config.backend = ctx->backend_name;
+  ctx->backend = mtrain_backend_find(ctx->backend_name);
+  if (!ctx->backend) {
+    const char *names[16];
+    int n = mtrain_backend_list(names, 16);
+    char list[256] = "";
+    for (int i = 0; i < n && i < 16; i++) {
+      strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
+      strncat(list, names[i], sizeof list - strlen(list) - 1);
+    }
+    st = mtrain_error(MTRAIN_ERR_BACKEND_NOT_FOUND,
+                      "backend '%s' is not compiled into this build (available: %s)",
+                      ctx->backend_name, list);
+    goto cleanup;
+  }
+  MTRAIN_TRY(ctx->backend->init(&ctx->config, &ctx->backend_state));
+  if (comm) {
+    MTRAIN_FAIL_IF(!comm->ops, MTRAIN_ERR_INVALID_ARGUMENT, "context: communicator has no table");
+    ctx->comm = comm;
+  } else {
+    MTRAIN_TRY(mtrain_comm_create_self(&ctx->own_comm));
+    ctx->comm = ctx->own_comm;
+  }
+  *out = ctx;
+  return MTRAIN_SUCCESS;
+cleanup:
+  mtrain_context_destroy(ctx);
+  return st;
+}
+
+void mtrain_context_destroy(mtrain_context_t *ctx) {
+  if (!ctx) return;
+  if (ctx->backend && ctx->backend_state) ctx->backend->fini(ctx->backend_state);
+  mtrain_comm_destroy(ctx->own_comm);
+  free(ctx);
+}
+
+const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx) {
+  return ctx ? &ctx->config : NULL;
+}
+
+const char *mtrain_context_backend_name(const mtrain_context_t *ctx) {
+  return ctx ? ctx->backend_name : "";
+}
+
+int mtrain_context_rank(const mtrain_context_t *ctx) {
+  return ctx && ctx->comm ? mtrain_comm_rank(ctx->comm) : 0;
+}
+
+int mtrain_context_world(const mtrain_context_t *ctx) {
+  return ctx && ctx->comm ? mtrain_comm_size(ctx->comm) : 1;
+}

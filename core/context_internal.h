@@ -1,0 +1,25 @@
+/* context_internal.h (private): the context, shared by the modules that
+ * dispatch to its backend and communicator. */
+#ifndef MTRAIN_CORE_CONTEXT_INTERNAL_H
+#define MTRAIN_CORE_CONTEXT_INTERNAL_H
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_backend.h"
+#include "mtrain/mtrain_comm.h"
+
+struct mtrain_context {
+  mtrain_config_t config;   /* effective config; config.backend points at backend_name */
+  char backend_name[64];
+  const mtrain_backend_ops_t *backend;
+  void *backend_state;
+  mtrain_comm_t *comm;      /* borrowed, or own_comm */
+  mtrain_comm_t *own_comm;  /* the self communicator when the caller gave none */
+};
+
+/** Applies MTRAIN_* environment overrides to a config (the environment is
+ *  read once per process). Fails naming the variable on a malformed value. */
+mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config);
+/** Validates a config (api_version, granularity, threads). */
+mtrain_status_t mtrain_config_validate(const mtrain_config_t *config);
+
+#endif /* MTRAIN_CORE_CONTEXT_INTERNAL_H */

@@ -1,0 +1,60 @@
+/* plan_internal.h (private): the plan's layout and the step builder, shared
+ * by the plan module, the attention driver and the property tests. */
+#ifndef MTRAIN_CORE_PLAN_INTERNAL_H
+#define MTRAIN_CORE_PLAN_INTERNAL_H
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_backend.h"
+
+/** The blocks one rank holds of one sequence: global block ids, strictly
+ *  increasing (a layout keeps each rank's blocks in global order), and the
+ *  number of local tokens (num_blocks * G for padded layouts; seq_len for the
+ *  single-rank identity layout, whose last block may be partial). */
+typedef struct mtrain_rank_blocks {
+  int32_t num_blocks;
+  const int64_t *global; /* [num_blocks] */
+  int64_t tokens;
+} mtrain_rank_blocks_t;
+
+/** The arrays behind one mtrain_step_head_t (owned). */
+typedef struct mtrain_step_head_store {
+  int32_t *run_off, *runs, *seg_off, *segs, *bars;
+  int32_t num_runs, num_segs, num_bars;
+  int64_t pairs; /* (i, j) pairs this step computes for this head */
+} mtrain_step_head_store_t;
+
+/** Builds one (step, head) entry: which key blocks and bars of the chunk
+ *  `k` the local query blocks `q` compute under head h of the pattern. */
+mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int32_t head,
+                                            const mtrain_rank_blocks_t *q,
+                                            const mtrain_rank_blocks_t *k,
+                                            mtrain_step_head_store_t *out);
+void mtrain_step_head_store_free(mtrain_step_head_store_t *s);
+/** The public view of a stored entry. */
+mtrain_step_head_t mtrain_step_head_view(const mtrain_step_head_store_t *s);
+
+typedef struct mtrain_plan_step {
+  int32_t src_rank;
+  mtrain_rank_blocks_t k;
+  mtrain_step_head_store_t *heads; /* [num_heads] */
+  mtrain_step_head_t *head_views;  /* [num_heads] */
+  mtrain_step_view_t view;
+} mtrain_plan_step_t;
+
+typedef struct mtrain_plan_seq {
+  mtrain_pattern_t *pattern; /* owned copy */
+  int64_t local_offset;      /* first local token of this sequence */
+  mtrain_rank_blocks_t q;
+  int64_t *q_global;         /* owned storage of q.global */
+  mtrain_plan_step_t *steps; /* [num_steps] */
+} mtrain_plan_seq_t;
+
+struct mtrain_plan {
+  int32_t num_seqs, num_steps, num_heads, granularity, rank;
+  int64_t local_tokens;
+  int64_t computed_pairs;
+  size_t bytes;
+  mtrain_plan_seq_t *seqs;
+};
+
+#endif /* MTRAIN_CORE_PLAN_INTERNAL_H */

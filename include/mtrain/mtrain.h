@@ -1,0 +1,290 @@
+/* mtrain.h: the public API of mtrain, distributed dynamic sparse attention.
+ *
+ * What is computed is SPEC.md (causal attention restricted to a vertical-slash
+ * pattern, forward and backward). This header holds status codes, data types,
+ * tensor descriptors, the configuration, the context, patterns, plans and the
+ * attention calls. File formats live in mtrain_io.h, the CPU oracle in
+ * mtrain_cpu.h, the backend and communicator tables in mtrain_backend.h and
+ * mtrain_comm.h.
+ *
+ * Conventions: every function returns an mtrain_status_t (0 = success,
+ * negative = error) and on error leaves a message naming the problem in a
+ * thread-local buffer (mtrain_last_error()). Output arguments come last and are
+ * written only on success. Every create has one destroy; destroy(NULL) is a
+ * no-op. Nothing here prints, exits or aborts.
+ */
+#ifndef MTRAIN_MTRAIN_H
+#define MTRAIN_MTRAIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MTRAIN_VERSION_MAJOR 0
+#define MTRAIN_VERSION_MINOR 1
+#define MTRAIN_VERSION_PATCH 0
+/** Version of the config struct and of the backend/communicator tables. */
+#define MTRAIN_API_VERSION 1
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* X-macro: name, value, description. One table gives the enum and the strings. */
+#define MTRAIN_STATUS_TABLE(X)                                                     \
+  X(MTRAIN_SUCCESS, 0, "success")                                                  \
+  X(MTRAIN_ERR_NULL_POINTER, -1, "a required pointer argument is NULL")            \
+  X(MTRAIN_ERR_INVALID_ARGUMENT, -2, "an argument has an invalid value")            \
+  X(MTRAIN_ERR_SHAPE_MISMATCH, -3, "tensor shapes do not agree")                   \
+  X(MTRAIN_ERR_HEAD_MISMATCH, -4, "head counts do not agree")                      \
+  X(MTRAIN_ERR_UNSUPPORTED_DTYPE, -5, "data type not supported here")              \
+  X(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, -6, "head dimension not supported")          \
+  X(MTRAIN_ERR_INVALID_PATTERN, -7, "invalid sparse pattern")                      \
+  X(MTRAIN_ERR_NONFINITE, -8, "NaN or Inf in an input tensor")                     \
+  X(MTRAIN_ERR_OUT_OF_MEMORY, -9, "out of memory")                                 \
+  X(MTRAIN_ERR_IO, -10, "file could not be opened, read or written")               \
+  X(MTRAIN_ERR_FORMAT, -11, "malformed file contents")                             \
+  X(MTRAIN_ERR_BACKEND_NOT_FOUND, -12, "no backend or communicator of that name")  \
+  X(MTRAIN_ERR_BACKEND, -13, "backend failure")                                    \
+  X(MTRAIN_ERR_COMM, -14, "communication failure")                                 \
+  X(MTRAIN_ERR_TIMEOUT, -15, "timed out waiting for a peer")                       \
+  X(MTRAIN_ERR_NOT_SUPPORTED, -16, "operation not supported by this build or backend") \
+  X(MTRAIN_ERR_INVALID_CONFIG, -17, "invalid configuration")                       \
+  X(MTRAIN_ERR_INVALID_BUDGET, -18, "invalid sparse budget")                       \
+  X(MTRAIN_ERR_INTERNAL, -19, "internal error (a bug in mtrain)")
+
+typedef enum mtrain_status {
+#define MTRAIN_STATUS_ENUM_(name, value, text) name = value,
+  MTRAIN_STATUS_TABLE(MTRAIN_STATUS_ENUM_)
+#undef MTRAIN_STATUS_ENUM_
+} mtrain_status_t;
+
+/** Short constant description of a status; "unknown status" for others. */
+const char *mtrain_status_string(mtrain_status_t status);
+/** Name of a status ("MTRAIN_ERR_SHAPE_MISMATCH"); "unknown" for others. */
+const char *mtrain_status_name(mtrain_status_t status);
+/** The detailed message of the last error raised on this thread (which
+ *  argument, which value). Valid until the next mtrain call on this thread;
+ *  "" when there was none. Thread-safe (thread-local storage). */
+const char *mtrain_last_error(void);
+/** Clears this thread's last-error message. */
+void mtrain_clear_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Data types and tensors                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef enum mtrain_dtype {
+  MTRAIN_F32 = 0,  /**< IEEE binary32 */
+  MTRAIN_BF16 = 1, /**< bfloat16 storage, fp32 arithmetic */
+  MTRAIN_F16 = 2,  /**< IEEE binary16 storage, fp32 arithmetic */
+  MTRAIN_F64 = 3,  /**< binary64: only the cpu-ref backend (the oracle) */
+} mtrain_dtype_t;
+
+/** Bytes per element; 0 for an unknown dtype. */
+size_t mtrain_dtype_size(mtrain_dtype_t dtype);
+/** "fp32", "bf16", "fp16", "fp64"; "unknown" otherwise. */
+const char *mtrain_dtype_name(mtrain_dtype_t dtype);
+/** Parses "fp32"/"f32"/"float32", "bf16"/"bfloat16", "fp16"/"f16"/"float16",
+ *  "fp64"/"f64"/"float64". */
+mtrain_status_t mtrain_dtype_parse(const char *name, mtrain_dtype_t *out);
+
+#define MTRAIN_MAX_DIMS 4
+
+/** A dense, contiguous, row-major (C order) tensor in caller-owned memory.
+ *  Attention tensors are token-major: q, o, dq, dout [tokens, Hq, d];
+ *  k, v, dk, dv [tokens, Hkv, d]; lse [tokens, Hq]. For the CPU backends
+ *  `data` is host memory; for the CUDA backend it is device memory. mtrain
+ *  never frees it. */
+typedef struct mtrain_tensor {
+  void *data;
+  mtrain_dtype_t dtype;
+  int32_t ndim;
+  int64_t shape[MTRAIN_MAX_DIMS];
+} mtrain_tensor_t;
+
+/** Convenience: a [tokens, heads, dim] descriptor. */
+mtrain_tensor_t mtrain_tensor_3d(void *data, mtrain_dtype_t dtype, int64_t tokens, int64_t heads,
+                                 int64_t dim);
+/** Convenience: a [tokens, heads] descriptor (for lse). */
+mtrain_tensor_t mtrain_tensor_2d(void *data, mtrain_dtype_t dtype, int64_t tokens, int64_t heads);
+/** Number of elements (product of the shape); 0 when ndim is out of range. */
+int64_t mtrain_tensor_numel(const mtrain_tensor_t *t);
+
+/** Host-side conversions between storage types (round to nearest even).
+ *  `src` and `dst` must not overlap. */
+mtrain_status_t mtrain_convert(const void *src, mtrain_dtype_t src_dtype, void *dst,
+                               mtrain_dtype_t dst_dtype, int64_t count);
+float mtrain_bf16_to_float(uint16_t x);
+uint16_t mtrain_float_to_bf16(float x);
+float mtrain_half_to_float(uint16_t x);
+uint16_t mtrain_float_to_half(float x);
+
+/* ------------------------------------------------------------------------ */
+/* Configuration and context                                                 */
+/* ------------------------------------------------------------------------ */
+
+/** Context configuration. Initialise with MTRAIN_CONFIG_INIT, then set fields.
+ *  mtrain_context_create applies MTRAIN_* environment overrides (read once per
+ *  process) on top: MTRAIN_BACKEND, MTRAIN_GRANULARITY, MTRAIN_NUM_THREADS,
+ *  MTRAIN_CHECK_INPUTS. */
+typedef struct mtrain_config {
+  int32_t api_version;      /**< must be MTRAIN_API_VERSION */
+  const char *backend;      /**< "cpu" (default), "cpu-ref", "cuda" */
+  int32_t granularity;      /**< block size G of patterns and plans (default 128) */
+  int32_t num_threads;      /**< CPU threads; 0 = OpenMP's default */
+  int32_t check_inputs;     /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
+  double softmax_scale;     /**< 0 = 1/sqrt(head_dim) */
+} mtrain_config_t;
+
+#define MTRAIN_CONFIG_INIT                                                    \
+  { MTRAIN_API_VERSION, "cpu", 128, 0, 0, 0.0 }
+
+typedef struct mtrain_context mtrain_context_t;
+typedef struct mtrain_comm mtrain_comm_t; /* see mtrain_comm.h */
+
+/** Creates a context: picks the backend by name from the registry and binds
+ *  the communicator. `comm` may be NULL for a single rank (the built-in "self"
+ *  communicator); otherwise the context borrows it (the caller destroys it
+ *  after the context). Collective when comm has several ranks: every rank
+ *  must call it. Not thread-safe with respect to the same context: one
+ *  context is used by one thread at a time. */
+mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
+                                      mtrain_context_t **out);
+/** Destroys a context and everything it owns. NULL is a no-op. */
+void mtrain_context_destroy(mtrain_context_t *ctx);
+/** The effective configuration (after environment overrides). */
+const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx);
+/** The name of the backend the context uses. */
+const char *mtrain_context_backend_name(const mtrain_context_t *ctx);
+/** Rank and world size of the context's communicator. */
+int mtrain_context_rank(const mtrain_context_t *ctx);
+int mtrain_context_world(const mtrain_context_t *ctx);
+
+/** Names of the compiled-in backends ("cpu-ref", "cpu", ...). Writes at most
+ *  `cap` pointers to static strings into names; returns the total count. */
+int mtrain_backend_list(const char **names, int cap);
+
+/* ------------------------------------------------------------------------ */
+/* Patterns (SPEC.md section 1)                                              */
+/* ------------------------------------------------------------------------ */
+
+/** A sparse pattern of one sequence: for each query head either
+ *  vertical-slash form (block diagonals D_h with diagonal 0 always present,
+ *  sorted vertical key positions V_h) or a generic block mask (a set of
+ *  (query block, key block) pairs with key block <= query block). */
+typedef struct mtrain_pattern mtrain_pattern_t;
+
+/** An empty pattern: every head has only diagonal 0 and no verticals.
+ *  seq_len >= 1, num_heads >= 1, granularity >= 1. */
+mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads, int32_t granularity,
+                                      mtrain_pattern_t **out);
+/** The dense causal pattern (all block diagonals 0..nb-1, no verticals). */
+mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads,
+                                            int32_t granularity, mtrain_pattern_t **out);
+void mtrain_pattern_destroy(mtrain_pattern_t *pattern);
+/** Deep copy. */
+mtrain_status_t mtrain_pattern_clone(const mtrain_pattern_t *pattern, mtrain_pattern_t **out);
+
+/** Sets head h to vertical-slash form. `diagonals` are block diagonals in
+ *  [0, nb) and `verticals` key positions in [0, seq_len); both strictly
+ *  increasing (else MTRAIN_ERR_INVALID_PATTERN naming head and index).
+ *  Diagonal 0 is added when absent. The arrays are copied. */
+mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *pattern, int32_t head,
+                                        const int32_t *diagonals, int32_t num_diagonals,
+                                        const int64_t *verticals, int32_t num_verticals);
+/** Sets head h to block-mask form: `mask` is nb*nb bytes, row-major
+ *  [query block][key block], nonzero = computed. Entries above the block
+ *  diagonal are rejected; the block diagonal is forced on. Copied. */
+mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *pattern, int32_t head,
+                                              const uint8_t *mask);
+
+int64_t mtrain_pattern_seq_len(const mtrain_pattern_t *pattern);
+int32_t mtrain_pattern_num_heads(const mtrain_pattern_t *pattern);
+int32_t mtrain_pattern_granularity(const mtrain_pattern_t *pattern);
+/** Number of G-blocks, ceil(seq_len / G). */
+int64_t mtrain_pattern_num_blocks(const mtrain_pattern_t *pattern);
+/** 1 when head h is in block-mask form. */
+int mtrain_pattern_head_is_block_mask(const mtrain_pattern_t *pattern, int32_t head);
+/** Borrowed views of head h's vertical-slash sets (valid until the pattern
+ *  changes). For a block-mask head both counts are 0. */
+mtrain_status_t mtrain_pattern_get_head(const mtrain_pattern_t *pattern, int32_t head,
+                                        const int32_t **diagonals, int32_t *num_diagonals,
+                                        const int64_t **verticals, int32_t *num_verticals);
+/** SPEC.md allowed(h, i, j): 1 if query i attends to key j under head h. */
+int mtrain_pattern_allowed(const mtrain_pattern_t *pattern, int32_t head, int64_t i, int64_t j);
+/** Number of allowed (i, j) pairs of head h (exact count). */
+int64_t mtrain_pattern_count_pairs(const mtrain_pattern_t *pattern, int32_t head);
+
+/* ------------------------------------------------------------------------ */
+/* Sequences and plans (SPEC.md section 4)                                   */
+/* ------------------------------------------------------------------------ */
+
+/** A batch of packed sequences (FlashAttention varlen convention): sequence
+ *  s holds global tokens [offsets[s], offsets[s+1]) of the packed tensors;
+ *  offsets[0] == 0 and offsets are strictly increasing. */
+typedef struct mtrain_seqs {
+  int32_t num_seqs;
+  const int64_t *offsets; /**< num_seqs + 1 entries */
+} mtrain_seqs_t;
+
+/** The plan: for this rank, every ring step and every head, the key blocks
+ *  (as runs of local key blocks) and the bar columns (as segments of the
+ *  chunk's vertical list) each local query block computes. Backend-agnostic
+ *  host data; immutable after creation; may be shared by threads. */
+typedef struct mtrain_plan mtrain_plan_t;
+
+/** Builds the plan of this context's rank for a packed batch: one pattern per
+ *  sequence (patterns[s]->seq_len must equal the sequence's length; all must
+ *  have the same head count and the context's granularity). With seqs == NULL
+ *  the batch is one sequence of patterns[0]->seq_len tokens. Single rank for
+ *  now: a context with more than one rank gets MTRAIN_ERR_NOT_SUPPORTED
+ *  until the distributed ring lands. The patterns are copied. */
+mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
+                                   const mtrain_pattern_t *const *patterns, mtrain_plan_t **out);
+void mtrain_plan_destroy(mtrain_plan_t *plan);
+/** Tokens of the whole batch held by this rank (the first dimension every
+ *  attention tensor must have). */
+int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan);
+int32_t mtrain_plan_num_heads(const mtrain_plan_t *plan);
+/** Number of ring steps (world size). */
+int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan);
+/** Number of (query, key) pairs the plan computes on this rank, summed over
+ *  heads and steps (what effective FLOP counts are based on). */
+int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan);
+/** Plan memory in bytes. */
+size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
+
+/* ------------------------------------------------------------------------ */
+/* Attention                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/** Sparse attention forward (SPEC.md section 1) over the plan.
+ *  q [T, Hq, d], k and v [T, Hkv, d] of one dtype; o [T, Hq, d] of the same
+ *  dtype; lse [T, Hq] fp32 (fp64 allowed with fp64 inputs). T is
+ *  mtrain_plan_local_tokens(plan), Hq the plan's head count, Hq % Hkv == 0.
+ *  Outputs are written fully and only on success. Collective over the
+ *  context's communicator. */
+mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                         const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                         const mtrain_tensor_t *v, mtrain_tensor_t *o,
+                                         mtrain_tensor_t *lse);
+
+/** Sparse attention backward: given the forward's inputs, its outputs o and
+ *  lse, and dout (shaped like o), writes dq (like q), dk and dv (like k).
+ *  Gradients of keys shared by a GQA group are summed over the group. */
+mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                          const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                          const mtrain_tensor_t *v, const mtrain_tensor_t *o,
+                                          const mtrain_tensor_t *lse, const mtrain_tensor_t *dout,
+                                          mtrain_tensor_t *dq, mtrain_tensor_t *dk,
+                                          mtrain_tensor_t *dv);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_MTRAIN_H */

@@ -1,0 +1,148 @@
+/* mtrain_backend.h: the backend table, for authors of backends.
+ *
+ * A backend is a const table of function pointers plus an opaque state. The
+ * core reaches it only through checked wrappers (core/backend.c); it never
+ * contains kernel math, and backends never contain schedule logic: a backend
+ * computes exactly the (query, key) pairs a plan step view lists.
+ *
+ * Memory passed to a backend is the backend's memory space (host for CPU
+ * backends, device for CUDA). "acc" buffers have the backend's accumulator
+ * dtype (fp32 for fast backends, fp64 for the cpu-ref oracle).
+ */
+#ifndef MTRAIN_BACKEND_H
+#define MTRAIN_BACKEND_H
+
+#include "mtrain.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** The plan of one ring step for one head (SPEC.md section 4), compact:
+ *  - key blocks of local query block qb: runs [runs[2r], runs[2r+1]) of local
+ *    key blocks of the chunk, r in [run_off[qb], run_off[qb+1]);
+ *  - bar columns of qb: bars[b] for b in [segs[2s], segs[2s+1]),
+ *    s in [seg_off[qb], seg_off[qb+1]); bars are local key positions of the
+ *    chunk, increasing. Segments of one query block are disjoint.
+ *  A key block whose global index equals the query block's global index is
+ *  the causal diagonal block: mask j > i there. Rows and columns whose global
+ *  position is >= seq_len (padding) never take part. */
+typedef struct mtrain_step_head {
+  const int32_t *run_off;
+  const int32_t *runs;
+  const int32_t *seg_off;
+  const int32_t *segs;
+  const int32_t *bars;
+  int32_t num_runs;
+  int32_t num_segs;
+  int32_t num_bars;
+} mtrain_step_head_t;
+
+/** One ring step of one sequence on this rank. */
+typedef struct mtrain_step_view {
+  int32_t step;       /**< ring step index */
+  int32_t src_rank;   /**< rank the K/V chunk in hand originated on */
+  int32_t granularity;
+  int32_t num_heads;  /**< query heads */
+  int64_t seq_len;    /**< global length N of the sequence */
+  int64_t q_tokens;   /**< local query tokens of this sequence on this rank */
+  int64_t k_tokens;   /**< tokens of the chunk in hand */
+  int32_t num_q_blocks;
+  int32_t num_k_blocks;
+  const int64_t *q_block_global; /**< [num_q_blocks] global block of each local q block */
+  const int64_t *k_block_global; /**< [num_k_blocks] global block of each chunk key block */
+  const mtrain_step_head_t *heads; /**< [num_heads] */
+} mtrain_step_view_t;
+
+/** Number of valid rows of local block lb of a side with `tokens` local
+ *  tokens whose global block is gb (padding and the partial tail excluded). */
+static inline int32_t mtrain_block_rows(int64_t tokens, int32_t granularity, int32_t lb, int64_t gb,
+                                        int64_t seq_len) {
+  int64_t local_left = tokens - (int64_t)lb * granularity;
+  int64_t global_left = seq_len - gb * granularity;
+  int64_t n = local_left < global_left ? local_left : global_left;
+  if (n > granularity) n = granularity;
+  return n < 0 ? 0 : (int32_t)n;
+}
+
+typedef struct mtrain_fwd_step_args {
+  const mtrain_step_view_t *view;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  double scale;
+  mtrain_dtype_t dtype; /**< storage dtype of q, k, v */
+  const void *q;        /**< [q_tokens, Hq, d] */
+  const void *k;        /**< [k_tokens, Hkv, d] */
+  const void *v;        /**< [k_tokens, Hkv, d] */
+  void *o_acc;          /**< [q_tokens, Hq, d] acc dtype, running output (normalised) */
+  void *lse_acc;        /**< [q_tokens, Hq] acc dtype, running LSE (-inf = no key yet) */
+} mtrain_fwd_step_args_t;
+
+typedef struct mtrain_bwd_step_args {
+  const mtrain_step_view_t *view;
+  int32_t num_kv_heads;
+  int32_t head_dim;
+  double scale;
+  mtrain_dtype_t dtype;  /**< storage dtype of q, k, v, dout */
+  const void *q;         /**< [q_tokens, Hq, d] */
+  const void *k;         /**< [k_tokens, Hkv, d] */
+  const void *v;         /**< [k_tokens, Hkv, d] */
+  const void *dout;      /**< [q_tokens, Hq, d] */
+  const void *lse_acc;   /**< [q_tokens, Hq] acc dtype: the final LSE */
+  const void *delta_acc; /**< [q_tokens, Hq] acc dtype: rowsum(dout * o) */
+  void *dq_acc;          /**< [q_tokens, Hq, d] acc dtype, accumulated */
+  void *dk_acc;          /**< [k_tokens, Hkv, d] acc dtype, accumulated (travels with the chunk) */
+  void *dv_acc;          /**< [k_tokens, Hkv, d] acc dtype, accumulated */
+} mtrain_bwd_step_args_t;
+
+/** The backend table. Slots marked optional may be NULL; the core reports
+ *  MTRAIN_ERR_NOT_SUPPORTED when one is needed. Every slot returns a status
+ *  and sets the last-error message on failure. */
+typedef struct mtrain_backend_ops {
+  int32_t api_version; /**< MTRAIN_API_VERSION */
+  const char *name;
+  mtrain_dtype_t acc_dtype; /**< dtype of running O/LSE and gradient accumulators */
+
+  mtrain_status_t (*init)(const mtrain_config_t *config, void **state);
+  void (*fini)(void *state);
+  /** MTRAIN_SUCCESS if q/k/v of `dtype` and this head_dim can be computed. */
+  mtrain_status_t (*supports)(void *state, mtrain_dtype_t dtype, int32_t head_dim);
+
+  /* memory */
+  mtrain_status_t (*alloc)(void *state, size_t bytes, void **ptr);
+  void (*free)(void *state, void *ptr);
+  mtrain_status_t (*memset_zero)(void *state, void *ptr, size_t bytes);
+  mtrain_status_t (*copy_to_host)(void *state, void *host_dst, const void *src, size_t bytes);
+  mtrain_status_t (*copy_from_host)(void *state, void *dst, const void *host_src, size_t bytes);
+  /** Element-wise dtype conversion within the backend's memory. */
+  mtrain_status_t (*convert)(void *state, const void *src, mtrain_dtype_t src_dtype, void *dst,
+                             mtrain_dtype_t dst_dtype, int64_t count);
+  /** *bad_index = index of the first NaN/Inf element, or -1. */
+  mtrain_status_t (*find_nonfinite)(void *state, const void *ptr, mtrain_dtype_t dtype,
+                                    int64_t count, int64_t *bad_index);
+
+  /* attention */
+  /** Sets o_acc to 0 and lse_acc to -inf for `rows` rows of Hq heads. */
+  mtrain_status_t (*attn_fwd_init)(void *state, void *o_acc, void *lse_acc, int64_t rows,
+                                   int32_t num_heads, int32_t head_dim);
+  /** Computes one step's listed pairs and merges them into o_acc/lse_acc. */
+  mtrain_status_t (*attn_fwd_step)(void *state, const mtrain_fwd_step_args_t *args);
+  /** delta_acc[i,h] = sum_d dout[i,h,:] * o[i,h,:] (o and dout of `dtype`). */
+  mtrain_status_t (*attn_bwd_prepare)(void *state, const void *o, const void *dout,
+                                      mtrain_dtype_t dtype, void *delta_acc, int64_t rows,
+                                      int32_t num_heads, int32_t head_dim);
+  /** Accumulates one step's contributions into dq_acc, dk_acc, dv_acc. */
+  mtrain_status_t (*attn_bwd_step)(void *state, const mtrain_bwd_step_args_t *args);
+
+  /** Waits for all work queued by this backend (no-op on the CPU). */
+  mtrain_status_t (*synchronize)(void *state);
+} mtrain_backend_ops_t;
+
+/** Finds a compiled-in backend by name; NULL if none. */
+const mtrain_backend_ops_t *mtrain_backend_find(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_BACKEND_H */

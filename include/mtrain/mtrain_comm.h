@@ -1,0 +1,63 @@
+/* mtrain_comm.h: the communicator table, for users who bring their own
+ * process groups and for authors of communicators.
+ *
+ * A communicator is a const table of operations plus an opaque state. The
+ * ring driver uses it for K/V and dK/dV transfers and for the small
+ * collectives of pattern estimation. Built in: "self" (one rank, no
+ * dependency). "mpi" and "nccl" come with the distributed issues.
+ */
+#ifndef MTRAIN_COMM_H
+#define MTRAIN_COMM_H
+
+#include "mtrain.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mtrain_comm_request mtrain_comm_request_t;
+
+typedef enum mtrain_reduce_op { MTRAIN_REDUCE_SUM = 0, MTRAIN_REDUCE_MAX = 1 } mtrain_reduce_op_t;
+
+typedef struct mtrain_comm_ops {
+  int32_t api_version; /**< MTRAIN_API_VERSION */
+  const char *name;
+  int (*rank)(void *state);
+  int (*size)(void *state);
+  /** Non-blocking point-to-point; buffers must stay valid until wait. */
+  mtrain_status_t (*isend)(void *state, const void *buf, size_t bytes, int peer, int tag,
+                           mtrain_comm_request_t **req);
+  mtrain_status_t (*irecv)(void *state, void *buf, size_t bytes, int peer, int tag,
+                           mtrain_comm_request_t **req);
+  /** Completes and frees a request; fails with MTRAIN_ERR_TIMEOUT naming the
+   *  peer after the communicator's timeout. */
+  mtrain_status_t (*wait)(void *state, mtrain_comm_request_t *req);
+  /** In-place all-reduce of `count` fp32 or fp64 elements. */
+  mtrain_status_t (*allreduce)(void *state, void *buf, int64_t count, mtrain_dtype_t dtype,
+                               mtrain_reduce_op_t op);
+  /** Gathers `bytes` from every rank into recv (size * bytes, rank order). */
+  mtrain_status_t (*allgather)(void *state, const void *send, void *recv, size_t bytes);
+  mtrain_status_t (*barrier)(void *state);
+  /** Ends the job's communication after an unrecoverable error. */
+  void (*abort)(void *state, int code);
+  void (*destroy)(void *state);
+} mtrain_comm_ops_t;
+
+/** A communicator: a table plus its state. Owned by whoever created it. */
+struct mtrain_comm {
+  const mtrain_comm_ops_t *ops;
+  void *state;
+};
+
+/** Creates the single-rank communicator. */
+mtrain_status_t mtrain_comm_create_self(mtrain_comm_t **out);
+/** Destroys a communicator created by mtrain. NULL is a no-op. */
+void mtrain_comm_destroy(mtrain_comm_t *comm);
+int mtrain_comm_rank(const mtrain_comm_t *comm);
+int mtrain_comm_size(const mtrain_comm_t *comm);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_COMM_H */

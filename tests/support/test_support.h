@@ -1,0 +1,99 @@
+/* test_support.h: helpers shared by the tests: a seeded random generator,
+ * buffers with guard bytes, error measures, random and real-budget patterns,
+ * and a message-checking assertion. Not part of the library. */
+#ifndef MTRAIN_TEST_SUPPORT_H
+#define MTRAIN_TEST_SUPPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mtrain/mtrain.h"
+
+/* ---- random numbers (splitmix64; reproducible from a seed) ---- */
+typedef struct ts_rng {
+  uint64_t state;
+} ts_rng_t;
+
+void ts_rng_seed(ts_rng_t *rng, uint64_t seed);
+uint64_t ts_rng_u64(ts_rng_t *rng);
+/** Uniform in [0, 1). */
+double ts_rng_uniform(ts_rng_t *rng);
+/** Standard normal. */
+double ts_rng_normal(ts_rng_t *rng);
+/** Uniform integer in [0, n). */
+int64_t ts_rng_below(ts_rng_t *rng, int64_t n);
+
+/* ---- buffers with guard bytes ---- */
+#define TS_GUARD_BYTES 64
+#define TS_GUARD_VALUE 0xA5
+
+/** A malloc'ed buffer of `bytes` with TS_GUARD_BYTES guard bytes before and
+ *  after, set to TS_GUARD_VALUE. */
+typedef struct ts_buf {
+  unsigned char *base;
+  void *data;
+  size_t bytes;
+} ts_buf_t;
+
+ts_buf_t ts_buf_alloc(size_t bytes);
+void ts_buf_free(ts_buf_t *b);
+/** 1 when both guards are intact. */
+int ts_buf_guards_ok(const ts_buf_t *b);
+
+/** Fills `count` elements of `dtype` with normal values * scale (rounded to
+ *  the dtype) and also writes the exact stored values as doubles into
+ *  `as_double` when not NULL. */
+void ts_fill_normal(ts_rng_t *rng, void *data, mtrain_dtype_t dtype, int64_t count, double scale,
+                    double *as_double);
+/** Widens any dtype buffer to a new malloc'ed double array. */
+double *ts_to_double(const void *data, mtrain_dtype_t dtype, int64_t count);
+
+/** max |a - b| over count doubles; NaN anywhere gives +inf. */
+double ts_max_abs_diff(const double *a, const double *b, int64_t count);
+/** max |a| over count doubles. */
+double ts_max_abs(const double *a, int64_t count);
+/** 1 if any element is NaN or Inf. */
+int ts_has_nonfinite(const double *a, int64_t count);
+
+/* ---- patterns ---- */
+typedef enum ts_pattern_kind {
+  TS_PATTERN_DENSE,
+  TS_PATTERN_DIAGONAL_ONLY,
+  TS_PATTERN_RANDOM_SPARSE, /* random diagonals and verticals */
+  TS_PATTERN_BLOCK_MASK,    /* random generic block mask */
+  TS_PATTERN_BUDGETS,       /* from a real budget file (see ts_pattern_from_budgets) */
+} ts_pattern_kind_t;
+
+const char *ts_pattern_kind_name(ts_pattern_kind_t kind);
+
+/** A random pattern of the given kind (TS_PATTERN_BUDGETS uses the Qwen2.5-3B
+ *  static budgets, layer picked by the seed). Aborts the test on failure. */
+mtrain_pattern_t *ts_make_pattern(ts_pattern_kind_t kind, int64_t seq_len, int32_t num_heads,
+                                  int32_t granularity, uint64_t seed);
+
+/** A vertical-slash pattern from a MInference budget file (static top-k
+ *  entries): for each head, v_size verticals and s_size token slashes,
+ *  scaled by seq_len / budget_context and clamped to what fits, placed by a
+ *  simple position model (30 sinks and the first 100 token diagonals first,
+ *  the rest at seeded random positions), token diagonals converted to block
+ *  diagonals as SPEC.md section 2 says. Heads beyond the file's are taken
+ *  modulo its head count. Returns NULL (and prints why) on failure. */
+mtrain_pattern_t *ts_pattern_from_budgets(const char *path, int32_t layer, int64_t seq_len,
+                                          int32_t num_heads, int32_t granularity,
+                                          int64_t budget_context, uint64_t seed);
+
+/** Path of a file in the budget-data folder (static buffer). */
+const char *ts_data_path(const char *file);
+
+/* ---- assertions ---- */
+/** Fails the cmocka test unless `st` == `want` and the last error message
+ *  contains `needle` (when not NULL); prints both on failure. */
+#define TS_ASSERT_STATUS(st, want, needle)                                                         \
+  ts_assert_status((st), (want), (needle), __FILE__, __LINE__)
+void ts_assert_status(mtrain_status_t st, mtrain_status_t want, const char *needle,
+                      const char *file, int line);
+
+/** Seed for a test case, from MTRAIN_TEST_SEED or the given default. */
+uint64_t ts_seed(uint64_t default_seed);
+
+#endif /* MTRAIN_TEST_SUPPORT_H */
