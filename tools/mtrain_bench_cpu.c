@@ -1,0 +1,269 @@
+/* mtrain_bench_cpu.c: benchmark of the "cpu" backend. Measures, in one run
+ * on one machine, the effective GFLOP/s (SPEC.md section 6) of the sparse
+ * attention forward and backward for a dense and a vertical-slash pattern,
+ * next to the OpenBLAS sgemm rate on the same tile shapes the backend uses
+ * (G x tile x d scores and G x d x tile outputs), run with the same threads
+ * the same way (one single-threaded sgemm per OpenMP thread). Progress goes
+ * to stderr; the table (or --json) to stdout. */
+#include <cblas.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cpu/cpu_fast_common.h"
+#include "mtrain/mtrain.h"
+#include "tool_common.h"
+
+char *openblas_get_corename(void);
+void openblas_set_num_threads(int num_threads);
+
+static const char *prog = "mtrain-bench-cpu";
+
+typedef struct bench_opts {
+  int64_t seq_len;
+  int32_t heads, kv_heads, head_dim, granularity, repeat, threads;
+  double density; /* share of block diagonals kept by the sparse pattern */
+  int json;
+} bench_opts_t;
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* sgemm GFLOP/s on the backend's two tile shapes and operand strides (q rows
+ * strided by Hq*d, k rows by Hkv*d, as in [tokens, heads, d] tensors), all
+ * threads at once. */
+static double sgemm_rate(int threads, int G, int d, int tile, int hq, int hkv, int repeat) {
+  const int ldq = hq * d, ldk = hkv * d;
+  const int iters = 200;
+  double *runs = malloc(sizeof(double) * (size_t)repeat);
+  openblas_set_num_threads(1);
+  for (int r = 0; r < repeat; r++) {
+    double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(threads)
+    {
+      float *q = malloc(sizeof(float) * (size_t)G * ldq), *k = malloc(sizeof(float) * (size_t)tile * ldk);
+      float *s = malloc(sizeof(float) * (size_t)G * tile), *o = malloc(sizeof(float) * (size_t)G * d);
+      for (int i = 0; i < G * ldq; i++) q[i] = (float)((i % 7) - 3) * 0.1f;
+      for (int i = 0; i < tile * ldk; i++) k[i] = (float)((i % 5) - 2) * 0.1f;
+      for (int i = 0; i < G * tile; i++) s[i] = 0.01f * (float)(i % 3);
+#pragma omp barrier
+#pragma omp master
+      t0 = tool_now();
+#pragma omp barrier
+      for (int it = 0; it < iters; it++) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, G, tile, d, 1.0f, q, ldq, k, ldk, 0.0f,
+                    s, tile);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, G, d, tile, 1.0f, s, tile, k, ldk,
+                    1.0f, o, d);
+      }
+#pragma omp barrier
+#pragma omp master
+      t1 = tool_now();
+      free(q);
+      free(k);
+      free(s);
+      free(o);
+    }
+    runs[r] = 4.0 * G * tile * d * iters * threads / (t1 - t0) * 1e-9;
+  }
+  qsort(runs, (size_t)repeat, sizeof *runs, cmp_double);
+  double rate = runs[repeat / 2];
+  free(runs);
+  return rate;
+}
+
+typedef struct bench_result {
+  const char *pattern;
+  double sparsity, fwd_s, bwd_s, fwd_gflops, bwd_gflops;
+  long long pairs;
+} bench_result_t;
+
+static mtrain_pattern_t *sparse_pattern(const bench_opts_t *o) {
+  mtrain_pattern_t *p = NULL;
+  if (tool_failed(prog, "pattern", mtrain_pattern_create(o->seq_len, o->heads, o->granularity, &p)))
+    return NULL;
+  const int64_t nb = (o->seq_len + o->granularity - 1) / o->granularity;
+  int32_t *diags = malloc(sizeof(int32_t) * (size_t)nb);
+  int64_t *verts = malloc(sizeof(int64_t) * 1024);
+  uint64_t x = 12345;
+  for (int32_t h = 0; h < o->heads; h++) {
+    int32_t nd = 0, nv = 0;
+    for (int64_t t = 0; t < nb; t++) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      if (t < 2 || (double)(x >> 11) * 0x1.0p-53 < o->density) diags[nd++] = (int32_t)t;
+    }
+    for (int64_t j = 0; j < o->seq_len && nv < 1024; j += o->seq_len / 512 + 1) verts[nv++] = j;
+    if (tool_failed(prog, "pattern", mtrain_pattern_set_head(p, h, diags, nd, verts, nv))) break;
+  }
+  free(diags);
+  free(verts);
+  return p;
+}
+
+static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pattern_t *p,
+                         const char *name, bench_result_t *r) {
+  const int64_t N = o->seq_len;
+  const size_t nq = (size_t)(N * o->heads * o->head_dim), nk = (size_t)(N * o->kv_heads * o->head_dim);
+  float *buf = malloc(sizeof(float) * (4 * nq + 4 * nk + (size_t)(N * o->heads)));
+  if (!buf) return 1;
+  float *q = buf, *dout = q + nq, *out = dout + nq, *dq = out + nq, *k = dq + nq, *v = k + nk,
+        *dk = v + nk, *dv = dk + nk, *lse = dv + nk;
+  uint64_t x = 99;
+  for (size_t i = 0; i < 2 * nq; i++) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    q[i] = (float)((double)(x >> 11) * 0x1.0p-53 - 0.5) * 2.0f;
+  }
+  for (size_t i = 0; i < 2 * nk; i++) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    k[i] = (float)((double)(x >> 11) * 0x1.0p-53 - 0.5) * 2.0f;
+  }
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, o->heads, o->head_dim);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, N, o->kv_heads, o->head_dim);
+  mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_F32, N, o->kv_heads, o->head_dim);
+  mtrain_tensor_t to = mtrain_tensor_3d(out, MTRAIN_F32, N, o->heads, o->head_dim);
+  mtrain_tensor_t tdo = mtrain_tensor_3d(dout, MTRAIN_F32, N, o->heads, o->head_dim);
+  mtrain_tensor_t tdq = mtrain_tensor_3d(dq, MTRAIN_F32, N, o->heads, o->head_dim);
+  mtrain_tensor_t tdk = mtrain_tensor_3d(dk, MTRAIN_F32, N, o->kv_heads, o->head_dim);
+  mtrain_tensor_t tdv = mtrain_tensor_3d(dv, MTRAIN_F32, N, o->kv_heads, o->head_dim);
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, o->heads);
+  mtrain_plan_t *plan = NULL;
+  const mtrain_pattern_t *pats[1] = {p};
+  int rc = tool_failed(prog, "plan", mtrain_plan_create(ctx, NULL, pats, &plan));
+  double *tf = calloc((size_t)o->repeat + 1, sizeof *tf), *tb = calloc((size_t)o->repeat + 1, sizeof *tb);
+  for (int i = 0; i <= o->repeat && !rc; i++) { /* run 0 warms up */
+    fprintf(stderr, "%s: %s run %d/%d\n", prog, name, i, o->repeat);
+    double t0 = tool_now();
+    rc = tool_failed(prog, "forward", mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
+    double t1 = tool_now();
+    if (!rc)
+      rc = tool_failed(prog, "backward", mtrain_attention_backward(ctx, plan, &tq, &tk, &tv, &to,
+                                                                   &tl, &tdo, &tdq, &tdk, &tdv));
+    tf[i] = t1 - t0;
+    tb[i] = tool_now() - t1;
+  }
+  if (!rc) {
+    qsort(tf + 1, (size_t)o->repeat, sizeof *tf, cmp_double);
+    qsort(tb + 1, (size_t)o->repeat, sizeof *tb, cmp_double);
+    r->pattern = name;
+    r->pairs = mtrain_plan_computed_pairs(plan);
+    r->sparsity = 1.0 - (double)r->pairs / ((double)o->heads * N * (N + 1) / 2);
+    r->fwd_s = tf[1 + o->repeat / 2];
+    r->bwd_s = tb[1 + o->repeat / 2];
+    r->fwd_gflops = tool_fwd_flops(r->pairs, o->head_dim) / r->fwd_s * 1e-9;
+    r->bwd_gflops = 2.5 * tool_fwd_flops(r->pairs, o->head_dim) / r->bwd_s * 1e-9;
+  }
+  free(tf);
+  free(tb);
+  mtrain_plan_destroy(plan);
+  free(buf);
+  return rc;
+}
+
+static int parse(int argc, char **argv, bench_opts_t *o) {
+  *o = (bench_opts_t){8192, 16, 2, 128, 128, 5, 0, 0.1, 0};
+  static const struct option longs[] = {{"seq-len", required_argument, 0, 'N'},
+                                        {"heads", required_argument, 0, 'H'},
+                                        {"kv-heads", required_argument, 0, 'K'},
+                                        {"head-dim", required_argument, 0, 'D'},
+                                        {"granularity", required_argument, 0, 'G'},
+                                        {"repeat", required_argument, 0, 'r'},
+                                        {"threads", required_argument, 0, 'T'},
+                                        {"density", required_argument, 0, 'd'},
+                                        {"json", no_argument, 0, 'j'},
+                                        {0, 0, 0, 0}};
+  int c;
+  opterr = 0;
+  while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+    char *end = NULL;
+    double val = optarg ? strtod(optarg, &end) : 0;
+    if (optarg && (end == optarg || *end || !(val > 0))) {
+      fprintf(stderr, "%s: bad value '%s' for --%s\n", prog, optarg, argv[optind - 1] + 2);
+      return 1;
+    }
+    switch (c) {
+    case 'N': o->seq_len = (int64_t)val; break;
+    case 'H': o->heads = (int32_t)val; break;
+    case 'K': o->kv_heads = (int32_t)val; break;
+    case 'D': o->head_dim = (int32_t)val; break;
+    case 'G': o->granularity = (int32_t)val; break;
+    case 'r': o->repeat = (int32_t)val; break;
+    case 'T': o->threads = (int32_t)val; break;
+    case 'd': o->density = val; break;
+    case 'j': o->json = 1; break;
+    default:
+      fprintf(stderr, "usage: %s [--seq-len N] [--heads H] [--kv-heads H] [--head-dim D] "
+                      "[--granularity G] [--density F] [--repeat R] [--threads T] [--json]\n",
+              prog);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  bench_opts_t o;
+  if (parse(argc, argv, &o)) return 2;
+  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = o.granularity;
+  cfg.num_threads = threads;
+  mtrain_context_t *ctx = NULL;
+  if (tool_failed(prog, "context", mtrain_context_create(&cfg, NULL, &ctx))) return 1;
+  fprintf(stderr, "%s: sgemm on the tile shapes\n", prog);
+  const double sgemm = sgemm_rate(threads, o.granularity, o.head_dim, MTRAIN_CPU_TILE, o.heads, o.kv_heads, 5);
+  bench_result_t res[2];
+  mtrain_pattern_t *dense = NULL, *sparse = sparse_pattern(&o);
+  int rc = sparse == NULL ||
+           tool_failed(prog, "pattern", mtrain_pattern_create_dense(o.seq_len, o.heads,
+                                                                    o.granularity, &dense));
+  if (!rc) rc = bench_pattern(&o, ctx, dense, "dense", &res[0]);
+  if (!rc) rc = bench_pattern(&o, ctx, sparse, "vertical-slash", &res[1]);
+  if (!rc && o.json) {
+    json_t *j = json_object(), *arr = json_array();
+    json_object_set_new(j, "openblas_core", json_string(openblas_get_corename()));
+    json_object_set_new(j, "threads", json_integer(threads));
+    json_object_set_new(j, "seq_len", json_integer(o.seq_len));
+    json_object_set_new(j, "head_dim", json_integer(o.head_dim));
+    json_object_set_new(j, "granularity", json_integer(o.granularity));
+    json_object_set_new(j, "sgemm_gflops", json_real(sgemm));
+    for (int i = 0; i < 2; i++) {
+      json_t *e = json_object();
+      json_object_set_new(e, "pattern", json_string(res[i].pattern));
+      json_object_set_new(e, "sparsity", json_real(res[i].sparsity));
+      json_object_set_new(e, "forward_seconds", json_real(res[i].fwd_s));
+      json_object_set_new(e, "backward_seconds", json_real(res[i].bwd_s));
+      json_object_set_new(e, "forward_gflops", json_real(res[i].fwd_gflops));
+      json_object_set_new(e, "backward_gflops", json_real(res[i].bwd_gflops));
+      json_object_set_new(e, "forward_share_of_sgemm", json_real(res[i].fwd_gflops / sgemm));
+      json_object_set_new(e, "backward_share_of_sgemm", json_real(res[i].bwd_gflops / sgemm));
+      json_array_append_new(arr, e);
+    }
+    json_object_set_new(j, "results", arr);
+    char *s = json_dumps(j, JSON_INDENT(2) | JSON_REAL_PRECISION(5));
+    puts(s);
+    free(s);
+    json_decref(j);
+  } else if (!rc) {
+    printf("cpu backend, N=%lld Hq=%d Hkv=%d d=%d G=%d, %d threads, OpenBLAS core %s\n",
+           (long long)o.seq_len, o.heads, o.kv_heads, o.head_dim, o.granularity, threads,
+           openblas_get_corename());
+    printf("sgemm on the tile shapes (%dx%dx%d + %dx%dx%d): %.1f GFLOP/s\n", o.granularity,
+           MTRAIN_CPU_TILE, o.head_dim, o.granularity, o.head_dim, MTRAIN_CPU_TILE, sgemm);
+    printf("%-15s %9s %11s %11s %9s %11s %9s\n", "pattern", "sparsity", "fwd ms", "fwd GF/s",
+           "of sgemm", "bwd GF/s", "of sgemm");
+    for (int i = 0; i < 2; i++)
+      printf("%-15s %8.1f%% %11.1f %11.1f %8.0f%% %11.1f %8.0f%%\n", res[i].pattern,
+             100 * res[i].sparsity, 1e3 * res[i].fwd_s, res[i].fwd_gflops,
+             100 * res[i].fwd_gflops / sgemm, res[i].bwd_gflops, 100 * res[i].bwd_gflops / sgemm);
+  }
+  mtrain_pattern_destroy(dense);
+  mtrain_pattern_destroy(sparse);
+  mtrain_context_destroy(ctx);
+  return rc;
+}

@@ -1,0 +1,267 @@
+/* mtrain_run.c: the main job, single-rank form: sparse attention forward and
+ * backward on generated or .npy inputs with a fixed or dense pattern, timed,
+ * optionally checked against the fp64 reference and written out, with a text
+ * or JSON report. (The multi-rank form under mpiexec comes with the
+ * distributed ring.) */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_io.h"
+#include "run_inputs.h"
+#include "run_options.h"
+#include "tool_common.h"
+
+static const char *prog = "mtrain-run";
+
+typedef struct run_result {
+  double t_plan, t_fwd, t_bwd, t_check;
+  long long pairs, dense_pairs;
+  size_t plan_bytes;
+  int checked, check_ok;
+  double err[5], ref_max[5], bound[5]; /* O, LSE, dQ, dK, dV */
+} run_result_t;
+
+static const char *const tensor_names[5] = {"o", "lse", "dq", "dk", "dv"};
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Loads the pattern file or builds the dense one, agreeing with the inputs. */
+static int make_pattern(const run_options_t *o, const run_inputs_t *in, mtrain_pattern_t **out) {
+  if (!o->pattern_path)
+    return tool_failed(prog, "dense pattern",
+                       mtrain_pattern_create_dense(in->tokens, in->heads, o->granularity, out));
+  if (tool_failed(prog, o->pattern_path, mtrain_pattern_read_json(o->pattern_path, out))) return 1;
+  const char *problem = NULL;
+  if (mtrain_pattern_seq_len(*out) != in->tokens)
+    problem = "its seq_len differs from the inputs' token count";
+  else if (mtrain_pattern_num_heads(*out) != in->heads)
+    problem = "its head count differs from the inputs' query heads";
+  else if (mtrain_pattern_granularity(*out) != o->granularity)
+    problem = "its granularity differs from --granularity";
+  if (!problem) return 0;
+  fprintf(stderr, "%s: %s: %s (pattern: N=%lld heads=%d G=%d; inputs: N=%lld heads=%d G=%d)\n",
+          prog, o->pattern_path, problem, (long long)mtrain_pattern_seq_len(*out),
+          mtrain_pattern_num_heads(*out), mtrain_pattern_granularity(*out),
+          (long long)in->tokens, in->heads, o->granularity);
+  mtrain_pattern_destroy(*out);
+  *out = NULL;
+  return 1;
+}
+
+static int make_context(const char *backend, const run_options_t *o, mtrain_context_t **ctx) {
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = backend;
+  cfg.granularity = o->granularity;
+  cfg.num_threads = o->threads;
+  cfg.check_inputs = 1;
+  return tool_failed(prog, "creating the context", mtrain_context_create(&cfg, NULL, ctx));
+}
+
+/* Forward (and backward) on one context with tensors of in->dtype. */
+static int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_inputs_t *in,
+                         run_outputs_t *out, const run_options_t *o, run_result_t *r) {
+  double *tf = calloc((size_t)o->repeat, sizeof *tf), *tb = calloc((size_t)o->repeat, sizeof *tb);
+  int rc = 0;
+  for (int i = 0; i < o->repeat && !rc; i++) {
+    double t0 = tool_now();
+    rc = tool_failed(prog, "forward",
+                     mtrain_attention_forward(ctx, plan, &in->q, &in->k, &in->v, &out->o,
+                                              &out->lse));
+    tf[i] = tool_now() - t0;
+    if (rc || o->forward_only) continue;
+    t0 = tool_now();
+    rc = tool_failed(prog, "backward",
+                     mtrain_attention_backward(ctx, plan, &in->q, &in->k, &in->v, &out->o,
+                                               &out->lse, &in->dout, &out->dq, &out->dk,
+                                               &out->dv));
+    tb[i] = tool_now() - t0;
+  }
+  if (!rc) {
+    r->t_fwd = median(tf, o->repeat);
+    r->t_bwd = o->forward_only ? 0.0 : median(tb, o->repeat);
+  }
+  free(tf);
+  free(tb);
+  return rc;
+}
+
+/* Runs cpu-ref in fp64 on the same (rounded) inputs and compares. */
+static int check_against_reference(const run_options_t *o, const mtrain_pattern_t *pattern,
+                                   run_inputs_t *in, run_outputs_t *out, run_result_t *r) {
+  double t0 = tool_now();
+  mtrain_context_t *ref = NULL;
+  mtrain_plan_t *plan = NULL;
+  run_inputs_t in64 = {0};
+  run_outputs_t out64 = {0};
+  int rc = make_context("cpu-ref", o, &ref);
+  const mtrain_pattern_t *pats[1] = {pattern};
+  if (!rc) rc = tool_failed(prog, "reference plan", mtrain_plan_create(ref, NULL, pats, &plan));
+  if (!rc) rc = run_inputs_widen(in, &in64);
+  if (!rc) rc = run_outputs_alloc(&in64, MTRAIN_F64, &out64);
+  run_options_t once = *o;
+  once.repeat = 1;
+  run_result_t scratch = {0};
+  if (!rc) rc = run_attention(ref, plan, &in64, &out64, &once, &scratch);
+  if (!rc) {
+    /* fp32: SPEC.md 1e-4 of max|ref|; bf16/fp16: 4 unit roundoffs of the
+     * storage type (docs/USAGE.md; the unit tests apply the stricter
+     * FlashAttention rule). */
+    const double rel = in->q.dtype == MTRAIN_BF16  ? 4 * 0x1p-8
+                       : in->q.dtype == MTRAIN_F16 ? 4 * 0x1p-11
+                                                   : 1e-4;
+    r->check_ok = 1;
+    const int n = o->forward_only ? 2 : 5;
+    for (int t = 0; t < n; t++) {
+      run_compare(run_outputs_get(out, t), run_outputs_get(&out64, t), &r->err[t],
+                  &r->ref_max[t]);
+      r->bound[t] = rel * r->ref_max[t];
+      if (!(r->err[t] <= r->bound[t])) r->check_ok = 0;
+    }
+    r->checked = 1;
+  }
+  run_outputs_free(&out64);
+  run_inputs_free(&in64);
+  mtrain_plan_destroy(plan);
+  mtrain_context_destroy(ref);
+  r->t_check = tool_now() - t0;
+  return rc;
+}
+
+static int write_outputs(const run_options_t *o, const run_outputs_t *out,
+                         const mtrain_pattern_t *pattern) {
+  if (mkdir(o->out_dir, 0755) != 0 && errno != EEXIST) {
+    fprintf(stderr, "%s: cannot create --out directory '%s': %s\n", prog, o->out_dir,
+            strerror(errno));
+    return 1;
+  }
+  char path[4096];
+  const int n = o->forward_only ? 2 : 5;
+  for (int t = 0; t < n; t++) {
+    snprintf(path, sizeof path, "%s/%s.npy", o->out_dir, tensor_names[t]);
+    if (tool_failed(prog, path, run_write_f32(path, run_outputs_get(out, t)))) return 1;
+  }
+  snprintf(path, sizeof path, "%s/pattern.json", o->out_dir);
+  return tool_failed(prog, path, mtrain_pattern_write_json(path, pattern));
+}
+
+static void report_text(const run_options_t *o, const run_inputs_t *in, const run_result_t *r) {
+  const double fwd_flops = tool_fwd_flops(r->pairs, in->head_dim);
+  printf("mtrain-run: backend %s, dtype %s, 1 rank\n", o->backend, mtrain_dtype_name(in->q.dtype));
+  printf("  shape      N=%lld Hq=%d Hkv=%d d=%d G=%d\n", (long long)in->tokens, in->heads,
+         in->kv_heads, in->head_dim, o->granularity);
+  printf("  pattern    %s: %lld of %lld causal pairs computed, sparsity %.2f%%\n",
+         o->pattern_path ? o->pattern_path : "dense causal", r->pairs, r->dense_pairs,
+         100.0 * (1.0 - (double)r->pairs / (double)r->dense_pairs));
+  printf("  plan       %.3f ms, %.1f KiB\n", 1e3 * r->t_plan, (double)r->plan_bytes / 1024.0);
+  printf("  forward    %.3f ms, %.2f effective GFLOP/s\n", 1e3 * r->t_fwd,
+         fwd_flops / r->t_fwd * 1e-9);
+  if (!o->forward_only)
+    printf("  backward   %.3f ms, %.2f effective GFLOP/s\n", 1e3 * r->t_bwd,
+           2.5 * fwd_flops / r->t_bwd * 1e-9);
+  if (r->checked) {
+    printf("  check      against cpu-ref (fp64), %.3f s: %s\n", r->t_check,
+           r->check_ok ? "PASS" : "FAIL");
+    for (int t = 0; t < (o->forward_only ? 2 : 5); t++)
+      printf("    %-4s max|err| %.3e  bound %.3e  (max|ref| %.3e)%s\n", tensor_names[t], r->err[t],
+             r->bound[t], r->ref_max[t], r->err[t] <= r->bound[t] ? "" : "  <-- FAIL");
+  }
+}
+
+static void report_json(const run_options_t *o, const run_inputs_t *in, const run_result_t *r) {
+  const double fwd_flops = tool_fwd_flops(r->pairs, in->head_dim);
+  json_t *j = json_object();
+  json_object_set_new(j, "backend", json_string(o->backend));
+  json_object_set_new(j, "dtype", json_string(mtrain_dtype_name(in->q.dtype)));
+  json_object_set_new(j, "world", json_integer(1));
+  json_object_set_new(j, "seq_len", json_integer(in->tokens));
+  json_object_set_new(j, "heads", json_integer(in->heads));
+  json_object_set_new(j, "kv_heads", json_integer(in->kv_heads));
+  json_object_set_new(j, "head_dim", json_integer(in->head_dim));
+  json_object_set_new(j, "granularity", json_integer(o->granularity));
+  json_object_set_new(j, "pattern", json_string(o->pattern_path ? o->pattern_path : "dense"));
+  json_object_set_new(j, "computed_pairs", json_integer(r->pairs));
+  json_object_set_new(j, "dense_pairs", json_integer(r->dense_pairs));
+  json_object_set_new(j, "sparsity", json_real(1.0 - (double)r->pairs / (double)r->dense_pairs));
+  json_object_set_new(j, "plan_seconds", json_real(r->t_plan));
+  json_object_set_new(j, "plan_bytes", json_integer((json_int_t)r->plan_bytes));
+  json_object_set_new(j, "forward_seconds", json_real(r->t_fwd));
+  json_object_set_new(j, "forward_gflops", json_real(fwd_flops / r->t_fwd * 1e-9));
+  if (!o->forward_only) {
+    json_object_set_new(j, "backward_seconds", json_real(r->t_bwd));
+    json_object_set_new(j, "backward_gflops", json_real(2.5 * fwd_flops / r->t_bwd * 1e-9));
+  }
+  if (r->checked) {
+    json_t *c = json_object();
+    json_object_set_new(c, "passed", json_boolean(r->check_ok));
+    json_object_set_new(c, "seconds", json_real(r->t_check));
+    for (int t = 0; t < (o->forward_only ? 2 : 5); t++) {
+      json_t *e = json_object();
+      json_object_set_new(e, "max_abs_error", json_real(r->err[t]));
+      json_object_set_new(e, "bound", json_real(r->bound[t]));
+      json_object_set_new(e, "max_abs_reference", json_real(r->ref_max[t]));
+      json_object_set_new(c, tensor_names[t], e);
+    }
+    json_object_set_new(j, "check", c);
+  }
+  char *s = json_dumps(j, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
+  if (s) puts(s);
+  free(s);
+  json_decref(j);
+}
+
+int main(int argc, char **argv) {
+  run_options_t o;
+  int rc = run_options_parse(argc, argv, &o);
+  if (rc) return rc == 2 ? 0 : 2;
+  run_inputs_t in = {0};
+  run_outputs_t out = {0};
+  run_result_t r = {0};
+  mtrain_pattern_t *pattern = NULL;
+  mtrain_context_t *ctx = NULL;
+  mtrain_plan_t *plan = NULL;
+  rc = run_inputs_load_or_generate(&o, &in);
+  if (!rc) rc = make_pattern(&o, &in, &pattern);
+  if (!rc) rc = make_context(o.backend, &o, &ctx);
+  if (!rc) {
+    const mtrain_pattern_t *pats[1] = {pattern};
+    double t0 = tool_now();
+    rc = tool_failed(prog, "building the plan", mtrain_plan_create(ctx, NULL, pats, &plan));
+    r.t_plan = tool_now() - t0;
+  }
+  if (!rc) {
+    r.pairs = mtrain_plan_computed_pairs(plan);
+    r.dense_pairs = (long long)in.heads * in.tokens * (in.tokens + 1) / 2;
+    r.plan_bytes = mtrain_plan_bytes(plan);
+    rc = run_outputs_alloc(&in, in.q.dtype, &out);
+  }
+  if (!rc) rc = run_attention(ctx, plan, &in, &out, &o, &r);
+  if (!rc && o.check) rc = check_against_reference(&o, pattern, &in, &out, &r);
+  if (!rc && o.out_dir) rc = write_outputs(&o, &out, pattern);
+  if (!rc) {
+    if (o.json)
+      report_json(&o, &in, &r);
+    else
+      report_text(&o, &in, &r);
+  }
+  run_outputs_free(&out);
+  run_inputs_free(&in);
+  mtrain_plan_destroy(plan);
+  mtrain_context_destroy(ctx);
+  mtrain_pattern_destroy(pattern);
+  if (rc) return 1;
+  return r.checked && !r.check_ok ? 3 : 0;
+}

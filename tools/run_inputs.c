@@ -1,0 +1,167 @@
+/* run_inputs.c: mtrain-run's input and output tensors (see run_inputs.h). */
+#include "run_inputs.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "mtrain/mtrain_io.h"
+#include "tool_common.h"
+
+static const char *prog = "mtrain-run";
+
+/* splitmix64 and Box-Muller: reproducible normal numbers from a seed. */
+static uint64_t next_u64(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static double next_normal(uint64_t *s) {
+  double u1 = ((double)(next_u64(s) >> 11) + 0.5) * 0x1.0p-53;
+  double u2 = (double)(next_u64(s) >> 11) * 0x1.0p-53;
+  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+static int alloc_tensor(mtrain_tensor_t *t, mtrain_dtype_t dtype, int32_t ndim, int64_t a,
+                        int64_t b, int64_t c) {
+  *t = ndim == 3 ? mtrain_tensor_3d(NULL, dtype, a, b, c) : mtrain_tensor_2d(NULL, dtype, a, b);
+  t->data = malloc(mtrain_dtype_size(dtype) * (size_t)(mtrain_tensor_numel(t) + 1));
+  if (!t->data) {
+    fprintf(stderr, "%s: out of memory allocating a [%lld, %lld, %lld] tensor\n", prog,
+            (long long)a, (long long)b, (long long)c);
+    return 1;
+  }
+  return 0;
+}
+
+static int generate(mtrain_tensor_t *t, uint64_t *state) {
+  const int64_t n = mtrain_tensor_numel(t);
+  double *tmp = malloc(sizeof(double) * 4096);
+  if (!tmp) return 1;
+  for (int64_t i = 0; i < n; i += 4096) {
+    const int64_t m = n - i < 4096 ? n - i : 4096;
+    for (int64_t j = 0; j < m; j++) tmp[j] = next_normal(state);
+    mtrain_convert(tmp, MTRAIN_F64, (char *)t->data + i * (int64_t)mtrain_dtype_size(t->dtype),
+                   t->dtype, m);
+  }
+  free(tmp);
+  return 0;
+}
+
+static int read_npy(const char *path, mtrain_dtype_t dtype, const int64_t *shape,
+                    mtrain_tensor_t *t) {
+  mtrain_npy_t npy;
+  if (tool_failed(prog, path, mtrain_npy_read_as(path, dtype, 3, shape, &npy))) return 1;
+  *t = npy.tensor;
+  return 0;
+}
+
+int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
+  *in = (run_inputs_t){0};
+  uint64_t state = o->seed;
+  if (o->q_path) {
+    if (read_npy(o->q_path, o->dtype, NULL, &in->q)) return 1;
+    in->tokens = in->q.shape[0];
+    in->heads = (int32_t)in->q.shape[1];
+    in->head_dim = (int32_t)in->q.shape[2];
+    const int64_t kshape[3] = {in->tokens, -1, in->head_dim};
+    if (read_npy(o->k_path, o->dtype, kshape, &in->k)) return 1;
+    in->kv_heads = (int32_t)in->k.shape[1];
+    const int64_t vshape[3] = {in->tokens, in->kv_heads, in->head_dim};
+    if (read_npy(o->v_path, o->dtype, vshape, &in->v)) return 1;
+    const int64_t qshape[3] = {in->tokens, in->heads, in->head_dim};
+    if (o->do_path) return read_npy(o->do_path, o->dtype, qshape, &in->dout);
+    return alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
+           generate(&in->dout, &state);
+  }
+  in->tokens = o->seq_len;
+  in->heads = o->heads;
+  in->kv_heads = o->kv_heads;
+  in->head_dim = o->head_dim;
+  return alloc_tensor(&in->q, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
+         alloc_tensor(&in->k, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
+         alloc_tensor(&in->v, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
+         alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
+         generate(&in->q, &state) || generate(&in->k, &state) || generate(&in->v, &state) ||
+         generate(&in->dout, &state);
+}
+
+static int widen_one(const mtrain_tensor_t *src, mtrain_tensor_t *dst) {
+  if (alloc_tensor(dst, MTRAIN_F64, 3, src->shape[0], src->shape[1], src->shape[2])) return 1;
+  return tool_failed(prog, "widening",
+                     mtrain_convert(src->data, src->dtype, dst->data, MTRAIN_F64,
+                                    mtrain_tensor_numel(src)));
+}
+
+int run_inputs_widen(const run_inputs_t *in, run_inputs_t *out) {
+  *out = *in;
+  out->q.data = out->k.data = out->v.data = out->dout.data = NULL;
+  return widen_one(&in->q, &out->q) || widen_one(&in->k, &out->k) ||
+         widen_one(&in->v, &out->v) || widen_one(&in->dout, &out->dout);
+}
+
+void run_inputs_free(run_inputs_t *in) {
+  free(in->q.data);
+  free(in->k.data);
+  free(in->v.data);
+  free(in->dout.data);
+  *in = (run_inputs_t){0};
+}
+
+int run_outputs_alloc(const run_inputs_t *in, mtrain_dtype_t dtype, run_outputs_t *out) {
+  const mtrain_dtype_t lse = dtype == MTRAIN_F64 ? MTRAIN_F64 : MTRAIN_F32;
+  return alloc_tensor(&out->o, dtype, 3, in->tokens, in->heads, in->head_dim) ||
+         alloc_tensor(&out->lse, lse, 2, in->tokens, in->heads, 0) ||
+         alloc_tensor(&out->dq, dtype, 3, in->tokens, in->heads, in->head_dim) ||
+         alloc_tensor(&out->dk, dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
+         alloc_tensor(&out->dv, dtype, 3, in->tokens, in->kv_heads, in->head_dim);
+}
+
+const mtrain_tensor_t *run_outputs_get(const run_outputs_t *out, int t) {
+  const mtrain_tensor_t *all[5] = {&out->o, &out->lse, &out->dq, &out->dk, &out->dv};
+  return all[t];
+}
+
+void run_outputs_free(run_outputs_t *out) {
+  free(out->o.data);
+  free(out->lse.data);
+  free(out->dq.data);
+  free(out->dk.data);
+  free(out->dv.data);
+  *out = (run_outputs_t){0};
+}
+
+static double load(const mtrain_tensor_t *t, int64_t i) {
+  double x = 0.0;
+  mtrain_convert((const char *)t->data + i * (int64_t)mtrain_dtype_size(t->dtype), t->dtype, &x,
+                 MTRAIN_F64, 1);
+  return x;
+}
+
+void run_compare(const mtrain_tensor_t *a, const mtrain_tensor_t *ref, double *err,
+                 double *ref_max) {
+  const int64_t n = mtrain_tensor_numel(ref);
+  double e = 0.0, m = 0.0;
+  for (int64_t i = 0; i < n; i++) {
+    const double x = load(a, i), y = load(ref, i), d = fabs(x - y);
+    if (!isfinite(x)) e = INFINITY;
+    if (d > e) e = d;
+    if (fabs(y) > m) m = fabs(y);
+  }
+  *err = e;
+  *ref_max = m;
+}
+
+mtrain_status_t run_write_f32(const char *path, const mtrain_tensor_t *t) {
+  if (t->dtype == MTRAIN_F32 || t->dtype == MTRAIN_BF16) return mtrain_npy_write(path, t);
+  mtrain_tensor_t f = *t;
+  f.dtype = MTRAIN_F32;
+  f.data = malloc(sizeof(float) * (size_t)(mtrain_tensor_numel(t) + 1));
+  if (!f.data) return MTRAIN_ERR_OUT_OF_MEMORY;
+  mtrain_status_t st = mtrain_convert(t->data, t->dtype, f.data, MTRAIN_F32, mtrain_tensor_numel(t));
+  if (st == MTRAIN_SUCCESS) st = mtrain_npy_write(path, &f);
+  free(f.data);
+  return st;
+}

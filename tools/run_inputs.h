@@ -1,0 +1,41 @@
+/* run_inputs.h: mtrain-run's tensors: inputs read from .npy or generated
+ * from a seed, outputs allocated to match, comparison and writing. */
+#ifndef MTRAIN_RUN_INPUTS_H
+#define MTRAIN_RUN_INPUTS_H
+
+#include "mtrain/mtrain.h"
+#include "run_options.h"
+
+typedef struct run_inputs {
+  mtrain_tensor_t q, k, v, dout; /* malloc'ed data, owned */
+  int64_t tokens;
+  int32_t heads, kv_heads, head_dim;
+} run_inputs_t;
+
+typedef struct run_outputs {
+  mtrain_tensor_t o, lse, dq, dk, dv; /* malloc'ed data, owned */
+} run_outputs_t;
+
+/** Reads --q/--k/--v/--do (converted to --dtype) or generates normal inputs
+ *  from --seed. dout is generated when no --do is given. Returns 0 or 1
+ *  (message printed). */
+int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in);
+/** fp64 copies of the inputs (the values the run used, widened exactly). */
+int run_inputs_widen(const run_inputs_t *in, run_inputs_t *out);
+void run_inputs_free(run_inputs_t *in);
+
+/** Outputs for the inputs' shapes: o/dq/dk/dv of `dtype`, lse fp32 (fp64
+ *  when dtype is fp64). */
+int run_outputs_alloc(const run_inputs_t *in, mtrain_dtype_t dtype, run_outputs_t *out);
+/** Output t in the order o, lse, dq, dk, dv. */
+const mtrain_tensor_t *run_outputs_get(const run_outputs_t *out, int t);
+void run_outputs_free(run_outputs_t *out);
+
+/** max |a - ref| and max |ref| over the tensors (any dtypes, same shape);
+ *  NaN gives an infinite error. */
+void run_compare(const mtrain_tensor_t *a, const mtrain_tensor_t *ref, double *err,
+                 double *ref_max);
+/** Writes a tensor as float32 .npy. */
+mtrain_status_t run_write_f32(const char *path, const mtrain_tensor_t *t);
+
+#endif /* MTRAIN_RUN_INPUTS_H */

@@ -1,0 +1,138 @@
+/* run_options.c: parses the command line of mtrain-run with getopt_long;
+ * every malformed value is reported naming the option. */
+#include "run_options.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char usage[] =
+    "usage: mtrain-run [options]\n"
+    "Sparse attention forward and backward on one rank, with a report.\n"
+    "Inputs (either files or generated):\n"
+    "  --q FILE.npy --k FILE.npy --v FILE.npy [--do FILE.npy]\n"
+    "                        [N, Hq, d] / [N, Hkv, d] tensors (float16/32/64)\n"
+    "  --seq-len N           generated input length (default 4096)\n"
+    "  --heads H --kv-heads H --head-dim D   (default 16, 2, 128)\n"
+    "  --seed S              seed of the generated inputs (default 1)\n"
+    "Pattern:\n"
+    "  --pattern FILE.json   a fixed pattern (SPEC.md section 8); default dense causal\n"
+    "  --granularity G       block size (default 128; a pattern file's must match)\n"
+    "Computation:\n"
+    "  --backend cpu|cpu-ref (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
+    "  --threads T           OpenMP threads (default: OpenMP's)\n"
+    "  --forward-only        skip the backward\n"
+    "  --repeat R            time R runs, report the median (default 1)\n"
+    "Output:\n"
+    "  --out DIR             write o.npy lse.npy dq.npy dk.npy dv.npy pattern.json\n"
+    "  --check               compare with the fp64 reference (cpu-ref); exit 3 on failure\n"
+    "  --json                print the report as one JSON object\n";
+
+static int parse_i64(const char *name, const char *s, int64_t lo, int64_t hi, int64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi) {
+    fprintf(stderr, "mtrain-run: --%s '%s' is not an integer in [%lld, %lld]\n", name, s,
+            (long long)lo, (long long)hi);
+    return 1;
+  }
+  *out = v;
+  return 0;
+}
+
+static int parse_i32(const char *name, const char *s, int32_t lo, int32_t hi, int32_t *out) {
+  int64_t v = 0;
+  if (parse_i64(name, s, lo, hi, &v)) return 1;
+  *out = (int32_t)v;
+  return 0;
+}
+
+int run_options_parse(int argc, char **argv, run_options_t *o) {
+  memset(o, 0, sizeof *o);
+  o->seq_len = 4096;
+  o->heads = 16;
+  o->kv_heads = 2;
+  o->head_dim = 128;
+  o->granularity = 128;
+  o->seed = 1;
+  o->backend = "cpu";
+  o->dtype = MTRAIN_F32;
+  o->repeat = 1;
+  static const struct option longs[] = {
+      {"q", required_argument, 0, 'q'},           {"k", required_argument, 0, 'k'},
+      {"v", required_argument, 0, 'v'},           {"do", required_argument, 0, 'o'},
+      {"seq-len", required_argument, 0, 'N'},     {"heads", required_argument, 0, 'H'},
+      {"kv-heads", required_argument, 0, 'K'},    {"head-dim", required_argument, 0, 'D'},
+      {"seed", required_argument, 0, 's'},        {"pattern", required_argument, 0, 'p'},
+      {"granularity", required_argument, 0, 'G'}, {"backend", required_argument, 0, 'b'},
+      {"dtype", required_argument, 0, 't'},       {"threads", required_argument, 0, 'T'},
+      {"out", required_argument, 0, 'O'},         {"check", no_argument, 0, 'c'},
+      {"json", no_argument, 0, 'j'},              {"forward-only", no_argument, 0, 'f'},
+      {"repeat", required_argument, 0, 'r'},      {"help", no_argument, 0, 'h'},
+      {0, 0, 0, 0}};
+  int c, bad = 0;
+  int64_t seed = 0;
+  int32_t repeat = 1;
+  opterr = 0;
+  while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+    switch (c) {
+    case 'q': o->q_path = optarg; break;
+    case 'k': o->k_path = optarg; break;
+    case 'v': o->v_path = optarg; break;
+    case 'o': o->do_path = optarg; break;
+    case 'N': bad = parse_i64("seq-len", optarg, 1, (int64_t)1 << 40, &o->seq_len); break;
+    case 'H': bad = parse_i32("heads", optarg, 1, 4096, &o->heads); break;
+    case 'K': bad = parse_i32("kv-heads", optarg, 1, 4096, &o->kv_heads); break;
+    case 'D': bad = parse_i32("head-dim", optarg, 1, 4096, &o->head_dim); break;
+    case 's':
+      bad = parse_i64("seed", optarg, 0, INT64_MAX, &seed);
+      o->seed = (uint64_t)seed;
+      break;
+    case 'p': o->pattern_path = optarg; break;
+    case 'G': bad = parse_i32("granularity", optarg, 1, 1 << 20, &o->granularity); break;
+    case 'b': o->backend = optarg; break;
+    case 't':
+      if (mtrain_dtype_parse(optarg, &o->dtype) != MTRAIN_SUCCESS) {
+        fprintf(stderr, "mtrain-run: --dtype '%s': expected fp32, bf16, fp16 or fp64\n", optarg);
+        bad = 1;
+      }
+      break;
+    case 'T': bad = parse_i32("threads", optarg, 1, 1 << 16, &o->threads); break;
+    case 'O': o->out_dir = optarg; break;
+    case 'c': o->check = 1; break;
+    case 'j': o->json = 1; break;
+    case 'f': o->forward_only = 1; break;
+    case 'r':
+      bad = parse_i32("repeat", optarg, 1, 1000, &repeat);
+      o->repeat = repeat;
+      break;
+    case 'h': fputs(usage, stdout); return 2;
+    default:
+      fprintf(stderr, "mtrain-run: unknown or incomplete option '%s'\n%s", argv[optind - 1], usage);
+      return 1;
+    }
+  }
+  if (bad) return 1;
+  if (optind < argc) {
+    fprintf(stderr, "mtrain-run: unexpected argument '%s'\n", argv[optind]);
+    return 1;
+  }
+  const int files = (o->q_path != NULL) + (o->k_path != NULL) + (o->v_path != NULL);
+  if (files != 0 && files != 3) {
+    fprintf(stderr, "mtrain-run: --q, --k and --v must be given together\n");
+    return 1;
+  }
+  if (o->do_path && files == 0) {
+    fprintf(stderr, "mtrain-run: --do needs --q, --k and --v\n");
+    return 1;
+  }
+  if (files == 0 && o->heads % o->kv_heads != 0) {
+    fprintf(stderr, "mtrain-run: --heads %d is not a multiple of --kv-heads %d\n", o->heads,
+            o->kv_heads);
+    return 1;
+  }
+  return 0;
+}
