@@ -100,8 +100,7 @@ static const char *case_desc(int idx, const xb_case_t *c, uint64_t seed) {
            "case %d: dtype=%s d=%d Hq:Hkv=%d:%d %s G=%d pattern=%s input_scale=%g "
            "softmax_scale=%g seed=0x%llx",
            idx, mtrain_dtype_name(c->dtype), c->d, c->hq, c->hkv, lens, c->g,
-           ts_pattern_kind_name(c->kind), c->in_scale, c->softmax_scale,
-           (unsigned long long)seed);
+           ts_pattern_kind_name(c->kind), c->in_scale, c->softmax_scale, (unsigned long long)seed);
   return buf;
 }
 
@@ -138,10 +137,10 @@ static float dot_f32(const float *a, const float *b, int32_t d) {
  *   dK = rnd(scale sum dS q), dV = rnd(sum P dout) (dK, dV summed over the
  *   GQA group in fp32 before the rounding).
  * Inputs are the dtype values as fp32 [n, heads, d]; outputs fp64. */
-static void naive_attention(const mtrain_pattern_t *p, mtrain_dtype_t dtype, int32_t hkv,
-                            int32_t d, float scale, const float *q, const float *k,
-                            const float *v, const float *dout, double *o, double *lse,
-                            double *dq, double *dk, double *dv) {
+static void naive_attention(const mtrain_pattern_t *p, mtrain_dtype_t dtype, int32_t hkv, int32_t d,
+                            float scale, const float *q, const float *k, const float *v,
+                            const float *dout, double *o, double *lse, double *dq, double *dk,
+                            double *dv) {
   const int64_t n = mtrain_pattern_seq_len(p);
   const int32_t hq = mtrain_pattern_num_heads(p), group = hq / hkv;
   int64_t *cols = malloc(sizeof(int64_t) * (size_t)n);
@@ -332,13 +331,13 @@ static void test_cpu_vs_cpu_ref(void **state) {
     skip();
   }
   if (st)
-    fail_msg("'cpu' %s returned %s (%s) in %s", where, mtrain_status_name(st),
-             mtrain_last_error(), desc);
+    fail_msg("'cpu' %s returned %s (%s) in %s", where, mtrain_status_name(st), mtrain_last_error(),
+             desc);
 
   /* the oracle, on the same values widened to fp64 */
   run_bufs_t ref;
-  st = run_backend("cpu-ref", c, seqs_arg, pats_arg, MTRAIN_F64, MTRAIN_F64, T, q64, k64, v64,
-                   do64, &ref, &where, desc);
+  st = run_backend("cpu-ref", c, seqs_arg, pats_arg, MTRAIN_F64, MTRAIN_F64, T, q64, k64, v64, do64,
+                   &ref, &where, desc);
   if (st)
     fail_msg("'cpu-ref' %s returned %s (%s) in %s", where, mtrain_status_name(st),
              mtrain_last_error(), desc);
@@ -377,14 +376,13 @@ static void test_cpu_vs_cpu_ref(void **state) {
     assert_int_equal(mtrain_convert(k, c->dtype, kf, MTRAIN_F32, nk), MTRAIN_SUCCESS);
     assert_int_equal(mtrain_convert(v, c->dtype, vf, MTRAIN_F32, nk), MTRAIN_SUCCESS);
     assert_int_equal(mtrain_convert(dout, c->dtype, dof, MTRAIN_F32, nq), MTRAIN_SUCCESS);
-    const float scale =
-        (float)(c->softmax_scale > 0 ? c->softmax_scale : 1.0 / sqrt((double)c->d));
+    const float scale = (float)(c->softmax_scale > 0 ? c->softmax_scale : 1.0 / sqrt((double)c->d));
     for (int32_t s = 0; s < num_seqs; s++) {
       const int64_t off = offsets[s];
-      naive_attention(pats[s], c->dtype, c->hkv, c->d, scale, qf + off * hq * d,
-                      kf + off * hkv * d, vf + off * hkv * d, dof + off * hq * d,
-                      nv[T_O] + off * hq * d, nv[T_LSE] + off * hq, nv[T_DQ] + off * hq * d,
-                      nv[T_DK] + off * hkv * d, nv[T_DV] + off * hkv * d);
+      naive_attention(pats[s], c->dtype, c->hkv, c->d, scale, qf + off * hq * d, kf + off * hkv * d,
+                      vf + off * hkv * d, dof + off * hq * d, nv[T_O] + off * hq * d,
+                      nv[T_LSE] + off * hq, nv[T_DQ] + off * hq * d, nv[T_DK] + off * hkv * d,
+                      nv[T_DV] + off * hkv * d);
     }
     for (int t = 0; t < NUM_T; t++) {
       naive_err[t] = ts_max_abs_diff(nv[t], want[t], counts[t]);
@@ -466,6 +464,11 @@ int main(void) {
   const int rc = cmocka_run_group_tests(tests, NULL, NULL);
   for (int dt = 0; dt < 4; dt++) {
     if (!ran_cases[dt] && !skipped_cases[dt]) continue;
+    if (!ran_cases[dt]) {
+      print_message("%s: %d case(s) skipped\n", mtrain_dtype_name((mtrain_dtype_t)dt),
+                    skipped_cases[dt]);
+      continue;
+    }
     print_message("%s: %d case(s) compared, %d skipped; worst err/bound: O %.3g, LSE %.3g, "
                   "dQ %.3g, dK %.3g, dV %.3g\n",
                   mtrain_dtype_name((mtrain_dtype_t)dt), ran_cases[dt], skipped_cases[dt],

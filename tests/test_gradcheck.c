@@ -80,8 +80,8 @@ static double *normal_array(ts_rng_t *rng, int64_t count) {
  * fp64 arrays. */
 typedef struct impl {
   const char *name;
-  mtrain_status_t (*fwd)(void *self, const double *q, const double *k, const double *v,
-                         double *o, double *lse);
+  mtrain_status_t (*fwd)(void *self, const double *q, const double *k, const double *v, double *o,
+                         double *lse);
   mtrain_status_t (*bwd)(void *self, const double *q, const double *k, const double *v,
                          const double *o, const double *lse, const double *dout, double *dq,
                          double *dk, double *dv);
@@ -361,8 +361,8 @@ static double compare_batch(int idx, const gc_case_t *c, uint64_t seed, int32_t 
              desc_copy);
   st = api_bwd(&ai, q, k, v, bo.data, bl.data, dout, bdq.data, bdk.data, bdv.data);
   if (st)
-    fail_msg("cpu-ref backward failed: %s (%s) in %s", mtrain_status_name(st),
-             mtrain_last_error(), desc_copy);
+    fail_msg("cpu-ref backward failed: %s (%s) in %s", mtrain_status_name(st), mtrain_last_error(),
+             desc_copy);
   ts_buf_t *bufs[5] = {&bo, &bl, &bdq, &bdk, &bdv};
   for (int b = 0; b < 5; b++)
     if (!ts_buf_guards_ok(bufs[b]))
@@ -380,8 +380,8 @@ static double compare_batch(int idx, const gc_case_t *c, uint64_t seed, int32_t 
     const double *dos = dout + off * hq * d;
     st = mtrain_cpu_dense_reference_forward(pats[s], c->hkv, c->d, c->scale, qs, ks, vs, ro, rl);
     if (st == MTRAIN_SUCCESS)
-      st = mtrain_cpu_dense_reference_backward(pats[s], c->hkv, c->d, c->scale, qs, ks, vs, ro,
-                                               rl, dos, rdq, rdk, rdv);
+      st = mtrain_cpu_dense_reference_backward(pats[s], c->hkv, c->d, c->scale, qs, ks, vs, ro, rl,
+                                               dos, rdq, rdk, rdv);
     if (st)
       fail_msg("dense reference failed on sequence %d: %s (%s) in %s", s, mtrain_status_name(st),
                mtrain_last_error(), desc_copy);

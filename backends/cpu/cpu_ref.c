@@ -57,10 +57,24 @@ static int64_t max_keys_per_row(const mtrain_step_view_t *v) {
   return v->k_tokens + most + 1;
 }
 
-static double dot(const double *a, const double *b, int32_t d) {
-  double s = 0.0;
-  for (int32_t i = 0; i < d; i++) s += a[i] * b[i];
-  return s;
+/* fp64 dot product in a fixed order: four interleaved partial sums (so the
+ * compiler can use vector registers without reassociating), added pairwise. */
+static double dot(const double *restrict a, const double *restrict b, int32_t d) {
+  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+  int32_t i = 0;
+  for (; i + 4 <= d; i += 4) {
+    s0 += a[i] * b[i];
+    s1 += a[i + 1] * b[i + 1];
+    s2 += a[i + 2] * b[i + 2];
+    s3 += a[i + 3] * b[i + 3];
+  }
+  for (; i < d; i++) s0 += a[i] * b[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
+/* y += a * x (no aliasing between y and x). */
+static void axpy(double *restrict y, double a, const double *restrict x, int32_t d) {
+  for (int32_t c = 0; c < d; c++) y[c] += a * x[c];
 }
 
 mtrain_status_t mtrain_cpu_ref_fwd_init(void *state, void *o_acc, void *lse_acc, int64_t rows,
@@ -114,8 +128,7 @@ mtrain_status_t mtrain_cpu_ref_fwd_step(void *state, const mtrain_fwd_step_args_
         for (int32_t c = 0; c < d; c++) acc[c] = 0.0;
         for (int64_t e = 0; e < n; e++) {
           const double p = exp(sc[e] - lse_s);
-          const double *vj = V + (cols[e] * Hkv + hk) * d;
-          for (int32_t c = 0; c < d; c++) acc[c] += p * vj[c];
+          axpy(acc, p, V + (cols[e] * Hkv + hk) * d, d);
         }
         /* merge: LSE = logaddexp(LSE, lse_s), O = w_old O + w_new O_s */
         double *li = L + i * Hq + h, *oi = O + (i * Hq + h) * d;
@@ -192,11 +205,9 @@ mtrain_status_t mtrain_cpu_ref_bwd_step(void *state, const mtrain_bwd_step_args_
             const double p = exp(a->scale * dot(qi, kj, d) - lse);
             const double ds = p * (dot(doi, vj, d) - delta);
             double *dkj = dK + (j * Hkv + hk) * d, *dvj = dV + (j * Hkv + hk) * d;
-            for (int32_t c = 0; c < d; c++) {
-              dqi[c] += a->scale * ds * kj[c];
-              dkj[c] += a->scale * ds * qi[c];
-              dvj[c] += p * doi[c];
-            }
+            axpy(dqi, a->scale * ds, kj, d);
+            axpy(dkj, a->scale * ds, qi, d);
+            axpy(dvj, p, doi, d);
           }
         }
       }
