@@ -154,14 +154,19 @@ mtrain_status_t mtrain_cpu_ref_bwd_prepare(void *state, const void *o, const voi
                                            mtrain_dtype_t dtype, void *delta_acc, int64_t rows,
                                            int32_t num_heads, int32_t head_dim) {
   (void)state;
-  double *delta = delta_acc;
-  for (int64_t r = 0; r < rows * num_heads; r++) {
-    double sum = 0.0;
-    for (int32_t c = 0; c < head_dim; c++)
-      sum += mtrain_cpu_load(o, dtype, r * head_dim + c) *
-             mtrain_cpu_load(dout, dtype, r * head_dim + c);
-    delta[r] = sum;
+  double *delta = delta_acc, *oo = NULL, *doo = NULL;
+  const double *O = widen(o, dtype, rows * num_heads * head_dim, &oo);
+  const double *dO = widen(dout, dtype, rows * num_heads * head_dim, &doo);
+  if (!O || !dO) {
+    free(oo);
+    free(doo);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu-ref backward: out of memory");
   }
+  /* the same dot as dP = dout . v, so that a row with one key gets dS = 0 exactly */
+  for (int64_t r = 0; r < rows * num_heads; r++)
+    delta[r] = dot(dO + r * head_dim, O + r * head_dim, head_dim);
+  free(oo);
+  free(doo);
   return MTRAIN_SUCCESS;
 }
 
