@@ -35,15 +35,17 @@ static mtrain_status_t check_shape(const char *name, const mtrain_tensor_t *t, i
 static mtrain_status_t check_dtype(const char *name, const mtrain_tensor_t *t,
                                    mtrain_dtype_t want) {
   if (t->dtype != want)
-    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor '%s' has dtype %s, expected %s",
-                        name, mtrain_dtype_name(t->dtype), mtrain_dtype_name(want));
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor '%s' has dtype %s, expected %s", name,
+                        mtrain_dtype_name(t->dtype), mtrain_dtype_name(want));
   return MTRAIN_SUCCESS;
 }
 
 static mtrain_status_t check_lse_dtype(const mtrain_tensor_t *lse) {
   if (lse->dtype != MTRAIN_F32 && lse->dtype != MTRAIN_F64)
-    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor 'lse' has dtype %s, expected fp32 "
-                        "(or fp64)", mtrain_dtype_name(lse->dtype));
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE,
+                        "tensor 'lse' has dtype %s, expected fp32 "
+                        "(or fp64)",
+                        mtrain_dtype_name(lse->dtype));
   return MTRAIN_SUCCESS;
 }
 
@@ -68,11 +70,15 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
                         "plan granularity %d differs from the context's %d", plan->granularity,
                         ctx->config.granularity);
   if (q->ndim != 3)
-    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "tensor 'q' has %d dimensions, expected 3 "
-                        "[tokens, heads, head_dim]", q->ndim);
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "tensor 'q' has %d dimensions, expected 3 "
+                        "[tokens, heads, head_dim]",
+                        q->ndim);
   if (k->ndim != 3)
-    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "tensor 'k' has %d dimensions, expected 3 "
-                        "[tokens, kv_heads, head_dim]", k->ndim);
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "tensor 'k' has %d dimensions, expected 3 "
+                        "[tokens, kv_heads, head_dim]",
+                        k->ndim);
   mtrain_status_t st;
   if ((st = check_shape("q", q, plan->local_tokens, plan->num_heads, q->shape[2]))) return st;
   int64_t hkv = k->shape[1], d = q->shape[2];
@@ -82,8 +88,10 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
                         "shape[1])",
                         plan->num_heads, (long long)hkv);
   if (d < 1 || d > 1024)
-    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "head_dim %lld (tensor 'q' shape[2]) "
-                        "is not in [1, 1024]", (long long)d);
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM,
+                        "head_dim %lld (tensor 'q' shape[2]) "
+                        "is not in [1, 1024]",
+                        (long long)d);
   if ((st = check_shape("k", k, plan->local_tokens, hkv, d))) return st;
   if ((st = check_shape("v", v, plan->local_tokens, hkv, d))) return st;
   if ((st = check_dtype("k", k, q->dtype))) return st;
@@ -126,8 +134,7 @@ static void backend_free(mtrain_context_t *ctx, void *ptr) {
 }
 
 /* Pointer to token `row` of a [tokens, heads, dim] buffer. */
-static const void *row_ptr(const void *base, int64_t row, int64_t heads, int64_t dim,
-                           size_t elem) {
+static const void *row_ptr(const void *base, int64_t row, int64_t heads, int64_t dim, size_t elem) {
   return (const char *)base + (size_t)(row * heads * dim) * elem;
 }
 
@@ -157,17 +164,16 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
     const mtrain_plan_seq_t *ps = &plan->seqs[s];
     int64_t off = ps->local_offset;
     for (int32_t t = 0; t < plan->num_steps; t++) {
-      mtrain_fwd_step_args_t a = {
-          .view = &ps->steps[t].view,
-          .num_kv_heads = dm.hkv,
-          .head_dim = dm.d,
-          .scale = dm.scale,
-          .dtype = dm.dtype,
-          .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
-          .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
-          .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
-          .o_acc = (void *)row_ptr(o_acc, off, dm.hq, dm.d, acc),
-          .lse_acc = (void *)row_ptr(lse_acc, off, dm.hq, 1, acc)};
+      mtrain_fwd_step_args_t a = {.view = &ps->steps[t].view,
+                                  .num_kv_heads = dm.hkv,
+                                  .head_dim = dm.d,
+                                  .scale = dm.scale,
+                                  .dtype = dm.dtype,
+                                  .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
+                                  .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
+                                  .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
+                                  .o_acc = (void *)row_ptr(o_acc, off, dm.hq, dm.d, acc),
+                                  .lse_acc = (void *)row_ptr(lse_acc, off, dm.hq, 1, acc)};
       MTRAIN_TRY(be->attn_fwd_step(ctx->backend_state, &a));
     }
   }
@@ -225,27 +231,26 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(be->memset_zero(bs, dq_acc, (size_t)nq * acc));
   MTRAIN_TRY(be->memset_zero(bs, dk_acc, (size_t)nk * acc));
   MTRAIN_TRY(be->memset_zero(bs, dv_acc, (size_t)nk * acc));
-  MTRAIN_TRY(be->attn_bwd_prepare(bs, o->data, dout->data, dm.dtype, delta_acc, dm.tokens, dm.hq,
-                                  dm.d));
+  MTRAIN_TRY(
+      be->attn_bwd_prepare(bs, o->data, dout->data, dm.dtype, delta_acc, dm.tokens, dm.hq, dm.d));
   for (int32_t s = 0; s < plan->num_seqs; s++) {
     const mtrain_plan_seq_t *ps = &plan->seqs[s];
     int64_t off = ps->local_offset;
     for (int32_t t = 0; t < plan->num_steps; t++) {
-      mtrain_bwd_step_args_t a = {
-          .view = &ps->steps[t].view,
-          .num_kv_heads = dm.hkv,
-          .head_dim = dm.d,
-          .scale = dm.scale,
-          .dtype = dm.dtype,
-          .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
-          .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
-          .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
-          .dout = row_ptr(dout->data, off, dm.hq, dm.d, esz),
-          .lse_acc = row_ptr(lse_acc, off, dm.hq, 1, acc),
-          .delta_acc = row_ptr(delta_acc, off, dm.hq, 1, acc),
-          .dq_acc = (void *)row_ptr(dq_acc, off, dm.hq, dm.d, acc),
-          .dk_acc = (void *)row_ptr(dk_acc, off, dm.hkv, dm.d, acc),
-          .dv_acc = (void *)row_ptr(dv_acc, off, dm.hkv, dm.d, acc)};
+      mtrain_bwd_step_args_t a = {.view = &ps->steps[t].view,
+                                  .num_kv_heads = dm.hkv,
+                                  .head_dim = dm.d,
+                                  .scale = dm.scale,
+                                  .dtype = dm.dtype,
+                                  .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
+                                  .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
+                                  .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
+                                  .dout = row_ptr(dout->data, off, dm.hq, dm.d, esz),
+                                  .lse_acc = row_ptr(lse_acc, off, dm.hq, 1, acc),
+                                  .delta_acc = row_ptr(delta_acc, off, dm.hq, 1, acc),
+                                  .dq_acc = (void *)row_ptr(dq_acc, off, dm.hq, dm.d, acc),
+                                  .dk_acc = (void *)row_ptr(dk_acc, off, dm.hkv, dm.d, acc),
+                                  .dv_acc = (void *)row_ptr(dv_acc, off, dm.hkv, dm.d, acc)};
       MTRAIN_TRY(be->attn_bwd_step(bs, &a));
     }
   }

@@ -17,8 +17,8 @@ mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm
   MTRAIN_TRY(mtrain_config_validate(&ctx->config));
   MTRAIN_TRY(mtrain_config_apply_env(&ctx->config));
   MTRAIN_TRY(mtrain_config_validate(&ctx->config));
-  MTRAIN_FAIL_IF(strlen(ctx->config.backend) >= sizeof ctx->backend_name,
-                 MTRAIN_ERR_INVALID_CONFIG, "config.backend name too long");
+  MTRAIN_FAIL_IF(strlen(ctx->config.backend) >= sizeof ctx->backend_name, MTRAIN_ERR_INVALID_CONFIG,
+                 "config.backend name too long");
   strcpy(ctx->backend_name, ctx->config.backend);
   ctx->config.backend = ctx->backend_name;
   ctx->backend = mtrain_backend_find(ctx->backend_name);

@@ -8,12 +8,12 @@
 #include "mtrain/mtrain_comm.h"
 
 struct mtrain_context {
-  mtrain_config_t config;   /* effective config; config.backend points at backend_name */
+  mtrain_config_t config; /* effective config; config.backend points at backend_name */
   char backend_name[64];
   const mtrain_backend_ops_t *backend;
   void *backend_state;
-  mtrain_comm_t *comm;      /* borrowed, or own_comm */
-  mtrain_comm_t *own_comm;  /* the self communicator when the caller gave none */
+  mtrain_comm_t *comm;     /* borrowed, or own_comm */
+  mtrain_comm_t *own_comm; /* the self communicator when the caller gave none */
 };
 
 /** Applies MTRAIN_* environment overrides to a config (the environment is

@@ -40,10 +40,10 @@ mtrain_status_t mtrain_dtype_parse(const char *name, mtrain_dtype_t *out) {
   static const struct {
     const char *name;
     mtrain_dtype_t dtype;
-  } names[] = {{"fp32", MTRAIN_F32},    {"f32", MTRAIN_F32},  {"float32", MTRAIN_F32},
-               {"bf16", MTRAIN_BF16},   {"bfloat16", MTRAIN_BF16}, {"fp16", MTRAIN_F16},
-               {"f16", MTRAIN_F16},     {"float16", MTRAIN_F16}, {"half", MTRAIN_F16},
-               {"fp64", MTRAIN_F64},    {"f64", MTRAIN_F64},  {"float64", MTRAIN_F64}};
+  } names[] = {{"fp32", MTRAIN_F32},  {"f32", MTRAIN_F32},       {"float32", MTRAIN_F32},
+               {"bf16", MTRAIN_BF16}, {"bfloat16", MTRAIN_BF16}, {"fp16", MTRAIN_F16},
+               {"f16", MTRAIN_F16},   {"float16", MTRAIN_F16},   {"half", MTRAIN_F16},
+               {"fp64", MTRAIN_F64},  {"f64", MTRAIN_F64},       {"float64", MTRAIN_F64}};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
     if (strcasecmp(name, names[i].name) == 0) {
       *out = names[i].dtype;
@@ -90,7 +90,7 @@ uint16_t mtrain_float_to_half(float x) {
   uint32_t u = float_bits(x);
   uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u); /* NaN */
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
   if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* overflow (incl. Inf) */
   if (a < 0x38800000u) {                                   /* subnormal or zero half */
     float f = bits_float(a);
@@ -163,6 +163,7 @@ mtrain_status_t mtrain_convert(const void *src, mtrain_dtype_t src_dtype, void *
     for (int64_t i = 0; i < count; i++) d[i] = mtrain_bf16_to_float(s[i]);
     return MTRAIN_SUCCESS;
   }
-  for (int64_t i = 0; i < count; i++) store_from_double(dst, dst_dtype, i, load_as_double(src, src_dtype, i));
+  for (int64_t i = 0; i < count; i++)
+    store_from_double(dst, dst_dtype, i, load_as_double(src, src_dtype, i));
   return MTRAIN_SUCCESS;
 }

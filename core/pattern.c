@@ -64,8 +64,8 @@ mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads, int32_
   return MTRAIN_SUCCESS;
 }
 
-mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads,
-                                            int32_t granularity, mtrain_pattern_t **out) {
+mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads, int32_t granularity,
+                                            mtrain_pattern_t **out) {
   MTRAIN_CHECK_NOT_NULL(out);
   mtrain_pattern_t *p = NULL;
   mtrain_status_t st = mtrain_pattern_create(seq_len, num_heads, granularity, &p);
@@ -104,9 +104,9 @@ static mtrain_status_t check_head(const mtrain_pattern_t *p, int32_t head, const
   return MTRAIN_SUCCESS;
 }
 
-mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *p, int32_t head,
-                                        const int32_t *diagonals, int32_t num_diagonals,
-                                        const int64_t *verticals, int32_t num_verticals) {
+mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *p, int32_t head, const int32_t *diagonals,
+                                        int32_t num_diagonals, const int64_t *verticals,
+                                        int32_t num_verticals) {
   mtrain_status_t st = check_head(p, head, __func__);
   if (st != MTRAIN_SUCCESS) return st;
   if (num_diagonals < 0 || num_verticals < 0)
@@ -167,8 +167,9 @@ mtrain_status_t mtrain_pattern_set_block_csr(mtrain_pattern_t *p, int32_t head,
   MTRAIN_CHECK_NOT_NULL(mask_off);
   int64_t nb = p->num_blocks;
   if (mask_off[0] != 0)
-    return mtrain_error(MTRAIN_ERR_INVALID_PATTERN, "pattern head %d: block mask offsets start at %lld, not 0",
-                        head, (long long)mask_off[0]);
+    return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
+                        "pattern head %d: block mask offsets start at %lld, not 0", head,
+                        (long long)mask_off[0]);
   for (int64_t qb = 0; qb < nb; qb++) {
     if (mask_off[qb + 1] < mask_off[qb])
       return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,

@@ -104,8 +104,8 @@ static int runs_block_mask(const mtrain_pattern_head_t *h, int64_t gq,
  * bar_start[] CSR offsets into bars). */
 typedef struct chunk_bars {
   ivec_t bars;
-  int64_t *block;  /* distinct global blocks */
-  int32_t *start;  /* [num_blocks + 1] */
+  int64_t *block; /* distinct global blocks */
+  int32_t *start; /* [num_blocks + 1] */
   int32_t num_blocks;
 } chunk_bars_t;
 
@@ -265,7 +265,8 @@ static mtrain_status_t build_single_rank_seq(mtrain_plan_t *plan, mtrain_plan_se
   int32_t nb = (int32_t)p->num_blocks;
   s->q_global = malloc((size_t)nb * sizeof *s->q_global);
   s->steps = calloc(1, sizeof *s->steps);
-  if (!s->q_global || !s->steps) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  if (!s->q_global || !s->steps)
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   for (int32_t b = 0; b < nb; b++) s->q_global[b] = b;
   s->q.num_blocks = nb;
   s->q.global = s->q_global;
@@ -300,8 +301,8 @@ static mtrain_status_t build_single_rank_seq(mtrain_plan_t *plan, mtrain_plan_se
   return MTRAIN_SUCCESS;
 }
 
-static mtrain_status_t check_seqs(const mtrain_seqs_t *seqs, const mtrain_pattern_t *const *patterns,
-                                  int32_t G) {
+static mtrain_status_t check_seqs(const mtrain_seqs_t *seqs,
+                                  const mtrain_pattern_t *const *patterns, int32_t G) {
   int32_t n = seqs ? seqs->num_seqs : 1;
   if (n < 1)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "plan: num_seqs must be >= 1, got %d", n);
@@ -373,7 +374,9 @@ cleanup:
   return st;
 }
 
-int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan) { return plan ? plan->local_tokens : 0; }
+int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan) {
+  return plan ? plan->local_tokens : 0;
+}
 int32_t mtrain_plan_num_heads(const mtrain_plan_t *plan) { return plan ? plan->num_heads : 0; }
 int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan) { return plan ? plan->num_steps : 0; }
 int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan) {

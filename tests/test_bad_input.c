@@ -1,9 +1,10 @@
 /* test_bad_input.c: every class of bad input to the context, plan and
  * attention entry points returns its own status with a message naming the
  * problem, and leaves the outputs untouched. */
+#include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <setjmp.h>
+
 #include <cmocka.h>
 
 #include <math.h>
@@ -84,15 +85,14 @@ static void test_forward_succeeds_on_good_input(void **state) {
 
 static void test_null_arguments(void **state) {
   fixture_t *f = *state;
-  TS_ASSERT_STATUS(mtrain_attention_forward(NULL, f->plan, &f->tq, &f->tk, &f->tv, &f->to,
-                                            &f->tlse),
-                   MTRAIN_ERR_NULL_POINTER, "ctx");
-  TS_ASSERT_STATUS(mtrain_attention_forward(f->ctx, NULL, &f->tq, &f->tk, &f->tv, &f->to,
-                                            &f->tlse),
+  TS_ASSERT_STATUS(
+      mtrain_attention_forward(NULL, f->plan, &f->tq, &f->tk, &f->tv, &f->to, &f->tlse),
+      MTRAIN_ERR_NULL_POINTER, "ctx");
+  TS_ASSERT_STATUS(mtrain_attention_forward(f->ctx, NULL, &f->tq, &f->tk, &f->tv, &f->to, &f->tlse),
                    MTRAIN_ERR_NULL_POINTER, "plan");
-  TS_ASSERT_STATUS(mtrain_attention_forward(f->ctx, f->plan, &f->tq, NULL, &f->tv, &f->to,
-                                            &f->tlse),
-                   MTRAIN_ERR_NULL_POINTER, "'k'");
+  TS_ASSERT_STATUS(
+      mtrain_attention_forward(f->ctx, f->plan, &f->tq, NULL, &f->tv, &f->to, &f->tlse),
+      MTRAIN_ERR_NULL_POINTER, "'k'");
   TS_ASSERT_STATUS(mtrain_attention_forward(f->ctx, f->plan, &f->tq, &f->tk, &f->tv, &f->to, NULL),
                    MTRAIN_ERR_NULL_POINTER, "'lse'");
   f->tv.data = NULL;
@@ -172,7 +172,8 @@ static void test_nonfinite_inputs(void **state) {
   fixture_t *f = *state;
   const float saved = f->k[5 * HKV * D + 1 * D + 3];
   f->k[5 * HKV * D + 1 * D + 3] = NAN;
-  expect_fwd_fails(f, MTRAIN_ERR_NONFINITE, "'k' holds NaN or Inf at element 179 (token 5, head 1)");
+  expect_fwd_fails(f, MTRAIN_ERR_NONFINITE,
+                   "'k' holds NaN or Inf at element 179 (token 5, head 1)");
   f->k[5 * HKV * D + 1 * D + 3] = saved;
   assert_int_equal(fwd(f), MTRAIN_SUCCESS);
   f->dout[7] = INFINITY;

@@ -21,9 +21,10 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <stdint.h>
 
 #include <cmocka.h>
+
+#include <stdint.h>
 
 #include <math.h>
 #include <stdio.h>

@@ -6,9 +6,10 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <stdint.h>
 
 #include <cmocka.h>
+
+#include <stdint.h>
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -2,9 +2,10 @@
  * diagonals, verticals and block masks with their messages, diagonal 0
  * forced, the allowed predicate against its definition, exact pair counts
  * against brute force, and cloning. */
+#include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <setjmp.h>
+
 #include <cmocka.h>
 
 #include <stdlib.h>
@@ -35,18 +36,18 @@ static void test_set_head_validation(void **state) {
   const int32_t neg[] = {-1, 0};
   const int64_t vbad[] = {5, 1000};
   const int64_t vunsorted[] = {9, 3};
-  TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, unsorted, 3, NULL, 0),
-                   MTRAIN_ERR_INVALID_PATTERN, "not strictly increasing");
+  TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, unsorted, 3, NULL, 0), MTRAIN_ERR_INVALID_PATTERN,
+                   "not strictly increasing");
   TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, dup, 3, NULL, 0), MTRAIN_ERR_INVALID_PATTERN,
                    "index 2");
-  TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, too_far, 2, NULL, 0),
-                   MTRAIN_ERR_INVALID_PATTERN, "out of range");
+  TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, too_far, 2, NULL, 0), MTRAIN_ERR_INVALID_PATTERN,
+                   "out of range");
   TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, neg, 2, NULL, 0), MTRAIN_ERR_INVALID_PATTERN,
                    "diagonal[0] = -1");
   TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 1, NULL, 0, vbad, 2), MTRAIN_ERR_INVALID_PATTERN,
                    "vertical[1] = 1000");
-  TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 1, NULL, 0, vunsorted, 2),
-                   MTRAIN_ERR_INVALID_PATTERN, "head 1");
+  TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 1, NULL, 0, vunsorted, 2), MTRAIN_ERR_INVALID_PATTERN,
+                   "head 1");
   TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 2, NULL, 0, NULL, 0), MTRAIN_ERR_INVALID_ARGUMENT,
                    "head 2 out of range");
   TS_ASSERT_STATUS(mtrain_pattern_set_head(p, 0, NULL, 3, NULL, 0), MTRAIN_ERR_NULL_POINTER,

@@ -4,9 +4,10 @@
  * padding never takes part; the pair count the plan reports is exact. Run on
  * the single-rank plans of the public API and on the step builder with the
  * contiguous, zigzag and striped block assignments for W in {1,2,3,4,7,8}. */
+#include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <setjmp.h>
+
 #include <cmocka.h>
 
 #include <stdio.h>

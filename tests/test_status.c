@@ -1,9 +1,10 @@
 /* test_status.c: status codes and messages, the thread-local last error,
  * dtype names and the fp16/bf16 conversions (known values, round to nearest
  * even, NaN/Inf, exhaustive round trips). */
+#include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <setjmp.h>
+
 #include <cmocka.h>
 
 #include <math.h>
@@ -86,9 +87,9 @@ static void test_half_known_values(void **state) {
   (void)state;
   assert_int_equal(mtrain_float_to_half(1.0f), 0x3c00);
   assert_int_equal(mtrain_float_to_half(65504.0f), 0x7bff);
-  assert_int_equal(mtrain_float_to_half(65520.0f), 0x7c00); /* rounds to Inf */
-  assert_int_equal(mtrain_float_to_half(0x1p-24f), 0x0001);  /* smallest subnormal */
-  assert_int_equal(mtrain_float_to_half(0x1p-25f), 0x0000);  /* tie to even: 0 */
+  assert_int_equal(mtrain_float_to_half(65520.0f), 0x7c00);        /* rounds to Inf */
+  assert_int_equal(mtrain_float_to_half(0x1p-24f), 0x0001);        /* smallest subnormal */
+  assert_int_equal(mtrain_float_to_half(0x1p-25f), 0x0000);        /* tie to even: 0 */
   assert_int_equal(mtrain_float_to_half(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
   assert_int_equal(mtrain_float_to_half(1.0f + 3 * 0x1p-11f), 0x3c02);
   assert_int_equal(mtrain_float_to_half(-0.0f), 0x8000);
@@ -104,8 +105,8 @@ static void test_convert_rejects_bad_arguments(void **state) {
   (void)state;
   float x = 1.0f;
   double y;
-  TS_ASSERT_STATUS(mtrain_convert(&x, MTRAIN_F32, &y, MTRAIN_F64, -1),
-                   MTRAIN_ERR_INVALID_ARGUMENT, "negative");
+  TS_ASSERT_STATUS(mtrain_convert(&x, MTRAIN_F32, &y, MTRAIN_F64, -1), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "negative");
   TS_ASSERT_STATUS(mtrain_convert(NULL, MTRAIN_F32, &y, MTRAIN_F64, 1), MTRAIN_ERR_NULL_POINTER,
                    "src");
   TS_ASSERT_STATUS(mtrain_convert(&x, (mtrain_dtype_t)42, &y, MTRAIN_F64, 1),

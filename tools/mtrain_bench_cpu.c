@@ -47,8 +47,10 @@ static double sgemm_rate(int threads, int G, int d, int tile, int hq, int hkv, i
     double t0 = 0.0, t1 = 0.0;
 #pragma omp parallel num_threads(threads)
     {
-      float *q = malloc(sizeof(float) * (size_t)G * ldq), *k = malloc(sizeof(float) * (size_t)tile * ldk);
-      float *s = malloc(sizeof(float) * (size_t)G * tile), *o = malloc(sizeof(float) * (size_t)G * d);
+      float *q = malloc(sizeof(float) * (size_t)G * ldq),
+            *k = malloc(sizeof(float) * (size_t)tile * ldk);
+      float *s = malloc(sizeof(float) * (size_t)G * tile),
+            *o = malloc(sizeof(float) * (size_t)G * d);
       for (int i = 0; i < G * ldq; i++) q[i] = (float)((i % 7) - 3) * 0.1f;
       for (int i = 0; i < tile * ldk; i++) k[i] = (float)((i % 5) - 2) * 0.1f;
       for (int i = 0; i < G * tile; i++) s[i] = 0.01f * (float)(i % 3);
@@ -110,7 +112,8 @@ static mtrain_pattern_t *sparse_pattern(const bench_opts_t *o) {
 static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pattern_t *p,
                          const char *name, bench_result_t *r) {
   const int64_t N = o->seq_len;
-  const size_t nq = (size_t)(N * o->heads * o->head_dim), nk = (size_t)(N * o->kv_heads * o->head_dim);
+  const size_t nq = (size_t)(N * o->heads * o->head_dim),
+               nk = (size_t)(N * o->kv_heads * o->head_dim);
   float *buf = malloc(sizeof(float) * (4 * nq + 4 * nk + (size_t)(N * o->heads)));
   if (!buf) return 1;
   float *q = buf, *dout = q + nq, *out = dout + nq, *dq = out + nq, *k = dq + nq, *v = k + nk,
@@ -136,15 +139,17 @@ static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pa
   mtrain_plan_t *plan = NULL;
   const mtrain_pattern_t *pats[1] = {p};
   int rc = tool_failed(prog, "plan", mtrain_plan_create(ctx, NULL, pats, &plan));
-  double *tf = calloc((size_t)o->repeat + 1, sizeof *tf), *tb = calloc((size_t)o->repeat + 1, sizeof *tb);
+  double *tf = calloc((size_t)o->repeat + 1, sizeof *tf),
+         *tb = calloc((size_t)o->repeat + 1, sizeof *tb);
   for (int i = 0; i <= o->repeat && !rc; i++) { /* run 0 warms up */
     fprintf(stderr, "%s: %s run %d/%d\n", prog, name, i, o->repeat);
     double t0 = tool_now();
     rc = tool_failed(prog, "forward", mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
     double t1 = tool_now();
     if (!rc)
-      rc = tool_failed(prog, "backward", mtrain_attention_backward(ctx, plan, &tq, &tk, &tv, &to,
-                                                                   &tl, &tdo, &tdq, &tdk, &tdv));
+      rc = tool_failed(
+          prog, "backward",
+          mtrain_attention_backward(ctx, plan, &tq, &tk, &tv, &to, &tl, &tdo, &tdq, &tdk, &tdv));
     tf[i] = t1 - t0;
     tb[i] = tool_now() - t1;
   }
@@ -188,18 +193,37 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
       return 1;
     }
     switch (c) {
-    case 'N': o->seq_len = (int64_t)val; break;
-    case 'H': o->heads = (int32_t)val; break;
-    case 'K': o->kv_heads = (int32_t)val; break;
-    case 'D': o->head_dim = (int32_t)val; break;
-    case 'G': o->granularity = (int32_t)val; break;
-    case 'r': o->repeat = (int32_t)val; break;
-    case 'T': o->threads = (int32_t)val; break;
-    case 'd': o->density = val; break;
-    case 'j': o->json = 1; break;
+    case 'N':
+      o->seq_len = (int64_t)val;
+      break;
+    case 'H':
+      o->heads = (int32_t)val;
+      break;
+    case 'K':
+      o->kv_heads = (int32_t)val;
+      break;
+    case 'D':
+      o->head_dim = (int32_t)val;
+      break;
+    case 'G':
+      o->granularity = (int32_t)val;
+      break;
+    case 'r':
+      o->repeat = (int32_t)val;
+      break;
+    case 'T':
+      o->threads = (int32_t)val;
+      break;
+    case 'd':
+      o->density = val;
+      break;
+    case 'j':
+      o->json = 1;
+      break;
     default:
-      fprintf(stderr, "usage: %s [--seq-len N] [--heads H] [--kv-heads H] [--head-dim D] "
-                      "[--granularity G] [--density F] [--repeat R] [--threads T] [--json]\n",
+      fprintf(stderr,
+              "usage: %s [--seq-len N] [--heads H] [--kv-heads H] [--head-dim D] "
+              "[--granularity G] [--density F] [--repeat R] [--threads T] [--json]\n",
               prog);
       return 1;
     }
@@ -217,12 +241,13 @@ int main(int argc, char **argv) {
   mtrain_context_t *ctx = NULL;
   if (tool_failed(prog, "context", mtrain_context_create(&cfg, NULL, &ctx))) return 1;
   fprintf(stderr, "%s: sgemm on the tile shapes\n", prog);
-  const double sgemm = sgemm_rate(threads, o.granularity, o.head_dim, MTRAIN_CPU_TILE, o.heads, o.kv_heads, 9);
+  const double sgemm =
+      sgemm_rate(threads, o.granularity, o.head_dim, MTRAIN_CPU_TILE, o.heads, o.kv_heads, 9);
   bench_result_t res[2];
   mtrain_pattern_t *dense = NULL, *sparse = sparse_pattern(&o);
   int rc = sparse == NULL ||
-           tool_failed(prog, "pattern", mtrain_pattern_create_dense(o.seq_len, o.heads,
-                                                                    o.granularity, &dense));
+           tool_failed(prog, "pattern",
+                       mtrain_pattern_create_dense(o.seq_len, o.heads, o.granularity, &dense));
   if (!rc) rc = bench_pattern(&o, ctx, dense, "dense", &res[0]);
   if (!rc) rc = bench_pattern(&o, ctx, sparse, "vertical-slash", &res[1]);
   if (!rc && o.json) {

@@ -55,8 +55,8 @@ static int make_pattern(const run_options_t *o, const run_inputs_t *in, mtrain_p
   if (!problem) return 0;
   fprintf(stderr, "%s: %s: %s (pattern: N=%lld heads=%d G=%d; inputs: N=%lld heads=%d G=%d)\n",
           prog, o->pattern_path, problem, (long long)mtrain_pattern_seq_len(*out),
-          mtrain_pattern_num_heads(*out), mtrain_pattern_granularity(*out),
-          (long long)in->tokens, in->heads, o->granularity);
+          mtrain_pattern_num_heads(*out), mtrain_pattern_granularity(*out), (long long)in->tokens,
+          in->heads, o->granularity);
   mtrain_pattern_destroy(*out);
   *out = NULL;
   return 1;
@@ -78,16 +78,15 @@ static int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_i
   int rc = 0;
   for (int i = 0; i < o->repeat && !rc; i++) {
     double t0 = tool_now();
-    rc = tool_failed(prog, "forward",
-                     mtrain_attention_forward(ctx, plan, &in->q, &in->k, &in->v, &out->o,
-                                              &out->lse));
+    rc = tool_failed(
+        prog, "forward",
+        mtrain_attention_forward(ctx, plan, &in->q, &in->k, &in->v, &out->o, &out->lse));
     tf[i] = tool_now() - t0;
     if (rc || o->forward_only) continue;
     t0 = tool_now();
     rc = tool_failed(prog, "backward",
                      mtrain_attention_backward(ctx, plan, &in->q, &in->k, &in->v, &out->o,
-                                               &out->lse, &in->dout, &out->dq, &out->dk,
-                                               &out->dv));
+                                               &out->lse, &in->dout, &out->dq, &out->dk, &out->dv));
     tb[i] = tool_now() - t0;
   }
   if (!rc) {
@@ -126,8 +125,7 @@ static int check_against_reference(const run_options_t *o, const mtrain_pattern_
     r->check_ok = 1;
     const int n = o->forward_only ? 2 : 5;
     for (int t = 0; t < n; t++) {
-      run_compare(run_outputs_get(out, t), run_outputs_get(&out64, t), &r->err[t],
-                  &r->ref_max[t]);
+      run_compare(run_outputs_get(out, t), run_outputs_get(&out64, t), &r->err[t], &r->ref_max[t]);
       r->bound[t] = rel * r->ref_max[t];
       if (!(r->err[t] <= r->bound[t])) r->check_ok = 0;
     }

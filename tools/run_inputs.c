@@ -90,16 +90,16 @@ int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
 
 static int widen_one(const mtrain_tensor_t *src, mtrain_tensor_t *dst) {
   if (alloc_tensor(dst, MTRAIN_F64, 3, src->shape[0], src->shape[1], src->shape[2])) return 1;
-  return tool_failed(prog, "widening",
-                     mtrain_convert(src->data, src->dtype, dst->data, MTRAIN_F64,
-                                    mtrain_tensor_numel(src)));
+  return tool_failed(
+      prog, "widening",
+      mtrain_convert(src->data, src->dtype, dst->data, MTRAIN_F64, mtrain_tensor_numel(src)));
 }
 
 int run_inputs_widen(const run_inputs_t *in, run_inputs_t *out) {
   *out = *in;
   out->q.data = out->k.data = out->v.data = out->dout.data = NULL;
-  return widen_one(&in->q, &out->q) || widen_one(&in->k, &out->k) ||
-         widen_one(&in->v, &out->v) || widen_one(&in->dout, &out->dout);
+  return widen_one(&in->q, &out->q) || widen_one(&in->k, &out->k) || widen_one(&in->v, &out->v) ||
+         widen_one(&in->dout, &out->dout);
 }
 
 void run_inputs_free(run_inputs_t *in) {
@@ -160,7 +160,8 @@ mtrain_status_t run_write_f32(const char *path, const mtrain_tensor_t *t) {
   f.dtype = MTRAIN_F32;
   f.data = malloc(sizeof(float) * (size_t)(mtrain_tensor_numel(t) + 1));
   if (!f.data) return MTRAIN_ERR_OUT_OF_MEMORY;
-  mtrain_status_t st = mtrain_convert(t->data, t->dtype, f.data, MTRAIN_F32, mtrain_tensor_numel(t));
+  mtrain_status_t st =
+      mtrain_convert(t->data, t->dtype, f.data, MTRAIN_F32, mtrain_tensor_numel(t));
   if (st == MTRAIN_SUCCESS) st = mtrain_npy_write(path, &f);
   free(f.data);
   return st;

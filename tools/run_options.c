@@ -61,55 +61,98 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   o->backend = "cpu";
   o->dtype = MTRAIN_F32;
   o->repeat = 1;
-  static const struct option longs[] = {
-      {"q", required_argument, 0, 'q'},           {"k", required_argument, 0, 'k'},
-      {"v", required_argument, 0, 'v'},           {"do", required_argument, 0, 'o'},
-      {"seq-len", required_argument, 0, 'N'},     {"heads", required_argument, 0, 'H'},
-      {"kv-heads", required_argument, 0, 'K'},    {"head-dim", required_argument, 0, 'D'},
-      {"seed", required_argument, 0, 's'},        {"pattern", required_argument, 0, 'p'},
-      {"granularity", required_argument, 0, 'G'}, {"backend", required_argument, 0, 'b'},
-      {"dtype", required_argument, 0, 't'},       {"threads", required_argument, 0, 'T'},
-      {"out", required_argument, 0, 'O'},         {"check", no_argument, 0, 'c'},
-      {"json", no_argument, 0, 'j'},              {"forward-only", no_argument, 0, 'f'},
-      {"repeat", required_argument, 0, 'r'},      {"help", no_argument, 0, 'h'},
-      {0, 0, 0, 0}};
+  static const struct option longs[] = {{"q", required_argument, 0, 'q'},
+                                        {"k", required_argument, 0, 'k'},
+                                        {"v", required_argument, 0, 'v'},
+                                        {"do", required_argument, 0, 'o'},
+                                        {"seq-len", required_argument, 0, 'N'},
+                                        {"heads", required_argument, 0, 'H'},
+                                        {"kv-heads", required_argument, 0, 'K'},
+                                        {"head-dim", required_argument, 0, 'D'},
+                                        {"seed", required_argument, 0, 's'},
+                                        {"pattern", required_argument, 0, 'p'},
+                                        {"granularity", required_argument, 0, 'G'},
+                                        {"backend", required_argument, 0, 'b'},
+                                        {"dtype", required_argument, 0, 't'},
+                                        {"threads", required_argument, 0, 'T'},
+                                        {"out", required_argument, 0, 'O'},
+                                        {"check", no_argument, 0, 'c'},
+                                        {"json", no_argument, 0, 'j'},
+                                        {"forward-only", no_argument, 0, 'f'},
+                                        {"repeat", required_argument, 0, 'r'},
+                                        {"help", no_argument, 0, 'h'},
+                                        {0, 0, 0, 0}};
   int c, bad = 0;
   int64_t seed = 0;
   int32_t repeat = 1;
   opterr = 0;
   while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
     switch (c) {
-    case 'q': o->q_path = optarg; break;
-    case 'k': o->k_path = optarg; break;
-    case 'v': o->v_path = optarg; break;
-    case 'o': o->do_path = optarg; break;
-    case 'N': bad = parse_i64("seq-len", optarg, 1, (int64_t)1 << 40, &o->seq_len); break;
-    case 'H': bad = parse_i32("heads", optarg, 1, 4096, &o->heads); break;
-    case 'K': bad = parse_i32("kv-heads", optarg, 1, 4096, &o->kv_heads); break;
-    case 'D': bad = parse_i32("head-dim", optarg, 1, 4096, &o->head_dim); break;
+    case 'q':
+      o->q_path = optarg;
+      break;
+    case 'k':
+      o->k_path = optarg;
+      break;
+    case 'v':
+      o->v_path = optarg;
+      break;
+    case 'o':
+      o->do_path = optarg;
+      break;
+    case 'N':
+      bad = parse_i64("seq-len", optarg, 1, (int64_t)1 << 40, &o->seq_len);
+      break;
+    case 'H':
+      bad = parse_i32("heads", optarg, 1, 4096, &o->heads);
+      break;
+    case 'K':
+      bad = parse_i32("kv-heads", optarg, 1, 4096, &o->kv_heads);
+      break;
+    case 'D':
+      bad = parse_i32("head-dim", optarg, 1, 4096, &o->head_dim);
+      break;
     case 's':
       bad = parse_i64("seed", optarg, 0, INT64_MAX, &seed);
       o->seed = (uint64_t)seed;
       break;
-    case 'p': o->pattern_path = optarg; break;
-    case 'G': bad = parse_i32("granularity", optarg, 1, 1 << 20, &o->granularity); break;
-    case 'b': o->backend = optarg; break;
+    case 'p':
+      o->pattern_path = optarg;
+      break;
+    case 'G':
+      bad = parse_i32("granularity", optarg, 1, 1 << 20, &o->granularity);
+      break;
+    case 'b':
+      o->backend = optarg;
+      break;
     case 't':
       if (mtrain_dtype_parse(optarg, &o->dtype) != MTRAIN_SUCCESS) {
         fprintf(stderr, "mtrain-run: --dtype '%s': expected fp32, bf16, fp16 or fp64\n", optarg);
         bad = 1;
       }
       break;
-    case 'T': bad = parse_i32("threads", optarg, 1, 1 << 16, &o->threads); break;
-    case 'O': o->out_dir = optarg; break;
-    case 'c': o->check = 1; break;
-    case 'j': o->json = 1; break;
-    case 'f': o->forward_only = 1; break;
+    case 'T':
+      bad = parse_i32("threads", optarg, 1, 1 << 16, &o->threads);
+      break;
+    case 'O':
+      o->out_dir = optarg;
+      break;
+    case 'c':
+      o->check = 1;
+      break;
+    case 'j':
+      o->json = 1;
+      break;
+    case 'f':
+      o->forward_only = 1;
+      break;
     case 'r':
       bad = parse_i32("repeat", optarg, 1, 1000, &repeat);
       o->repeat = repeat;
       break;
-    case 'h': fputs(usage, stdout); return 2;
+    case 'h':
+      fputs(usage, stdout);
+      return 2;
     default:
       fprintf(stderr, "mtrain-run: unknown or incomplete option '%s'\n%s", argv[optind - 1], usage);
       return 1;

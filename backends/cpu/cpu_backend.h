@@ -12,8 +12,8 @@ extern const mtrain_backend_ops_t mtrain_cpu_ref_backend; /* "cpu-ref": fp64 ora
 extern const mtrain_backend_ops_t mtrain_cpu_backend;     /* "cpu": OpenMP + OpenBLAS */
 
 typedef struct cpu_state {
-  int num_threads;         /* OpenMP threads for this backend's parallel regions */
-  int saved_blas_threads;  /* OpenBLAS thread count to restore at fini */
+  int num_threads;        /* OpenMP threads for this backend's parallel regions */
+  int saved_blas_threads; /* OpenBLAS thread count to restore at fini */
 } cpu_state_t;
 
 /* Shared operations (cpu_common.c). */

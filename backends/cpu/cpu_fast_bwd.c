@@ -21,8 +21,8 @@
 
 /* One thread's scratch and gradient buffers. */
 typedef struct bwd_thread {
-  float *s, *dp;  /* [G x TILE] */
-  float *dk, *dv; /* [k_tokens x d] for the current kv head */
+  float *s, *dp;    /* [G x TILE] */
+  float *dk, *dv;   /* [k_tokens x d] for the current kv head */
   float *dkb, *dvb; /* [max bars x d] for the current head */
 } bwd_thread_t;
 
@@ -31,8 +31,8 @@ typedef struct bwd_item {
   bwd_thread_t *th;
   int32_t h, hk, nr, d;
   float scale;
-  const float *q, *dout; /* first row of the block, ld in->ldq */
-  float *dq;             /* dq_acc rows of the block, ld in->ldq */
+  const float *q, *dout;    /* first row of the block, ld in->ldq */
+  float *dq;                /* dq_acc rows of the block, ld in->ldq */
   const float *lse, *delta; /* acc rows of the block, ld Hq */
 } bwd_item_t;
 
@@ -104,8 +104,8 @@ static bwd_thread_t *threads_alloc(int n, int32_t G, int64_t k_tokens, int32_t d
 
 /* Runs the query blocks of head h against the chunk, accumulating into the
  * threads' buffers and dq_acc, then scatters the head's bar gradients. */
-static void bwd_head(const mtrain_bwd_step_args_t *a, const cpu_step_inputs_t *in,
-                     bwd_thread_t *th, int nthreads, int32_t h, int32_t hk) {
+static void bwd_head(const mtrain_bwd_step_args_t *a, const cpu_step_inputs_t *in, bwd_thread_t *th,
+                     int nthreads, int32_t h, int32_t hk) {
   const mtrain_step_view_t *v = a->view;
   const int32_t G = v->granularity, d = a->head_dim, Hq = v->num_heads;
   const int32_t nbars = v->heads[h].num_bars;

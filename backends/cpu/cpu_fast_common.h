@@ -21,10 +21,10 @@ typedef struct cpu_step_inputs {
 } cpu_step_inputs_t;
 
 /** Widens q, k, v (and dout when not NULL) to fp32 and gathers bar rows. */
-mtrain_status_t cpu_step_inputs_prepare(cpu_state_t *s, const mtrain_step_view_t *view,
-                                        int32_t hkv, int32_t d, mtrain_dtype_t dtype,
-                                        const void *q, const void *k, const void *v,
-                                        const void *dout, cpu_step_inputs_t *out);
+mtrain_status_t cpu_step_inputs_prepare(cpu_state_t *s, const mtrain_step_view_t *view, int32_t hkv,
+                                        int32_t d, mtrain_dtype_t dtype, const void *q,
+                                        const void *k, const void *v, const void *dout,
+                                        cpu_step_inputs_t *out);
 void cpu_step_inputs_release(cpu_step_inputs_t *in);
 
 /** K and V operands of a tile for head h (kv head hk), with their row stride. */

@@ -100,8 +100,8 @@ mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args
   const mtrain_step_view_t *v = a->view;
   const int32_t G = v->granularity, d = a->head_dim;
   cpu_step_inputs_t in;
-  mtrain_status_t st = cpu_step_inputs_prepare(s, v, a->num_kv_heads, d, a->dtype, a->q, a->k,
-                                               a->v, NULL, &in);
+  mtrain_status_t st =
+      cpu_step_inputs_prepare(s, v, a->num_kv_heads, d, a->dtype, a->q, a->k, a->v, NULL, &in);
   if (st) return st;
   int blas_threads = cpu_blas_single_begin();
   const int32_t group = v->num_heads / a->num_kv_heads;
@@ -118,9 +118,17 @@ mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args
       if (failed) continue;
       const int32_t h = (int32_t)(i / v->num_q_blocks), qb = (int32_t)(i % v->num_q_blocks);
       const int64_t gq = v->q_block_global[qb];
-      fwd_item_t it = {&in, h, h / group,
-                       mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len), d, (float)a->scale,
-                       in.q + (int64_t)qb * G * in.ldq + (int64_t)h * d, S, O, M, M + G};
+      fwd_item_t it = {&in,
+                       h,
+                       h / group,
+                       mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len),
+                       d,
+                       (float)a->scale,
+                       in.q + (int64_t)qb * G * in.ldq + (int64_t)h * d,
+                       S,
+                       O,
+                       M,
+                       M + G};
       if (it.nr == 0) continue;
       for (int32_t r = 0; r < it.nr; r++) {
         it.m[r] = -INFINITY;

@@ -46,7 +46,8 @@ static int64_t collect_keys(const row_keys_t *rk, int32_t r, int64_t *cols) {
       }
     }
   for (int32_t s = rk->h->seg_off[rk->qb]; s < rk->h->seg_off[rk->qb + 1]; s++)
-    for (int32_t b = rk->h->segs[2 * s]; b < rk->h->segs[2 * s + 1]; b++) cols[n++] = rk->h->bars[b];
+    for (int32_t b = rk->h->segs[2 * s]; b < rk->h->segs[2 * s + 1]; b++)
+      cols[n++] = rk->h->bars[b];
   return n;
 }
 
@@ -185,8 +186,9 @@ mtrain_status_t mtrain_cpu_ref_bwd_step(void *state, const mtrain_bwd_step_args_
   const int64_t cap = max_keys_per_row(v);
   int failed = !Q || !K || !V || !dO;
   /* one kv head per iteration: its dK/dV rows and its group's dQ are private */
-#pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) if (!failed) \
-    reduction(| : failed)
+#pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) if (!failed)             \
+    reduction(|                                                                                    \
+              : failed)
   for (int32_t hk = 0; hk < Hkv; hk++) {
     int64_t *cols = malloc((size_t)cap * sizeof *cols);
     if (!cols || failed) {

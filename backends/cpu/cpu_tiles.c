@@ -11,8 +11,8 @@ static void emit_range(int64_t c0, int64_t c1, int32_t tile_cols, int32_t causal
   }
 }
 
-void mtrain_cpu_for_each_tile(const mtrain_step_view_t *v, int32_t h, int32_t qb,
-                              int32_t tile_cols, cpu_tile_fn fn, void *ctx) {
+void mtrain_cpu_for_each_tile(const mtrain_step_view_t *v, int32_t h, int32_t qb, int32_t tile_cols,
+                              cpu_tile_fn fn, void *ctx) {
   const mtrain_step_head_t *hd = &v->heads[h];
   const int32_t G = v->granularity;
   const int64_t gq = v->q_block_global[qb];

@@ -37,7 +37,8 @@ int main(void) {
   CHECK(mtrain_pattern_create(N, HQ, cfg.granularity, &pattern));
   const int32_t diagonals[] = {0, 1, 4};
   const int64_t verticals[] = {0, 1, 2, 3};
-  for (int h = 0; h < HQ; h++) CHECK(mtrain_pattern_set_head(pattern, h, diagonals, 3, verticals, 4));
+  for (int h = 0; h < HQ; h++)
+    CHECK(mtrain_pattern_set_head(pattern, h, diagonals, 3, verticals, 4));
 
   /* 3. the plan, then forward and backward */
   mtrain_plan_t *plan = NULL;

@@ -34,26 +34,26 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 /* X-macro: name, value, description. One table gives the enum and the strings. */
-#define MTRAIN_STATUS_TABLE(X)                                                     \
-  X(MTRAIN_SUCCESS, 0, "success")                                                  \
-  X(MTRAIN_ERR_NULL_POINTER, -1, "a required pointer argument is NULL")            \
-  X(MTRAIN_ERR_INVALID_ARGUMENT, -2, "an argument has an invalid value")            \
-  X(MTRAIN_ERR_SHAPE_MISMATCH, -3, "tensor shapes do not agree")                   \
-  X(MTRAIN_ERR_HEAD_MISMATCH, -4, "head counts do not agree")                      \
-  X(MTRAIN_ERR_UNSUPPORTED_DTYPE, -5, "data type not supported here")              \
-  X(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, -6, "head dimension not supported")          \
-  X(MTRAIN_ERR_INVALID_PATTERN, -7, "invalid sparse pattern")                      \
-  X(MTRAIN_ERR_NONFINITE, -8, "NaN or Inf in an input tensor")                     \
-  X(MTRAIN_ERR_OUT_OF_MEMORY, -9, "out of memory")                                 \
-  X(MTRAIN_ERR_IO, -10, "file could not be opened, read or written")               \
-  X(MTRAIN_ERR_FORMAT, -11, "malformed file contents")                             \
-  X(MTRAIN_ERR_BACKEND_NOT_FOUND, -12, "no backend or communicator of that name")  \
-  X(MTRAIN_ERR_BACKEND, -13, "backend failure")                                    \
-  X(MTRAIN_ERR_COMM, -14, "communication failure")                                 \
-  X(MTRAIN_ERR_TIMEOUT, -15, "timed out waiting for a peer")                       \
-  X(MTRAIN_ERR_NOT_SUPPORTED, -16, "operation not supported by this build or backend") \
-  X(MTRAIN_ERR_INVALID_CONFIG, -17, "invalid configuration")                       \
-  X(MTRAIN_ERR_INVALID_BUDGET, -18, "invalid sparse budget")                       \
+#define MTRAIN_STATUS_TABLE(X)                                                                     \
+  X(MTRAIN_SUCCESS, 0, "success")                                                                  \
+  X(MTRAIN_ERR_NULL_POINTER, -1, "a required pointer argument is NULL")                            \
+  X(MTRAIN_ERR_INVALID_ARGUMENT, -2, "an argument has an invalid value")                           \
+  X(MTRAIN_ERR_SHAPE_MISMATCH, -3, "tensor shapes do not agree")                                   \
+  X(MTRAIN_ERR_HEAD_MISMATCH, -4, "head counts do not agree")                                      \
+  X(MTRAIN_ERR_UNSUPPORTED_DTYPE, -5, "data type not supported here")                              \
+  X(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, -6, "head dimension not supported")                           \
+  X(MTRAIN_ERR_INVALID_PATTERN, -7, "invalid sparse pattern")                                      \
+  X(MTRAIN_ERR_NONFINITE, -8, "NaN or Inf in an input tensor")                                     \
+  X(MTRAIN_ERR_OUT_OF_MEMORY, -9, "out of memory")                                                 \
+  X(MTRAIN_ERR_IO, -10, "file could not be opened, read or written")                               \
+  X(MTRAIN_ERR_FORMAT, -11, "malformed file contents")                                             \
+  X(MTRAIN_ERR_BACKEND_NOT_FOUND, -12, "no backend or communicator of that name")                  \
+  X(MTRAIN_ERR_BACKEND, -13, "backend failure")                                                    \
+  X(MTRAIN_ERR_COMM, -14, "communication failure")                                                 \
+  X(MTRAIN_ERR_TIMEOUT, -15, "timed out waiting for a peer")                                       \
+  X(MTRAIN_ERR_NOT_SUPPORTED, -16, "operation not supported by this build or backend")             \
+  X(MTRAIN_ERR_INVALID_CONFIG, -17, "invalid configuration")                                       \
+  X(MTRAIN_ERR_INVALID_BUDGET, -18, "invalid sparse budget")                                       \
   X(MTRAIN_ERR_INTERNAL, -19, "internal error (a bug in mtrain)")
 
 typedef enum mtrain_status {
@@ -132,15 +132,15 @@ uint16_t mtrain_float_to_half(float x);
  *  process) on top: MTRAIN_BACKEND, MTRAIN_GRANULARITY, MTRAIN_NUM_THREADS,
  *  MTRAIN_CHECK_INPUTS. */
 typedef struct mtrain_config {
-  int32_t api_version;      /**< must be MTRAIN_API_VERSION */
-  const char *backend;      /**< "cpu" (default), "cpu-ref", "cuda" */
-  int32_t granularity;      /**< block size G of patterns and plans (default 128) */
-  int32_t num_threads;      /**< CPU threads; 0 = OpenMP's default */
-  int32_t check_inputs;     /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
-  double softmax_scale;     /**< 0 = 1/sqrt(head_dim) */
+  int32_t api_version;  /**< must be MTRAIN_API_VERSION */
+  const char *backend;  /**< "cpu" (default), "cpu-ref", "cuda" */
+  int32_t granularity;  /**< block size G of patterns and plans (default 128) */
+  int32_t num_threads;  /**< CPU threads; 0 = OpenMP's default */
+  int32_t check_inputs; /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
+  double softmax_scale; /**< 0 = 1/sqrt(head_dim) */
 } mtrain_config_t;
 
-#define MTRAIN_CONFIG_INIT                                                    \
+#define MTRAIN_CONFIG_INIT                                                                         \
   { MTRAIN_API_VERSION, "cpu", 128, 0, 0, 0.0 }
 
 typedef struct mtrain_context mtrain_context_t;
@@ -183,8 +183,8 @@ typedef struct mtrain_pattern mtrain_pattern_t;
 mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads, int32_t granularity,
                                       mtrain_pattern_t **out);
 /** The dense causal pattern (all block diagonals 0..nb-1, no verticals). */
-mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads,
-                                            int32_t granularity, mtrain_pattern_t **out);
+mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads, int32_t granularity,
+                                            mtrain_pattern_t **out);
 void mtrain_pattern_destroy(mtrain_pattern_t *pattern);
 /** Deep copy. */
 mtrain_status_t mtrain_pattern_clone(const mtrain_pattern_t *pattern, mtrain_pattern_t **out);

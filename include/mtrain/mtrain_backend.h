@@ -40,17 +40,17 @@ typedef struct mtrain_step_head {
 
 /** One ring step of one sequence on this rank. */
 typedef struct mtrain_step_view {
-  int32_t step;       /**< ring step index */
-  int32_t src_rank;   /**< rank the K/V chunk in hand originated on */
+  int32_t step;     /**< ring step index */
+  int32_t src_rank; /**< rank the K/V chunk in hand originated on */
   int32_t granularity;
-  int32_t num_heads;  /**< query heads */
-  int64_t seq_len;    /**< global length N of the sequence */
-  int64_t q_tokens;   /**< local query tokens of this sequence on this rank */
-  int64_t k_tokens;   /**< tokens of the chunk in hand */
+  int32_t num_heads; /**< query heads */
+  int64_t seq_len;   /**< global length N of the sequence */
+  int64_t q_tokens;  /**< local query tokens of this sequence on this rank */
+  int64_t k_tokens;  /**< tokens of the chunk in hand */
   int32_t num_q_blocks;
   int32_t num_k_blocks;
-  const int64_t *q_block_global; /**< [num_q_blocks] global block of each local q block */
-  const int64_t *k_block_global; /**< [num_k_blocks] global block of each chunk key block */
+  const int64_t *q_block_global;   /**< [num_q_blocks] global block of each local q block */
+  const int64_t *k_block_global;   /**< [num_k_blocks] global block of each chunk key block */
   const mtrain_step_head_t *heads; /**< [num_heads] */
 } mtrain_step_view_t;
 

@@ -23,11 +23,10 @@ mtrain_status_t mtrain_cpu_dense_reference_forward(const mtrain_pattern_t *patte
 /** dq, dk, dv (overwritten) from the forward's inputs and outputs and dout. */
 mtrain_status_t mtrain_cpu_dense_reference_backward(const mtrain_pattern_t *pattern,
                                                     int32_t num_kv_heads, int32_t head_dim,
-                                                    double scale, const double *q,
-                                                    const double *k, const double *v,
-                                                    const double *o, const double *lse,
-                                                    const double *dout, double *dq, double *dk,
-                                                    double *dv);
+                                                    double scale, const double *q, const double *k,
+                                                    const double *v, const double *o,
+                                                    const double *lse, const double *dout,
+                                                    double *dq, double *dk, double *dv);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,8 @@
 /* test_support.c: shared test helpers (see test_support.h). */
+#include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
-#include <setjmp.h>
+
 #include <cmocka.h>
 
 #include <jansson.h>
@@ -57,9 +58,9 @@ void ts_fill_normal(ts_rng_t *rng, void *data, mtrain_dtype_t dtype, int64_t cou
                     double *as_double) {
   for (int64_t i = 0; i < count; i++) {
     double x = ts_rng_normal(rng) * scale;
-    assert_int_equal(mtrain_convert(&x, MTRAIN_F64, (char *)data + i * mtrain_dtype_size(dtype),
-                                    dtype, 1),
-                     MTRAIN_SUCCESS);
+    assert_int_equal(
+        mtrain_convert(&x, MTRAIN_F64, (char *)data + i * mtrain_dtype_size(dtype), dtype, 1),
+        MTRAIN_SUCCESS);
   }
   if (as_double)
     assert_int_equal(mtrain_convert(data, dtype, as_double, MTRAIN_F64, count), MTRAIN_SUCCESS);
