@@ -48,6 +48,10 @@ mtrain_status_t mtrain_cpu_fast_bwd_prepare(void *state, const void *o, const vo
                                             int32_t num_heads, int32_t head_dim);
 mtrain_status_t mtrain_cpu_fast_bwd_step(void *state, const mtrain_bwd_step_args_t *args);
 
+/* Pattern scores (cpu_scores.c). */
+mtrain_status_t mtrain_cpu_ref_pattern_scores(void *state, const mtrain_scores_args_t *args);
+mtrain_status_t mtrain_cpu_fast_pattern_scores(void *state, const mtrain_scores_args_t *args);
+
 /** Element i of a buffer of `dtype`, widened to double. */
 static inline double mtrain_cpu_load(const void *p, mtrain_dtype_t dtype, int64_t i) {
   switch (dtype) {

@@ -259,6 +259,68 @@ int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan);
 size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
 
 /* ------------------------------------------------------------------------ */
+/* Budgets and online pattern estimation (SPEC.md section 2)                 */
+/* ------------------------------------------------------------------------ */
+
+typedef enum mtrain_budget_kind {
+  MTRAIN_BUDGET_TOP_K = 0, /**< static: keep v_size verticals and s_size slashes */
+  MTRAIN_BUDGET_TOP_P = 1, /**< online: keep the fewest whose mass stays below p, at most cap */
+} mtrain_budget_kind_t;
+
+/** The budget of one query head. */
+typedef struct mtrain_head_budget {
+  mtrain_budget_kind_t kind;
+  int64_t v_size, s_size;  /**< top-k: verticals (key columns) and slashes (token diagonals) */
+  double p_v, p_s;         /**< top-p: mass thresholds in (0, 1] */
+  int64_t cap_v, cap_s;    /**< top-p: most verticals / slashes kept */
+} mtrain_head_budget_t;
+
+/** Per layer and head budgets, as in the MInference budget files. */
+typedef struct mtrain_budgets mtrain_budgets_t;
+
+/** Reads a MInference budget file (a list with one object per layer mapping
+ *  the head index to ["vertical_and_slash", v, s, score] or
+ *  ["flex_vertical_and_slash", [p_v, cap_v], [p_s, cap_s], score]).
+ *  Malformed files: MTRAIN_ERR_FORMAT or MTRAIN_ERR_INVALID_BUDGET with the
+ *  file, the place ("layer 3, head \"7\"") and the reason. */
+mtrain_status_t mtrain_budgets_read(const char *path, mtrain_budgets_t **out);
+/** The same from a NUL-terminated string; `origin` names it in messages. */
+mtrain_status_t mtrain_budgets_parse(const char *text, const char *origin, mtrain_budgets_t **out);
+void mtrain_budgets_destroy(mtrain_budgets_t *budgets);
+int32_t mtrain_budgets_num_layers(const mtrain_budgets_t *budgets);
+/** Heads of a layer (0 when the layer is out of range). */
+int32_t mtrain_budgets_num_heads(const mtrain_budgets_t *budgets, int32_t layer);
+/** The budget of (layer, head); MTRAIN_ERR_INVALID_ARGUMENT naming the layer
+ *  or head when out of range. */
+mtrain_status_t mtrain_budgets_get(const mtrain_budgets_t *budgets, int32_t layer, int32_t head,
+                                   mtrain_head_budget_t *out);
+/** Checks one budget's values (sizes >= 0, p in (0, 1], caps >= 0). */
+mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *budget);
+
+/** Options of the estimation. Initialise with MTRAIN_ESTIMATE_INIT. */
+typedef struct mtrain_estimate_options {
+  int32_t last_q;     /**< L: the last L queries score the keys (default 64; clamped to N) */
+  int32_t num_sinks;  /**< top-k mode: first keys forced in as verticals (default 30) */
+  int32_t window;     /**< top-k mode: token diagonals 0..window-1 forced in (default 100) */
+} mtrain_estimate_options_t;
+
+#define MTRAIN_ESTIMATE_INIT {64, 30, 100}
+
+/** Estimates the vertical-slash pattern of one sequence from its post-RoPE q
+ *  [N, Hq, d] and k [N, Hkv, d] (SPEC.md section 2): per query head h,
+ *  budgets[h] selects verticals and slashes from the last-L query scores.
+ *  The scores are computed by the context's backend; the selection is the
+ *  same code for every backend. Deterministic: the same inputs give the same
+ *  pattern bitwise on one backend. The result has the context's granularity;
+ *  the caller destroys it. Single rank for now (the distributed form comes
+ *  with the distributed ring). */
+mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                        const mtrain_tensor_t *k,
+                                        const mtrain_head_budget_t *budgets,
+                                        const mtrain_estimate_options_t *options,
+                                        mtrain_pattern_t **out);
+
+/* ------------------------------------------------------------------------ */
 /* Attention                                                                 */
 /* ------------------------------------------------------------------------ */
 

@@ -95,6 +95,53 @@ typedef struct mtrain_bwd_step_args {
   void *dv_acc;          /**< [k_tokens, Hkv, d] acc dtype, accumulated */
 } mtrain_bwd_step_args_t;
 
+/** Stages of the pattern scores (SPEC.md section 2). A = scale * q_last k^T
+ *  over the last L queries (global positions N-L..N-1) and the chunk's keys,
+ *  masked causally (key position <= query position; padding keys never
+ *  count). Every output is indexed by GLOBAL key position or block, so the
+ *  partial results of several ranks combine exactly by summation (each entry
+ *  has one contributor). */
+typedef enum mtrain_scores_stage {
+  /** row_out[h*L + r] = max over the chunk's causal keys of A (-inf if none). */
+  MTRAIN_SCORES_ROW_MAX = 0,
+  /** row_out[(h*L + r)*nb + gb] = sum over the chunk's causal keys j of global
+   *  block gb, in key order, of exp(A - row_max[h*L + r]); nb = ceil(N/G). */
+  MTRAIN_SCORES_ROW_BLOCK_SUMS = 1,
+  /** For each head, the score matrix is A itself (probs[h] == 0) or
+   *  exp(A - row_max) / row_norm / L (probs[h] == 1). Writes
+   *  col_out[h*N + j] = sum over rows r (ascending) of score[r, j] for the
+   *  chunk's keys j, and diag_out[(h*N + t)*S + (b - b0(t))] = sum over rows r
+   *  (ascending) with key j = N-L+r-t in global block b of score[r, j], where
+   *  b0(t) = max(0, N-L-t) / G and S = mtrain_scores_slots(L, G). */
+  MTRAIN_SCORES_SUMS = 2,
+} mtrain_scores_stage_t;
+
+/** Number of key blocks one token diagonal of L rows can span. */
+static inline int32_t mtrain_scores_slots(int32_t last_q, int32_t granularity) {
+  return (last_q + granularity - 1) / granularity + 1;
+}
+
+typedef struct mtrain_scores_args {
+  mtrain_scores_stage_t stage;
+  int64_t seq_len;            /**< N */
+  int32_t last_q;             /**< L (<= N) */
+  int32_t granularity;        /**< G */
+  int32_t num_heads, num_kv_heads, head_dim;
+  double scale;
+  mtrain_dtype_t dtype;       /**< storage dtype of q_last and k */
+  const void *q_last;         /**< [L, Hq, d] */
+  const void *k;              /**< [k_tokens, Hkv, d] the keys this rank holds */
+  int64_t k_tokens;
+  int32_t num_k_blocks;
+  const int64_t *k_block_global; /**< [num_k_blocks] global block of each local key block */
+  const uint8_t *probs;       /**< [Hq] host flags: 1 = top-p head (probabilities) */
+  const double *row_max;      /**< [Hq*L] global row max (stages 1 and 2 with probs) */
+  const double *row_norm;     /**< [Hq*L] global sum of exp(A - row_max) (stage 2 with probs) */
+  double *row_out;            /**< stages 0 and 1 (overwritten where this chunk contributes) */
+  double *col_out;            /**< stage 2, zero-initialised by the caller, [Hq*N] */
+  double *diag_out;           /**< stage 2, zero-initialised by the caller, [Hq*N*S] */
+} mtrain_scores_args_t;
+
 /** The backend table. Slots marked optional may be NULL; the core reports
  *  MTRAIN_ERR_NOT_SUPPORTED when one is needed. Every slot returns a status
  *  and sets the last-error message on failure. */
@@ -133,6 +180,9 @@ typedef struct mtrain_backend_ops {
                                       int32_t num_heads, int32_t head_dim);
   /** Accumulates one step's contributions into dq_acc, dk_acc, dv_acc. */
   mtrain_status_t (*attn_bwd_step)(void *state, const mtrain_bwd_step_args_t *args);
+  /** Pattern scores of SPEC.md section 2, one stage (optional). Outputs are
+   *  fp64 in the backend's memory. */
+  mtrain_status_t (*pattern_scores)(void *state, const mtrain_scores_args_t *args);
 
   /** Waits for all work queued by this backend (no-op on the CPU). */
   mtrain_status_t (*synchronize)(void *state);

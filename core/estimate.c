@@ -1,0 +1,272 @@
+/* estimate.c: online estimation of the vertical-slash pattern (SPEC.md
+ * section 2). The backend computes the last-L query scores in stages (row
+ * maxima and normalisers for top-p heads, then column and diagonal sums);
+ * partial results are indexed globally and combined with the communicator's
+ * all-reduce (each entry has one contributor, so the sums are exact and do
+ * not depend on the world size); the selection (select.c) is host code shared
+ * by all backends. Single rank for now: the chunk is the whole sequence. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "context_internal.h"
+#include "error.h"
+#include "select.h"
+
+mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *b) {
+  MTRAIN_CHECK_NOT_NULL(b);
+  if (b->kind == MTRAIN_BUDGET_TOP_K) {
+    if (b->v_size < 0 || b->s_size < 0)
+      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
+                          "top-k budget has a negative size (v_size %lld, s_size %lld)",
+                          (long long)b->v_size, (long long)b->s_size);
+    return MTRAIN_SUCCESS;
+  }
+  if (b->kind == MTRAIN_BUDGET_TOP_P) {
+    if (!(b->p_v > 0.0 && b->p_v <= 1.0) || !(b->p_s > 0.0 && b->p_s <= 1.0))
+      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
+                          "top-p budget thresholds must lie in (0, 1] (p_v %g, p_s %g)", b->p_v,
+                          b->p_s);
+    if (b->cap_v < 0 || b->cap_s < 0)
+      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
+                          "top-p budget has a negative cap (cap_v %lld, cap_s %lld)",
+                          (long long)b->cap_v, (long long)b->cap_s);
+    return MTRAIN_SUCCESS;
+  }
+  return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
+                      "budget kind %d is neither top-k (0) nor top-p (1)", (int)b->kind);
+}
+
+/* Everything one estimation call allocates, freed in one place. */
+typedef struct estimate_buffers {
+  void *row, *col, *diag; /* backend memory */
+  double *row_host, *row_max, *row_norm, *col_host, *diag_host, *sscore;
+  int64_t *order, *picked, *tokens;
+  int32_t *blocks;
+  uint8_t *probs, *forced;
+  int64_t *k_global;
+} estimate_buffers_t;
+
+static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
+  void *backend[] = {b->row, b->col, b->diag};
+  for (int i = 0; i < 3; i++)
+    if (backend[i]) ctx->backend->free(ctx->backend_state, backend[i]);
+  free(b->row_host);
+  free(b->row_max);
+  free(b->row_norm);
+  free(b->col_host);
+  free(b->diag_host);
+  free(b->sscore);
+  free(b->order);
+  free(b->picked);
+  free(b->tokens);
+  free(b->blocks);
+  free(b->probs);
+  free(b->forced);
+  free(b->k_global);
+}
+
+static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                    const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
+                                    const mtrain_estimate_options_t *o) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(q);
+  MTRAIN_CHECK_NOT_NULL(k);
+  MTRAIN_CHECK_NOT_NULL(budgets);
+  MTRAIN_CHECK_NOT_NULL(o);
+  if (q->ndim != 3 || k->ndim != 3)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "estimate: q and k must be [tokens, heads, head_dim] (ndim %d and %d)",
+                        q->ndim, k->ndim);
+  if (q->shape[0] < 1 || k->shape[0] != q->shape[0])
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "estimate: q has %lld tokens, k has %lld",
+                        (long long)q->shape[0], (long long)k->shape[0]);
+  if (k->shape[2] != q->shape[2])
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "estimate: q has head_dim %lld, k has %lld",
+                        (long long)q->shape[2], (long long)k->shape[2]);
+  if (k->shape[1] < 1 || q->shape[1] % k->shape[1] != 0)
+    return mtrain_error(MTRAIN_ERR_HEAD_MISMATCH,
+                        "estimate: query heads %lld are not a multiple of kv heads %lld",
+                        (long long)q->shape[1], (long long)k->shape[1]);
+  if (k->dtype != q->dtype)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "estimate: q is %s but k is %s",
+                        mtrain_dtype_name(q->dtype), mtrain_dtype_name(k->dtype));
+  if (!q->data || !k->data)
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER, "estimate: tensor '%s' has data == NULL",
+                        q->data ? "k" : "q");
+  if (o->last_q < 1 || o->num_sinks < 0 || o->window < 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "estimate: options last_q %d (>= 1), num_sinks %d and window %d (>= 0)",
+                        o->last_q, o->num_sinks, o->window);
+  for (int64_t h = 0; h < q->shape[1]; h++) {
+    mtrain_status_t st = mtrain_head_budget_validate(&budgets[h]);
+    if (st) return mtrain_error_prefix(st, "estimate: budgets[%lld]", (long long)h);
+  }
+  if (mtrain_context_world(ctx) != 1)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "estimate: world size %d: the distributed estimation comes with the "
+                        "distributed ring (single rank only in this version)",
+                        mtrain_context_world(ctx));
+  if (!ctx->backend->pattern_scores)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "estimate: backend '%s' has no pattern scores",
+                        ctx->backend_name);
+  return ctx->backend->supports(ctx->backend_state, q->dtype, (int32_t)q->shape[2]);
+}
+
+static mtrain_status_t to_host(mtrain_context_t *ctx, double *dst, const void *src, size_t count) {
+  return ctx->backend->copy_to_host(ctx->backend_state, dst, src, count * sizeof(double));
+}
+
+static mtrain_status_t from_host(mtrain_context_t *ctx, void *dst, const double *src,
+                                 size_t count) {
+  return ctx->backend->copy_from_host(ctx->backend_state, dst, src, count * sizeof(double));
+}
+
+static mtrain_status_t allreduce(mtrain_context_t *ctx, double *buf, int64_t n,
+                                 mtrain_reduce_op_t op) {
+  return ctx->comm->ops->allreduce(ctx->comm->state, buf, n, MTRAIN_F64, op);
+}
+
+/* Selects head h's verticals and diagonals from its column and diagonal
+ * scores and stores them in the pattern. */
+static mtrain_status_t select_head(const mtrain_head_budget_t *bud,
+                                   const mtrain_estimate_options_t *o, int32_t h, int64_t N,
+                                   int32_t L, int32_t G, estimate_buffers_t *b,
+                                   mtrain_pattern_t *p) {
+  const int32_t slots = mtrain_scores_slots(L, G);
+  const int64_t nb = (N + G - 1) / G;
+  /* vertical candidates: keys before the last block */
+  const int64_t nv_cand = ((N - 1) / G) * G;
+  const double *col = b->col_host + (int64_t)h * N;
+  /* slash scores: per-block partial sums added in block order */
+  for (int64_t t = 0; t < N; t++) {
+    double sum = 0.0;
+    for (int32_t s = 0; s < slots; s++) sum += b->diag_host[((int64_t)h * N + t) * slots + s];
+    b->sscore[t] = sum;
+  }
+  int64_t nv, ns;
+  if (bud->kind == MTRAIN_BUDGET_TOP_K) {
+    memset(b->forced, 0, (size_t)N);
+    for (int64_t j = 0; j < o->num_sinks && j < nv_cand; j++) b->forced[j] = 1;
+    nv = mtrain_select_top_k(col, b->forced, nv_cand, bud->v_size, b->order, b->picked);
+    memset(b->forced, 0, (size_t)N);
+    for (int64_t t = 0; t < o->window && t < N; t++) b->forced[t] = 1;
+    ns = mtrain_select_top_k(b->sscore, b->forced, N, bud->s_size, b->order, b->tokens);
+  } else {
+    nv = mtrain_select_top_p(col, nv_cand, bud->p_v, bud->cap_v, b->order, b->picked);
+    ns = mtrain_select_top_p(b->sscore, N, bud->p_s, bud->cap_s, b->order, b->tokens);
+  }
+  const int32_t nd = mtrain_token_to_block_diagonals(b->tokens, ns, G, nb, b->blocks);
+  return mtrain_pattern_set_head(p, h, b->blocks, nd, b->picked, (int32_t)nv);
+}
+
+mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                        const mtrain_tensor_t *k,
+                                        const mtrain_head_budget_t *budgets,
+                                        const mtrain_estimate_options_t *options,
+                                        mtrain_pattern_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  mtrain_status_t st = check_inputs(ctx, q, k, budgets, options);
+  if (st) return st;
+  const int64_t N = q->shape[0];
+  const int32_t Hq = (int32_t)q->shape[1], Hkv = (int32_t)k->shape[1], d = (int32_t)q->shape[2];
+  const int32_t G = ctx->config.granularity;
+  const int32_t L = options->last_q < N ? options->last_q : (int32_t)N;
+  const int32_t slots = mtrain_scores_slots(L, G);
+  const int64_t nb = (N + G - 1) / G;
+  const size_t esz = mtrain_dtype_size(q->dtype);
+  const mtrain_backend_ops_t *be = ctx->backend;
+  estimate_buffers_t b;
+  memset(&b, 0, sizeof b);
+  mtrain_pattern_t *p = NULL;
+  const size_t n_row_sums = (size_t)Hq * L * (size_t)nb;
+  const size_t n_row = n_row_sums > 2 * (size_t)Hq * L ? n_row_sums : 2 * (size_t)Hq * L;
+  const size_t n_col = (size_t)Hq * N, n_diag = (size_t)Hq * N * slots;
+  b.probs = calloc((size_t)Hq, 1);
+  b.k_global = malloc(sizeof(int64_t) * (size_t)nb);
+  b.row_host = malloc(sizeof(double) * n_row);
+  b.row_max = malloc(sizeof(double) * (size_t)Hq * L);
+  b.row_norm = malloc(sizeof(double) * (size_t)Hq * L);
+  b.col_host = malloc(sizeof(double) * n_col);
+  b.diag_host = malloc(sizeof(double) * n_diag);
+  b.sscore = malloc(sizeof(double) * (size_t)N);
+  b.order = malloc(sizeof(int64_t) * (size_t)N);
+  b.picked = malloc(sizeof(int64_t) * (size_t)N);
+  b.tokens = malloc(sizeof(int64_t) * (size_t)N);
+  b.blocks = malloc(sizeof(int32_t) * (size_t)(2 * N + 1));
+  b.forced = malloc((size_t)N);
+  MTRAIN_FAIL_IF(!b.probs || !b.k_global || !b.row_host || !b.row_max || !b.row_norm ||
+                     !b.col_host || !b.diag_host || !b.sscore || !b.order || !b.picked ||
+                     !b.tokens || !b.blocks || !b.forced,
+                 MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
+                 (long long)N, Hq);
+  MTRAIN_TRY(be->alloc(ctx->backend_state, n_row * sizeof(double), &b.row));
+  MTRAIN_TRY(be->alloc(ctx->backend_state, n_col * sizeof(double), &b.col));
+  MTRAIN_TRY(be->alloc(ctx->backend_state, n_diag * sizeof(double), &b.diag));
+  int any_probs = 0;
+  for (int32_t h = 0; h < Hq; h++) any_probs |= b.probs[h] = budgets[h].kind == MTRAIN_BUDGET_TOP_P;
+  for (int64_t gb = 0; gb < nb; gb++) b.k_global[gb] = gb; /* single rank: identity layout */
+  mtrain_scores_args_t a = {.seq_len = N,
+                            .last_q = L,
+                            .granularity = G,
+                            .num_heads = Hq,
+                            .num_kv_heads = Hkv,
+                            .head_dim = d,
+                            .scale = ctx->config.softmax_scale > 0 ? ctx->config.softmax_scale
+                                                                   : 1.0 / sqrt((double)d),
+                            .dtype = q->dtype,
+                            .q_last = (const char *)q->data + (size_t)(N - L) * Hq * d * esz,
+                            .k = k->data,
+                            .k_tokens = N,
+                            .num_k_blocks = (int32_t)nb,
+                            .k_block_global = b.k_global,
+                            .probs = b.probs};
+  if (any_probs) {
+    /* row maxima, combined with MAX */
+    for (size_t i = 0; i < (size_t)Hq * L; i++) b.row_max[i] = -INFINITY;
+    MTRAIN_TRY(from_host(ctx, b.row, b.row_max, (size_t)Hq * L));
+    a.stage = MTRAIN_SCORES_ROW_MAX;
+    a.row_out = b.row;
+    MTRAIN_TRY(be->pattern_scores(ctx->backend_state, &a));
+    MTRAIN_TRY(to_host(ctx, b.row_max, b.row, (size_t)Hq * L));
+    MTRAIN_TRY(allreduce(ctx, b.row_max, (int64_t)Hq * L, MTRAIN_REDUCE_MAX));
+    /* normalisers: per (row, key block) partial sums, added in block order */
+    MTRAIN_TRY(be->memset_zero(ctx->backend_state, b.row, n_row * sizeof(double)));
+    void *row_max_dev = b.col; /* col is free until stage 2: borrow it for row_max */
+    MTRAIN_TRY(from_host(ctx, row_max_dev, b.row_max, (size_t)Hq * L));
+    a.stage = MTRAIN_SCORES_ROW_BLOCK_SUMS;
+    a.row_max = row_max_dev;
+    MTRAIN_TRY(be->pattern_scores(ctx->backend_state, &a));
+    MTRAIN_TRY(to_host(ctx, b.row_host, b.row, n_row_sums));
+    MTRAIN_TRY(allreduce(ctx, b.row_host, (int64_t)n_row_sums, MTRAIN_REDUCE_SUM));
+    for (size_t r = 0; r < (size_t)Hq * L; r++) {
+      double sum = 0.0;
+      for (int64_t gb = 0; gb < nb; gb++) sum += b.row_host[r * (size_t)nb + (size_t)gb];
+      b.row_norm[r] = sum;
+    }
+    /* row_max and row_norm travel to the backend in `row` (n_row >= 2 * Hq * L) */
+    MTRAIN_TRY(from_host(ctx, b.row, b.row_max, (size_t)Hq * L));
+    MTRAIN_TRY(from_host(ctx, (double *)b.row + (size_t)Hq * L, b.row_norm, (size_t)Hq * L));
+    a.row_max = b.row;
+    a.row_norm = (const double *)b.row + (size_t)Hq * L;
+  }
+  MTRAIN_TRY(be->memset_zero(ctx->backend_state, b.col, n_col * sizeof(double)));
+  MTRAIN_TRY(be->memset_zero(ctx->backend_state, b.diag, n_diag * sizeof(double)));
+  a.stage = MTRAIN_SCORES_SUMS;
+  a.row_out = NULL;
+  a.col_out = b.col;
+  a.diag_out = b.diag;
+  MTRAIN_TRY(be->pattern_scores(ctx->backend_state, &a));
+  MTRAIN_TRY(to_host(ctx, b.col_host, b.col, n_col));
+  MTRAIN_TRY(to_host(ctx, b.diag_host, b.diag, n_diag));
+  MTRAIN_TRY(allreduce(ctx, b.col_host, (int64_t)n_col, MTRAIN_REDUCE_SUM));
+  MTRAIN_TRY(allreduce(ctx, b.diag_host, (int64_t)n_diag, MTRAIN_REDUCE_SUM));
+  MTRAIN_TRY(mtrain_pattern_create(N, Hq, G, &p));
+  for (int32_t h = 0; h < Hq; h++) MTRAIN_TRY(select_head(&budgets[h], options, h, N, L, G, &b, p));
+  *out = p;
+  p = NULL;
+cleanup:
+  mtrain_pattern_destroy(p);
+  buffers_free(ctx, &b);
+  return st;
+}

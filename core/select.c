@@ -1,0 +1,83 @@
+/* select.c: top-k and top-p selection with the tie-breaking of SPEC.md
+ * section 2, and the token-diagonal to block-diagonal conversion. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "select.h"
+
+/* qsort has no context argument: the comparison reads these (selection runs
+ * under a lock-free per-thread copy). */
+static _Thread_local const double *sort_scores;
+static _Thread_local const uint8_t *sort_forced;
+
+/* Descending score (+inf for forced, NaN lowest), then ascending index. */
+static int by_score_desc(const void *pa, const void *pb) {
+  const int64_t a = *(const int64_t *)pa, b = *(const int64_t *)pb;
+  double x = sort_forced && sort_forced[a] ? INFINITY : sort_scores[a];
+  double y = sort_forced && sort_forced[b] ? INFINITY : sort_scores[b];
+  if (isnan(x)) x = -INFINITY;
+  if (isnan(y)) y = -INFINITY;
+  if (x != y) return x > y ? -1 : 1;
+  return (a > b) - (a < b);
+}
+
+static int by_index(const void *pa, const void *pb) {
+  const int64_t a = *(const int64_t *)pa, b = *(const int64_t *)pb;
+  return (a > b) - (a < b);
+}
+
+static void rank(const double *scores, const uint8_t *forced, int64_t n, int64_t *order) {
+  for (int64_t i = 0; i < n; i++) order[i] = i;
+  sort_scores = scores;
+  sort_forced = forced;
+  qsort(order, (size_t)n, sizeof *order, by_score_desc);
+  sort_scores = NULL;
+  sort_forced = NULL;
+}
+
+static int64_t keep_first(const int64_t *order, int64_t count, int64_t *out) {
+  for (int64_t i = 0; i < count; i++) out[i] = order[i];
+  qsort(out, (size_t)count, sizeof *out, by_index);
+  return count;
+}
+
+int64_t mtrain_select_top_k(const double *scores, const uint8_t *forced, int64_t n, int64_t k,
+                            int64_t *order, int64_t *out) {
+  if (k > n) k = n; /* budgets larger than the candidates are clamped */
+  if (k <= 0 || n <= 0) return 0;
+  rank(scores, forced, n, order);
+  return keep_first(order, k, out);
+}
+
+int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t cap, int64_t *order,
+                            int64_t *out) {
+  if (n <= 0 || cap <= 0) return 0;
+  rank(scores, NULL, n, order);
+  double sum = 0.0;
+  int64_t count = 0;
+  while (count < n && count < cap) {
+    const double next = sum + scores[order[count]];
+    if (!(next < p)) break;
+    sum = next;
+    count++;
+  }
+  return keep_first(order, count, out);
+}
+
+int32_t mtrain_token_to_block_diagonals(const int64_t *tokens, int64_t n, int32_t granularity,
+                                        int64_t num_blocks, int32_t *out) {
+  /* mark then collect: block diagonals are < num_blocks */
+  int32_t count = 0;
+  out[count++] = 0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t a = tokens[i] / granularity, b = tokens[i] % granularity;
+    const int64_t cand[2] = {a, b > 0 ? a + 1 : -1};
+    for (int c = 0; c < 2; c++) {
+      if (cand[c] <= last || cand[c] >= num_blocks) continue; /* tokens are increasing */
+      out[count++] = (int32_t)cand[c];
+      last = cand[c];
+    }
+  }
+  return count;
+}

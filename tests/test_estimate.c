@@ -1,0 +1,386 @@
+/* test_estimate.c: online pattern estimation (SPEC.md section 2). The
+ * selection rules (ties, forced sinks and window, clamping, the top-p rule,
+ * token to block diagonals) on hand-made scores; the estimate of "cpu-ref"
+ * against an independent brute-force implementation of the section written
+ * here (bitwise equal sets); "cpu" against it with the allowed near-tie
+ * differences; both budget modes and mixed heads, GQA, lengths that are not
+ * multiples of G, L > G; bad inputs. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/select.h"
+#include "test_support.h"
+
+/* ---- selection rules ---------------------------------------------------- */
+
+static void test_top_k_ties_and_forced(void **state) {
+  (void)state;
+  const double s[6] = {1.0, 3.0, 3.0, 2.0, NAN, 3.0};
+  int64_t order[6], out[6];
+  int64_t n = mtrain_select_top_k(s, NULL, 6, 2, order, out);
+  assert_int_equal(n, 2);
+  assert_int_equal(out[0], 1); /* three tie at 3.0: the two lowest indices */
+  assert_int_equal(out[1], 2);
+  const uint8_t forced[6] = {1, 0, 0, 0, 0, 0};
+  n = mtrain_select_top_k(s, forced, 6, 2, order, out);
+  assert_int_equal(n, 2);
+  assert_int_equal(out[0], 0);
+  assert_int_equal(out[1], 1);
+  n = mtrain_select_top_k(s, NULL, 6, 100, order, out); /* clamped */
+  assert_int_equal(n, 6);
+  n = mtrain_select_top_k(s, NULL, 5, 5, order, out); /* NaN ranks last but is kept if asked */
+  assert_int_equal(n, 5);
+  assert_int_equal(mtrain_select_top_k(s, NULL, 6, 0, order, out), 0);
+}
+
+static void test_top_p_rule(void **state) {
+  (void)state;
+  /* exact binary fractions: sorted 0.5, 0.25, 0.125, 0.0625, 0.03125 with
+   * prefix sums 0.5, 0.75, 0.875, 0.9375, 0.96875 */
+  const double s[5] = {0.0625, 0.5, 0.125, 0.25, 0.03125};
+  int64_t order[5], out[5];
+  assert_int_equal(mtrain_select_top_p(s, 5, 0.9, 10, order, out), 3); /* 0.875 < 0.9 */
+  assert_int_equal(out[0], 1);
+  assert_int_equal(out[1], 2);
+  assert_int_equal(out[2], 3);
+  assert_int_equal(mtrain_select_top_p(s, 5, 0.875, 10, order, out), 2); /* not < 0.875 */
+  assert_int_equal(mtrain_select_top_p(s, 5, 1.0, 10, order, out), 5);
+  assert_int_equal(mtrain_select_top_p(s, 5, 0.9, 1, order, out), 1);  /* cap */
+  assert_int_equal(mtrain_select_top_p(s, 5, 0.5, 10, order, out), 0); /* top alone >= p */
+}
+
+static void test_token_to_block_diagonals(void **state) {
+  (void)state;
+  int32_t out[32];
+  /* G = 128: t = 0 -> 0; 5 -> 0,1; 128 -> 1; 300 -> 2,3; 1000 -> 7 and 8 (8 dropped: nb = 8) */
+  const int64_t tokens[] = {0, 5, 128, 300, 1000};
+  const int32_t n = mtrain_token_to_block_diagonals(tokens, 5, 128, 8, out);
+  const int32_t want[] = {0, 1, 2, 3, 7};
+  assert_int_equal(n, 5);
+  for (int i = 0; i < 5; i++) assert_int_equal(out[i], want[i]);
+  assert_int_equal(mtrain_token_to_block_diagonals(tokens, 0, 128, 8, out), 1); /* only 0 */
+}
+
+/* ---- brute force of SPEC.md section 2 ----------------------------------- */
+
+/* The column and slash scores of head h, straight from the definitions. */
+static void brute_scores(const double *q, const double *k, int64_t N, int32_t Hq, int32_t Hkv,
+                         int32_t d, int32_t L, int32_t G, int32_t h, int probs, double *vs,
+                         double *ss) {
+  const double scale = 1.0 / sqrt((double)d);
+  const int32_t hk = h / (Hq / Hkv), slots = (L + G - 1) / G + 1;
+  double *A = malloc(sizeof(double) * (size_t)(L * N));
+  for (int32_t r = 0; r < L; r++) {
+    const int64_t qpos = N - L + r;
+    double mx = -INFINITY;
+    for (int64_t j = 0; j <= qpos; j++) {
+      double dot = 0.0;
+      for (int32_t x = 0; x < d; x++) dot += q[(qpos * Hq + h) * d + x] * k[(j * Hkv + hk) * d + x];
+      A[r * N + j] = scale * dot;
+      if (A[r * N + j] > mx) mx = A[r * N + j];
+    }
+    if (!probs) continue;
+    double norm = 0.0; /* per key block in key order, blocks in order */
+    for (int64_t b = 0; b * G <= qpos; b++) {
+      double part = 0.0;
+      for (int64_t j = b * G; j < (b + 1) * G && j <= qpos; j++) part += exp(A[r * N + j] - mx);
+      norm += part;
+    }
+    for (int64_t j = 0; j <= qpos; j++) A[r * N + j] = exp(A[r * N + j] - mx) / norm / L;
+  }
+  for (int64_t j = 0; j < N; j++) {
+    vs[j] = 0.0;
+    for (int32_t r = 0; r < L; r++)
+      if (j <= N - L + r) vs[j] += A[r * N + j];
+  }
+  for (int64_t t = 0; t < N; t++) {
+    double *part = calloc((size_t)slots, sizeof(double));
+    const int64_t b0 = (N - L - t > 0 ? N - L - t : 0) / G;
+    for (int32_t r = 0; r < L; r++) {
+      const int64_t j = N - L + r - t;
+      if (j >= 0) part[j / G - b0] += A[r * N + j];
+    }
+    ss[t] = 0.0;
+    for (int32_t s = 0; s < slots; s++) ss[t] += part[s];
+    free(part);
+  }
+  free(A);
+}
+
+/* Naive selection, independent of select.c: repeatedly the highest score
+ * among those not yet taken (forced first, ties to the lower index, NaN
+ * lowest); returns the taken indices in the order taken. */
+static int64_t naive_rank(const double *sc, const uint8_t *forced, int64_t n, int64_t count,
+                          int64_t *taken) {
+  uint8_t *used = calloc((size_t)n + 1, 1);
+  int64_t m = 0;
+  for (; m < count && m < n; m++) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++) {
+      if (used[i]) continue;
+      if (best < 0) {
+        best = i;
+        continue;
+      }
+      const double x = forced && forced[i] ? INFINITY : (isnan(sc[i]) ? -INFINITY : sc[i]);
+      const double y = forced && forced[best] ? INFINITY : (isnan(sc[best]) ? -INFINITY : sc[best]);
+      if (x > y) best = i;
+    }
+    used[best] = 1;
+    taken[m] = best;
+  }
+  free(used);
+  return m;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+  const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
+static int64_t naive_top_k(const double *sc, const uint8_t *forced, int64_t n, int64_t k,
+                           int64_t *out) {
+  const int64_t m = naive_rank(sc, forced, n, k, out);
+  qsort(out, (size_t)m, sizeof *out, cmp_i64);
+  return m;
+}
+
+static int64_t naive_top_p(const double *sc, int64_t n, double p, int64_t cap, int64_t *out) {
+  const int64_t m = naive_rank(sc, NULL, n, n, out);
+  double sum = 0.0;
+  int64_t count = 0;
+  while (count < m && count < cap && sum + sc[out[count]] < p) sum += sc[out[count++]];
+  qsort(out, (size_t)count, sizeof *out, cmp_i64);
+  return count;
+}
+
+/* The expected head from the scores: indices picked by the spec's rules. */
+static void brute_select(const mtrain_head_budget_t *b, const double *vs, const double *ss,
+                         int64_t N, int32_t G, int64_t *verts, int64_t *nv, int64_t *slashes,
+                         int64_t *ns) {
+  const int64_t nv_cand = ((N - 1) / G) * G;
+  if (b->kind == MTRAIN_BUDGET_TOP_K) {
+    uint8_t *forced = calloc((size_t)N, 1);
+    for (int64_t j = 0; j < 30 && j < nv_cand; j++) forced[j] = 1;
+    *nv = naive_top_k(vs, forced, nv_cand, b->v_size, verts);
+    memset(forced, 0, (size_t)N);
+    for (int64_t t = 0; t < 100 && t < N; t++) forced[t] = 1;
+    *ns = naive_top_k(ss, forced, N, b->s_size, slashes);
+    free(forced);
+  } else {
+    *nv = naive_top_p(vs, nv_cand, b->p_v, b->cap_v, verts);
+    *ns = naive_top_p(ss, N, b->p_s, b->cap_s, slashes);
+  }
+}
+
+typedef struct est_case {
+  int64_t N;
+  int32_t Hq, Hkv, d, G, L;
+  int mixed; /* 1: even heads top-k, odd heads top-p; else all top-k or (2) all top-p */
+  uint64_t seed;
+} est_case_t;
+
+static mtrain_head_budget_t budget_for(const est_case_t *c, int32_t h) {
+  mtrain_head_budget_t b = {0};
+  const int top_p = c->mixed == 2 || (c->mixed == 1 && (h % 2));
+  if (top_p) {
+    b.kind = MTRAIN_BUDGET_TOP_P;
+    b.p_v = 0.5 + 0.1 * (h % 4);
+    b.p_s = 0.9;
+    b.cap_v = 40;
+    b.cap_s = 4096;
+  } else {
+    b.kind = MTRAIN_BUDGET_TOP_K;
+    b.v_size = 35 + 7 * h;
+    b.s_size = 110 + 13 * h;
+  }
+  return b;
+}
+
+/* Runs the estimate on backend `name` with dtype fp64 (cpu-ref) or fp32. */
+static mtrain_pattern_t *estimate_on(const char *name, const est_case_t *c, const double *q,
+                                     const double *k, const mtrain_head_budget_t *budgets) {
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = name;
+  cfg.granularity = c->G;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_SUCCESS);
+  const int is_ref = strcmp(name, "cpu-ref") == 0;
+  const mtrain_dtype_t dt = is_ref ? MTRAIN_F64 : MTRAIN_F32;
+  const int64_t nq = c->N * c->Hq * c->d, nk = c->N * c->Hkv * c->d;
+  void *qb = malloc(mtrain_dtype_size(dt) * (size_t)nq),
+       *kb = malloc(mtrain_dtype_size(dt) * (size_t)nk);
+  mtrain_convert(q, MTRAIN_F64, qb, dt, nq);
+  mtrain_convert(k, MTRAIN_F64, kb, dt, nk);
+  mtrain_tensor_t tq = mtrain_tensor_3d(qb, dt, c->N, c->Hq, c->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(kb, dt, c->N, c->Hkv, c->d);
+  mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
+  opt.last_q = c->L;
+  mtrain_pattern_t *p = NULL;
+  mtrain_status_t st = mtrain_pattern_estimate(ctx, &tq, &tk, budgets, &opt, &p);
+  if (st != MTRAIN_SUCCESS) fail_msg("estimate on %s: %s", name, mtrain_last_error());
+  free(qb);
+  free(kb);
+  mtrain_context_destroy(ctx);
+  return p;
+}
+
+static int64_t count_outside(const int64_t *a, int64_t na, const int64_t *b, int64_t nb,
+                             int64_t *diff) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < na; i++) {
+    int found = 0;
+    for (int64_t j = 0; j < nb && !found; j++) found = a[i] == b[j];
+    if (!found) diff[n++] = a[i];
+  }
+  return n;
+}
+
+/* Every index in which got and want differ scores within 1e-5 relative of
+ * the selection threshold (the lowest kept score of want). */
+static void expect_near_ties(const char *what, const est_case_t *c, int32_t h, const double *score,
+                             const int64_t *want, int64_t nw, const int64_t *got, int64_t ng,
+                             int64_t num_forced) {
+  double threshold = INFINITY; /* forced candidates (sinks) do not set it */
+  for (int64_t i = 0; i < nw; i++)
+    if (want[i] >= num_forced && score[want[i]] < threshold) threshold = score[want[i]];
+  int64_t *diff = malloc(sizeof(int64_t) * (size_t)(nw + ng + 1));
+  int64_t nd = count_outside(want, nw, got, ng, diff);
+  nd += count_outside(got, ng, want, nw, diff + nd);
+  for (int64_t i = 0; i < nd; i++) {
+    const double sc = score[diff[i]];
+    if (isinf(threshold) || fabs(sc - threshold) > 1e-5 * fabs(threshold) + 1e-12)
+      fail_msg("%s: N=%lld G=%d L=%d seed=%llu head %d: index %lld (score %.17g) differs, "
+               "threshold %.17g",
+               what, (long long)c->N, c->G, c->L, (unsigned long long)c->seed, h,
+               (long long)diff[i], sc, threshold);
+  }
+  free(diff);
+}
+
+static void test_estimate_against_brute_force(void **state) {
+  (void)state;
+  const est_case_t cases[] = {
+      {700, 4, 2, 32, 128, 64, 0, 1}, {515, 4, 1, 16, 64, 64, 2, 2},
+      {300, 2, 2, 64, 32, 40, 1, 3},  {1000, 4, 2, 32, 128, 200, 1, 4},
+      {129, 2, 1, 16, 128, 64, 0, 5}, {64, 2, 2, 16, 128, 64, 2, 6},
+  };
+  for (size_t ci = 0; ci < sizeof cases / sizeof *cases; ci++) {
+    const est_case_t *c = &cases[ci];
+    const uint64_t seed = ts_seed(c->seed);
+    ts_rng_t rng;
+    ts_rng_seed(&rng, seed);
+    const int64_t nq = c->N * c->Hq * c->d, nk = c->N * c->Hkv * c->d;
+    double *q = malloc(sizeof(double) * (size_t)nq), *k = malloc(sizeof(double) * (size_t)nk);
+    /* fp32-representable values so the fp32 run sees the same inputs */
+    ts_fill_normal(&rng, q, MTRAIN_F64, nq, 1.5, NULL);
+    ts_fill_normal(&rng, k, MTRAIN_F64, nk, 1.5, NULL);
+    for (int64_t i = 0; i < nq; i++) q[i] = (float)q[i];
+    for (int64_t i = 0; i < nk; i++) k[i] = (float)k[i];
+    mtrain_head_budget_t *budgets = malloc(sizeof *budgets * (size_t)c->Hq);
+    for (int32_t h = 0; h < c->Hq; h++) budgets[h] = budget_for(c, h);
+    mtrain_pattern_t *ref = estimate_on("cpu-ref", c, q, k, budgets);
+    mtrain_pattern_t *fast = estimate_on("cpu", c, q, k, budgets);
+    const int32_t L = c->L < c->N ? c->L : (int32_t)c->N;
+    const int64_t nb = (c->N + c->G - 1) / c->G;
+    double *vs = malloc(sizeof(double) * (size_t)c->N), *ss = malloc(sizeof(double) * (size_t)c->N);
+    int64_t *verts = malloc(sizeof(int64_t) * (size_t)c->N),
+            *sl = malloc(sizeof(int64_t) * (size_t)c->N);
+    int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(2 * c->N + 1));
+    for (int32_t h = 0; h < c->Hq; h++) {
+      brute_scores(q, k, c->N, c->Hq, c->Hkv, c->d, L, c->G, h,
+                   budgets[h].kind == MTRAIN_BUDGET_TOP_P, vs, ss);
+      int64_t nv, ns;
+      brute_select(&budgets[h], vs, ss, c->N, c->G, verts, &nv, sl, &ns);
+      const int32_t nd = mtrain_token_to_block_diagonals(sl, ns, c->G, nb, blocks);
+      const int32_t *rd, *fd;
+      const int64_t *rv, *fv;
+      int32_t rnd, rnv, fnd, fnv;
+      assert_int_equal(mtrain_pattern_get_head(ref, h, &rd, &rnd, &rv, &rnv), MTRAIN_SUCCESS);
+      assert_int_equal(mtrain_pattern_get_head(fast, h, &fd, &fnd, &fv, &fnv), MTRAIN_SUCCESS);
+      /* cpu-ref: bitwise the brute force's sets */
+      if (rnv != nv || memcmp(rv, verts, sizeof(int64_t) * (size_t)nv) != 0 || rnd != nd ||
+          memcmp(rd, blocks, sizeof(int32_t) * (size_t)nd) != 0)
+        fail_msg("cpu-ref differs from the brute force: case %zu seed %llu head %d (verticals "
+                 "%d vs %lld, diagonals %d vs %d)",
+                 ci, (unsigned long long)seed, h, rnv, (long long)nv, rnd, nd);
+      /* cpu: the same verticals up to near-ties */
+      int64_t *fv64 = malloc(sizeof(int64_t) * (size_t)(fnv + 1));
+      memcpy(fv64, fv, sizeof(int64_t) * (size_t)fnv);
+      expect_near_ties("cpu verticals", c, h, vs, verts, nv, fv64, fnv,
+                       budgets[h].kind == MTRAIN_BUDGET_TOP_K ? 30 : 0);
+      free(fv64);
+    }
+    print_message("estimate case %zu: N=%lld G=%d L=%d heads %d:%d mode %d seed %llu: ok\n", ci,
+                  (long long)c->N, c->G, L, c->Hq, c->Hkv, c->mixed, (unsigned long long)seed);
+    free(vs), free(ss), free(verts), free(sl), free(blocks);
+    mtrain_pattern_destroy(ref);
+    mtrain_pattern_destroy(fast);
+    free(budgets), free(q), free(k);
+  }
+}
+
+static void test_estimate_bad_inputs(void **state) {
+  (void)state;
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = 16;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_SUCCESS);
+  float q[64 * 4 * 8] = {0}, k[64 * 2 * 8] = {0};
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, 64, 4, 8);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, 64, 2, 8);
+  mtrain_head_budget_t b[4] = {{MTRAIN_BUDGET_TOP_K, 4, 4, 0, 0, 0, 0}};
+  for (int h = 1; h < 4; h++) b[h] = b[0];
+  mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
+  mtrain_pattern_t *p = NULL;
+  b[2].v_size = -1;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p), MTRAIN_ERR_INVALID_BUDGET,
+                   "budgets[2]");
+  b[2] = b[0];
+  b[1].kind = MTRAIN_BUDGET_TOP_P;
+  b[1].p_v = 1.5;
+  b[1].p_s = 0.5;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p), MTRAIN_ERR_INVALID_BUDGET,
+                   "(0, 1]");
+  b[1] = b[0];
+  tk.shape[1] = 3;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p), MTRAIN_ERR_HEAD_MISMATCH,
+                   "not a multiple");
+  tk.shape[1] = 2;
+  tk.shape[0] = 63;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p), MTRAIN_ERR_SHAPE_MISMATCH,
+                   "k has 63");
+  tk.shape[0] = 64;
+  opt.last_q = 0;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "last_q 0");
+  opt.last_q = 64;
+  tk.dtype = MTRAIN_BF16;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p),
+                   MTRAIN_ERR_UNSUPPORTED_DTYPE, "k is bf16");
+  tk.dtype = MTRAIN_F32;
+  TS_ASSERT_STATUS(mtrain_pattern_estimate(ctx, &tq, &tk, NULL, &opt, &p), MTRAIN_ERR_NULL_POINTER,
+                   "budgets");
+  assert_null(p);
+  assert_int_equal(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &p), MTRAIN_SUCCESS);
+  mtrain_pattern_destroy(p);
+  mtrain_context_destroy(ctx);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_top_k_ties_and_forced),
+      cmocka_unit_test(test_top_p_rule),
+      cmocka_unit_test(test_token_to_block_diagonals),
+      cmocka_unit_test(test_estimate_against_brute_force),
+      cmocka_unit_test(test_estimate_bad_inputs),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
