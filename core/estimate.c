@@ -13,30 +13,6 @@
 #include "error.h"
 #include "select.h"
 
-mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *b) {
-  MTRAIN_CHECK_NOT_NULL(b);
-  if (b->kind == MTRAIN_BUDGET_TOP_K) {
-    if (b->v_size < 0 || b->s_size < 0)
-      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
-                          "top-k budget has a negative size (v_size %lld, s_size %lld)",
-                          (long long)b->v_size, (long long)b->s_size);
-    return MTRAIN_SUCCESS;
-  }
-  if (b->kind == MTRAIN_BUDGET_TOP_P) {
-    if (!(b->p_v > 0.0 && b->p_v <= 1.0) || !(b->p_s > 0.0 && b->p_s <= 1.0))
-      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
-                          "top-p budget thresholds must lie in (0, 1] (p_v %g, p_s %g)", b->p_v,
-                          b->p_s);
-    if (b->cap_v < 0 || b->cap_s < 0)
-      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
-                          "top-p budget has a negative cap (cap_v %lld, cap_s %lld)",
-                          (long long)b->cap_v, (long long)b->cap_s);
-    return MTRAIN_SUCCESS;
-  }
-  return mtrain_error(MTRAIN_ERR_INVALID_BUDGET,
-                      "budget kind %d is neither top-k (0) nor top-p (1)", (int)b->kind);
-}
-
 /* Everything one estimation call allocates, freed in one place. */
 typedef struct estimate_buffers {
   void *row, *col, *diag; /* backend memory */
