@@ -110,6 +110,13 @@ static mtrain_status_t self_barrier(void *state) {
   return MTRAIN_SUCCESS;
 }
 
+static mtrain_status_t self_split(void *state, int color, int key, mtrain_comm_t **out) {
+  (void)state;
+  (void)color;
+  (void)key;
+  return mtrain_comm_create_self(out);
+}
+
 static void self_abort(void *state, int code) {
   (void)state;
   (void)code;
@@ -128,6 +135,7 @@ static const mtrain_comm_ops_t self_ops = {
     .allreduce = self_allreduce,
     .allgather = self_allgather,
     .barrier = self_barrier,
+    .split = self_split,
     .abort = self_abort,
     .destroy = self_destroy,
 };
@@ -151,6 +159,14 @@ void mtrain_comm_destroy(mtrain_comm_t *comm) {
   if (!comm) return;
   if (comm->ops && comm->ops->destroy) comm->ops->destroy(comm->state);
   free(comm);
+}
+
+mtrain_status_t mtrain_comm_split(mtrain_comm_t *comm, int color, int key, mtrain_comm_t **out) {
+  MTRAIN_CHECK_NOT_NULL(comm);
+  MTRAIN_CHECK_NOT_NULL(out);
+  if (color < 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "comm split: color %d is negative", color);
+  return comm->ops->split(comm->state, color, key, out);
 }
 
 int mtrain_comm_rank(const mtrain_comm_t *comm) {

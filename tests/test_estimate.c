@@ -16,6 +16,8 @@
 #include <string.h>
 
 #include "core/select.h"
+#include "mtrain/mtrain_cpu.h"
+#include "mtrain/mtrain_inputs.h"
 #include "test_support.h"
 
 /* ---- selection rules ---------------------------------------------------- */
@@ -374,6 +376,56 @@ static void test_estimate_bad_inputs(void **state) {
   mtrain_context_destroy(ctx);
 }
 
+/* Pattern quality on structured inputs: the estimated pattern keeps far
+ * more of the dense attention mass than a random pattern of the same
+ * density (SPEC.md section 2; figures in docs/PATTERNS.md). */
+static void test_estimated_recall_beats_random(void **state) {
+  (void)state;
+  const int64_t N = 2048;
+  const int32_t Hq = 4, Hkv = 2, d = 64, G = 64;
+  const int64_t nq = N * Hq * d, nk = N * Hkv * d;
+  double *q = malloc(sizeof(double) * (size_t)nq), *k = malloc(sizeof(double) * (size_t)nk);
+  double *v = malloc(sizeof(double) * (size_t)nk);
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F64, N, Hq, d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F64, N, Hkv, d);
+  mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_F64, N, Hkv, d);
+  mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
+  so.seed = ts_seed(2024);
+  assert_int_equal(mtrain_generate_structured(&so, &tq, &tk, &tv), MTRAIN_SUCCESS);
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = "cpu-ref";
+  cfg.granularity = G;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_SUCCESS);
+  const mtrain_head_budget_t modes[2] = {{MTRAIN_BUDGET_TOP_K, 64, 128, 0, 0, 0, 0},
+                                         {MTRAIN_BUDGET_TOP_P, 0, 0, 0.5, 0.3, 64, 32}};
+  for (int m = 0; m < 2; m++) {
+    mtrain_head_budget_t b[4] = {modes[m], modes[m], modes[m], modes[m]};
+    mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
+    mtrain_pattern_t *est = NULL, *rnd = NULL;
+    assert_int_equal(mtrain_pattern_estimate(ctx, &tq, &tk, b, &opt, &est), MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_pattern_random_like(est, so.seed + 1, &rnd), MTRAIN_SUCCESS);
+    double r_est = 0, r_rnd = 0;
+    int64_t pairs = 0;
+    for (int32_t h = 0; h < Hq; h++) pairs += mtrain_pattern_count_pairs(est, h);
+    assert_int_equal(mtrain_cpu_pattern_recall(est, Hkv, d, 0, q, k, NULL, &r_est), MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_cpu_pattern_recall(rnd, Hkv, d, 0, q, k, NULL, &r_rnd), MTRAIN_SUCCESS);
+    const double density = (double)pairs / ((double)Hq * N * (N + 1) / 2);
+    print_message("recall (%s, N=%lld, G=%d, seed %llu): estimated %.3f, random of the same "
+                  "density %.3f, density %.3f\n",
+                  m ? "top-p 0.5/0.3, caps 64/32" : "top-k 64/128", (long long)N, G,
+                  (unsigned long long)so.seed, r_est, r_rnd, density);
+    /* the estimate misses at most half the mass the random pattern misses */
+    if (!(1.0 - r_est <= 0.5 * (1.0 - r_rnd) && r_est >= r_rnd + 0.1))
+      fail_msg("estimated pattern recall %.3f is not far above random %.3f (seed %llu)", r_est,
+               r_rnd, (unsigned long long)so.seed);
+    mtrain_pattern_destroy(est);
+    mtrain_pattern_destroy(rnd);
+  }
+  mtrain_context_destroy(ctx);
+  free(q), free(k), free(v);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_top_k_ties_and_forced),
@@ -381,6 +433,7 @@ int main(void) {
       cmocka_unit_test(test_token_to_block_diagonals),
       cmocka_unit_test(test_estimate_against_brute_force),
       cmocka_unit_test(test_estimate_bad_inputs),
+      cmocka_unit_test(test_estimated_recall_beats_random),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

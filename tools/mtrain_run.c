@@ -20,7 +20,7 @@
 static const char *prog = "mtrain-run";
 
 typedef struct run_result {
-  double t_plan, t_fwd, t_bwd, t_check;
+  double t_estimate, t_plan, t_fwd, t_bwd, t_check;
   long long pairs, dense_pairs;
   size_t plan_bytes;
   int checked, check_ok;
@@ -39,8 +39,59 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* Loads the pattern file or builds the dense one, agreeing with the inputs. */
-static int make_pattern(const run_options_t *o, const run_inputs_t *in, mtrain_pattern_t **out) {
+/* The per-head budgets the options ask for (malloc'ed, heads entries). */
+static int make_budgets(const run_options_t *o, int32_t heads, mtrain_head_budget_t **out) {
+  mtrain_head_budget_t *b = calloc((size_t)heads, sizeof *b);
+  mtrain_budgets_t *file = NULL;
+  int rc = b == NULL;
+  if (!rc && o->budgets_path) {
+    rc = tool_failed(prog, o->budgets_path, mtrain_budgets_read(o->budgets_path, &file));
+    if (!rc && mtrain_budgets_num_heads(file, o->layer) != heads) {
+      fprintf(stderr,
+              "%s: %s: layer %d has %d heads (of %d layers), the inputs have %d query heads\n",
+              prog, o->budgets_path, o->layer, mtrain_budgets_num_heads(file, o->layer),
+              mtrain_budgets_num_layers(file), heads);
+      rc = 1;
+    }
+  }
+  for (int32_t h = 0; h < heads && !rc; h++) {
+    if (file) {
+      rc = tool_failed(prog, o->budgets_path, mtrain_budgets_get(file, o->layer, h, &b[h]));
+    } else if (o->top_p > 0) {
+      b[h].kind = MTRAIN_BUDGET_TOP_P;
+      b[h].p_v = b[h].p_s = o->top_p;
+      b[h].cap_v = b[h].cap_s = o->top_p_cap;
+    } else {
+      b[h].kind = MTRAIN_BUDGET_TOP_K;
+      b[h].v_size = o->v_size;
+      b[h].s_size = o->s_size;
+    }
+  }
+  mtrain_budgets_destroy(file);
+  if (rc) {
+    free(b);
+    return 1;
+  }
+  *out = b;
+  return 0;
+}
+
+/* The pattern: estimated online from q and k, read from a file, or dense;
+ * it must agree with the inputs. */
+static int make_pattern(mtrain_context_t *ctx, const run_options_t *o, run_inputs_t *in,
+                        mtrain_pattern_t **out, run_result_t *r) {
+  if (run_options_estimate(o)) {
+    mtrain_head_budget_t *budgets = NULL;
+    if (make_budgets(o, in->heads, &budgets)) return 1;
+    mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+    eo.last_q = o->last_q;
+    const double t0 = tool_now();
+    int rc = tool_failed(prog, "estimating the pattern",
+                         mtrain_pattern_estimate(ctx, &in->q, &in->k, budgets, &eo, out));
+    r->t_estimate = tool_now() - t0;
+    free(budgets);
+    return rc;
+  }
   if (!o->pattern_path)
     return tool_failed(prog, "dense pattern",
                        mtrain_pattern_create_dense(in->tokens, in->heads, o->granularity, out));
@@ -156,14 +207,33 @@ static int write_outputs(const run_options_t *o, const run_outputs_t *out,
   return tool_failed(prog, path, mtrain_pattern_write_json(path, pattern));
 }
 
+/* What the pattern came from, for the report. */
+static const char *pattern_source(const run_options_t *o) {
+  static char text[512];
+  if (o->pattern_path) return o->pattern_path;
+  if (o->budgets_path)
+    snprintf(text, sizeof text, "estimated, budgets %s layer %d", o->budgets_path, o->layer);
+  else if (o->top_p > 0)
+    snprintf(text, sizeof text, "estimated, top-p %g cap %lld", o->top_p, (long long)o->top_p_cap);
+  else if (o->v_size >= 0)
+    snprintf(text, sizeof text, "estimated, top-k v_size %lld s_size %lld", (long long)o->v_size,
+             (long long)o->s_size);
+  else
+    return "dense causal";
+  return text;
+}
+
 static void report_text(const run_options_t *o, const run_inputs_t *in, const run_result_t *r) {
   const double fwd_flops = tool_fwd_flops(r->pairs, in->head_dim);
   printf("mtrain-run: backend %s, dtype %s, 1 rank\n", o->backend, mtrain_dtype_name(in->q.dtype));
   printf("  shape      N=%lld Hq=%d Hkv=%d d=%d G=%d\n", (long long)in->tokens, in->heads,
          in->kv_heads, in->head_dim, o->granularity);
   printf("  pattern    %s: %lld of %lld causal pairs computed, sparsity %.2f%%\n",
-         o->pattern_path ? o->pattern_path : "dense causal", r->pairs, r->dense_pairs,
+         pattern_source(o), r->pairs, r->dense_pairs,
          100.0 * (1.0 - (double)r->pairs / (double)r->dense_pairs));
+  if (run_options_estimate(o))
+    printf("  estimate   %.3f ms (last %d queries), %.1f%% of the forward time\n",
+           1e3 * r->t_estimate, o->last_q, 100.0 * r->t_estimate / r->t_fwd);
   printf("  plan       %.3f ms, %.1f KiB\n", 1e3 * r->t_plan, (double)r->plan_bytes / 1024.0);
   printf("  forward    %.3f ms, %.2f effective GFLOP/s\n", 1e3 * r->t_fwd,
          fwd_flops / r->t_fwd * 1e-9);
@@ -190,7 +260,11 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
   json_object_set_new(j, "kv_heads", json_integer(in->kv_heads));
   json_object_set_new(j, "head_dim", json_integer(in->head_dim));
   json_object_set_new(j, "granularity", json_integer(o->granularity));
-  json_object_set_new(j, "pattern", json_string(o->pattern_path ? o->pattern_path : "dense"));
+  json_object_set_new(j, "pattern", json_string(pattern_source(o)));
+  if (run_options_estimate(o)) {
+    json_object_set_new(j, "estimate_seconds", json_real(r->t_estimate));
+    json_object_set_new(j, "last_q", json_integer(o->last_q));
+  }
   json_object_set_new(j, "computed_pairs", json_integer(r->pairs));
   json_object_set_new(j, "dense_pairs", json_integer(r->dense_pairs));
   json_object_set_new(j, "sparsity", json_real(1.0 - (double)r->pairs / (double)r->dense_pairs));
@@ -232,8 +306,8 @@ int main(int argc, char **argv) {
   mtrain_context_t *ctx = NULL;
   mtrain_plan_t *plan = NULL;
   rc = run_inputs_load_or_generate(&o, &in);
-  if (!rc) rc = make_pattern(&o, &in, &pattern);
   if (!rc) rc = make_context(o.backend, &o, &ctx);
+  if (!rc) rc = make_pattern(ctx, &o, &in, &pattern, &r);
   if (!rc) {
     const mtrain_pattern_t *pats[1] = {pattern};
     double t0 = tool_now();

@@ -4,7 +4,9 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "mtrain/mtrain_inputs.h"
 #include "mtrain/mtrain_io.h"
 #include "tool_common.h"
 
@@ -80,12 +82,23 @@ int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
   in->heads = o->heads;
   in->kv_heads = o->kv_heads;
   in->head_dim = o->head_dim;
-  return alloc_tensor(&in->q, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
-         alloc_tensor(&in->k, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
-         alloc_tensor(&in->v, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
-         alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
-         generate(&in->q, &state) || generate(&in->k, &state) || generate(&in->v, &state) ||
-         generate(&in->dout, &state);
+  if (alloc_tensor(&in->q, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
+      alloc_tensor(&in->k, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
+      alloc_tensor(&in->v, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
+      alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim))
+    return 1;
+  if (strcmp(o->input, "structured") == 0) {
+    mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
+    so.seed = o->seed;
+    /* sinks fade beyond about rope_base / 2 tokens (mtrain_inputs.h): scale it */
+    if (so.rope_base < 4.0 * (double)in->tokens) so.rope_base = 4.0 * (double)in->tokens;
+    if (tool_failed(prog, "generating structured inputs",
+                    mtrain_generate_structured(&so, &in->q, &in->k, &in->v)))
+      return 1;
+  } else if (generate(&in->q, &state) || generate(&in->k, &state) || generate(&in->v, &state)) {
+    return 1;
+  }
+  return generate(&in->dout, &state);
 }
 
 static int widen_one(const mtrain_tensor_t *src, mtrain_tensor_t *dst) {

@@ -17,8 +17,15 @@ static const char usage[] =
     "  --seq-len N           generated input length (default 4096)\n"
     "  --heads H --kv-heads H --head-dim D   (default 16, 2, 128)\n"
     "  --seed S              seed of the generated inputs (default 1)\n"
-    "Pattern:\n"
-    "  --pattern FILE.json   a fixed pattern (SPEC.md section 8); default dense causal\n"
+    "  --input structured|normal   generated inputs: RoPE'd vertical-slash structure\n"
+    "                        (default) or plain normal noise\n"
+    "Pattern (default: dense causal):\n"
+    "  --pattern FILE.json   a fixed pattern (SPEC.md section 8)\n"
+    "  --v-size N --s-size N estimate online, static top-k for every head\n"
+    "  --top-p P [--top-p-cap C]  estimate online, top-p for every head (cap 4096)\n"
+    "  --budgets FILE --layer L   estimate online with the per-head budgets of a\n"
+    "                        MInference budget file\n"
+    "  --last-q L            queries that score the keys (default 64)\n"
     "  --granularity G       block size (default 128; a pattern file's must match)\n"
     "Computation:\n"
     "  --backend cpu|cpu-ref (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
@@ -61,6 +68,11 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   o->backend = "cpu";
   o->dtype = MTRAIN_F32;
   o->repeat = 1;
+  o->v_size = o->s_size = -1;
+  o->top_p_cap = 4096;
+  o->layer = -1;
+  o->last_q = 64;
+  o->input = "structured";
   static const struct option longs[] = {{"q", required_argument, 0, 'q'},
                                         {"k", required_argument, 0, 'k'},
                                         {"v", required_argument, 0, 'v'},
@@ -81,6 +93,14 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
                                         {"forward-only", no_argument, 0, 'f'},
                                         {"repeat", required_argument, 0, 'r'},
                                         {"help", no_argument, 0, 'h'},
+                                        {"v-size", required_argument, 0, 'V'},
+                                        {"s-size", required_argument, 0, 'S'},
+                                        {"top-p", required_argument, 0, 'P'},
+                                        {"top-p-cap", required_argument, 0, 'C'},
+                                        {"budgets", required_argument, 0, 'B'},
+                                        {"layer", required_argument, 0, 'L'},
+                                        {"last-q", required_argument, 0, 'Q'},
+                                        {"input", required_argument, 0, 'I'},
                                         {0, 0, 0, 0}};
   int c, bad = 0;
   int64_t seed = 0;
@@ -150,6 +170,40 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
       bad = parse_i32("repeat", optarg, 1, 1000, &repeat);
       o->repeat = repeat;
       break;
+    case 'V':
+      bad = parse_i64("v-size", optarg, 0, (int64_t)1 << 40, &o->v_size);
+      break;
+    case 'S':
+      bad = parse_i64("s-size", optarg, 0, (int64_t)1 << 40, &o->s_size);
+      break;
+    case 'P': {
+      char *end = NULL;
+      o->top_p = strtod(optarg, &end);
+      if (end == optarg || *end || !(o->top_p > 0.0 && o->top_p <= 1.0)) {
+        fprintf(stderr, "mtrain-run: --top-p '%s' is not a number in (0, 1]\n", optarg);
+        bad = 1;
+      }
+      break;
+    }
+    case 'C':
+      bad = parse_i64("top-p-cap", optarg, 0, (int64_t)1 << 40, &o->top_p_cap);
+      break;
+    case 'B':
+      o->budgets_path = optarg;
+      break;
+    case 'L':
+      bad = parse_i32("layer", optarg, 0, 1 << 20, &o->layer);
+      break;
+    case 'Q':
+      bad = parse_i32("last-q", optarg, 1, 1 << 20, &o->last_q);
+      break;
+    case 'I':
+      if (strcmp(optarg, "structured") != 0 && strcmp(optarg, "normal") != 0) {
+        fprintf(stderr, "mtrain-run: --input '%s': expected structured or normal\n", optarg);
+        bad = 1;
+      }
+      o->input = optarg;
+      break;
     case 'h':
       fputs(usage, stdout);
       return 2;
@@ -170,6 +224,21 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   }
   if (o->do_path && files == 0) {
     fprintf(stderr, "mtrain-run: --do needs --q, --k and --v\n");
+    return 1;
+  }
+  const int sources = (o->pattern_path != NULL) + (o->v_size >= 0 || o->s_size >= 0) +
+                      (o->top_p > 0) + (o->budgets_path != NULL);
+  if (sources > 1) {
+    fprintf(stderr, "mtrain-run: choose one pattern source: --pattern, --v-size/--s-size, "
+                    "--top-p or --budgets\n");
+    return 1;
+  }
+  if ((o->v_size >= 0) != (o->s_size >= 0)) {
+    fprintf(stderr, "mtrain-run: --v-size and --s-size must be given together\n");
+    return 1;
+  }
+  if ((o->budgets_path != NULL) != (o->layer >= 0)) {
+    fprintf(stderr, "mtrain-run: --budgets and --layer must be given together\n");
     return 1;
   }
   if (files == 0 && o->heads % o->kv_heads != 0) {

@@ -11,12 +11,24 @@ typedef struct run_options {
   int64_t seq_len;
   int32_t heads, kv_heads, head_dim, granularity, threads;
   uint64_t seed;
-  const char *pattern_path; /* NULL: dense causal */
+  const char *pattern_path; /* a fixed pattern file */
+  /* online estimation (SPEC.md section 2): any of these selects it */
+  int64_t v_size, s_size;   /* static top-k for every head (-1: not given) */
+  double top_p;             /* top-p threshold for every head (0: not given) */
+  int64_t top_p_cap;        /* its cap (default 4096) */
+  const char *budgets_path; /* per-head budgets of --layer from a budget file */
+  int32_t layer, last_q;
+  const char *input; /* generated inputs: "structured" or "normal" */
   const char *backend;
   mtrain_dtype_t dtype;
   const char *out_dir;
   int check, json, forward_only, repeat;
 } run_options_t;
+
+/** 1 when the options ask for online estimation. */
+static inline int run_options_estimate(const run_options_t *o) {
+  return o->v_size >= 0 || o->s_size >= 0 || o->top_p > 0 || o->budgets_path != NULL;
+}
 
 /** Parses argv. Returns 0 on success, 1 on a bad command line (message
  *  printed), 2 when --help was asked (usage printed). */

@@ -38,6 +38,9 @@ typedef struct mtrain_comm_ops {
   /** Gathers `bytes` from every rank into recv (size * bytes, rank order). */
   mtrain_status_t (*allgather)(void *state, const void *send, void *recv, size_t bytes);
   mtrain_status_t (*barrier)(void *state);
+  /** Collective: ranks with the same color form a new communicator, ordered
+   *  by key then old rank (for the inner and outer rings). */
+  mtrain_status_t (*split)(void *state, int color, int key, struct mtrain_comm **out);
   /** Ends the job's communication after an unrecoverable error. */
   void (*abort)(void *state, int code);
   void (*destroy)(void *state);
@@ -48,6 +51,10 @@ struct mtrain_comm {
   const mtrain_comm_ops_t *ops;
   void *state;
 };
+
+/** Collective split of a communicator (see mtrain_comm_ops_t.split); the
+ *  caller destroys the result. */
+mtrain_status_t mtrain_comm_split(mtrain_comm_t *comm, int color, int key, mtrain_comm_t **out);
 
 /** Creates the single-rank communicator. */
 mtrain_status_t mtrain_comm_create_self(mtrain_comm_t **out);

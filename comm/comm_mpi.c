@@ -1,0 +1,238 @@
+/* comm_mpi.c: the "mpi" communicator (mtrain_mpi.h): point-to-point and
+ * collectives on a duplicate of the caller's MPI_Comm with MPI_ERRORS_RETURN,
+ * every wait bounded by a timeout (non-blocking operations polled with
+ * MPI_Test), MPI errors mapped to MTRAIN_ERR_COMM with MPI's own text. Host
+ * buffers. */
+#define _POSIX_C_SOURCE 200809L
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/error.h"
+#include "mtrain/mtrain_mpi.h"
+
+struct mtrain_comm_request {
+  MPI_Request request;
+  int peer, is_send;
+  size_t bytes;
+};
+
+typedef struct mpi_state {
+  MPI_Comm comm;
+  int rank, size;
+  double timeout;
+} mpi_state_t;
+
+static mtrain_status_t mpi_failed(int code, const char *what) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return mtrain_error(MTRAIN_ERR_COMM, "MPI %s failed: %s", what, text);
+}
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Polls a request until done or the timeout; on timeout the request is
+ * cancelled where MPI allows it (a receive). */
+static mtrain_status_t wait_bounded(mpi_state_t *s, MPI_Request *req, const char *what, int peer) {
+  const double deadline = now() + s->timeout;
+  struct timespec nap = {0, 20000}; /* 20 us, doubling to 1 ms */
+  for (;;) {
+    int done = 0;
+    int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return mpi_failed(rc, what);
+    if (done) return MTRAIN_SUCCESS;
+    if (now() > deadline) {
+      MPI_Cancel(req);
+      if (peer >= 0)
+        return mtrain_error(MTRAIN_ERR_TIMEOUT,
+                            "rank %d: %s with rank %d did not complete within %.1f s (the peer "
+                            "died or stopped answering)",
+                            s->rank, what, peer, s->timeout);
+      return mtrain_error(MTRAIN_ERR_TIMEOUT,
+                          "rank %d: %s did not complete within %.1f s (a rank died or stopped "
+                          "answering)",
+                          s->rank, what, s->timeout);
+    }
+    nanosleep(&nap, NULL);
+    if (nap.tv_nsec < 1000000) nap.tv_nsec *= 2;
+  }
+}
+
+static int mpi_rank(void *state) { return ((mpi_state_t *)state)->rank; }
+static int mpi_size(void *state) { return ((mpi_state_t *)state)->size; }
+
+static mtrain_status_t check_p2p(mpi_state_t *s, size_t bytes, int peer, const char *what) {
+  if (peer < 0 || peer >= s->size)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "mpi %s: peer %d out of range [0, %d)", what,
+                        peer, s->size);
+  if (bytes > INT_MAX)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "mpi %s: message of %zu bytes exceeds 2 GiB (split it)", what, bytes);
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t post(mpi_state_t *s, void *buf, size_t bytes, int peer, int tag, int is_send,
+                            mtrain_comm_request_t **out) {
+  mtrain_status_t st = check_p2p(s, bytes, peer, is_send ? "send" : "receive");
+  if (st) return st;
+  mtrain_comm_request_t *r = calloc(1, sizeof *r);
+  if (!r) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "mpi: out of memory");
+  r->peer = peer;
+  r->is_send = is_send;
+  r->bytes = bytes;
+  int rc = is_send ? MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, tag, s->comm, &r->request)
+                   : MPI_Irecv(buf, (int)bytes, MPI_BYTE, peer, tag, s->comm, &r->request);
+  if (rc != MPI_SUCCESS) {
+    free(r);
+    return mpi_failed(rc, is_send ? "Isend" : "Irecv");
+  }
+  *out = r;
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t mpi_isend(void *state, const void *buf, size_t bytes, int peer, int tag,
+                                 mtrain_comm_request_t **req) {
+  return post(state, (void *)buf, bytes, peer, tag, 1, req);
+}
+
+static mtrain_status_t mpi_irecv(void *state, void *buf, size_t bytes, int peer, int tag,
+                                 mtrain_comm_request_t **req) {
+  return post(state, buf, bytes, peer, tag, 0, req);
+}
+
+static mtrain_status_t mpi_wait(void *state, mtrain_comm_request_t *req) {
+  if (!req) return MTRAIN_SUCCESS;
+  mtrain_status_t st =
+      wait_bounded(state, &req->request, req->is_send ? "a send" : "a receive", req->peer);
+  free(req);
+  return st;
+}
+
+static mtrain_status_t mpi_allreduce(void *state, void *buf, int64_t count, mtrain_dtype_t dtype,
+                                     mtrain_reduce_op_t op) {
+  mpi_state_t *s = state;
+  if (dtype != MTRAIN_F32 && dtype != MTRAIN_F64)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "mpi allreduce: dtype %s not supported",
+                        mtrain_dtype_name(dtype));
+  MPI_Datatype type = dtype == MTRAIN_F32 ? MPI_FLOAT : MPI_DOUBLE;
+  const size_t esz = mtrain_dtype_size(dtype);
+  /* chunks below 2^31 elements */
+  for (int64_t off = 0; off < count; off += INT_MAX / 2) {
+    const int n = (int)(count - off < INT_MAX / 2 ? count - off : INT_MAX / 2);
+    MPI_Request req;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + (size_t)off * esz, n, type,
+                            op == MTRAIN_REDUCE_MAX ? MPI_MAX : MPI_SUM, s->comm, &req);
+    if (rc != MPI_SUCCESS) return mpi_failed(rc, "Iallreduce");
+    mtrain_status_t st = wait_bounded(s, &req, "an all-reduce", -1);
+    if (st) return st;
+  }
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t mpi_allgather(void *state, const void *send, void *recv, size_t bytes) {
+  mpi_state_t *s = state;
+  if (bytes > INT_MAX)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "mpi allgather: %zu bytes per rank exceed 2 GiB",
+                        bytes);
+  MPI_Request req;
+  int rc = MPI_Iallgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, s->comm, &req);
+  if (rc != MPI_SUCCESS) return mpi_failed(rc, "Iallgather");
+  return wait_bounded(s, &req, "an all-gather", -1);
+}
+
+static mtrain_status_t mpi_barrier(void *state) {
+  mpi_state_t *s = state;
+  MPI_Request req;
+  int rc = MPI_Ibarrier(s->comm, &req);
+  if (rc != MPI_SUCCESS) return mpi_failed(rc, "Ibarrier");
+  return wait_bounded(s, &req, "a barrier", -1);
+}
+
+static mtrain_status_t wrap(MPI_Comm comm, double timeout, mtrain_comm_t **out);
+
+static mtrain_status_t mpi_split(void *state, int color, int key, mtrain_comm_t **out) {
+  mpi_state_t *s = state;
+  MPI_Comm sub;
+  int rc = MPI_Comm_split(s->comm, color, key, &sub);
+  if (rc != MPI_SUCCESS) return mpi_failed(rc, "Comm_split");
+  mtrain_status_t st = wrap(sub, s->timeout, out);
+  if (st) MPI_Comm_free(&sub);
+  return st;
+}
+
+static void mpi_abort(void *state, int code) { MPI_Abort(((mpi_state_t *)state)->comm, code); }
+
+static void mpi_destroy(void *state) {
+  mpi_state_t *s = state;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Comm_free(&s->comm);
+  free(s);
+}
+
+static const mtrain_comm_ops_t mpi_ops = {
+    .api_version = MTRAIN_API_VERSION,
+    .name = "mpi",
+    .rank = mpi_rank,
+    .size = mpi_size,
+    .isend = mpi_isend,
+    .irecv = mpi_irecv,
+    .wait = mpi_wait,
+    .allreduce = mpi_allreduce,
+    .allgather = mpi_allgather,
+    .barrier = mpi_barrier,
+    .split = mpi_split,
+    .abort = mpi_abort,
+    .destroy = mpi_destroy,
+};
+
+/* Takes ownership of `comm` (already private to mtrain). */
+static mtrain_status_t wrap(MPI_Comm comm, double timeout, mtrain_comm_t **out) {
+  mtrain_comm_t *c = calloc(1, sizeof *c);
+  mpi_state_t *s = calloc(1, sizeof *s);
+  if (!c || !s) {
+    free(c);
+    free(s);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "mpi communicator: out of memory");
+  }
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  s->comm = comm;
+  s->timeout = timeout;
+  MPI_Comm_rank(comm, &s->rank);
+  MPI_Comm_size(comm, &s->size);
+  c->ops = &mpi_ops;
+  c->state = s;
+  *out = c;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_comm_create_mpi(MPI_Comm comm, double timeout_seconds, mtrain_comm_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized)
+    return mtrain_error(MTRAIN_ERR_COMM, "mtrain_comm_create_mpi: MPI is not initialised "
+                                         "(call MPI_Init_thread first)");
+  if (timeout_seconds <= 0) {
+    const char *env = getenv("MTRAIN_COMM_TIMEOUT");
+    char *end = NULL;
+    timeout_seconds = env ? strtod(env, &end) : MTRAIN_MPI_DEFAULT_TIMEOUT;
+    if (env && (end == env || *end || !(timeout_seconds > 0)))
+      return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                          "environment variable MTRAIN_COMM_TIMEOUT='%s' is not a positive number "
+                          "of seconds",
+                          env);
+  }
+  MPI_Comm dup;
+  int rc = MPI_Comm_dup(comm, &dup);
+  if (rc != MPI_SUCCESS) return mpi_failed(rc, "Comm_dup");
+  mtrain_status_t st = wrap(dup, timeout_seconds, out);
+  if (st) MPI_Comm_free(&dup);
+  return st;
+}

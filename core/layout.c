@@ -1,0 +1,438 @@
+/* layout.c: layouts (SPEC.md section 3) and ring schedules (section 5).
+ * A layout is an owner map over the padded G-blocks of a sequence; from it
+ * come each rank's increasing block list and the token index mappings the
+ * permutation needs. The balanced layout is picked here by evaluating
+ * candidate owner maps under the cost model (cost_model.c); moving tensor
+ * data is left to the backends' permute operation. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "error.h"
+#include "layout_internal.h"
+#include "pattern_internal.h"
+
+/* ---- names ------------------------------------------------------------------ */
+
+static const char *const kind_names[] = {"contiguous", "zigzag", "striped", "balanced"};
+
+const char *mtrain_layout_kind_name(mtrain_layout_kind_t kind) {
+  if ((int)kind < 0 || (int)kind > (int)MTRAIN_LAYOUT_BALANCED) return "unknown";
+  return kind_names[kind];
+}
+
+mtrain_status_t mtrain_layout_kind_parse(const char *name, mtrain_layout_kind_t *out) {
+  MTRAIN_CHECK_NOT_NULL(name);
+  MTRAIN_CHECK_NOT_NULL(out);
+  for (int k = 0; k <= (int)MTRAIN_LAYOUT_BALANCED; k++)
+    if (strcmp(name, kind_names[k]) == 0) {
+      *out = (mtrain_layout_kind_t)k;
+      return MTRAIN_SUCCESS;
+    }
+  return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                      "layout '%s' is not one of contiguous, zigzag, striped, balanced", name);
+}
+
+const char *mtrain_ring_kind_name(mtrain_ring_kind_t kind) {
+  switch (kind) {
+  case MTRAIN_RING_FLAT:
+    return "flat";
+  case MTRAIN_RING_HIERARCHICAL:
+    return "hierarchical";
+  }
+  return "unknown";
+}
+
+const char *mtrain_bars_mode_name(mtrain_bars_mode_t mode) {
+  switch (mode) {
+  case MTRAIN_BARS_IN_RING:
+    return "in_ring";
+  case MTRAIN_BARS_GATHERED:
+    return "gathered";
+  }
+  return "unknown";
+}
+
+/* ---- ring schedules ------------------------------------------------------------ */
+
+mtrain_status_t mtrain_ring_check(int32_t world, int32_t ranks_per_node, int32_t *inner) {
+  if (world < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "ring: world size %d must be >= 1", world);
+  if (ranks_per_node < 0 || ranks_per_node > world ||
+      (ranks_per_node > 0 && world % ranks_per_node != 0))
+    return mtrain_error(
+        MTRAIN_ERR_INVALID_ARGUMENT,
+        "ring: ranks_per_node %d must be 0 (flat) or a divisor of the world size %d",
+        ranks_per_node, world);
+  *inner = ranks_per_node == 0 ? world : ranks_per_node;
+  return MTRAIN_SUCCESS;
+}
+
+static int32_t mod_i32(int64_t a, int32_t m) { return (int32_t)(((a % m) + m) % m); }
+
+static mtrain_status_t ring_args(int32_t world, int32_t ranks_per_node, int32_t rank, int32_t x,
+                                 const char *what, int32_t *inner) {
+  mtrain_status_t st = mtrain_ring_check(world, ranks_per_node, inner);
+  if (st != MTRAIN_SUCCESS) return st;
+  if (rank < 0 || rank >= world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "ring: rank %d out of range [0, %d)", rank,
+                        world);
+  if (x < 0 || x >= world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "ring: %s %d out of range [0, %d)", what, x,
+                        world);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_ring_source(int32_t world, int32_t ranks_per_node, int32_t rank,
+                                   int32_t step, int32_t *src) {
+  MTRAIN_CHECK_NOT_NULL(src);
+  int32_t L = 0;
+  mtrain_status_t st = ring_args(world, ranks_per_node, rank, step, "step", &L);
+  if (st != MTRAIN_SUCCESS) return st;
+  const int32_t n = world / L;
+  const int32_t node = rank / L, local = rank % L, o = step / L, i = step % L;
+  *src = mod_i32(node - o, n) * L + mod_i32(local - i, L);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_ring_step_of(int32_t world, int32_t ranks_per_node, int32_t rank,
+                                    int32_t src, int32_t *step) {
+  MTRAIN_CHECK_NOT_NULL(step);
+  int32_t L = 0;
+  mtrain_status_t st = ring_args(world, ranks_per_node, rank, src, "source rank", &L);
+  if (st != MTRAIN_SUCCESS) return st;
+  const int32_t n = world / L;
+  const int32_t o = mod_i32(rank / L - src / L, n), i = mod_i32(rank % L - src % L, L);
+  *step = o * L + i;
+  return MTRAIN_SUCCESS;
+}
+
+/* ---- building layouts ---------------------------------------------------------- */
+
+void mtrain_layout_destroy(mtrain_layout_t *layout) {
+  if (!layout) return;
+  free(layout->owner);
+  free(layout->local);
+  free(layout->blocks);
+  free(layout);
+}
+
+mtrain_status_t mtrain_layout_from_owner(mtrain_layout_kind_t kind, const char *variant,
+                                         mtrain_bars_mode_t bars_mode, int64_t seq_len,
+                                         int32_t granularity, int32_t world, int64_t num_blocks,
+                                         const int32_t *owner, mtrain_layout_t **out) {
+  if (num_blocks % world != 0)
+    return mtrain_error(MTRAIN_ERR_INTERNAL, "layout: %lld blocks do not divide over %d ranks",
+                        (long long)num_blocks, world);
+  mtrain_layout_t *l = calloc(1, sizeof *l);
+  if (!l) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "layout: out of memory");
+  l->kind = kind;
+  l->bars_mode = bars_mode;
+  snprintf(l->variant, sizeof l->variant, "%s", variant);
+  l->seq_len = seq_len;
+  l->granularity = granularity;
+  l->world = world;
+  l->num_blocks = num_blocks;
+  l->num_seq_blocks = (seq_len + granularity - 1) / granularity;
+  l->per_rank = (int32_t)(num_blocks / world);
+  l->owner = malloc((size_t)num_blocks * sizeof *l->owner);
+  l->local = malloc((size_t)num_blocks * sizeof *l->local);
+  l->blocks = malloc((size_t)num_blocks * sizeof *l->blocks);
+  int32_t *fill = calloc((size_t)world, sizeof *fill);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (!l->owner || !l->local || !l->blocks || !fill) {
+    st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "layout: out of memory for %lld blocks",
+                      (long long)num_blocks);
+    goto done;
+  }
+  for (int64_t b = 0; b < num_blocks; b++) {
+    const int32_t r = owner[b];
+    if (r < 0 || r >= world || fill[r] >= l->per_rank) {
+      st = mtrain_error(MTRAIN_ERR_INTERNAL,
+                        "layout: owner map gives block %lld to rank %d (world %d, %d blocks each)",
+                        (long long)b, r, world, l->per_rank);
+      goto done;
+    }
+    l->owner[b] = r;
+    l->local[b] = fill[r];
+    l->blocks[(int64_t)r * l->per_rank + fill[r]] = b;
+    fill[r]++;
+  }
+done:
+  free(fill);
+  if (st != MTRAIN_SUCCESS) {
+    mtrain_layout_destroy(l);
+    return st;
+  }
+  *out = l;
+  return MTRAIN_SUCCESS;
+}
+
+/* Owner maps. Groups are W consecutive blocks; each map gives every rank
+ * exactly one block of each group (zigzag and contiguous: of the whole). */
+typedef enum owner_map {
+  MAP_CONTIGUOUS,
+  MAP_ZIGZAG,
+  MAP_STRIPED,  /* b mod W */
+  MAP_SNAKE,    /* boustrophedon: odd groups dealt in reverse */
+  MAP_ROTATED,  /* group g dealt from rank g mod W on */
+  MAP_NODE_ROT, /* inside each node's slice of a group, locals rotated by g */
+} owner_map_t;
+
+static void fill_owner(owner_map_t map, int64_t nbp, int32_t W, int32_t L, int32_t *owner) {
+  for (int64_t b = 0; b < nbp; b++) {
+    const int64_t g = b / W;
+    const int32_t p = (int32_t)(b % W);
+    switch (map) {
+    case MAP_CONTIGUOUS:
+      owner[b] = (int32_t)(b / (nbp / W));
+      break;
+    case MAP_ZIGZAG: {
+      const int32_t chunk = (int32_t)(b / (nbp / (2 * W)));
+      owner[b] = chunk < W ? chunk : 2 * W - 1 - chunk;
+      break;
+    }
+    case MAP_STRIPED:
+      owner[b] = p;
+      break;
+    case MAP_SNAKE:
+      owner[b] = g % 2 == 0 ? p : W - 1 - p;
+      break;
+    case MAP_ROTATED:
+      owner[b] = (int32_t)((p + g) % W);
+      break;
+    case MAP_NODE_ROT:
+      owner[b] = (p / L) * L + (int32_t)((p % L + g) % L);
+      break;
+    }
+  }
+}
+
+static const char *const map_names[] = {"contiguous", "zigzag",  "striped",
+                                        "snake",      "rotated", "node-rotated"};
+
+/* The balanced layout's candidates, in order of preference on ties. */
+static const owner_map_t balanced_candidates[] = {MAP_STRIPED, MAP_SNAKE, MAP_ROTATED,
+                                                  MAP_NODE_ROT};
+
+static mtrain_status_t check_workload(const mtrain_balance_options_t *b, int64_t seq_len,
+                                      int32_t granularity) {
+  if (b->num_patterns < 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "balanced layout: num_patterns %d is negative",
+                        b->num_patterns);
+  if (b->num_patterns > 0 && !b->patterns)
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER,
+                        "balanced layout: patterns is NULL with num_patterns %d", b->num_patterns);
+  for (int32_t i = 0; i < b->num_patterns; i++) {
+    const mtrain_pattern_t *p = b->patterns[i];
+    if (!p)
+      return mtrain_error(MTRAIN_ERR_NULL_POINTER, "balanced layout: patterns[%d] is NULL", i);
+    if (p->seq_len != seq_len || p->granularity != granularity)
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "balanced layout: patterns[%d] has seq_len %lld and granularity %d, the "
+                          "layout %lld and %d",
+                          i, (long long)p->seq_len, p->granularity, (long long)seq_len,
+                          granularity);
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* Picks the balanced layout's owner map and bars mode: every candidate map
+ * in both bars modes is evaluated on the workload; among those whose worker
+ * imbalance is no worse than striped's, the one with the smallest sum of
+ * per-step maxima on the target ring wins (ties: earlier in the list, in-ring
+ * before gathered). Striped with bars in the ring is always admissible, so
+ * the result is never worse than striped on either figure. */
+static mtrain_status_t choose_balanced(const mtrain_balance_options_t *b, int64_t seq_len,
+                                       int32_t G, int32_t W, int64_t nbp, int32_t *owner,
+                                       owner_map_t *best_map, mtrain_bars_mode_t *best_mode) {
+  int32_t L = 0;
+  mtrain_status_t st = mtrain_ring_check(W, b->ranks_per_node, &L);
+  if (st != MTRAIN_SUCCESS) return mtrain_error_prefix(st, "balanced layout");
+  const mtrain_ring_kind_t ring = L < W && L > 1 ? MTRAIN_RING_HIERARCHICAL : MTRAIN_RING_FLAT;
+  double limit = 0.0, best = 0.0;
+  int have = 0;
+  const int nc = (int)(sizeof balanced_candidates / sizeof *balanced_candidates);
+  for (int c = 0; c < nc; c++) {
+    if (balanced_candidates[c] == MAP_NODE_ROT && ring != MTRAIN_RING_HIERARCHICAL) continue;
+    fill_owner(balanced_candidates[c], nbp, W, L, owner);
+    mtrain_cost_t *cost = NULL;
+    st = mtrain_cost_evaluate_owner(owner, nbp, seq_len, G, W, b->ranks_per_node,
+                                    MTRAIN_BARS_IN_RING, b->patterns, b->num_patterns, &cost);
+    if (st != MTRAIN_SUCCESS) return st;
+    if (c == 0) limit = cost->metrics[MTRAIN_BARS_IN_RING][ring].worker_imbalance;
+    for (int m = 0; m < 2; m++) {
+      const mtrain_cost_metrics_t *x = &cost->metrics[m][ring];
+      if (x->worker_imbalance > limit) continue;
+      if (!have || x->step_max_sum < best) {
+        have = 1;
+        best = x->step_max_sum;
+        *best_map = balanced_candidates[c];
+        *best_mode = (mtrain_bars_mode_t)m;
+      }
+    }
+    mtrain_cost_destroy(cost);
+  }
+  fill_owner(*best_map, nbp, W, L, owner);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_layout_create(mtrain_layout_kind_t kind, int64_t seq_len,
+                                     int32_t granularity, int32_t world,
+                                     const mtrain_balance_options_t *balance,
+                                     mtrain_layout_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  if ((int)kind < 0 || (int)kind > (int)MTRAIN_LAYOUT_BALANCED)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "layout: kind %d is not one of contiguous (0), zigzag (1), striped (2), "
+                        "balanced (3)",
+                        (int)kind);
+  if (seq_len < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "layout: seq_len %lld must be >= 1",
+                        (long long)seq_len);
+  if (granularity < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "layout: granularity %d must be >= 1",
+                        granularity);
+  if (world < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "layout: world size %d must be >= 1", world);
+  const int64_t unit_blocks = (kind == MTRAIN_LAYOUT_ZIGZAG ? 2 : 1) * (int64_t)world;
+  const int64_t nb = (seq_len + granularity - 1) / granularity;
+  const int64_t nbp = (nb + unit_blocks - 1) / unit_blocks * unit_blocks;
+  if (nbp > INT32_MAX)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "layout: seq_len %lld at granularity %d over %d ranks needs %lld padded "
+                        "blocks, more than 2^31 - 1",
+                        (long long)seq_len, granularity, world, (long long)nbp);
+  int32_t *owner = malloc((size_t)nbp * sizeof *owner);
+  if (!owner) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "layout: out of memory");
+  owner_map_t map = MAP_STRIPED;
+  mtrain_bars_mode_t mode = MTRAIN_BARS_IN_RING;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  char variant[32];
+  switch (kind) {
+  case MTRAIN_LAYOUT_CONTIGUOUS:
+    map = MAP_CONTIGUOUS;
+    break;
+  case MTRAIN_LAYOUT_ZIGZAG:
+    map = MAP_ZIGZAG;
+    break;
+  case MTRAIN_LAYOUT_STRIPED:
+    break;
+  case MTRAIN_LAYOUT_BALANCED:
+    mode = MTRAIN_BARS_GATHERED; /* the default design, without a workload */
+    if (balance) st = check_workload(balance, seq_len, granularity);
+    if (st == MTRAIN_SUCCESS && balance && balance->num_patterns > 0)
+      st = choose_balanced(balance, seq_len, granularity, world, nbp, owner, &map, &mode);
+    break;
+  }
+  if (st == MTRAIN_SUCCESS) {
+    int32_t L = world;
+    if (balance && kind == MTRAIN_LAYOUT_BALANCED && balance->ranks_per_node > 0)
+      L = balance->ranks_per_node;
+    fill_owner(map, nbp, world, L, owner);
+    if (kind == MTRAIN_LAYOUT_BALANCED)
+      snprintf(variant, sizeof variant, "%s%s", map_names[map],
+               mode == MTRAIN_BARS_GATHERED ? "+gathered" : "");
+    else
+      snprintf(variant, sizeof variant, "%s", map_names[map]);
+    st =
+        mtrain_layout_from_owner(kind, variant, mode, seq_len, granularity, world, nbp, owner, out);
+  }
+  free(owner);
+  return st;
+}
+
+/* ---- accessors ------------------------------------------------------------------ */
+
+mtrain_layout_kind_t mtrain_layout_kind(const mtrain_layout_t *l) {
+  return l ? l->kind : MTRAIN_LAYOUT_CONTIGUOUS;
+}
+const char *mtrain_layout_variant(const mtrain_layout_t *l) { return l ? l->variant : ""; }
+mtrain_bars_mode_t mtrain_layout_bars_mode(const mtrain_layout_t *l) {
+  return l ? l->bars_mode : MTRAIN_BARS_IN_RING;
+}
+int64_t mtrain_layout_seq_len(const mtrain_layout_t *l) { return l ? l->seq_len : 0; }
+int32_t mtrain_layout_granularity(const mtrain_layout_t *l) { return l ? l->granularity : 0; }
+int32_t mtrain_layout_world(const mtrain_layout_t *l) { return l ? l->world : 0; }
+int64_t mtrain_layout_padded_len(const mtrain_layout_t *l) {
+  return l ? l->num_blocks * l->granularity : 0;
+}
+int64_t mtrain_layout_num_blocks(const mtrain_layout_t *l) { return l ? l->num_blocks : 0; }
+int64_t mtrain_layout_num_seq_blocks(const mtrain_layout_t *l) { return l ? l->num_seq_blocks : 0; }
+int32_t mtrain_layout_rank_num_blocks(const mtrain_layout_t *l, int32_t rank) {
+  return l && rank >= 0 && rank < l->world ? l->per_rank : 0;
+}
+int64_t mtrain_layout_local_tokens(const mtrain_layout_t *l, int32_t rank) {
+  return (int64_t)mtrain_layout_rank_num_blocks(l, rank) * (l ? l->granularity : 0);
+}
+const int64_t *mtrain_layout_rank_blocks(const mtrain_layout_t *l, int32_t rank) {
+  if (!l || rank < 0 || rank >= l->world) return NULL;
+  return l->blocks + (int64_t)rank * l->per_rank;
+}
+
+mtrain_rank_blocks_t mtrain_layout_rank_view(const mtrain_layout_t *l, int32_t rank) {
+  mtrain_rank_blocks_t v = {l->per_rank, mtrain_layout_rank_blocks(l, rank),
+                            (int64_t)l->per_rank * l->granularity};
+  return v;
+}
+
+mtrain_status_t mtrain_layout_block_owner(const mtrain_layout_t *l, int64_t block, int32_t *rank,
+                                          int32_t *local_block) {
+  MTRAIN_CHECK_NOT_NULL(l);
+  MTRAIN_CHECK_NOT_NULL(rank);
+  MTRAIN_CHECK_NOT_NULL(local_block);
+  if (block < 0 || block >= l->num_blocks)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "layout: block %lld out of range [0, %lld) (padded block count)",
+                        (long long)block, (long long)l->num_blocks);
+  *rank = l->owner[block];
+  *local_block = l->local[block];
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_layout_global_to_local(const mtrain_layout_t *l, int64_t token,
+                                              int32_t *rank, int64_t *local) {
+  MTRAIN_CHECK_NOT_NULL(l);
+  MTRAIN_CHECK_NOT_NULL(rank);
+  MTRAIN_CHECK_NOT_NULL(local);
+  const int64_t padded = l->num_blocks * l->granularity;
+  if (token < 0 || token >= padded)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "layout: token %lld out of range [0, %lld) (padded length)",
+                        (long long)token, (long long)padded);
+  const int64_t b = token / l->granularity;
+  *rank = l->owner[b];
+  *local = (int64_t)l->local[b] * l->granularity + token % l->granularity;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_layout_local_to_global(const mtrain_layout_t *l, int32_t rank, int64_t local,
+                                              int64_t *token) {
+  MTRAIN_CHECK_NOT_NULL(l);
+  MTRAIN_CHECK_NOT_NULL(token);
+  if (rank < 0 || rank >= l->world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "layout: rank %d out of range [0, %d)", rank,
+                        l->world);
+  const int64_t n = (int64_t)l->per_rank * l->granularity;
+  if (local < 0 || local >= n)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "layout: local token %lld out of range [0, %lld) on rank %d",
+                        (long long)local, (long long)n, rank);
+  const int64_t b = l->blocks[(int64_t)rank * l->per_rank + local / l->granularity];
+  *token = b * l->granularity + local % l->granularity;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_layout_rank_token_index(const mtrain_layout_t *l, int32_t rank,
+                                               int64_t *global) {
+  MTRAIN_CHECK_NOT_NULL(l);
+  MTRAIN_CHECK_NOT_NULL(global);
+  if (rank < 0 || rank >= l->world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "layout: rank %d out of range [0, %d)", rank,
+                        l->world);
+  const int64_t *blocks = l->blocks + (int64_t)rank * l->per_rank;
+  const int32_t G = l->granularity;
+  for (int32_t lb = 0; lb < l->per_rank; lb++)
+    for (int32_t c = 0; c < G; c++) global[(int64_t)lb * G + c] = blocks[lb] * G + c;
+  return MTRAIN_SUCCESS;
+}
