@@ -101,13 +101,95 @@ static void count_block_mask(const owner_tables_t *t, const mtrain_pattern_head_
   }
 }
 
-static void count_diagonals(const owner_tables_t *t, const int64_t *ranges, int64_t nr,
-                            head_counts_t *c) {
+/* The layout's diagonal table: for every block diagonal t >= 1 the
+ * histogram of (owner of query block gq, owner of key block gq - t) over
+ * gq in [t, nbr), stored sparsely. It depends on the layout only, and has
+ * about W (striped) to 4W (zigzag) entries per diagonal for the layouts
+ * here, so a head's diagonal t costs that many additions instead of nbr.
+ * Built once per evaluation when it fits DIAG_TABLE_MAX entries. */
+#define DIAG_TABLE_MAX ((int64_t)1 << 23)
+
+typedef struct diag_table {
+  int64_t *off; /* [nbr + 1]: entries of diagonal t at [off[t], off[t + 1]) */
+  int32_t *idx; /* pair index owner(gq) * W + owner(gq - t) */
+  int32_t *cnt;
+} diag_table_t;
+
+static void diag_table_free(diag_table_t *d) {
+  free(d->off);
+  free(d->idx);
+  free(d->cnt);
+  memset(d, 0, sizeof *d);
+}
+
+/* Returns 1 when built, 0 when it would exceed DIAG_TABLE_MAX entries or
+ * memory ran out (the direct count is used then). */
+static int diag_table_build(const owner_tables_t *t, diag_table_t *d) {
+  const int32_t W = t->W;
+  const int64_t nbr = t->nbr;
+  int64_t cap = 4 * (int64_t)W * (nbr > 1 ? nbr : 1), n = 0;
+  if (cap > DIAG_TABLE_MAX) cap = DIAG_TABLE_MAX;
+  int32_t *dense = calloc((size_t)W * (size_t)W, sizeof *dense);
+  int32_t *touched = malloc((size_t)W * (size_t)W * sizeof *touched);
+  d->off = malloc((size_t)(nbr + 1) * sizeof *d->off);
+  d->idx = malloc((size_t)cap * sizeof *d->idx);
+  d->cnt = malloc((size_t)cap * sizeof *d->cnt);
+  int ok = dense && touched && d->off && d->idx && d->cnt;
+  if (ok) d->off[0] = d->off[1] = 0;
+  for (int64_t k = 1; ok && k < nbr; k++) {
+    int32_t nt = 0, prev = -1, run = 0;
+    for (int64_t gq = k; gq <= nbr; gq++) {
+      const int32_t idx = gq < nbr ? t->owner[gq] * W + t->owner[gq - k] : -1;
+      if (idx == prev) {
+        run++;
+        continue;
+      }
+      if (prev >= 0) {
+        if (dense[prev] == 0) touched[nt++] = prev;
+        dense[prev] += run;
+      }
+      prev = idx;
+      run = 1;
+    }
+    if (n + nt > cap) {
+      int64_t grown = cap * 2 > n + nt ? cap * 2 : n + nt;
+      if (grown > DIAG_TABLE_MAX) {
+        ok = 0;
+        break;
+      }
+      int32_t *i2 = realloc(d->idx, (size_t)grown * sizeof *i2);
+      if (i2) d->idx = i2;
+      int32_t *c2 = realloc(d->cnt, (size_t)grown * sizeof *c2);
+      if (c2) d->cnt = c2;
+      if (!i2 || !c2) {
+        ok = 0;
+        break;
+      }
+      cap = grown;
+    }
+    for (int32_t e = 0; e < nt; e++) {
+      d->idx[n] = touched[e];
+      d->cnt[n++] = dense[touched[e]];
+      dense[touched[e]] = 0;
+    }
+    d->off[k + 1] = n;
+  }
+  free(dense);
+  free(touched);
+  if (!ok) diag_table_free(d);
+  return ok;
+}
+
+static void count_diagonals(const owner_tables_t *t, const diag_table_t *table,
+                            const int64_t *ranges, int64_t nr, head_counts_t *c) {
   const int32_t W = t->W;
   const int32_t *owner = t->owner;
   for (int64_t k = 0; k < nr; k++) {
     const int64_t a = ranges[2 * k], b = ranges[2 * k + 1];
-    if (b - a + 1 <= W) {
+    const int64_t long_cost = (t->nbr - a) * W;
+    if (table->off && table->off[b + 1] - table->off[a] <= long_cost) {
+      for (int64_t e = table->off[a]; e < table->off[b + 1]; e++) c->full[table->idx[e]] += table->cnt[e];
+    } else if (!table->off && b - a + 1 <= W) {
       /* runs of equal (owner, owner) pairs are added at once: layouts with
        * long runs (contiguous, zigzag) would otherwise chain increments of
        * one counter */
@@ -165,8 +247,8 @@ static void count_bars(const owner_tables_t *t, const mtrain_pattern_head_t *h,
   }
 }
 
-static void count_head(const owner_tables_t *t, const mtrain_pattern_head_t *h, int32_t G,
-                       head_counts_t *c) {
+static void count_head(const owner_tables_t *t, const diag_table_t *table,
+                       const mtrain_pattern_head_t *h, int32_t G, head_counts_t *c) {
   const int32_t W = t->W;
   memset(c->full, 0, (size_t)W * (size_t)W * sizeof *c->full);
   memset(c->bars, 0, (size_t)W * (size_t)W * sizeof *c->bars);
@@ -176,7 +258,7 @@ static void count_head(const owner_tables_t *t, const mtrain_pattern_head_t *h, 
     return;
   }
   const int64_t nr = diagonal_ranges(h, t->nbr, c->ranges);
-  count_diagonals(t, c->ranges, nr, c);
+  count_diagonals(t, table, c->ranges, nr, c);
   if (h->num_verticals) count_bars(t, h, c->ranges, nr, G, c);
 }
 
@@ -480,7 +562,7 @@ mtrain_status_t mtrain_cost_evaluate_owner(const int32_t *owner, int64_t num_blo
                                            int64_t seq_len, int32_t granularity, int32_t world,
                                            int32_t ranks_per_node, mtrain_bars_mode_t mode,
                                            const mtrain_pattern_t *const *patterns,
-                                           int32_t num_patterns, mtrain_cost_t **out) {
+                                           int32_t num_patterns, int flags, mtrain_cost_t **out) {
   int32_t L = 0;
   mtrain_status_t st = mtrain_ring_check(world, ranks_per_node, &L);
   if (st != MTRAIN_SUCCESS) return mtrain_error_prefix(st, "cost");
@@ -494,6 +576,7 @@ mtrain_status_t mtrain_cost_evaluate_owner(const int32_t *owner, int64_t num_blo
   c->num_layers = num_patterns;
   c->mode = mode;
   owner_tables_t tables = {0};
+  diag_table_t table = {0};
   head_groups_t groups = {0};
   st = cost_alloc(c, patterns);
   if (st != MTRAIN_SUCCESS) goto done;
@@ -509,6 +592,7 @@ mtrain_status_t mtrain_cost_evaluate_owner(const int32_t *owner, int64_t num_blo
                       (long long)nbr, world);
     goto done;
   }
+  if (!(flags & MTRAIN_COST_DIRECT)) diag_table_build(&tables, &table);
   int failed = 0;
 #pragma omp parallel
   {
@@ -523,7 +607,7 @@ mtrain_status_t mtrain_cost_evaluate_owner(const int32_t *owner, int64_t num_blo
     for (int32_t k = 0; k < groups.num_reps; k++) {
       if (!ok) continue;
       const head_ref_t *rep = &groups.refs[groups.reps[k]];
-      count_head(&tables, ref_head(patterns, rep), granularity, &hc);
+      count_head(&tables, &table, ref_head(patterns, rep), granularity, &hc);
       /* members: every ref whose representative is this one (same hash run) */
       for (int32_t i = groups.reps[k]; i < c->num_heads && groups.refs[i].hash == rep->hash; i++)
         if (groups.rep_of[i] == groups.reps[k])
@@ -539,6 +623,7 @@ mtrain_status_t mtrain_cost_evaluate_owner(const int32_t *owner, int64_t num_blo
   finish_metrics(c);
 done:
   free(tables.pref);
+  diag_table_free(&table);
   head_groups_free(&groups);
   if (st != MTRAIN_SUCCESS) {
     mtrain_cost_destroy(c);
@@ -564,7 +649,7 @@ mtrain_status_t mtrain_cost_evaluate(const mtrain_layout_t *layout,
       o.bars_mode == -1 ? layout->bars_mode : (mtrain_bars_mode_t)o.bars_mode;
   return mtrain_cost_evaluate_owner(layout->owner, layout->num_blocks, layout->seq_len,
                                     layout->granularity, layout->world, o.ranks_per_node, mode,
-                                    patterns, num_patterns, out);
+                                    patterns, num_patterns, 0, out);
 }
 
 /* ---- accessors ---------------------------------------------------------------------- */

@@ -258,7 +258,7 @@ static mtrain_status_t choose_balanced(const mtrain_balance_options_t *b, int64_
     fill_owner(balanced_candidates[c], nbp, W, L, owner);
     mtrain_cost_t *cost = NULL;
     st = mtrain_cost_evaluate_owner(owner, nbp, seq_len, G, W, b->ranks_per_node,
-                                    MTRAIN_BARS_IN_RING, b->patterns, b->num_patterns, &cost);
+                                    MTRAIN_BARS_IN_RING, b->patterns, b->num_patterns, 0, &cost);
     if (st != MTRAIN_SUCCESS) return st;
     if (c == 0) limit = cost->metrics[MTRAIN_BARS_IN_RING][ring].worker_imbalance;
     for (int m = 0; m < 2; m++) {

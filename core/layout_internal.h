@@ -55,14 +55,18 @@ struct mtrain_cost {
   mtrain_cost_metrics_t metrics[2][2];
 };
 
+/** Flag of mtrain_cost_evaluate_owner: count every diagonal directly instead
+ *  of through the layout's diagonal table (the tests compare both). */
+#define MTRAIN_COST_DIRECT 1
+
 /** Evaluates a workload under an owner map (the layout's, or a candidate's
  *  during the balanced search). `ranks_per_node` as in the public options;
- *  `mode` is only recorded for the accessors. */
+ *  `mode` is only recorded for the accessors; `flags` 0 or MTRAIN_COST_DIRECT. */
 mtrain_status_t mtrain_cost_evaluate_owner(const int32_t *owner, int64_t num_blocks,
                                            int64_t seq_len, int32_t granularity, int32_t world,
                                            int32_t ranks_per_node, mtrain_bars_mode_t mode,
                                            const mtrain_pattern_t *const *patterns,
-                                           int32_t num_patterns, mtrain_cost_t **out);
+                                           int32_t num_patterns, int flags, mtrain_cost_t **out);
 
 /** Validates ranks_per_node for world: 0, or a divisor of world. Returns the
  *  L the hierarchical ring uses (world when ranks_per_node is 0). */

@@ -58,6 +58,15 @@ check_png "$work/h1.png" 64
 "$bin" --pattern "$work/p.json" --head 0 --out "$work/small.png" --size 3 > /dev/null
 check_png "$work/small.png" 3
 
+# an estimated pattern: structured inputs, top-k budgets (512 tokens, G 32: 16 blocks)
+"$bin" --estimate --v-size 8 --s-size 40 --seq-len 512 --heads 2 --kv-heads 1 --head-dim 16 \
+  --granularity 32 --head 1 --out "$work/est.png" > "$work/out.txt"
+check_png "$work/est.png" 16
+grep -q "the estimated pattern" "$work/out.txt" || fail "estimate summary: $(cat "$work/out.txt")"
+expect_exit 2 "exactly one of" --pattern "$work/p.json" --estimate --v-size 1 --s-size 1 --head 0 \
+  --out "$work/x.png"
+expect_exit 2 "needs --budgets" --estimate --head 0 --out "$work/x.png"
+
 expect_exit 1 "cannot open" --pattern "$work/missing.json" --head 0 --out "$work/x.png"
 expect_exit 1 "out of range" --pattern "$work/p.json" --head 2 --out "$work/x.png"
 expect_exit 1 "cannot write PNG" --pattern "$work/p.json" --head 0 --out "$work/no/such/dir/x.png"

@@ -5,8 +5,9 @@
  * causal blocks not computed white, the non-causal upper triangle light grey.
  * One pixel per block up to 1024 blocks; larger patterns (or --size) are
  * max-pooled (computed > bars > empty > non-causal); a --size above the block
- * count enlarges the blocks. The pattern comes from a file (the only input
- * source so far: load_pattern() is where others go). Exit 0 on success, 1
+ * count enlarges the blocks. The pattern comes from a file, or is estimated
+ * online (SPEC.md section 2) from structured inputs generated from a seed
+ * with per-head budgets (--estimate). Exit 0 on success, 1
  * when the work fails (unreadable pattern, head out of range, PNG not
  * written), 2 on a bad command line. */
 #define _POSIX_C_SOURCE 200809L /* tool_common.h: clock_gettime */
@@ -20,15 +21,22 @@
 #include <string.h>
 
 #include "mtrain/mtrain.h"
+#include "mtrain/mtrain_inputs.h"
 #include "mtrain/mtrain_io.h"
 #include "tool_common.h"
 
 static const char *prog = "mtrain-pattern";
 
 static const char usage[] =
-    "usage: mtrain-pattern --pattern FILE.json --head H --out FILE.png [--size PX]\n"
+    "usage: mtrain-pattern (--pattern FILE.json | --estimate ...) --head H --out FILE.png\n"
+    "                      [--size PX]\n"
     "Draws one head's block pattern: rows = query blocks, columns = key blocks.\n"
     "  --pattern FILE.json   a pattern file (SPEC.md section 8)\n"
+    "  --estimate            estimate the pattern online from structured inputs\n"
+    "                        (mtrain_inputs.h) with --budgets FILE --layer L, or\n"
+    "                        --v-size N --s-size N; --seq-len N (4096) --heads H (16)\n"
+    "                        --kv-heads H (2) --head-dim D (128) --seed S (1)\n"
+    "                        --granularity G (128) --last-q L (64)\n"
     "  --head H              the query head to draw (0-based)\n"
     "  --out FILE.png        the image to write\n"
     "  --size PX             image width and height in pixels (default: one pixel\n"
@@ -40,7 +48,10 @@ static const char usage[] =
 #define MAX_SIZE_PX 16384
 
 typedef struct viewer_options {
-  const char *pattern_path; /* input source: a pattern file */
+  const char *pattern_path; /* input source: a pattern file, or */
+  int estimate;             /* estimated from structured inputs */
+  const char *budgets_path;
+  int32_t layer, v_size, s_size, heads, kv_heads, head_dim, granularity, last_q, seed, seq_len;
   const char *out_path;
   int32_t head;
   int32_t size; /* 0: default */
@@ -64,11 +75,24 @@ static int parse_int(const char *name, const char *s, long lo, long hi, int32_t 
 /* 0: run; 1: bad command line; 2: --help printed. */
 static int parse_options(int argc, char **argv, viewer_options_t *o) {
   memset(o, 0, sizeof *o);
-  o->head = -1;
+  o->head = o->layer = o->v_size = o->s_size = -1;
+  o->heads = 16;
+  o->kv_heads = 2;
+  o->head_dim = 128;
+  o->granularity = 128;
+  o->last_q = 64;
+  o->seed = 1;
+  o->seq_len = 4096;
   static const struct option longs[] = {
-      {"pattern", required_argument, 0, 'p'}, {"head", required_argument, 0, 'H'},
-      {"out", required_argument, 0, 'o'},     {"size", required_argument, 0, 's'},
-      {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+      {"pattern", required_argument, 0, 'p'},  {"head", required_argument, 0, 'H'},
+      {"out", required_argument, 0, 'o'},      {"size", required_argument, 0, 's'},
+      {"help", no_argument, 0, 'h'},           {"estimate", no_argument, 0, 'e'},
+      {"budgets", required_argument, 0, 'B'},  {"layer", required_argument, 0, 'L'},
+      {"v-size", required_argument, 0, 'V'},   {"s-size", required_argument, 0, 'S'},
+      {"seq-len", required_argument, 0, 'N'},  {"heads", required_argument, 0, 'q'},
+      {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
+      {"seed", required_argument, 0, 'r'},     {"granularity", required_argument, 0, 'G'},
+      {"last-q", required_argument, 0, 'l'},   {0, 0, 0, 0}};
   int c, bad = 0;
   opterr = 0;
   while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
@@ -85,6 +109,42 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
     case 's':
       bad = parse_int("size", optarg, 1, MAX_SIZE_PX, &o->size);
       break;
+    case 'e':
+      o->estimate = 1;
+      break;
+    case 'B':
+      o->budgets_path = optarg;
+      break;
+    case 'L':
+      bad = parse_int("layer", optarg, 0, INT32_MAX, &o->layer);
+      break;
+    case 'V':
+      bad = parse_int("v-size", optarg, 0, INT32_MAX, &o->v_size);
+      break;
+    case 'S':
+      bad = parse_int("s-size", optarg, 0, INT32_MAX, &o->s_size);
+      break;
+    case 'N':
+      bad = parse_int("seq-len", optarg, 1, 1 << 24, &o->seq_len);
+      break;
+    case 'q':
+      bad = parse_int("heads", optarg, 1, 1024, &o->heads);
+      break;
+    case 'k':
+      bad = parse_int("kv-heads", optarg, 1, 1024, &o->kv_heads);
+      break;
+    case 'd':
+      bad = parse_int("head-dim", optarg, 1, 1024, &o->head_dim);
+      break;
+    case 'r':
+      bad = parse_int("seed", optarg, 0, INT32_MAX, &o->seed);
+      break;
+    case 'G':
+      bad = parse_int("granularity", optarg, 1, 1 << 20, &o->granularity);
+      break;
+    case 'l':
+      bad = parse_int("last-q", optarg, 1, 1 << 20, &o->last_q);
+      break;
     case 'h':
       fputs(usage, stdout);
       return 2;
@@ -98,10 +158,24 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
     fprintf(stderr, "%s: unexpected argument '%s'\n", prog, argv[optind]);
     return 1;
   }
-  const char *missing = !o->pattern_path ? "--pattern FILE.json"
-                        : o->head < 0    ? "--head H"
-                        : !o->out_path   ? "--out FILE.png"
-                                         : NULL;
+  if (!!o->pattern_path + o->estimate != 1) {
+    fprintf(stderr, "%s: give exactly one of --pattern FILE.json and --estimate\n%s", prog, usage);
+    return 1;
+  }
+  if (o->estimate && !((o->budgets_path && o->layer >= 0) || (o->v_size >= 0 && o->s_size >= 0))) {
+    fprintf(stderr, "%s: --estimate needs --budgets FILE --layer L or --v-size N --s-size N\n",
+            prog);
+    return 1;
+  }
+  if (o->estimate && o->heads % o->kv_heads != 0) {
+    fprintf(stderr, "%s: --heads %d is not a multiple of --kv-heads %d\n", prog, o->heads,
+            o->kv_heads);
+    return 1;
+  }
+  const char *missing = !o->pattern_path && !o->estimate ? "--pattern FILE.json"
+                        : o->head < 0                    ? "--head H"
+                        : !o->out_path                   ? "--out FILE.png"
+                                                         : NULL;
   if (missing) {
     fprintf(stderr, "%s: %s is required\n%s", prog, missing, usage);
     return 1;
@@ -109,8 +183,73 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
   return 0;
 }
 
+/* Per-head budgets for --estimate (malloc'ed). */
+static int estimate_budgets(const viewer_options_t *o, mtrain_head_budget_t **out) {
+  mtrain_head_budget_t *b = calloc((size_t)o->heads, sizeof *b);
+  mtrain_budgets_t *file = NULL;
+  int rc = b == NULL;
+  if (!rc && o->budgets_path) {
+    rc = tool_failed(prog, o->budgets_path, mtrain_budgets_read(o->budgets_path, &file));
+    for (int32_t h = 0; h < o->heads && !rc; h++) /* heads beyond the file's wrap around */
+      rc = tool_failed(prog, o->budgets_path,
+                       mtrain_budgets_get(file, o->layer,
+                                          h % (mtrain_budgets_num_heads(file, o->layer) > 0
+                                                   ? mtrain_budgets_num_heads(file, o->layer)
+                                                   : 1),
+                                          &b[h]));
+  } else {
+    for (int32_t h = 0; h < o->heads && !rc; h++) {
+      b[h].kind = MTRAIN_BUDGET_TOP_K;
+      b[h].v_size = o->v_size;
+      b[h].s_size = o->s_size;
+    }
+  }
+  mtrain_budgets_destroy(file);
+  if (rc) {
+    free(b);
+    return 1;
+  }
+  *out = b;
+  return 0;
+}
+
+/* Structured inputs from the seed, then the online estimate on "cpu". */
+static int estimate_pattern(const viewer_options_t *o, mtrain_pattern_t **out) {
+  const int64_t N = o->seq_len;
+  float *q = malloc(sizeof(float) * (size_t)(N * o->heads * o->head_dim));
+  float *k = malloc(sizeof(float) * (size_t)(N * o->kv_heads * o->head_dim));
+  float *v = malloc(sizeof(float) * (size_t)(N * o->kv_heads * o->head_dim));
+  mtrain_head_budget_t *budgets = NULL;
+  mtrain_context_t *ctx = NULL;
+  int rc = !q || !k || !v;
+  if (rc) fprintf(stderr, "%s: out of memory for %lld tokens\n", prog, (long long)N);
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, o->heads, o->head_dim);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, N, o->kv_heads, o->head_dim);
+  mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_F32, N, o->kv_heads, o->head_dim);
+  mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
+  so.seed = (uint64_t)o->seed;
+  if (so.rope_base < 4.0 * (double)N) so.rope_base = 4.0 * (double)N; /* keeps the sinks */
+  if (!rc)
+    rc = tool_failed(prog, "generating inputs", mtrain_generate_structured(&so, &tq, &tk, &tv));
+  if (!rc) rc = estimate_budgets(o, &budgets);
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = o->granularity;
+  if (!rc) rc = tool_failed(prog, "context", mtrain_context_create(&cfg, NULL, &ctx));
+  mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+  eo.last_q = o->last_q;
+  if (!rc)
+    rc = tool_failed(prog, "estimating", mtrain_pattern_estimate(ctx, &tq, &tk, budgets, &eo, out));
+  mtrain_context_destroy(ctx);
+  free(budgets);
+  free(q);
+  free(k);
+  free(v);
+  return rc;
+}
+
 /* The pattern to draw, from the input source the options name. */
 static int load_pattern(const viewer_options_t *o, mtrain_pattern_t **out) {
+  if (o->estimate) return estimate_pattern(o, out);
   return tool_failed(prog, o->pattern_path, mtrain_pattern_read_json(o->pattern_path, out));
 }
 
@@ -297,7 +436,7 @@ int main(int argc, char **argv) {
   if (rc) return rc == 2 ? 0 : 2;
   mtrain_pattern_t *pattern = NULL;
   rc = load_pattern(&o, &pattern);
-  if (!rc) rc = draw(&o, pattern, o.pattern_path);
+  if (!rc) rc = draw(&o, pattern, o.pattern_path ? o.pattern_path : "the estimated pattern");
   mtrain_pattern_destroy(pattern);
   return rc ? 1 : 0;
 }
