@@ -1,9 +1,9 @@
 /* attention.c: the attention entry points. Validates tensors against the plan
  * and the backend, allocates the accumulators in the backend's memory, walks
  * the plan's sequences and ring steps calling the backend's step operations,
- * and casts the accumulators to the output dtypes. Single rank: the K/V chunk
- * in hand is the rank's own; the ring transfers come with the distributed
- * driver. No kernel math here. */
+ * and casts the accumulators to the output dtypes. Single-rank plans walk
+ * their sequences here; ring plans go through the ring driver (ring.c). No
+ * kernel math here. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +11,7 @@
 #include "context_internal.h"
 #include "error.h"
 #include "plan_internal.h"
+#include "ring.h"
 
 /* Checks that t is [rows, heads, dim] (or [rows, heads] when dim < 0). */
 static mtrain_status_t check_shape(const char *name, const mtrain_tensor_t *t, int64_t rows,
@@ -138,6 +139,62 @@ static const void *row_ptr(const void *base, int64_t row, int64_t heads, int64_t
   return (const char *)base + (size_t)(row * heads * dim) * elem;
 }
 
+/* What the ring's step callbacks need besides the chunk in hand. */
+typedef struct ring_call {
+  const attn_dims_t *dm;
+  const void *q, *dout;
+  void *o_acc, *lse_acc;             /* forward */
+  const void *lse_acc_c, *delta_acc; /* backward */
+  void *dq_acc, *dk_own, *dv_own;    /* backward */
+} ring_call_t;
+
+static mtrain_status_t ring_fwd_step(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
+                                     const void *k, const void *v, void *dk, void *dv, void *user) {
+  (void)dk;
+  (void)dv;
+  const ring_call_t *rc = user;
+  mtrain_fwd_step_args_t a = {.view = &plan->seqs[0].steps[t].view,
+                              .num_kv_heads = rc->dm->hkv,
+                              .head_dim = rc->dm->d,
+                              .scale = rc->dm->scale,
+                              .dtype = rc->dm->dtype,
+                              .q = rc->q,
+                              .k = k,
+                              .v = v,
+                              .o_acc = rc->o_acc,
+                              .lse_acc = rc->lse_acc};
+  return ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+}
+
+static mtrain_status_t ring_bwd_step(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
+                                     const void *k, const void *v, void *dk, void *dv, void *user) {
+  const ring_call_t *rc = user;
+  mtrain_bwd_step_args_t a = {.view = &plan->seqs[0].steps[t].view,
+                              .num_kv_heads = rc->dm->hkv,
+                              .head_dim = rc->dm->d,
+                              .scale = rc->dm->scale,
+                              .dtype = rc->dm->dtype,
+                              .q = rc->q,
+                              .k = k,
+                              .v = v,
+                              .dout = rc->dout,
+                              .lse_acc = rc->lse_acc_c,
+                              .delta_acc = rc->delta_acc,
+                              .dq_acc = rc->dq_acc,
+                              .dk_acc = dk,
+                              .dv_acc = dv};
+  return ctx->backend->attn_bwd_step(ctx->backend_state, &a);
+}
+
+static mtrain_status_t ring_add_partial(mtrain_context_t *ctx, const void *dk, const void *dv,
+                                        void *user) {
+  const ring_call_t *rc = user;
+  const int64_t n = rc->dm->tokens * rc->dm->hkv * rc->dm->d;
+  const mtrain_backend_ops_t *be = ctx->backend;
+  mtrain_status_t st = be->add(ctx->backend_state, rc->dk_own, dk, be->acc_dtype, n);
+  return st ? st : be->add(ctx->backend_state, rc->dv_own, dv, be->acc_dtype, n);
+}
+
 mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
                                          const mtrain_tensor_t *q, const mtrain_tensor_t *k,
                                          const mtrain_tensor_t *v, mtrain_tensor_t *o,
@@ -160,7 +217,18 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq * dm.d) * acc, &o_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm.tokens, dm.hq, dm.d));
-  for (int32_t s = 0; s < plan->num_seqs; s++) {
+  if (plan->world > 1) {
+    ring_call_t rc = {.dm = &dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
+    mtrain_ring_args_t ra = {.backward = 0,
+                             .dtype = dm.dtype,
+                             .chunk_elems = (size_t)(dm.tokens * dm.hkv * dm.d),
+                             .k = k->data,
+                             .v = v->data,
+                             .step = ring_fwd_step,
+                             .user = &rc};
+    MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+  }
+  for (int32_t s = 0; plan->world == 1 && s < plan->num_seqs; s++) {
     const mtrain_plan_seq_t *ps = &plan->seqs[s];
     int64_t off = ps->local_offset;
     for (int32_t t = 0; t < plan->num_steps; t++) {
@@ -233,7 +301,26 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(be->memset_zero(bs, dv_acc, (size_t)nk * acc));
   MTRAIN_TRY(
       be->attn_bwd_prepare(bs, o->data, dout->data, dm.dtype, delta_acc, dm.tokens, dm.hq, dm.d));
-  for (int32_t s = 0; s < plan->num_seqs; s++) {
+  if (plan->world > 1) {
+    ring_call_t rc = {.dm = &dm,
+                      .q = q->data,
+                      .dout = dout->data,
+                      .lse_acc_c = lse_acc,
+                      .delta_acc = delta_acc,
+                      .dq_acc = dq_acc,
+                      .dk_own = dk_acc,
+                      .dv_own = dv_acc};
+    mtrain_ring_args_t ra = {.backward = 1,
+                             .dtype = dm.dtype,
+                             .chunk_elems = (size_t)nk,
+                             .k = k->data,
+                             .v = v->data,
+                             .step = ring_bwd_step,
+                             .add_partial = ring_add_partial,
+                             .user = &rc};
+    MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+  }
+  for (int32_t s = 0; plan->world == 1 && s < plan->num_seqs; s++) {
     const mtrain_plan_seq_t *ps = &plan->seqs[s];
     int64_t off = ps->local_offset;
     for (int32_t t = 0; t < plan->num_steps; t++) {

@@ -188,7 +188,8 @@ static void count_diagonals(const owner_tables_t *t, const diag_table_t *table,
     const int64_t a = ranges[2 * k], b = ranges[2 * k + 1];
     const int64_t long_cost = (t->nbr - a) * W;
     if (table->off && table->off[b + 1] - table->off[a] <= long_cost) {
-      for (int64_t e = table->off[a]; e < table->off[b + 1]; e++) c->full[table->idx[e]] += table->cnt[e];
+      for (int64_t e = table->off[a]; e < table->off[b + 1]; e++)
+        c->full[table->idx[e]] += table->cnt[e];
     } else if (!table->off && b - a + 1 <= W) {
       /* runs of equal (owner, owner) pairs are added at once: layouts with
        * long runs (contiguous, zigzag) would otherwise chain increments of

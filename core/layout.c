@@ -176,7 +176,10 @@ typedef enum owner_map {
   MAP_STRIPED,  /* b mod W */
   MAP_SNAKE,    /* boustrophedon: odd groups dealt in reverse */
   MAP_ROTATED,  /* group g dealt from rank g mod W on */
-  MAP_NODE_ROT, /* inside each node's slice of a group, locals rotated by g */
+  MAP_GRID_ROT, /* position (node k, local q) of group g to node (k + g / L) mod n, local
+                   (q + g) mod L: every rank visits every position of a group once in W
+                   groups, so each diagonal falls on the same mix of hierarchical steps
+                   on every rank */
 } owner_map_t;
 
 static void fill_owner(owner_map_t map, int64_t nbp, int32_t W, int32_t L, int32_t *owner) {
@@ -201,19 +204,21 @@ static void fill_owner(owner_map_t map, int64_t nbp, int32_t W, int32_t L, int32
     case MAP_ROTATED:
       owner[b] = (int32_t)((p + g) % W);
       break;
-    case MAP_NODE_ROT:
-      owner[b] = (p / L) * L + (int32_t)((p % L + g) % L);
+    case MAP_GRID_ROT: {
+      const int32_t n = W / L;
+      owner[b] = (int32_t)((p / L + g / L) % n) * L + (int32_t)((p % L + g) % L);
       break;
+    }
     }
   }
 }
 
 static const char *const map_names[] = {"contiguous", "zigzag",  "striped",
-                                        "snake",      "rotated", "node-rotated"};
+                                        "snake",      "rotated", "grid-rotated"};
 
 /* The balanced layout's candidates, in order of preference on ties. */
 static const owner_map_t balanced_candidates[] = {MAP_STRIPED, MAP_SNAKE, MAP_ROTATED,
-                                                  MAP_NODE_ROT};
+                                                  MAP_GRID_ROT};
 
 static mtrain_status_t check_workload(const mtrain_balance_options_t *b, int64_t seq_len,
                                       int32_t granularity) {
@@ -254,7 +259,7 @@ static mtrain_status_t choose_balanced(const mtrain_balance_options_t *b, int64_
   int have = 0;
   const int nc = (int)(sizeof balanced_candidates / sizeof *balanced_candidates);
   for (int c = 0; c < nc; c++) {
-    if (balanced_candidates[c] == MAP_NODE_ROT && ring != MTRAIN_RING_HIERARCHICAL) continue;
+    if (balanced_candidates[c] == MAP_GRID_ROT && ring != MTRAIN_RING_HIERARCHICAL) continue;
     fill_owner(balanced_candidates[c], nbp, W, L, owner);
     mtrain_cost_t *cost = NULL;
     st = mtrain_cost_evaluate_owner(owner, nbp, seq_len, G, W, b->ranks_per_node,

@@ -8,6 +8,7 @@
 
 #include "context_internal.h"
 #include "error.h"
+#include "mtrain/mtrain_layout.h"
 #include "pattern_internal.h"
 #include "plan_internal.h"
 
@@ -246,6 +247,9 @@ static void plan_seq_free(mtrain_plan_seq_t *s, int32_t num_steps, int32_t num_h
       free(step->head_views);
     }
   free(s->steps);
+  if (s->k_globals)
+    for (int32_t t = 0; t < num_steps; t++) free(s->k_globals[t]);
+  free(s->k_globals);
   free(s->q_global);
   mtrain_pattern_destroy(s->pattern);
 }
@@ -257,6 +261,112 @@ void mtrain_plan_destroy(mtrain_plan_t *plan) {
       plan_seq_free(&plan->seqs[s], plan->num_steps, plan->num_heads);
   free(plan->seqs);
   free(plan);
+}
+
+/* Builds step `t` of a sequence: the chunk of rank src, all heads. */
+static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int32_t t, int32_t src,
+                                  mtrain_rank_blocks_t k) {
+  const mtrain_pattern_t *p = s->pattern;
+  mtrain_plan_step_t *step = &s->steps[t];
+  step->src_rank = src;
+  step->k = k;
+  step->heads = calloc((size_t)plan->num_heads, sizeof *step->heads);
+  step->head_views = calloc((size_t)plan->num_heads, sizeof *step->head_views);
+  if (!step->heads || !step->head_views)
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  for (int32_t h = 0; h < plan->num_heads; h++) {
+    mtrain_status_t st = mtrain_plan_build_step_head(p, h, &s->q, &step->k, &step->heads[h]);
+    if (st != MTRAIN_SUCCESS) return st;
+    step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
+    plan->computed_pairs += step->heads[h].pairs;
+    plan->bytes += step_head_bytes(&step->heads[h], s->q.num_blocks);
+  }
+  mtrain_step_view_t v = {.step = t,
+                          .src_rank = src,
+                          .granularity = p->granularity,
+                          .num_heads = plan->num_heads,
+                          .seq_len = p->seq_len,
+                          .q_tokens = s->q.tokens,
+                          .k_tokens = step->k.tokens,
+                          .num_q_blocks = s->q.num_blocks,
+                          .num_k_blocks = step->k.num_blocks,
+                          .q_block_global = s->q.global,
+                          .k_block_global = step->k.global,
+                          .heads = step->head_views};
+  step->view = v;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
+                                        int32_t ranks_per_node, const mtrain_pattern_t *pattern,
+                                        mtrain_plan_t **out) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(layout);
+  MTRAIN_CHECK_NOT_NULL(pattern);
+  MTRAIN_CHECK_NOT_NULL(out);
+  const int32_t world = mtrain_context_world(ctx), rank = mtrain_context_rank(ctx);
+  if (mtrain_layout_world(layout) != world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "plan: the layout is for %d ranks, the communicator has %d",
+                        mtrain_layout_world(layout), world);
+  if (mtrain_layout_seq_len(layout) != pattern->seq_len)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "plan: the layout is for %lld tokens, the pattern for %lld",
+                        (long long)mtrain_layout_seq_len(layout), (long long)pattern->seq_len);
+  if (mtrain_layout_granularity(layout) != ctx->config.granularity ||
+      pattern->granularity != ctx->config.granularity)
+    return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
+                        "plan: granularity of the layout (%d) and the pattern (%d) must be the "
+                        "context's (%d)",
+                        mtrain_layout_granularity(layout), pattern->granularity,
+                        ctx->config.granularity);
+  if (ranks_per_node < 0 || (ranks_per_node > 0 && world % ranks_per_node != 0))
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "plan: ranks_per_node %d does not divide the world size %d", ranks_per_node,
+                        world);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_plan_t *plan = calloc(1, sizeof *plan);
+  if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  plan->num_seqs = 1;
+  plan->num_steps = world;
+  plan->num_heads = pattern->num_heads;
+  plan->granularity = ctx->config.granularity;
+  plan->rank = rank;
+  plan->world = world;
+  plan->ranks_per_node = ranks_per_node == world ? 0 : ranks_per_node;
+  plan->seqs = calloc(1, sizeof *plan->seqs);
+  MTRAIN_FAIL_IF(!plan->seqs, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  mtrain_plan_seq_t *ps = &plan->seqs[0];
+  MTRAIN_TRY(mtrain_pattern_clone(pattern, &ps->pattern));
+  ps->q.num_blocks = mtrain_layout_rank_num_blocks(layout, rank);
+  ps->q.global = mtrain_layout_rank_blocks(layout, rank);
+  ps->q.tokens = mtrain_layout_local_tokens(layout, rank);
+  ps->q_global = malloc(sizeof(int64_t) * (size_t)(ps->q.num_blocks + 1));
+  ps->steps = calloc((size_t)world, sizeof *ps->steps);
+  MTRAIN_FAIL_IF(!ps->q_global || !ps->steps, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  memcpy(ps->q_global, ps->q.global, sizeof(int64_t) * (size_t)ps->q.num_blocks);
+  ps->q.global = ps->q_global; /* the plan must not depend on the layout's lifetime */
+  ps->k_globals = calloc((size_t)world, sizeof *ps->k_globals);
+  MTRAIN_FAIL_IF(!ps->k_globals, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  for (int32_t t = 0; t < world; t++) {
+    int32_t src = 0;
+    MTRAIN_TRY(mtrain_ring_source(world, plan->ranks_per_node, rank, t, &src));
+    mtrain_rank_blocks_t k = {mtrain_layout_rank_num_blocks(layout, src), NULL,
+                              mtrain_layout_local_tokens(layout, src)};
+    ps->k_globals[t] = malloc(sizeof(int64_t) * (size_t)(k.num_blocks + 1));
+    MTRAIN_FAIL_IF(!ps->k_globals[t], MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+    memcpy(ps->k_globals[t], mtrain_layout_rank_blocks(layout, src),
+           sizeof(int64_t) * (size_t)k.num_blocks);
+    k.global = ps->k_globals[t];
+    MTRAIN_TRY(build_step(plan, ps, t, src, k));
+  }
+  plan->local_tokens = ps->q.tokens;
+  plan->bytes += sizeof *plan + sizeof *plan->seqs;
+  *out = plan;
+  return MTRAIN_SUCCESS;
+cleanup:
+  mtrain_plan_destroy(plan);
+  return st;
 }
 
 /* Builds one sequence of a single-rank plan (identity layout, one step). */
@@ -271,34 +381,7 @@ static mtrain_status_t build_single_rank_seq(mtrain_plan_t *plan, mtrain_plan_se
   s->q.num_blocks = nb;
   s->q.global = s->q_global;
   s->q.tokens = p->seq_len;
-  mtrain_plan_step_t *step = &s->steps[0];
-  step->src_rank = 0;
-  step->k = s->q;
-  step->heads = calloc((size_t)plan->num_heads, sizeof *step->heads);
-  step->head_views = calloc((size_t)plan->num_heads, sizeof *step->head_views);
-  if (!step->heads || !step->head_views)
-    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  for (int32_t h = 0; h < plan->num_heads; h++) {
-    mtrain_status_t st = mtrain_plan_build_step_head(p, h, &s->q, &step->k, &step->heads[h]);
-    if (st != MTRAIN_SUCCESS) return st;
-    step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
-    plan->computed_pairs += step->heads[h].pairs;
-    plan->bytes += step_head_bytes(&step->heads[h], nb);
-  }
-  mtrain_step_view_t v = {.step = 0,
-                          .src_rank = 0,
-                          .granularity = p->granularity,
-                          .num_heads = plan->num_heads,
-                          .seq_len = p->seq_len,
-                          .q_tokens = s->q.tokens,
-                          .k_tokens = step->k.tokens,
-                          .num_q_blocks = nb,
-                          .num_k_blocks = step->k.num_blocks,
-                          .q_block_global = s->q.global,
-                          .k_block_global = step->k.global,
-                          .heads = step->head_views};
-  step->view = v;
-  return MTRAIN_SUCCESS;
+  return build_step(plan, s, 0, 0, s->q);
 }
 
 static mtrain_status_t check_seqs(const mtrain_seqs_t *seqs,
@@ -347,13 +430,14 @@ mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *s
   int world = mtrain_context_world(ctx);
   if (world != 1)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "plan: world size %d: multi-rank plans come with the distributed ring "
-                        "(only single-rank plans are built in this version)",
+                        "plan: world size %d: use mtrain_plan_create_ring with a layout for "
+                        "several ranks",
                         world);
   mtrain_plan_t *plan = calloc(1, sizeof *plan);
   if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   plan->num_seqs = seqs ? seqs->num_seqs : 1;
   plan->num_steps = 1;
+  plan->world = 1;
   plan->num_heads = patterns[0]->num_heads;
   plan->granularity = ctx->config.granularity;
   plan->rank = 0;
@@ -379,6 +463,10 @@ int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan) {
 }
 int32_t mtrain_plan_num_heads(const mtrain_plan_t *plan) { return plan ? plan->num_heads : 0; }
 int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan) { return plan ? plan->num_steps : 0; }
+int32_t mtrain_plan_rank(const mtrain_plan_t *plan) { return plan ? plan->rank : 0; }
+int32_t mtrain_plan_ranks_per_node(const mtrain_plan_t *plan) {
+  return plan ? plan->ranks_per_node : 0;
+}
 int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan) {
   return plan ? plan->computed_pairs : 0;
 }

@@ -47,10 +47,12 @@ typedef struct mtrain_plan_seq {
   mtrain_rank_blocks_t q;
   int64_t *q_global;         /* owned storage of q.global */
   mtrain_plan_step_t *steps; /* [num_steps] */
+  int64_t **k_globals;       /* ring plans: owned block ids of each step's chunk */
 } mtrain_plan_seq_t;
 
 struct mtrain_plan {
   int32_t num_seqs, num_steps, num_heads, granularity, rank;
+  int32_t world, ranks_per_node; /* ring: world size and ranks per node (0: flat) */
   int64_t local_tokens;
   int64_t computed_pairs;
   size_t bytes;

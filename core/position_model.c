@@ -32,14 +32,19 @@ static int64_t below(uint64_t *state, int64_t n) {
 }
 
 /* `count` positions in [lo, hi), increasing, written to out (count <= hi - lo).
- * Even: the midpoints of count equal parts. Random: Floyd's sampling without
- * replacement, marked in a bitmap (scratch of (hi - lo + 63) / 64 words). */
+ * Even: the midpoints of count equal parts. Local: lo, lo + 1, ... Random:
+ * Floyd's sampling without replacement, marked in a bitmap (scratch of
+ * (hi - lo + 63) / 64 words). */
 static void spread(int64_t lo, int64_t hi, int64_t count, mtrain_spread_t how, uint64_t *state,
                    uint64_t *bitmap, int64_t *out) {
   const int64_t n = hi - lo;
   if (count <= 0) return;
   if (how == MTRAIN_SPREAD_EVEN) {
     for (int64_t i = 0; i < count; i++) out[i] = lo + (2 * i + 1) * n / (2 * count);
+    return;
+  }
+  if (how == MTRAIN_SPREAD_LOCAL) {
+    for (int64_t i = 0; i < count; i++) out[i] = lo + i;
     return;
   }
   const int64_t words = (n + 63) / 64;
@@ -61,9 +66,11 @@ static mtrain_status_t check_model(const mtrain_position_model_t *m) {
                         "position model: num_sinks %d, window %d and budget_context %lld must be "
                         ">= 0",
                         m->num_sinks, m->window, (long long)m->budget_context);
-  if (m->spread != MTRAIN_SPREAD_EVEN && m->spread != MTRAIN_SPREAD_RANDOM)
+  if (m->spread != MTRAIN_SPREAD_EVEN && m->spread != MTRAIN_SPREAD_RANDOM &&
+      m->spread != MTRAIN_SPREAD_LOCAL)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                        "position model: spread %d is not even (0) or random (1)", (int)m->spread);
+                        "position model: spread %d is not even (0), random (1) or local (2)",
+                        (int)m->spread);
   return MTRAIN_SUCCESS;
 }
 

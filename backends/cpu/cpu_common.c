@@ -50,6 +50,26 @@ mtrain_status_t mtrain_cpu_copy_from(void *state, void *dst, const void *src, si
   return mtrain_cpu_copy(state, dst, src, bytes);
 }
 
+mtrain_status_t mtrain_cpu_add(void *state, void *dst, const void *src, mtrain_dtype_t dtype,
+                               int64_t count) {
+  cpu_state_t *s = state;
+  if (dtype == MTRAIN_F32) {
+    float *d = dst;
+    const float *x = src;
+#pragma omp parallel for num_threads(s->num_threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) d[i] += x[i];
+  } else if (dtype == MTRAIN_F64) {
+    double *d = dst;
+    const double *x = src;
+#pragma omp parallel for num_threads(s->num_threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) d[i] += x[i];
+  } else {
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "cpu backend: add of %s",
+                        mtrain_dtype_name(dtype));
+  }
+  return MTRAIN_SUCCESS;
+}
+
 mtrain_status_t mtrain_cpu_convert(void *state, const void *src, mtrain_dtype_t src_dtype,
                                    void *dst, mtrain_dtype_t dst_dtype, int64_t count) {
   cpu_state_t *s = state;

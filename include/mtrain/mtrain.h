@@ -245,7 +245,25 @@ typedef struct mtrain_plan mtrain_plan_t;
  *  until the distributed ring lands. The patterns are copied. */
 mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
                                    const mtrain_pattern_t *const *patterns, mtrain_plan_t **out);
+/** Builds this rank's plan for the ring of the context's communicator
+ *  (SPEC.md sections 4 and 5): one sequence of pattern->seq_len tokens laid
+ *  out over the ranks by `layout` (mtrain_layout.h: same seq_len, the
+ *  context's granularity and world size); ranks_per_node 0 is the flat ring,
+ *  a proper divisor of the world size the hierarchical ring with that many
+ *  ranks per node. The attention tensors of this rank then hold its local
+ *  token slots in layout order (mtrain_plan_local_tokens, padding slots
+ *  included: see mtrain_layout_rank_token_index). Bars are computed in the
+ *  ring step where their key passes, whatever the layout's bars mode (the
+ *  gathered-bars execution of docs/BALANCE.md is not implemented in the
+ *  driver yet). Local; not collective. */
+struct mtrain_layout;
+mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
+                                        int32_t ranks_per_node, const mtrain_pattern_t *pattern,
+                                        mtrain_plan_t **out);
 void mtrain_plan_destroy(mtrain_plan_t *plan);
+/** Rank the plan was built for, and the ring's ranks per node (0: flat). */
+int32_t mtrain_plan_rank(const mtrain_plan_t *plan);
+int32_t mtrain_plan_ranks_per_node(const mtrain_plan_t *plan);
 /** Tokens of the whole batch held by this rank (the first dimension every
  *  attention tensor must have). */
 int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan);

@@ -161,6 +161,11 @@ typedef struct mtrain_backend_ops {
   mtrain_status_t (*memset_zero)(void *state, void *ptr, size_t bytes);
   mtrain_status_t (*copy_to_host)(void *state, void *host_dst, const void *src, size_t bytes);
   mtrain_status_t (*copy_from_host)(void *state, void *dst, const void *host_src, size_t bytes);
+  /** Copies within the backend's memory (regions do not overlap). */
+  mtrain_status_t (*copy)(void *state, void *dst, const void *src, size_t bytes);
+  /** dst += src element-wise, `count` elements of `dtype` (fp32 or fp64). */
+  mtrain_status_t (*add)(void *state, void *dst, const void *src, mtrain_dtype_t dtype,
+                         int64_t count);
   /** Element-wise dtype conversion within the backend's memory. */
   mtrain_status_t (*convert)(void *state, const void *src, mtrain_dtype_t src_dtype, void *dst,
                              mtrain_dtype_t dst_dtype, int64_t count);

@@ -169,6 +169,8 @@ mtrain_status_t mtrain_layout_rank_token_index(const mtrain_layout_t *layout, in
 typedef enum mtrain_spread {
   MTRAIN_SPREAD_EVEN = 0,   /**< evenly spaced over the free range */
   MTRAIN_SPREAD_RANDOM = 1, /**< uniform without replacement, seeded */
+  MTRAIN_SPREAD_LOCAL = 2,  /**< packed at the start of the free range (right after the
+                                 sinks, right after the window) */
 } mtrain_spread_t;
 
 /** Where a head's v verticals and s slashes fall (docs/BALANCE.md):

@@ -1,0 +1,207 @@
+/* ring.c: the ring driver (SPEC.md section 5): walks a ring plan's steps,
+ * moving K/V chunks between ranks through the communicator while the
+ * backend computes the current step. One algorithm covers both schedules:
+ * the flat ring is the hierarchical one with a single node of W ranks. For
+ * each outer step o the chunk held at its start is posted to the same local
+ * rank of the next node, the inner ring runs L steps (double-buffered: the
+ * next chunk is received from the previous local rank while the current one
+ * is computed and sent on), then the received outer chunk is taken.
+ * Backward: an fp32 (acc dtype) dK/dV partial travels with the chunk through
+ * the inner ring: each rank computes its contribution from zero while the
+ * partial of the ranks before it arrives, adds it, and sends the sum on (so
+ * the sum has one fixed shape, whatever the message timing). At the end of
+ * each outer step the node's partial goes to the chunk's owner, which adds
+ * the partials of the n nodes in outer-step order. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "context_internal.h"
+#include "error.h"
+#include "plan_internal.h"
+#include "ring.h"
+
+enum { TAG_INNER = 11, TAG_OUTER = 12, TAG_INNER_PARTIAL = 13, TAG_PARTIAL = 100 };
+
+typedef struct ring_geometry {
+  int32_t world, rank, L, n, node, local;
+  int inner_next, inner_prev, outer_next, outer_prev;
+} ring_geometry_t;
+
+static ring_geometry_t geometry(const mtrain_plan_t *plan) {
+  ring_geometry_t g;
+  g.world = plan->world;
+  g.rank = plan->rank;
+  g.L = plan->ranks_per_node > 0 ? plan->ranks_per_node : plan->world;
+  g.n = g.world / g.L;
+  g.node = g.rank / g.L;
+  g.local = g.rank % g.L;
+  g.inner_next = g.node * g.L + (g.local + 1) % g.L;
+  g.inner_prev = g.node * g.L + (g.local - 1 + g.L) % g.L;
+  g.outer_next = ((g.node + 1) % g.n) * g.L + g.local;
+  g.outer_prev = ((g.node - 1 + g.n) % g.n) * g.L + g.local;
+  return g;
+}
+
+typedef struct comm_pair {
+  mtrain_comm_request_t *send, *recv;
+} comm_pair_t;
+
+static mtrain_status_t exchange(mtrain_context_t *ctx, const void *send, void *recv, size_t bytes,
+                                int to, int from, int tag, comm_pair_t *p) {
+  const mtrain_comm_ops_t *c = ctx->comm->ops;
+  mtrain_status_t st = c->irecv(ctx->comm->state, recv, bytes, from, tag, &p->recv);
+  if (st) return st;
+  return c->isend(ctx->comm->state, send, bytes, to, tag, &p->send);
+}
+
+static mtrain_status_t finish(mtrain_context_t *ctx, comm_pair_t *p) {
+  const mtrain_comm_ops_t *c = ctx->comm->ops;
+  mtrain_status_t st = MTRAIN_SUCCESS, st2 = MTRAIN_SUCCESS;
+  if (p->send) st = c->wait(ctx->comm->state, p->send);
+  if (p->recv) st2 = c->wait(ctx->comm->state, p->recv);
+  p->send = p->recv = NULL;
+  return st ? st : st2;
+}
+
+/* Everything one ring call holds, released in one place. */
+typedef struct ring_buffers {
+  void *chunk[4];    /* A, B: outer; C, D: inner. [K | V] (+ [dK | dV] backward) */
+  void **partial_in; /* [n] partials arriving at this owner */
+  void **partial_out;
+  void *inner_partial; /* a partial arriving through the inner ring */
+  int32_t n;
+} ring_buffers_t;
+
+static void buffers_free(mtrain_context_t *ctx, ring_buffers_t *b) {
+  for (int i = 0; i < 4; i++)
+    if (b->chunk[i]) ctx->backend->free(ctx->backend_state, b->chunk[i]);
+  for (int32_t o = 0; b->partial_in && o < b->n; o++) {
+    if (b->partial_in[o]) ctx->backend->free(ctx->backend_state, b->partial_in[o]);
+    if (b->partial_out[o]) ctx->backend->free(ctx->backend_state, b->partial_out[o]);
+  }
+  if (b->inner_partial) ctx->backend->free(ctx->backend_state, b->inner_partial);
+  free(b->partial_in);
+  free(b->partial_out);
+}
+
+mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                const mtrain_ring_args_t *a) {
+  const mtrain_backend_ops_t *be = ctx->backend;
+  void *bs = ctx->backend_state;
+  const ring_geometry_t g = geometry(plan);
+  const int backward = a->backward;
+  const size_t kv_bytes = a->chunk_elems * mtrain_dtype_size(a->dtype);
+  const size_t acc_bytes = a->chunk_elems * mtrain_dtype_size(be->acc_dtype);
+  const size_t chunk_bytes = 2 * kv_bytes + (backward ? 2 * acc_bytes : 0);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  ring_buffers_t b;
+  memset(&b, 0, sizeof b);
+  comm_pair_t inner = {0}, outer = {0};
+  mtrain_comm_request_t **partial_recv = NULL, **partial_send = NULL, *pending_partial = NULL;
+  b.n = g.n;
+  for (int i = 0; i < 4; i++) MTRAIN_TRY(be->alloc(bs, chunk_bytes, &b.chunk[i]));
+  if (backward) {
+    MTRAIN_TRY(be->alloc(bs, 2 * acc_bytes, &b.inner_partial));
+    b.partial_in = calloc((size_t)g.n, sizeof(void *));
+    b.partial_out = calloc((size_t)g.n, sizeof(void *));
+    partial_recv = calloc((size_t)g.n, sizeof *partial_recv);
+    partial_send = calloc((size_t)g.n, sizeof *partial_send);
+    MTRAIN_FAIL_IF(!b.partial_in || !b.partial_out || !partial_recv || !partial_send,
+                   MTRAIN_ERR_OUT_OF_MEMORY, "ring: out of memory");
+    for (int32_t o = 0; o < g.n; o++) {
+      MTRAIN_TRY(be->alloc(bs, 2 * acc_bytes, &b.partial_in[o]));
+      MTRAIN_TRY(be->alloc(bs, 2 * acc_bytes, &b.partial_out[o]));
+      /* the partial of outer step o comes from the node o ahead, local - 1 */
+      const int from = ((g.node + o) % g.n) * g.L + (g.local - 1 + g.L) % g.L;
+      MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.partial_in[o], 2 * acc_bytes, from,
+                                       TAG_PARTIAL + o, &partial_recv[o]));
+    }
+  }
+  /* the chunk held at the start of outer step 0 is this rank's own */
+  MTRAIN_TRY(be->copy(bs, b.chunk[0], a->k, kv_bytes));
+  MTRAIN_TRY(be->copy(bs, (char *)b.chunk[0] + kv_bytes, a->v, kv_bytes));
+  int held = 0; /* index of the outer chunk in hand: 0 (A) or 1 (B) */
+  for (int32_t o = 0; o < g.n; o++) {
+    if (o + 1 < g.n)
+      MTRAIN_TRY(exchange(ctx, b.chunk[held], b.chunk[1 - held], 2 * kv_bytes, g.outer_next,
+                          g.outer_prev, TAG_OUTER, &outer));
+    if (backward)
+      MTRAIN_TRY(be->memset_zero(bs, (char *)b.chunk[held] + 2 * kv_bytes, 2 * acc_bytes));
+    int cur = held, spare = 2;
+    for (int32_t i = 0; i < g.L; i++) {
+      const int32_t t = o * g.L + i;
+      char *chunk = b.chunk[cur];
+      if (i + 1 < g.L) /* K/V of the chunk in hand go on while it is computed */
+        MTRAIN_TRY(exchange(ctx, chunk, b.chunk[spare], 2 * kv_bytes, g.inner_next, g.inner_prev,
+                            TAG_INNER, &inner));
+      mtrain_comm_request_t *incoming = NULL;
+      if (backward) {
+        /* this rank's contribution starts from zero; the partial of the ranks
+         * before it in the inner ring arrives meanwhile and is added after */
+        MTRAIN_TRY(be->memset_zero(bs, chunk + 2 * kv_bytes, 2 * acc_bytes));
+        if (i > 0)
+          MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.inner_partial, 2 * acc_bytes,
+                                           g.inner_prev, TAG_INNER_PARTIAL, &incoming));
+      }
+      MTRAIN_TRY(a->step(ctx, plan, t, chunk, chunk + kv_bytes,
+                         backward ? chunk + 2 * kv_bytes : NULL,
+                         backward ? chunk + 2 * kv_bytes + acc_bytes : NULL, a->user));
+      if (backward) {
+        if (incoming) {
+          MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, incoming));
+          MTRAIN_TRY(be->add(bs, chunk + 2 * kv_bytes, b.inner_partial, be->acc_dtype,
+                             2 * (int64_t)a->chunk_elems));
+        }
+        /* the previous step's partial send must be done before its buffer
+         * is zeroed again (two steps later) */
+        if (pending_partial) {
+          MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, pending_partial));
+          pending_partial = NULL;
+        }
+        if (i + 1 < g.L)
+          MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, chunk + 2 * kv_bytes, 2 * acc_bytes,
+                                           g.inner_next, TAG_INNER_PARTIAL, &pending_partial));
+      }
+      if (i + 1 < g.L) {
+        MTRAIN_TRY(finish(ctx, &inner));
+        const int next = spare;
+        spare = cur == held ? 3 : cur;
+        cur = next;
+      }
+    }
+    if (pending_partial) {
+      MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, pending_partial));
+      pending_partial = NULL;
+    }
+    if (backward) {
+      /* the node's partial of the chunk in hand goes to the chunk's owner */
+      const int32_t owner = plan->seqs[0].steps[o * g.L + g.L - 1].src_rank;
+      MTRAIN_TRY(
+          be->copy(bs, b.partial_out[o], (char *)b.chunk[cur] + 2 * kv_bytes, 2 * acc_bytes));
+      MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, b.partial_out[o], 2 * acc_bytes, owner,
+                                       TAG_PARTIAL + o, &partial_send[o]));
+    }
+    if (o + 1 < g.n) {
+      MTRAIN_TRY(finish(ctx, &outer));
+      held = 1 - held;
+    }
+  }
+  if (backward) {
+    /* this rank's own dK/dV: the partials added in outer-step order */
+    for (int32_t o = 0; o < g.n; o++) {
+      MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, partial_recv[o]));
+      partial_recv[o] = NULL;
+      MTRAIN_TRY(
+          a->add_partial(ctx, b.partial_in[o], (char *)b.partial_in[o] + acc_bytes, a->user));
+    }
+    for (int32_t o = 0; o < g.n; o++) {
+      MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, partial_send[o]));
+      partial_send[o] = NULL;
+    }
+  }
+cleanup:
+  free(partial_recv); /* requests still posted after an error are abandoned with the job */
+  free(partial_send);
+  buffers_free(ctx, &b);
+  return st;
+}

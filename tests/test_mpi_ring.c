@@ -1,0 +1,275 @@
+/* test_mpi_ring.c: the distributed ring under mpiexec (SPEC.md section 5).
+ * Every rank generates the same inputs, computes the single-rank results
+ * itself (the fast backend and the fp64 oracle), takes its slots of the
+ * layout, runs the ring forward and backward, and compares its outputs with
+ * the single-rank ones at the same global positions: within fp32 rounding of
+ * the single-rank run (1e-5 of the largest value) and within SPEC.md's fp32
+ * rule of the oracle (1e-4). Cases: every layout, the flat ring and (when the
+ * world size allows) the hierarchical ring, dense, random sparse, diagonal-only
+ * (query blocks with no key in most steps) and real-budget patterns, GQA,
+ * lengths that are not multiples of G * W, both backends. Exit 0 when every
+ * rank passed every case; rank 0 prints one line per case and the summary.
+ * usage: mpiexec -n W test_mpi_ring [ranks_per_node ...] */
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_layout.h"
+#include "mtrain/mtrain_mpi.h"
+
+typedef struct ring_case {
+  const char *backend;
+  mtrain_layout_kind_t layout;
+  int32_t ranks_per_node; /* 0: flat */
+  int64_t N;
+  int32_t hq, hkv, d, G;
+  int pattern; /* 0 dense, 1 random sparse, 2 diagonal only, 3 budget-like */
+  uint64_t seed;
+} ring_case_t;
+
+static int rank_, world_;
+
+static uint64_t mix(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static double uniform(uint64_t *s) { return (double)(mix(s) >> 11) * 0x1.0p-53; }
+
+static void fill(float *x, int64_t n, uint64_t *s) {
+  for (int64_t i = 0; i < n; i++) x[i] = (float)(2.0 * uniform(s) - 1.0);
+}
+
+static mtrain_pattern_t *make_pattern(const ring_case_t *c) {
+  mtrain_pattern_t *p = NULL;
+  const int64_t nb = (c->N + c->G - 1) / c->G;
+  if (c->pattern == 0) {
+    mtrain_pattern_create_dense(c->N, c->hq, c->G, &p);
+    return p;
+  }
+  mtrain_pattern_create(c->N, c->hq, c->G, &p);
+  if (c->pattern == 2) return p;
+  uint64_t s = c->seed * 7 + 1;
+  int32_t *d = malloc(sizeof(int32_t) * (size_t)(nb + 1));
+  int64_t *v = malloc(sizeof(int64_t) * (size_t)(c->N + 1));
+  for (int32_t h = 0; h < c->hq; h++) {
+    int32_t nd = 0, nv = 0;
+    for (int64_t t = 0; t < nb; t++)
+      if (t == 0 || (c->pattern == 3 ? t < 2 : uniform(&s) < 0.3)) d[nd++] = (int32_t)t;
+    for (int64_t j = 0; j < c->N; j++)
+      if (c->pattern == 3 ? (j < 8 || uniform(&s) < 0.02) : uniform(&s) < 0.05) v[nv++] = j;
+    mtrain_pattern_set_head(p, h, d, nd, v, nv);
+  }
+  free(d);
+  free(v);
+  return p;
+}
+
+typedef struct tensors {
+  float *q, *k, *v, *dout, *o, *lse, *dq, *dk, *dv;
+} tensors_t;
+
+static void alloc_tensors(tensors_t *t, int64_t T, const ring_case_t *c) {
+  const size_t nq = (size_t)(T * c->hq * c->d), nk = (size_t)(T * c->hkv * c->d);
+  t->q = calloc(nq, sizeof(float));
+  t->dout = calloc(nq, sizeof(float));
+  t->o = calloc(nq, sizeof(float));
+  t->dq = calloc(nq, sizeof(float));
+  t->k = calloc(nk, sizeof(float));
+  t->v = calloc(nk, sizeof(float));
+  t->dk = calloc(nk, sizeof(float));
+  t->dv = calloc(nk, sizeof(float));
+  t->lse = calloc((size_t)(T * c->hq), sizeof(float));
+}
+
+static void free_tensors(tensors_t *t) {
+  free(t->q), free(t->k), free(t->v), free(t->dout), free(t->o), free(t->lse), free(t->dq);
+  free(t->dk), free(t->dv);
+}
+
+/* Forward and backward of a context and plan on tensors of T tokens. */
+static mtrain_status_t run(mtrain_context_t *ctx, mtrain_plan_t *plan, tensors_t *t, int64_t T,
+                           const ring_case_t *c) {
+  mtrain_tensor_t q = mtrain_tensor_3d(t->q, MTRAIN_F32, T, c->hq, c->d);
+  mtrain_tensor_t k = mtrain_tensor_3d(t->k, MTRAIN_F32, T, c->hkv, c->d);
+  mtrain_tensor_t v = mtrain_tensor_3d(t->v, MTRAIN_F32, T, c->hkv, c->d);
+  mtrain_tensor_t o = mtrain_tensor_3d(t->o, MTRAIN_F32, T, c->hq, c->d);
+  mtrain_tensor_t l = mtrain_tensor_2d(t->lse, MTRAIN_F32, T, c->hq);
+  mtrain_tensor_t dout = mtrain_tensor_3d(t->dout, MTRAIN_F32, T, c->hq, c->d);
+  mtrain_tensor_t dq = mtrain_tensor_3d(t->dq, MTRAIN_F32, T, c->hq, c->d);
+  mtrain_tensor_t dk = mtrain_tensor_3d(t->dk, MTRAIN_F32, T, c->hkv, c->d);
+  mtrain_tensor_t dv = mtrain_tensor_3d(t->dv, MTRAIN_F32, T, c->hkv, c->d);
+  mtrain_status_t st = mtrain_attention_forward(ctx, plan, &q, &k, &v, &o, &l);
+  if (st == MTRAIN_SUCCESS)
+    st = mtrain_attention_backward(ctx, plan, &q, &k, &v, &o, &l, &dout, &dq, &dk, &dv);
+  return st;
+}
+
+/* max |local - global at the same positions| and max |global| of one tensor
+ * with `width` values per token (padding slots skipped). */
+static void compare(const float *local, const float *global, const int64_t *index, int64_t T,
+                    int64_t N, int64_t width, double *err, double *ref) {
+  for (int64_t i = 0; i < T; i++) {
+    if (index[i] >= N) continue;
+    for (int64_t x = 0; x < width; x++) {
+      const double g = global[index[i] * width + x], l = local[i * width + x];
+      const double e = fabs(l - g);
+      if (!(e <= *err)) *err = isnan(e) ? INFINITY : e;
+      if (fabs(g) > *ref) *ref = fabs(g);
+    }
+  }
+}
+
+static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
+  char what[256];
+  snprintf(what, sizeof what, "%s %s %s N=%lld %d:%d d=%d G=%d pattern %d seed %llu", c->backend,
+           mtrain_layout_kind_name(c->layout), c->ranks_per_node ? "hierarchical" : "flat",
+           (long long)c->N, c->hq, c->hkv, c->d, c->G, c->pattern, (unsigned long long)c->seed);
+  if (c->ranks_per_node)
+    snprintf(what + strlen(what), sizeof what - strlen(what), " (%d x %d)",
+             world_ / c->ranks_per_node, c->ranks_per_node);
+  int ok = 1;
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = c->backend;
+  cfg.granularity = c->G;
+  cfg.num_threads = 1;
+  mtrain_context_t *single = NULL, *oracle = NULL, *dist = NULL;
+  mtrain_pattern_t *p = make_pattern(c);
+  tensors_t g1, g64, loc;
+  alloc_tensors(&g1, c->N, c);
+  alloc_tensors(&g64, c->N, c);
+  uint64_t s = c->seed;
+  fill(g1.q, c->N * c->hq * c->d, &s);
+  fill(g1.k, c->N * c->hkv * c->d, &s);
+  fill(g1.v, c->N * c->hkv * c->d, &s);
+  fill(g1.dout, c->N * c->hq * c->d, &s);
+  memcpy(g64.q, g1.q, sizeof(float) * (size_t)(c->N * c->hq * c->d));
+  memcpy(g64.k, g1.k, sizeof(float) * (size_t)(c->N * c->hkv * c->d));
+  memcpy(g64.v, g1.v, sizeof(float) * (size_t)(c->N * c->hkv * c->d));
+  memcpy(g64.dout, g1.dout, sizeof(float) * (size_t)(c->N * c->hq * c->d));
+  mtrain_plan_t *p1 = NULL, *pd = NULL, *po = NULL;
+  const mtrain_pattern_t *pats[1] = {p};
+  mtrain_status_t st = mtrain_context_create(&cfg, NULL, &single);
+  if (!st) st = mtrain_plan_create(single, NULL, pats, &p1);
+  if (!st) st = run(single, p1, &g1, c->N, c);
+  /* the oracle: cpu-ref on one rank (fp32 storage, fp64 accumulation) */
+  mtrain_config_t ocfg = cfg;
+  ocfg.backend = "cpu-ref";
+  if (!st) st = mtrain_context_create(&ocfg, NULL, &oracle);
+  if (!st) st = mtrain_plan_create(oracle, NULL, pats, &po);
+  if (!st) st = run(oracle, po, &g64, c->N, c);
+  /* the distributed run */
+  mtrain_layout_t *layout = NULL;
+  if (!st) st = mtrain_context_create(&cfg, comm, &dist);
+  if (!st) st = mtrain_layout_create(c->layout, c->N, c->G, world_, NULL, &layout);
+  if (!st) st = mtrain_plan_create_ring(dist, layout, c->ranks_per_node, p, &pd);
+  int64_t T = 0, *index = NULL;
+  if (!st) {
+    T = mtrain_layout_local_tokens(layout, rank_);
+    index = malloc(sizeof(int64_t) * (size_t)T);
+    st = mtrain_layout_rank_token_index(layout, rank_, index);
+  }
+  if (!st) {
+    alloc_tensors(&loc, T, c);
+    for (int64_t i = 0; i < T; i++) {
+      if (index[i] >= c->N) continue; /* padding slots stay zero */
+      memcpy(loc.q + i * c->hq * c->d, g1.q + index[i] * c->hq * c->d,
+             sizeof(float) * (size_t)(c->hq * c->d));
+      memcpy(loc.dout + i * c->hq * c->d, g1.dout + index[i] * c->hq * c->d,
+             sizeof(float) * (size_t)(c->hq * c->d));
+      memcpy(loc.k + i * c->hkv * c->d, g1.k + index[i] * c->hkv * c->d,
+             sizeof(float) * (size_t)(c->hkv * c->d));
+      memcpy(loc.v + i * c->hkv * c->d, g1.v + index[i] * c->hkv * c->d,
+             sizeof(float) * (size_t)(c->hkv * c->d));
+    }
+    st = run(dist, pd, &loc, T, c);
+    if (!st) {
+      const int64_t wq = c->hq * c->d, wk = c->hkv * c->d;
+      const struct {
+        const char *name;
+        const float *l, *g, *o;
+        int64_t w;
+      } t[5] = {{"o", loc.o, g1.o, g64.o, wq},
+                {"lse", loc.lse, g1.lse, g64.lse, c->hq},
+                {"dq", loc.dq, g1.dq, g64.dq, wq},
+                {"dk", loc.dk, g1.dk, g64.dk, wk},
+                {"dv", loc.dv, g1.dv, g64.dv, wk}};
+      for (int x = 0; x < 5; x++) {
+        double e1 = 0, r1 = 0, eo = 0, ro = 0;
+        compare(t[x].l, t[x].g, index, T, c->N, t[x].w, &e1, &r1);
+        compare(t[x].l, t[x].o, index, T, c->N, t[x].w, &eo, &ro);
+        double v[4] = {e1, r1, eo, ro}, m[4];
+        MPI_Allreduce(v, m, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (!(m[0] <= 1e-5 * m[1]) || !(m[2] <= 1e-4 * m[3])) {
+          ok = 0;
+          if (rank_ == 0)
+            printf("  %s: %s differs: single-rank err %.3g (bound %.3g), oracle err %.3g "
+                   "(bound %.3g)\n",
+                   what, t[x].name, m[0], 1e-5 * m[1], m[2], 1e-4 * m[3]);
+        }
+      }
+    }
+    free_tensors(&loc);
+  }
+  if (st) {
+    ok = 0;
+    printf("  rank %d: %s: %s: %s\n", rank_, what, mtrain_status_name(st), mtrain_last_error());
+  }
+  int all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (rank_ == 0) printf("%s: W=%d %s\n", all ? "passed" : "FAILED", world_, what);
+  free(index);
+  mtrain_plan_destroy(p1);
+  mtrain_plan_destroy(po);
+  mtrain_plan_destroy(pd);
+  mtrain_layout_destroy(layout);
+  mtrain_context_destroy(single);
+  mtrain_context_destroy(oracle);
+  mtrain_context_destroy(dist);
+  mtrain_pattern_destroy(p);
+  free_tensors(&g1);
+  free_tensors(&g64);
+  return all;
+}
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_);
+  mtrain_comm_t *comm = NULL;
+  if (mtrain_comm_create_mpi(MPI_COMM_WORLD, 60.0, &comm) != MTRAIN_SUCCESS) {
+    fprintf(stderr, "rank %d: %s\n", rank_, mtrain_last_error());
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  /* schedules: flat, plus every ranks-per-node given on the command line */
+  int32_t schedules[8] = {0};
+  int nsched = 1;
+  for (int a = 1; a < argc && nsched < 8; a++) schedules[nsched++] = atoi(argv[a]);
+  const mtrain_layout_kind_t layouts[4] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
+                                           MTRAIN_LAYOUT_STRIPED, MTRAIN_LAYOUT_BALANCED};
+  int passed = 0, failed = 0;
+  uint64_t seed = 1;
+  for (int sc = 0; sc < nsched; sc++)
+    for (int l = 0; l < 4; l++)
+      for (int pat = 0; pat < 4; pat++) {
+        ring_case_t c = {"cpu", layouts[l], schedules[sc], 0, 4, 2, 16, 16, pat, seed++};
+        c.N = 16 * 2 * world_ * 3 + 37; /* never a multiple of G * W */
+        if (pat == 1) c.hkv = 1, c.d = 32;
+        run_case(&c, comm) ? passed++ : failed++;
+      }
+  /* the oracle itself distributed, and a larger GQA case */
+  ring_case_t ref = {"cpu-ref", MTRAIN_LAYOUT_STRIPED, schedules[nsched - 1], 300, 4, 4, 8, 16, 1,
+                     99};
+  run_case(&ref, comm) ? passed++ : failed++;
+  ring_case_t big = {"cpu", MTRAIN_LAYOUT_ZIGZAG, 0, 1000, 8, 1, 64, 32, 3, 100};
+  run_case(&big, comm) ? passed++ : failed++;
+  if (rank_ == 0) printf("%d passed, %d failed\n", passed, failed);
+  mtrain_comm_destroy(comm);
+  MPI_Finalize();
+  return failed ? 1 : 0;
+}
