@@ -4,13 +4,16 @@
  * partial results are indexed globally and combined with the communicator's
  * all-reduce (each entry has one contributor, so the sums are exact and do
  * not depend on the world size); the selection (select.c) is host code shared
- * by all backends. Single rank for now: the chunk is the whole sequence. */
+ * by all backends. Single rank: the chunk is the whole sequence; ring: each
+ * rank scores its own slots of the layout after the last L queries are
+ * gathered. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "context_internal.h"
 #include "error.h"
+#include "mtrain/mtrain_layout.h"
 #include "select.h"
 
 /* Everything one estimation call allocates, freed in one place. */
@@ -20,7 +23,6 @@ typedef struct estimate_buffers {
   int64_t *order, *picked, *tokens;
   int32_t *blocks;
   uint8_t *probs, *forced;
-  int64_t *k_global;
 } estimate_buffers_t;
 
 static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
@@ -39,7 +41,6 @@ static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
   free(b->blocks);
   free(b->probs);
   free(b->forced);
-  free(b->k_global);
 }
 
 static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t *q,
@@ -78,11 +79,6 @@ static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t
     mtrain_status_t st = mtrain_head_budget_validate(&budgets[h]);
     if (st) return mtrain_error_prefix(st, "estimate: budgets[%lld]", (long long)h);
   }
-  if (mtrain_context_world(ctx) != 1)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "estimate: world size %d: the distributed estimation comes with the "
-                        "distributed ring (single rank only in this version)",
-                        mtrain_context_world(ctx));
   if (!ctx->backend->pattern_scores)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "estimate: backend '%s' has no pattern scores",
                         ctx->backend_name);
@@ -136,21 +132,31 @@ static mtrain_status_t select_head(const mtrain_head_budget_t *bud,
   return mtrain_pattern_set_head(p, h, b->blocks, nd, b->picked, (int32_t)nv);
 }
 
-mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tensor_t *q,
-                                        const mtrain_tensor_t *k,
-                                        const mtrain_head_budget_t *budgets,
-                                        const mtrain_estimate_options_t *options,
-                                        mtrain_pattern_t **out) {
-  MTRAIN_CHECK_NOT_NULL(out);
-  mtrain_status_t st = check_inputs(ctx, q, k, budgets, options);
-  if (st) return st;
-  const int64_t N = q->shape[0];
-  const int32_t Hq = (int32_t)q->shape[1], Hkv = (int32_t)k->shape[1], d = (int32_t)q->shape[2];
+/* What the scores are computed from: the last L queries (gathered) and the
+ * keys this rank holds, with their global blocks. */
+typedef struct estimate_input {
+  int64_t N;
+  int32_t Hq, Hkv, d, L;
+  mtrain_dtype_t q_dtype, k_dtype;
+  const void *q_last; /* backend memory [L, Hq, d] */
+  const void *k;      /* backend memory [k_tokens, Hkv, d] */
+  int64_t k_tokens;
+  int32_t num_k_blocks;
+  const int64_t *k_block_global;
+} estimate_input_t;
+
+/* Scores (stages on the backend, exact combination through the
+ * communicator) and the selection: the pattern every rank gets. */
+static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input_t *in,
+                                     const mtrain_head_budget_t *budgets,
+                                     const mtrain_estimate_options_t *options,
+                                     mtrain_pattern_t **out) {
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  const int64_t N = in->N;
+  const int32_t Hq = in->Hq, L = in->L;
   const int32_t G = ctx->config.granularity;
-  const int32_t L = options->last_q < N ? options->last_q : (int32_t)N;
   const int32_t slots = mtrain_scores_slots(L, G);
   const int64_t nb = (N + G - 1) / G;
-  const size_t esz = mtrain_dtype_size(q->dtype);
   const mtrain_backend_ops_t *be = ctx->backend;
   estimate_buffers_t b;
   memset(&b, 0, sizeof b);
@@ -159,7 +165,6 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
   const size_t n_row = n_row_sums > 2 * (size_t)Hq * L ? n_row_sums : 2 * (size_t)Hq * L;
   const size_t n_col = (size_t)Hq * N, n_diag = (size_t)Hq * N * slots;
   b.probs = calloc((size_t)Hq, 1);
-  b.k_global = malloc(sizeof(int64_t) * (size_t)nb);
   b.row_host = malloc(sizeof(double) * n_row);
   b.row_max = malloc(sizeof(double) * (size_t)Hq * L);
   b.row_norm = malloc(sizeof(double) * (size_t)Hq * L);
@@ -171,9 +176,9 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
   b.tokens = malloc(sizeof(int64_t) * (size_t)N);
   b.blocks = malloc(sizeof(int32_t) * (size_t)(2 * N + 1));
   b.forced = malloc((size_t)N);
-  MTRAIN_FAIL_IF(!b.probs || !b.k_global || !b.row_host || !b.row_max || !b.row_norm ||
-                     !b.col_host || !b.diag_host || !b.sscore || !b.order || !b.picked ||
-                     !b.tokens || !b.blocks || !b.forced,
+  MTRAIN_FAIL_IF(!b.probs || !b.row_host || !b.row_max || !b.row_norm || !b.col_host ||
+                     !b.diag_host || !b.sscore || !b.order || !b.picked || !b.tokens || !b.blocks ||
+                     !b.forced,
                  MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
                  (long long)N, Hq);
   MTRAIN_TRY(be->alloc(ctx->backend_state, n_row * sizeof(double), &b.row));
@@ -181,21 +186,21 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
   MTRAIN_TRY(be->alloc(ctx->backend_state, n_diag * sizeof(double), &b.diag));
   int any_probs = 0;
   for (int32_t h = 0; h < Hq; h++) any_probs |= b.probs[h] = budgets[h].kind == MTRAIN_BUDGET_TOP_P;
-  for (int64_t gb = 0; gb < nb; gb++) b.k_global[gb] = gb; /* single rank: identity layout */
   mtrain_scores_args_t a = {.seq_len = N,
                             .last_q = L,
                             .granularity = G,
                             .num_heads = Hq,
-                            .num_kv_heads = Hkv,
-                            .head_dim = d,
+                            .num_kv_heads = in->Hkv,
+                            .head_dim = in->d,
                             .scale = ctx->config.softmax_scale > 0 ? ctx->config.softmax_scale
-                                                                   : 1.0 / sqrt((double)d),
-                            .dtype = q->dtype,
-                            .q_last = (const char *)q->data + (size_t)(N - L) * Hq * d * esz,
-                            .k = k->data,
-                            .k_tokens = N,
-                            .num_k_blocks = (int32_t)nb,
-                            .k_block_global = b.k_global,
+                                                                   : 1.0 / sqrt((double)in->d),
+                            .dtype = in->k_dtype,
+                            .q_dtype = in->q_dtype,
+                            .q_last = in->q_last,
+                            .k = in->k,
+                            .k_tokens = in->k_tokens,
+                            .num_k_blocks = in->num_k_blocks,
+                            .k_block_global = in->k_block_global,
                             .probs = b.probs};
   if (any_probs) {
     /* row maxima, combined with MAX */
@@ -244,5 +249,120 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
 cleanup:
   mtrain_pattern_destroy(p);
   buffers_free(ctx, &b);
+  return st;
+}
+
+mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                        const mtrain_tensor_t *k,
+                                        const mtrain_head_budget_t *budgets,
+                                        const mtrain_estimate_options_t *options,
+                                        mtrain_pattern_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  mtrain_status_t st = check_inputs(ctx, q, k, budgets, options);
+  if (st) return st;
+  if (mtrain_context_world(ctx) != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "estimate: world size %d: use mtrain_pattern_estimate_ring with the "
+                        "layout of the ranks' tensors",
+                        mtrain_context_world(ctx));
+  const int64_t N = q->shape[0];
+  const int32_t G = ctx->config.granularity;
+  const int64_t nb = (N + G - 1) / G;
+  int64_t *identity = malloc(sizeof(int64_t) * (size_t)nb);
+  if (!identity) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of memory");
+  for (int64_t gb = 0; gb < nb; gb++) identity[gb] = gb;
+  const int32_t Hq = (int32_t)q->shape[1], d = (int32_t)q->shape[2];
+  const int32_t L = options->last_q < N ? options->last_q : (int32_t)N;
+  const estimate_input_t in = {.N = N,
+                               .Hq = Hq,
+                               .Hkv = (int32_t)k->shape[1],
+                               .d = d,
+                               .L = L,
+                               .q_dtype = q->dtype,
+                               .k_dtype = k->dtype,
+                               .q_last = (const char *)q->data +
+                                         (size_t)(N - L) * Hq * d * mtrain_dtype_size(q->dtype),
+                               .k = k->data,
+                               .k_tokens = N,
+                               .num_k_blocks = (int32_t)nb,
+                               .k_block_global = identity};
+  st = estimate_core(ctx, &in, budgets, options, out);
+  free(identity);
+  return st;
+}
+
+mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
+                                             const struct mtrain_layout *layout,
+                                             const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                             const mtrain_head_budget_t *budgets,
+                                             const mtrain_estimate_options_t *options,
+                                             mtrain_pattern_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  MTRAIN_CHECK_NOT_NULL(layout);
+  mtrain_status_t st = check_inputs(ctx, q, k, budgets, options);
+  if (st) return st;
+  const int32_t rank = mtrain_context_rank(ctx), world = mtrain_context_world(ctx);
+  const int64_t N = mtrain_layout_seq_len(layout), T = mtrain_layout_local_tokens(layout, rank);
+  if (mtrain_layout_world(layout) != world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "estimate: the layout is for %d ranks, the communicator has %d",
+                        mtrain_layout_world(layout), world);
+  if (mtrain_layout_granularity(layout) != ctx->config.granularity)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "estimate: the layout's granularity %d is not the context's %d",
+                        mtrain_layout_granularity(layout), ctx->config.granularity);
+  if (q->shape[0] != T)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "estimate: rank %d holds %lld token slots of the layout, q has %lld", rank,
+                        (long long)T, (long long)q->shape[0]);
+  const int32_t Hq = (int32_t)q->shape[1], d = (int32_t)q->shape[2];
+  const int32_t L = options->last_q < N ? options->last_q : (int32_t)N;
+  const mtrain_dtype_t gdt = q->dtype == MTRAIN_F64 ? MTRAIN_F64 : MTRAIN_F32;
+  const size_t row = (size_t)Hq * d, gsz = mtrain_dtype_size(gdt);
+  const mtrain_backend_ops_t *be = ctx->backend;
+  /* gather the last L queries: each row has one owner, the others add zeros */
+  void *host = calloc((size_t)L * row, gsz),
+       *q_local_row = malloc(row * mtrain_dtype_size(q->dtype));
+  void *q_last = NULL;
+  if (!host || !q_local_row) {
+    free(host);
+    free(q_local_row);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of memory");
+  }
+  for (int32_t r = 0; r < L && st == MTRAIN_SUCCESS; r++) {
+    int32_t owner = -1;
+    int64_t local = -1;
+    st = mtrain_layout_global_to_local(layout, N - L + r, &owner, &local);
+    if (st || owner != rank) continue;
+    st = be->copy_to_host(ctx->backend_state, q_local_row,
+                          (const char *)q->data + (size_t)local * row * mtrain_dtype_size(q->dtype),
+                          row * mtrain_dtype_size(q->dtype));
+    if (!st)
+      st = mtrain_convert(q_local_row, q->dtype, (char *)host + (size_t)r * row * gsz, gdt,
+                          (int64_t)row);
+  }
+  if (!st)
+    st = ctx->comm->ops->allreduce(ctx->comm->state, host, (int64_t)((size_t)L * row), gdt,
+                                   MTRAIN_REDUCE_SUM);
+  if (!st) st = be->alloc(ctx->backend_state, (size_t)L * row * gsz, &q_last);
+  if (!st) st = be->copy_from_host(ctx->backend_state, q_last, host, (size_t)L * row * gsz);
+  if (!st) {
+    const estimate_input_t in = {.N = N,
+                                 .Hq = Hq,
+                                 .Hkv = (int32_t)k->shape[1],
+                                 .d = d,
+                                 .L = L,
+                                 .q_dtype = gdt,
+                                 .k_dtype = k->dtype,
+                                 .q_last = q_last,
+                                 .k = k->data,
+                                 .k_tokens = T,
+                                 .num_k_blocks = mtrain_layout_rank_num_blocks(layout, rank),
+                                 .k_block_global = mtrain_layout_rank_blocks(layout, rank)};
+    st = estimate_core(ctx, &in, budgets, options, out);
+  }
+  if (q_last) be->free(ctx->backend_state, q_last);
+  free(host);
+  free(q_local_row);
   return st;
 }

@@ -237,6 +237,83 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   return all;
 }
 
+/* The distributed estimate equals the single-rank one bitwise (indices). */
+static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_comm_t *comm,
+                         uint64_t seed) {
+  const int64_t N = 16 * 2 * world_ * 3 + 53;
+  const int32_t hq = 4, hkv = 2, d = 16, G = 16;
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = backend;
+  cfg.granularity = G;
+  cfg.num_threads = 1;
+  mtrain_context_t *single = NULL, *dist = NULL;
+  mtrain_layout_t *layout = NULL;
+  mtrain_pattern_t *p1 = NULL, *pd = NULL;
+  float *q = malloc(sizeof(float) * (size_t)(N * hq * d)),
+        *k = malloc(sizeof(float) * (size_t)(N * hkv * d));
+  uint64_t s = seed;
+  fill(q, N * hq * d, &s);
+  fill(k, N * hkv * d, &s);
+  mtrain_head_budget_t b[4] = {{MTRAIN_BUDGET_TOP_K, 12, 40, 0, 0, 0, 0},
+                               {MTRAIN_BUDGET_TOP_P, 0, 0, 0.5, 0.4, 30, 60},
+                               {MTRAIN_BUDGET_TOP_K, 40, 8, 0, 0, 0, 0},
+                               {MTRAIN_BUDGET_TOP_P, 0, 0, 0.9, 0.9, 100, 200}};
+  mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+  eo.last_q = 40;
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, hq, d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, N, hkv, d);
+  mtrain_status_t st = mtrain_context_create(&cfg, NULL, &single);
+  if (!st) st = mtrain_pattern_estimate(single, &tq, &tk, b, &eo, &p1);
+  if (!st) st = mtrain_context_create(&cfg, comm, &dist);
+  if (!st) st = mtrain_layout_create(kind, N, G, world_, NULL, &layout);
+  float *lq = NULL, *lk = NULL;
+  int64_t *index = NULL;
+  if (!st) {
+    const int64_t T = mtrain_layout_local_tokens(layout, rank_);
+    lq = calloc((size_t)(T * hq * d), sizeof(float));
+    lk = calloc((size_t)(T * hkv * d), sizeof(float));
+    index = malloc(sizeof(int64_t) * (size_t)T);
+    st = mtrain_layout_rank_token_index(layout, rank_, index);
+    for (int64_t i = 0; !st && i < T; i++) {
+      if (index[i] >= N) continue;
+      memcpy(lq + i * hq * d, q + index[i] * hq * d, sizeof(float) * (size_t)(hq * d));
+      memcpy(lk + i * hkv * d, k + index[i] * hkv * d, sizeof(float) * (size_t)(hkv * d));
+    }
+    mtrain_tensor_t ltq = mtrain_tensor_3d(lq, MTRAIN_F32, T, hq, d);
+    mtrain_tensor_t ltk = mtrain_tensor_3d(lk, MTRAIN_F32, T, hkv, d);
+    if (!st) st = mtrain_pattern_estimate_ring(dist, layout, &ltq, &ltk, b, &eo, &pd);
+  }
+  int ok = st == MTRAIN_SUCCESS;
+  if (st)
+    printf("  rank %d: estimate: %s: %s\n", rank_, mtrain_status_name(st), mtrain_last_error());
+  for (int32_t h = 0; ok && h < hq; h++) {
+    const int32_t *d1, *d2;
+    const int64_t *v1, *v2;
+    int32_t nd1, nd2, nv1, nv2;
+    mtrain_pattern_get_head(p1, h, &d1, &nd1, &v1, &nv1);
+    mtrain_pattern_get_head(pd, h, &d2, &nd2, &v2, &nv2);
+    ok = nd1 == nd2 && nv1 == nv2 && !memcmp(d1, d2, sizeof(int32_t) * (size_t)nd1) &&
+         !memcmp(v1, v2, sizeof(int64_t) * (size_t)nv1);
+    if (!ok)
+      printf("  rank %d: head %d: distributed estimate differs (diagonals %d vs %d, verticals "
+             "%d vs %d)\n",
+             rank_, h, nd1, nd2, nv1, nv2);
+  }
+  int all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (rank_ == 0)
+    printf("%s: W=%d distributed estimate, %s layout, %s, N=%lld: %s\n", all ? "passed" : "FAILED",
+           world_, mtrain_layout_kind_name(kind), backend, (long long)N,
+           all ? "bitwise equal to one rank" : "differs");
+  free(q), free(k), free(lq), free(lk), free(index);
+  mtrain_pattern_destroy(p1);
+  mtrain_pattern_destroy(pd);
+  mtrain_layout_destroy(layout);
+  mtrain_context_destroy(single);
+  mtrain_context_destroy(dist);
+  return all;
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
@@ -262,6 +339,10 @@ int main(int argc, char **argv) {
         if (pat == 1) c.hkv = 1, c.d = 32;
         run_case(&c, comm) ? passed++ : failed++;
       }
+  for (int l = 0; l < 4; l++) {
+    estimate_case(layouts[l], "cpu", comm, 500 + l) ? passed++ : failed++;
+    estimate_case(layouts[l], "cpu-ref", comm, 600 + l) ? passed++ : failed++;
+  }
   /* the oracle itself distributed, and a larger GQA case */
   ring_case_t ref = {"cpu-ref", MTRAIN_LAYOUT_STRIPED, schedules[nsched - 1], 300, 4, 4, 8, 16, 1,
                      99};

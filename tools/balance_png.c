@@ -206,9 +206,9 @@ int balance_png_write(const char *path, int rows, int cols, const heat_panel_t *
   char label[32];
   snprintf(label, sizeof label, "%.2f", vmax);
   text(&c, bar_x + bar_w + 4, y0, label);
-  text(&c, bar_x + bar_w + 4, y0 + ph - 7 * SCALE, "0");
+  const int y1 = y0 + (int)lround((1.0 - 1.0 / vmax) * (ph - 1)); /* where 1.0 sits */
+  if (y0 + ph - y1 > 12 * SCALE) text(&c, bar_x + bar_w + 4, y0 + ph - 7 * SCALE, "0");
   if (vmax > 1.0) {
-    const int y1 = y0 + (int)lround((1.0 - 1.0 / vmax) * (ph - 1));
     static const unsigned char black[3] = {0, 0, 0};
     fill_rect(&c, bar_x - 4, y1, bar_w + 8, 1, black);
     text(&c, bar_x + bar_w + 4, y1 - 3 * SCALE, "1 MEAN");

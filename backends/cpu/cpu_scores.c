@@ -65,7 +65,7 @@ mtrain_status_t mtrain_cpu_ref_pattern_scores(void *state, const mtrain_scores_a
     for (int32_t r = 0; r < L; r++) {
       const int64_t qpos = N - L + r;
       for (int32_t c = 0; c < d; c++)
-        q[c] = mtrain_cpu_load(a->q_last, a->dtype, ((int64_t)r * Hq + h) * d + c);
+        q[c] = mtrain_cpu_load(a->q_last, a->q_dtype, ((int64_t)r * Hq + h) * d + c);
       for (int32_t lb = 0; lb < a->num_k_blocks; lb++) {
         const int64_t gb = a->k_block_global[lb];
         const int32_t cols = mtrain_block_rows(a->k_tokens, G, lb, gb, N);
@@ -106,7 +106,7 @@ mtrain_status_t mtrain_cpu_fast_pattern_scores(void *state, const mtrain_scores_
     free(kf);
     return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu pattern scores: out of memory");
   }
-  mtrain_cpu_convert(s, a->q_last, a->dtype, qf, MTRAIN_F32, (int64_t)L * Hq * d);
+  mtrain_cpu_convert(s, a->q_last, a->q_dtype, qf, MTRAIN_F32, (int64_t)L * Hq * d);
   if (kf) mtrain_cpu_convert(s, a->k, a->dtype, kf, MTRAIN_F32, a->k_tokens * Hkv * d);
   const float *K = kf ? kf : a->k;
   const int tile = SCORE_TILE_BLOCKS * G;

@@ -256,7 +256,7 @@ mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *s
  *  ring step where their key passes, whatever the layout's bars mode (the
  *  gathered-bars execution of docs/BALANCE.md is not implemented in the
  *  driver yet). Local; not collective. */
-struct mtrain_layout;
+struct mtrain_layout; /* mtrain_layout.h */
 mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
                                         int32_t ranks_per_node, const mtrain_pattern_t *pattern,
                                         mtrain_plan_t **out);
@@ -337,6 +337,22 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
                                         const mtrain_head_budget_t *budgets,
                                         const mtrain_estimate_options_t *options,
                                         mtrain_pattern_t **out);
+
+
+/** The distributed estimate (SPEC.md section 2): q and k are this rank's
+ *  [local tokens, heads, d] slots of a sequence laid out by `layout` (as the
+ *  attention tensors of mtrain_plan_create_ring). The last L queries are
+ *  gathered, every rank scores the keys it holds, the partial sums are
+ *  combined exactly (each entry has one contributor) and every rank selects
+ *  the same pattern, bitwise equal to the single-rank estimate of the
+ *  gathered sequence on the same backend. Collective over the context's
+ *  communicator. */
+mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
+                                             const struct mtrain_layout *layout,
+                                             const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                             const mtrain_head_budget_t *budgets,
+                                             const mtrain_estimate_options_t *options,
+                                             mtrain_pattern_t **out);
 
 /* ------------------------------------------------------------------------ */
 /* Attention                                                                 */

@@ -128,7 +128,8 @@ typedef struct mtrain_scores_args {
   int32_t granularity;        /**< G */
   int32_t num_heads, num_kv_heads, head_dim;
   double scale;
-  mtrain_dtype_t dtype;       /**< storage dtype of q_last and k */
+  mtrain_dtype_t dtype;       /**< storage dtype of k */
+  mtrain_dtype_t q_dtype;     /**< storage dtype of q_last (fp32 when gathered from ranks) */
   const void *q_last;         /**< [L, Hq, d] */
   const void *k;              /**< [k_tokens, Hkv, d] the keys this rank holds */
   int64_t k_tokens;
