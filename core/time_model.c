@@ -160,7 +160,7 @@ mtrain_status_t mtrain_time_predict(const mtrain_cost_t *cost, const mtrain_layo
                         cost->mode == MTRAIN_BARS_GATHERED};
     const pass_t bwd = {10.0 * d, tokens * kv_row * (2.0 * params->dtype_bytes + 8.0), 0};
     const double dkdv = tokens * kv_row * 8.0;
-    double t_gather = 0.0, t_rs = 0.0;
+    double t_gather = 0.0, t_rs = 0.0, bytes = 0.0;
     if (cost->mode == MTRAIN_BARS_GATHERED && W > 1) {
       int64_t rows = 0;
       st = gathered_rows(p, kv, &rows);
@@ -170,6 +170,7 @@ mtrain_status_t mtrain_time_predict(const mtrain_cost_t *cost, const mtrain_layo
       t_gather =
           (W - 1) * params->latency + (double)rows * d * 2 * params->dtype_bytes * share / bw;
       t_rs = (W - 1) * params->latency + (double)rows * d * 2 * 4.0 * share / bw;
+      bytes = (double)rows * d * 2 * (params->dtype_bytes + 4.0);
     }
     double work = 0.0;
     for (int32_t r = 0; r < W; r++)
@@ -188,6 +189,7 @@ mtrain_status_t mtrain_time_predict(const mtrain_cost_t *cost, const mtrain_layo
                             (flat ? back_flat : back_hier) + t_rs;
       res[ring].compute_ideal += work * 14.0 * d / params->flops / W;
       res[ring].gather += t_gather + t_rs;
+      res[ring].gather_bytes += bytes;
     }
   }
   out[0] = res[0];

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # main_job.sh: the README's main-job command. Installs the dependencies,
-# builds, and runs mtrain-run: sparse attention forward and backward on the
-# CPU with a vertical-slash pattern built from the real Qwen2.5-3B budgets,
-# verified against the fp64 reference, with its report. Extra arguments go
-# to mtrain-run.
+# builds, and runs the main job: mtrain-run on 4 MPI ranks of this machine,
+# CPU backend, structured inputs (RoPE'd q and k with vertical-slash
+# structure), the pattern estimated online (distributed) from the real
+# Qwen2.5-3B budgets of layer 31, the striped layout on the flat ring, sparse
+# attention forward and backward, verified against the distributed fp64
+# reference, with the per-rank and total report. Extra arguments go to
+# mtrain-run (for example --schedule hier --ranks-per-node 2, --layout zigzag,
+# --json).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install_deps.sh"
 "$root/scripts/build.sh" > "$root/build.log" 2>&1 || { cat "$root/build.log"; exit 1; }
-exec "$root/build/tools/mtrain-run" --pattern "$root/examples/patterns/qwen2.5-3b-layer3-n4096.json" \
-  --seq-len 4096 --heads 16 --kv-heads 2 --head-dim 128 --check "$@"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+exec mpiexec -n 4 --oversubscribe --bind-to none "$root/build/tools/mtrain-run" \
+  --budgets "$root/../shared/data/patterns/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" \
+  --layer 31 --seq-len 4096 --heads 16 --kv-heads 2 --head-dim 128 --check "$@"

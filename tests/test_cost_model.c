@@ -468,6 +468,7 @@ static void test_time_model_limits(void **state) {
   assert_true(NEAR(t[0].compute_ideal, m.total_work * 14 * 64 / q.flops / W));
   assert_true(t[0].forward >= m.total_work * 4 * 64 / q.flops / W);
   assert_true(NEAR(t[0].gather, 0.0));
+  assert_true(t[0].gather_bytes == 0.0);
   /* transfer-bound: free compute; flat = (W - 1) inter-node hops, hierarchical = one outer
    * hop hidden behind nothing plus the inner hops of each node */
   q.flops = 1e30;
@@ -496,6 +497,23 @@ static void test_time_model_limits(void **state) {
   q.kv_heads = 1;
   assert_int_equal(mtrain_time_predict(c, layout, pats, 1, &q, t), MTRAIN_SUCCESS);
   assert_true(t[0].gather > 0.0);
+  /* rows: the union over the 2 heads of one kv group of their usable verticals */
+  int64_t rows = 0;
+  {
+    const int32_t *dd;
+    const int64_t *v0, *v1;
+    int32_t ndd, n0, n1;
+    assert_int_equal(mtrain_pattern_get_head(p, 0, &dd, &ndd, &v0, &n0), MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_pattern_get_head(p, 1, &dd, &ndd, &v1, &n1), MTRAIN_SUCCESS);
+    int32_t i = 0, j = 0;
+    while (i < n0 || j < n1) {
+      const int64_t x = j >= n1 || (i < n0 && v0[i] < v1[j]) ? v0[i] : v1[j];
+      while (i < n0 && v0[i] == x) i++;
+      while (j < n1 && v1[j] == x) j++;
+      if (x / G + 1 < N / G) rows++;
+    }
+  }
+  assert_true(NEAR(t[0].gather_bytes, (double)rows * 128 * 2 * (2 + 4)));
   assert_true(t[0].forward > 0.0 && t[1].forward > 0.0);
   mtrain_cost_destroy(c);
   mtrain_layout_destroy(layout);

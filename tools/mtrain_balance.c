@@ -545,14 +545,14 @@ static void print_table(const options_t *o, const workload_t *w, const result_t 
          "inter-node, %.0f us, d=%d, kv heads %s, %d-byte K/V):\n",
          o->time.flops / 1e12, o->time.bw_intra / 1e9, o->time.bw_inter / 1e9,
          o->time.latency * 1e6, o->time.head_dim, kv, o->time.dtype_bytes);
-  printf("%-11s %10s %10s %10s %10s %12s %10s %8s\n", "layout", "flat fwd", "flat bwd", "hier fwd",
-         "hier bwd", "ideal comp.", "gather", "eval s");
+  printf("%-11s %10s %10s %10s %10s %12s %10s %9s %8s\n", "layout", "flat fwd", "flat bwd",
+         "hier fwd", "hier bwd", "ideal comp.", "gather", "gath. MB", "eval s");
   for (int i = 0; i < n; i++) {
     const result_t *r = &res[i];
-    printf("%-11s %9.3fs %9.3fs %9.3fs %9.3fs %11.3fs %9.4fs %8.2f\n",
+    printf("%-11s %9.3fs %9.3fs %9.3fs %9.3fs %11.3fs %9.4fs %9.1f %8.2f\n",
            mtrain_layout_kind_name(mtrain_layout_kind(r->layout)), r->t[0].forward,
            r->t[0].backward, r->t[1].forward, r->t[1].backward, r->t[0].compute_ideal,
-           r->t[0].gather, r->seconds);
+           r->t[0].gather, r->t[0].gather_bytes / 1e6, r->seconds);
   }
   if (!o->steps) return;
   for (int i = 0; i < n; i++) {
@@ -583,9 +583,9 @@ static json_t *metrics_json(const mtrain_cost_metrics_t *m, const workload_t *w)
 }
 
 static json_t *time_json(const mtrain_time_prediction_t *t) {
-  return json_pack("{s:f, s:f, s:f, s:f, s:f}", "forward_s", t->forward, "backward_s", t->backward,
-                   "total_s", t->forward + t->backward, "compute_ideal_s", t->compute_ideal,
-                   "gather_s", t->gather);
+  return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "forward_s", t->forward, "backward_s",
+                   t->backward, "total_s", t->forward + t->backward, "compute_ideal_s",
+                   t->compute_ideal, "gather_s", t->gather, "gather_bytes", t->gather_bytes);
 }
 
 static json_t *layout_json(const options_t *o, const workload_t *w, const result_t *r) {

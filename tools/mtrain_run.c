@@ -13,19 +13,12 @@
 
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_io.h"
+#include "run_common.h"
 #include "run_inputs.h"
 #include "run_options.h"
 #include "tool_common.h"
 
 static const char *prog = "mtrain-run";
-
-typedef struct run_result {
-  double t_estimate, t_plan, t_fwd, t_bwd, t_check;
-  long long pairs, dense_pairs;
-  size_t plan_bytes;
-  int checked, check_ok;
-  double err[5], ref_max[5], bound[5]; /* O, LSE, dQ, dK, dV */
-} run_result_t;
 
 static const char *const tensor_names[5] = {"o", "lse", "dq", "dk", "dv"};
 
@@ -40,7 +33,7 @@ static double median(double *v, int n) {
 }
 
 /* The per-head budgets the options ask for (malloc'ed, heads entries). */
-static int make_budgets(const run_options_t *o, int32_t heads, mtrain_head_budget_t **out) {
+int run_make_budgets(const run_options_t *o, int32_t heads, mtrain_head_budget_t **out) {
   mtrain_head_budget_t *b = calloc((size_t)heads, sizeof *b);
   mtrain_budgets_t *file = NULL;
   int rc = b == NULL;
@@ -82,7 +75,7 @@ static int make_pattern(mtrain_context_t *ctx, const run_options_t *o, run_input
                         mtrain_pattern_t **out, run_result_t *r) {
   if (run_options_estimate(o)) {
     mtrain_head_budget_t *budgets = NULL;
-    if (make_budgets(o, in->heads, &budgets)) return 1;
+    if (run_make_budgets(o, in->heads, &budgets)) return 1;
     mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
     eo.last_q = o->last_q;
     const double t0 = tool_now();
@@ -123,8 +116,8 @@ static int make_context(const char *backend, const run_options_t *o, mtrain_cont
 }
 
 /* Forward (and backward) on one context with tensors of in->dtype. */
-static int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_inputs_t *in,
-                         run_outputs_t *out, const run_options_t *o, run_result_t *r) {
+int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_inputs_t *in,
+                  run_outputs_t *out, const run_options_t *o, run_result_t *r) {
   double *tf = calloc((size_t)o->repeat, sizeof *tf), *tb = calloc((size_t)o->repeat, sizeof *tb);
   int rc = 0;
   for (int i = 0; i < o->repeat && !rc; i++) {
@@ -208,7 +201,7 @@ static int write_outputs(const run_options_t *o, const run_outputs_t *out,
 }
 
 /* What the pattern came from, for the report. */
-static const char *pattern_source(const run_options_t *o) {
+const char *run_pattern_source(const run_options_t *o) {
   static char text[512];
   if (o->pattern_path) return o->pattern_path;
   if (o->budgets_path)
@@ -229,7 +222,7 @@ static void report_text(const run_options_t *o, const run_inputs_t *in, const ru
   printf("  shape      N=%lld Hq=%d Hkv=%d d=%d G=%d\n", (long long)in->tokens, in->heads,
          in->kv_heads, in->head_dim, o->granularity);
   printf("  pattern    %s: %lld of %lld causal pairs computed, sparsity %.2f%%\n",
-         pattern_source(o), r->pairs, r->dense_pairs,
+         run_pattern_source(o), r->pairs, r->dense_pairs,
          100.0 * (1.0 - (double)r->pairs / (double)r->dense_pairs));
   if (run_options_estimate(o))
     printf("  estimate   %.3f ms (last %d queries), %.1f%% of the forward time\n",
@@ -260,7 +253,7 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
   json_object_set_new(j, "kv_heads", json_integer(in->kv_heads));
   json_object_set_new(j, "head_dim", json_integer(in->head_dim));
   json_object_set_new(j, "granularity", json_integer(o->granularity));
-  json_object_set_new(j, "pattern", json_string(pattern_source(o)));
+  json_object_set_new(j, "pattern", json_string(run_pattern_source(o)));
   if (run_options_estimate(o)) {
     json_object_set_new(j, "estimate_seconds", json_real(r->t_estimate));
     json_object_set_new(j, "last_q", json_integer(o->last_q));
@@ -295,10 +288,14 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
   json_decref(j);
 }
 
-int main(int argc, char **argv) {
-  run_options_t o;
-  int rc = run_options_parse(argc, argv, &o);
-  if (rc) return rc == 2 ? 0 : 2;
+#ifdef MTRAIN_HAVE_MPI
+#include "run_ring.h"
+#endif
+
+/* The single-rank run: whole tensors, no layout. */
+static int run_single(const run_options_t *o_in) {
+  run_options_t o = *o_in;
+  int rc = 0;
   run_inputs_t in = {0};
   run_outputs_t out = {0};
   run_result_t r = {0};
@@ -336,4 +333,28 @@ int main(int argc, char **argv) {
   mtrain_pattern_destroy(pattern);
   if (rc) return 1;
   return r.checked && !r.check_ok ? 3 : 0;
+}
+
+int main(int argc, char **argv) {
+#ifdef MTRAIN_HAVE_MPI
+  int provided = 0, rank = 0, world = 1;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+#endif
+  run_options_t o;
+  int rc = run_options_parse(argc, argv, &o);
+  if (rc == 0) {
+#ifdef MTRAIN_HAVE_MPI
+    rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);
+#else
+    rc = run_single(&o);
+#endif
+  } else {
+    rc = rc == 2 ? 0 : 2;
+  }
+#ifdef MTRAIN_HAVE_MPI
+  MPI_Finalize();
+#endif
+  return rc;
 }

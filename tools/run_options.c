@@ -27,6 +27,11 @@ static const char usage[] =
     "                        MInference budget file\n"
     "  --last-q L            queries that score the keys (default 64)\n"
     "  --granularity G       block size (default 128; a pattern file's must match)\n"
+    "Several ranks (run under mpiexec -n W):\n"
+    "  --layout contiguous|zigzag|striped|balanced   token layout (default striped)\n"
+    "  --schedule flat|hier  ring schedule (default flat)\n"
+    "  --ranks-per-node n    ranks per node of the hierarchical ring (default: the\n"
+    "                        ranks that share memory, from MPI)\n"
     "Computation:\n"
     "  --backend cpu|cpu-ref (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
     "  --threads T           OpenMP threads (default: OpenMP's)\n"
@@ -73,6 +78,7 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   o->layer = -1;
   o->last_q = 64;
   o->input = "structured";
+  o->layout = "striped";
   static const struct option longs[] = {{"q", required_argument, 0, 'q'},
                                         {"k", required_argument, 0, 'k'},
                                         {"v", required_argument, 0, 'v'},
@@ -101,6 +107,9 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
                                         {"layer", required_argument, 0, 'L'},
                                         {"last-q", required_argument, 0, 'Q'},
                                         {"input", required_argument, 0, 'I'},
+                                        {"layout", required_argument, 0, 'y'},
+                                        {"schedule", required_argument, 0, 'x'},
+                                        {"ranks-per-node", required_argument, 0, 'R'},
                                         {0, 0, 0, 0}};
   int c, bad = 0;
   int64_t seed = 0;
@@ -203,6 +212,19 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
         bad = 1;
       }
       o->input = optarg;
+      break;
+    case 'y':
+      o->layout = optarg;
+      break;
+    case 'x':
+      if (strcmp(optarg, "flat") != 0 && strcmp(optarg, "hier") != 0) {
+        fprintf(stderr, "mtrain-run: --schedule '%s': expected flat or hier\n", optarg);
+        bad = 1;
+      }
+      o->hierarchical = strcmp(optarg, "hier") == 0;
+      break;
+    case 'R':
+      bad = parse_i32("ranks-per-node", optarg, 1, 1 << 20, &o->ranks_per_node);
       break;
     case 'h':
       fputs(usage, stdout);

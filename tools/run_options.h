@@ -19,6 +19,10 @@ typedef struct run_options {
   const char *budgets_path; /* per-head budgets of --layer from a budget file */
   int32_t layer, last_q;
   const char *input; /* generated inputs: "structured" or "normal" */
+  /* several ranks (under mpiexec) */
+  const char *layout;     /* contiguous|zigzag|striped|balanced (default striped) */
+  int hierarchical;       /* --schedule hier */
+  int32_t ranks_per_node; /* 0: detected (the ranks that share memory) */
   const char *backend;
   mtrain_dtype_t dtype;
   const char *out_dir;

@@ -8,8 +8,9 @@
  *   contiguous  rank r holds blocks [r*B/W, (r+1)*B/W)            unit G*W
  *   zigzag      2W equal chunks, rank r holds chunks r, 2W-1-r    unit 2*G*W
  *   striped     block b on rank b mod W                          unit G*W
- *   balanced    chosen by the cost model from a workload, with    unit G*W
- *               the verticals gathered up front (bars gathered)
+ *   balanced    chosen by the cost model from a workload among     unit G*W
+ *               striped-like maps, with the bars in the ring or
+ *               gathered up front (mtrain_layout_bars_mode)
  * where B is the padded block count and "unit" the granule the sequence is
  * padded to (padded length = seq_len rounded up to a multiple of the unit).
  * Padding blocks (global block >= ceil(seq_len / G)) never compute.
@@ -315,7 +316,9 @@ typedef struct mtrain_time_prediction {
   double forward;       /**< forward pass over all layers */
   double backward;      /**< backward pass over all layers */
   double compute_ideal; /**< forward + backward compute with perfect balance, no communication */
-  double gather; /**< bars gathered: all-gather and reduce-scatter seconds (exposed or not) */
+  double gather;        /**< bars gathered: all-gather + reduce-scatter seconds (exposed or not) */
+  double gather_bytes;  /**< bars gathered: bytes of the gathered K/V rows (forward) plus
+                             their fp32 dK/dV (backward), all layers (0 in the ring) */
 } mtrain_time_prediction_t;
 
 /** Predicts the forward and backward time of the workload's cost on a
