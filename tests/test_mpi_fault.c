@@ -1,0 +1,67 @@
+/* test_mpi_fault.c: a rank that dies or stops answering in the middle of a
+ * ring must not hang the others. Run under mpiexec by test_mpi_fault.sh:
+ *   kill   rank 1 is killed (SIGKILL) just before the forward;
+ *   stall  rank 1 sleeps instead of joining the forward; the others must
+ *          end with MTRAIN_ERR_TIMEOUT naming a peer within the timeout.
+ * A rank whose call fails prints the error and aborts the job, as a training
+ * job would. */
+#define _POSIX_C_SOURCE 200809L
+#include <mpi.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_layout.h"
+#include "mtrain/mtrain_mpi.h"
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  int rank, world;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const char *mode = argc > 1 ? argv[1] : "kill";
+  enum { N = 2000, HQ = 4, HKV = 2, D = 32, G = 32 };
+  mtrain_comm_t *comm = NULL;
+  mtrain_context_t *ctx = NULL;
+  mtrain_layout_t *layout = NULL;
+  mtrain_pattern_t *pattern = NULL;
+  mtrain_plan_t *plan = NULL;
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = G;
+  cfg.num_threads = 1;
+  mtrain_status_t st = mtrain_comm_create_mpi(MPI_COMM_WORLD, 3.0, &comm);
+  if (!st) st = mtrain_context_create(&cfg, comm, &ctx);
+  if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, N, G, world, NULL, &layout);
+  if (!st) st = mtrain_pattern_create_dense(N, HQ, G, &pattern);
+  if (!st) st = mtrain_plan_create_ring(ctx, layout, 0, pattern, &plan);
+  const int64_t T = st ? 0 : mtrain_layout_local_tokens(layout, rank);
+  float *q = calloc((size_t)(T * HQ * D) + 1, sizeof(float));
+  float *k = calloc((size_t)(T * HKV * D) + 1, sizeof(float));
+  float *o = calloc((size_t)(T * HQ * D) + 1, sizeof(float));
+  float *lse = calloc((size_t)(T * HQ) + 1, sizeof(float));
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 1) {
+    if (strcmp(mode, "kill") == 0) raise(SIGKILL);
+    struct timespec nap = {30, 0}; /* stall: never join the ring */
+    nanosleep(&nap, NULL);
+  }
+  if (!st) {
+    mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, T, HQ, D);
+    mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, T, HKV, D);
+    mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_F32, T, HQ, D);
+    mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, T, HQ);
+    st = mtrain_attention_forward(ctx, plan, &tq, &tk, &tk, &to, &tl);
+  }
+  if (st) {
+    fprintf(stderr, "rank %d: forward failed: %s: %s\n", rank, mtrain_status_name(st),
+            mtrain_last_error());
+    MPI_Abort(MPI_COMM_WORLD, 3);
+  }
+  printf("rank %d: forward returned success although rank 1 %s\n", rank,
+         strcmp(mode, "kill") == 0 ? "was killed" : "never joined");
+  MPI_Finalize();
+  return 0;
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# test_mpi_fault.sh: runs test_mpi_fault under mpiexec with 3 ranks in the
+# given mode (kill | stall) and checks that the job ends with an error well
+# within the time limit instead of hanging, and (stall) that the surviving
+# ranks report a timeout naming the silent peer.
+# usage: test_mpi_fault.sh MPIEXEC BINARY MODE
+set -u
+mpiexec=$1 bin=$2 mode=$3
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+log=$(mktemp)
+start=$(date +%s)
+timeout 120 "$mpiexec" -n 3 --oversubscribe --bind-to none "$bin" "$mode" > "$log" 2>&1
+rc=$?
+elapsed=$(( $(date +%s) - start ))
+echo "mode $mode: exit status $rc after ${elapsed}s"
+if [ "$rc" -eq 0 ]; then echo "FAIL: the job reported success"; cat "$log"; exit 1; fi
+if [ "$rc" -eq 124 ]; then echo "FAIL: the job hung (killed by timeout)"; cat "$log"; exit 1; fi
+if grep -q "returned success" "$log"; then echo "FAIL: a rank reported success"; cat "$log"; exit 1; fi
+if [ "$mode" = stall ]; then
+  grep -q "MTRAIN_ERR_TIMEOUT" "$log" || { echo "FAIL: no timeout error"; cat "$log"; exit 1; }
+  grep -q "with rank 1" "$log" || { echo "FAIL: the error does not name rank 1"; cat "$log"; exit 1; }
+  grep "MTRAIN_ERR_TIMEOUT" "$log" | head -n 2
+fi
+echo "PASS: mode $mode ended with an error, no hang"
