@@ -211,6 +211,8 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
     if ((st = check_finite(ctx, "k", k))) return st;
     if ((st = check_finite(ctx, "v", v))) return st;
   }
+  const double call_start = mtrain_now();
+  memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   const mtrain_backend_ops_t *be = ctx->backend;
   const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
   void *o_acc = NULL, *lse_acc = NULL;
@@ -242,7 +244,11 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
                                   .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
                                   .o_acc = (void *)row_ptr(o_acc, off, dm.hq, dm.d, acc),
                                   .lse_acc = (void *)row_ptr(lse_acc, off, dm.hq, 1, acc)};
+      const double t0 = mtrain_now();
       MTRAIN_TRY(be->attn_fwd_step(ctx->backend_state, &a));
+      ctx->last_stats.compute_seconds += mtrain_now() - t0;
+      ctx->last_stats.ring_seconds += mtrain_now() - t0;
+      ctx->last_stats.steps++;
     }
   }
   MTRAIN_TRY(be->convert(ctx->backend_state, o_acc, be->acc_dtype, o->data, o->dtype,
@@ -250,6 +256,7 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   MTRAIN_TRY(be->convert(ctx->backend_state, lse_acc, be->acc_dtype, lse->data, lse->dtype,
                          dm.tokens * dm.hq));
   MTRAIN_TRY(be->synchronize(ctx->backend_state));
+  ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
   backend_free(ctx, o_acc);
   backend_free(ctx, lse_acc);
@@ -289,6 +296,8 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   void *bs = ctx->backend_state;
   const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
   const int64_t nq = dm.tokens * dm.hq * dm.d, nk = dm.tokens * dm.hkv * dm.d;
+  const double call_start = mtrain_now();
+  memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   void *lse_acc = NULL, *delta_acc = NULL, *dq_acc = NULL, *dk_acc = NULL, *dv_acc = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &delta_acc));
@@ -338,13 +347,18 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
                                   .dq_acc = (void *)row_ptr(dq_acc, off, dm.hq, dm.d, acc),
                                   .dk_acc = (void *)row_ptr(dk_acc, off, dm.hkv, dm.d, acc),
                                   .dv_acc = (void *)row_ptr(dv_acc, off, dm.hkv, dm.d, acc)};
+      const double t0 = mtrain_now();
       MTRAIN_TRY(be->attn_bwd_step(bs, &a));
+      ctx->last_stats.compute_seconds += mtrain_now() - t0;
+      ctx->last_stats.ring_seconds += mtrain_now() - t0;
+      ctx->last_stats.steps++;
     }
   }
   MTRAIN_TRY(be->convert(bs, dq_acc, be->acc_dtype, dq->data, dq->dtype, nq));
   MTRAIN_TRY(be->convert(bs, dk_acc, be->acc_dtype, dk->data, dk->dtype, nk));
   MTRAIN_TRY(be->convert(bs, dv_acc, be->acc_dtype, dv->data, dv->dtype, nk));
   MTRAIN_TRY(be->synchronize(bs));
+  ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
   backend_free(ctx, lse_acc);
   backend_free(ctx, delta_acc);

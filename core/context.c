@@ -2,6 +2,7 @@
  * backend lookup and initialisation, the communicator binding. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "context_internal.h"
 #include "error.h"
@@ -71,4 +72,17 @@ int mtrain_context_rank(const mtrain_context_t *ctx) {
 
 int mtrain_context_world(const mtrain_context_t *ctx) {
   return ctx && ctx->comm ? mtrain_comm_size(ctx->comm) : 1;
+}
+
+mtrain_status_t mtrain_context_last_stats(const mtrain_context_t *ctx, mtrain_call_stats_t *out) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(out);
+  *out = ctx->last_stats;
+  return MTRAIN_SUCCESS;
+}
+
+double mtrain_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }

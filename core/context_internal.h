@@ -12,13 +12,20 @@ struct mtrain_context {
   char backend_name[64];
   const mtrain_backend_ops_t *backend;
   void *backend_state;
-  mtrain_comm_t *comm;     /* borrowed, or own_comm */
-  mtrain_comm_t *own_comm; /* the self communicator when the caller gave none */
+  mtrain_comm_t *comm;            /* borrowed, or own_comm */
+  mtrain_comm_t *own_comm;        /* the self communicator when the caller gave none */
+  mtrain_call_stats_t last_stats; /* timing of the last attention call */
 };
 
 /** Applies MTRAIN_* environment overrides to a config (the environment is
  *  read once per process). Fails naming the variable on a malformed value. */
 mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config);
+/** Seconds on a monotonic clock. */
+double mtrain_now(void);
+
+/** Seconds on a monotonic clock. */
+double mtrain_now(void);
+
 /** Validates a config (api_version, granularity, threads). */
 mtrain_status_t mtrain_config_validate(const mtrain_config_t *config);
 

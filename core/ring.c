@@ -117,6 +117,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                        TAG_PARTIAL + o, &partial_recv[o]));
     }
   }
+  const double ring_start = mtrain_now();
   /* the chunk held at the start of outer step 0 is this rank's own */
   MTRAIN_TRY(be->copy(bs, b.chunk[0], a->k, kv_bytes));
   MTRAIN_TRY(be->copy(bs, (char *)b.chunk[0] + kv_bytes, a->v, kv_bytes));
@@ -143,9 +144,13 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
           MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.inner_partial, 2 * acc_bytes,
                                            g.inner_prev, TAG_INNER_PARTIAL, &incoming));
       }
+      const double t0 = mtrain_now();
       MTRAIN_TRY(a->step(ctx, plan, t, chunk, chunk + kv_bytes,
                          backward ? chunk + 2 * kv_bytes : NULL,
                          backward ? chunk + 2 * kv_bytes + acc_bytes : NULL, a->user));
+      const double t1 = mtrain_now();
+      ctx->last_stats.compute_seconds += t1 - t0;
+      ctx->last_stats.steps++;
       if (backward) {
         if (incoming) {
           MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, incoming));
@@ -163,7 +168,9 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                            g.inner_next, TAG_INNER_PARTIAL, &pending_partial));
       }
       if (i + 1 < g.L) {
+        const double w0 = mtrain_now();
         MTRAIN_TRY(finish(ctx, &inner));
+        ctx->last_stats.wait_seconds += mtrain_now() - w0;
         const int next = spare;
         spare = cur == held ? 3 : cur;
         cur = next;
@@ -182,7 +189,9 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                        TAG_PARTIAL + o, &partial_send[o]));
     }
     if (o + 1 < g.n) {
+      const double w0 = mtrain_now();
       MTRAIN_TRY(finish(ctx, &outer));
+      ctx->last_stats.wait_seconds += mtrain_now() - w0;
       held = 1 - held;
     }
   }
@@ -199,6 +208,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
       partial_send[o] = NULL;
     }
   }
+  ctx->last_stats.ring_seconds = mtrain_now() - ring_start;
 cleanup:
   free(partial_recv); /* requests still posted after an error are abandoned with the job */
   free(partial_send);

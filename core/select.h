@@ -14,8 +14,8 @@
  *  and returns their count. `order` is scratch of n int64. */
 int64_t mtrain_select_top_k(const double *scores, const uint8_t *forced, int64_t n, int64_t k,
                             int64_t *order, int64_t *out);
-int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t cap,
-                            int64_t *order, int64_t *out);
+int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t cap, int64_t *order,
+                            int64_t *out);
 
 /** Converts sorted token diagonals to sorted unique block diagonals: t =
  *  a*G + b gives a, and a+1 when b > 0; those >= num_blocks are dropped;

@@ -126,12 +126,14 @@ int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_inputs_t
         prog, "forward",
         mtrain_attention_forward(ctx, plan, &in->q, &in->k, &in->v, &out->o, &out->lse));
     tf[i] = tool_now() - t0;
+    if (!rc) mtrain_context_last_stats(ctx, &r->fwd_stats);
     if (rc || o->forward_only) continue;
     t0 = tool_now();
     rc = tool_failed(prog, "backward",
                      mtrain_attention_backward(ctx, plan, &in->q, &in->k, &in->v, &out->o,
                                                &out->lse, &in->dout, &out->dq, &out->dk, &out->dv));
     tb[i] = tool_now() - t0;
+    if (!rc) mtrain_context_last_stats(ctx, &r->bwd_stats);
   }
   if (!rc) {
     r->t_fwd = median(tf, o->repeat);

@@ -13,7 +13,8 @@ typedef struct run_result {
   long long pairs, dense_pairs;
   size_t plan_bytes;
   int checked, check_ok;
-  double err[5], ref_max[5], bound[5]; /* O, LSE, dQ, dK, dV */
+  double err[5], ref_max[5], bound[5];      /* O, LSE, dQ, dK, dV */
+  mtrain_call_stats_t fwd_stats, bwd_stats; /* of the last timed run */
 } run_result_t;
 
 /** The per-head budgets the options ask for (malloc'ed, heads entries);

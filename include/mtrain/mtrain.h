@@ -164,6 +164,22 @@ const char *mtrain_context_backend_name(const mtrain_context_t *ctx);
 int mtrain_context_rank(const mtrain_context_t *ctx);
 int mtrain_context_world(const mtrain_context_t *ctx);
 
+/** Timing of the last attention call on a context (host clock; the CPU
+ *  backends compute synchronously). ring_seconds is the time from the first
+ *  ring step to the last; compute_seconds the sum of the steps' compute;
+ *  ring_seconds / compute_seconds near 1 means the transfers were hidden
+ *  behind the compute. */
+typedef struct mtrain_call_stats {
+  double seconds;         /**< the whole call */
+  double ring_seconds;    /**< the step loop, transfers included */
+  double compute_seconds; /**< the steps' compute, summed */
+  double wait_seconds;    /**< waiting for transfers after a step's compute */
+  int32_t steps;
+} mtrain_call_stats_t;
+
+/** The statistics of the last mtrain_attention_forward/backward on ctx. */
+mtrain_status_t mtrain_context_last_stats(const mtrain_context_t *ctx, mtrain_call_stats_t *out);
+
 /** Names of the compiled-in backends ("cpu-ref", "cpu", ...). Writes at most
  *  `cap` pointers to static strings into names; returns the total count. */
 int mtrain_backend_list(const char **names, int cap);
