@@ -10,6 +10,7 @@
 
 #include "context_internal.h"
 #include "error.h"
+#include "pattern_internal.h"
 #include "plan_internal.h"
 #include "ring.h"
 
@@ -110,20 +111,50 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
   return MTRAIN_SUCCESS;
 }
 
-static mtrain_status_t check_finite(mtrain_context_t *ctx, const char *name,
-                                    const mtrain_tensor_t *t) {
+/* NaN/Inf scan of the rows [row0, row0 + rows) of a token-major tensor. */
+static mtrain_status_t scan_rows(mtrain_context_t *ctx, const char *name, const mtrain_tensor_t *t,
+                                 int64_t row0, int64_t rows) {
+  const int64_t width = mtrain_tensor_numel(t) / (t->shape[0] > 0 ? t->shape[0] : 1);
+  const size_t esz = mtrain_dtype_size(t->dtype);
   int64_t bad = -1;
-  int64_t n = mtrain_tensor_numel(t);
-  mtrain_status_t st = ctx->backend->find_nonfinite(ctx->backend_state, t->data, t->dtype, n, &bad);
+  mtrain_status_t st = ctx->backend->find_nonfinite(
+      ctx->backend_state, (const char *)t->data + (size_t)(row0 * width) * esz, t->dtype,
+      rows * width, &bad);
   if (st) return st;
   if (bad >= 0) {
-    int64_t row = t->ndim == 3 ? bad / (t->shape[1] * t->shape[2]) : bad / t->shape[1];
-    int64_t head = t->ndim == 3 ? (bad / t->shape[2]) % t->shape[1] : bad % t->shape[1];
+    bad += row0 * width;
+    const int64_t row = bad / width, head = (bad % width) / (t->ndim == 3 ? t->shape[2] : 1);
     return mtrain_error(MTRAIN_ERR_NONFINITE,
                         "tensor '%s' holds NaN or Inf at element %lld (token %lld, head %lld)",
                         name, (long long)bad, (long long)row, (long long)head);
   }
   return MTRAIN_SUCCESS;
+}
+
+/* NaN/Inf scan of the rows that hold sequence tokens (padding slots of a
+ * ring plan are skipped: their LSE is -inf by definition, no key). */
+static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    const char *name, const mtrain_tensor_t *t) {
+  const int32_t G = plan->granularity;
+  int64_t begin = 0, end = 0; /* the current run of token rows, merged across blocks */
+  for (int32_t s = 0; s < plan->num_seqs; s++) {
+    const mtrain_plan_seq_t *ps = &plan->seqs[s];
+    for (int32_t lb = 0; lb < ps->q.num_blocks; lb++) {
+      const int32_t rows =
+          mtrain_block_rows(ps->q.tokens, G, lb, ps->q.global[lb], ps->pattern->seq_len);
+      const int64_t first = ps->local_offset + (int64_t)lb * G;
+      if (rows == 0) continue;
+      if (first != end && end > begin) {
+        mtrain_status_t st = scan_rows(ctx, name, t, begin, end - begin);
+        if (st) return st;
+        begin = first;
+      } else if (end == begin) {
+        begin = first;
+      }
+      end = first + rows;
+    }
+  }
+  return end > begin ? scan_rows(ctx, name, t, begin, end - begin) : MTRAIN_SUCCESS;
 }
 
 static mtrain_status_t backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
@@ -207,9 +238,9 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   if ((st = check_shape("lse", lse, dm.tokens, dm.hq, -1))) return st;
   if ((st = check_lse_dtype(lse))) return st;
   if (ctx->config.check_inputs) {
-    if ((st = check_finite(ctx, "q", q))) return st;
-    if ((st = check_finite(ctx, "k", k))) return st;
-    if ((st = check_finite(ctx, "v", v))) return st;
+    if ((st = check_finite(ctx, plan, "q", q))) return st;
+    if ((st = check_finite(ctx, plan, "k", k))) return st;
+    if ((st = check_finite(ctx, plan, "v", v))) return st;
   }
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
@@ -285,12 +316,12 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   if ((st = check_shape("dv", dv, dm.tokens, dm.hkv, dm.d))) return st;
   if ((st = check_dtype("dv", dv, dm.dtype))) return st;
   if (ctx->config.check_inputs) {
-    if ((st = check_finite(ctx, "q", q))) return st;
-    if ((st = check_finite(ctx, "k", k))) return st;
-    if ((st = check_finite(ctx, "v", v))) return st;
-    if ((st = check_finite(ctx, "o", o))) return st;
-    if ((st = check_finite(ctx, "lse", lse))) return st;
-    if ((st = check_finite(ctx, "dout", dout))) return st;
+    if ((st = check_finite(ctx, plan, "q", q))) return st;
+    if ((st = check_finite(ctx, plan, "k", k))) return st;
+    if ((st = check_finite(ctx, plan, "v", v))) return st;
+    if ((st = check_finite(ctx, plan, "o", o))) return st;
+    if ((st = check_finite(ctx, plan, "lse", lse))) return st;
+    if ((st = check_finite(ctx, plan, "dout", dout))) return st;
   }
   const mtrain_backend_ops_t *be = ctx->backend;
   void *bs = ctx->backend_state;

@@ -165,7 +165,9 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   if (!st) st = run(oracle, po, &g64, c->N, c);
   /* the distributed run */
   mtrain_layout_t *layout = NULL;
-  if (!st) st = mtrain_context_create(&cfg, comm, &dist);
+  mtrain_config_t dcfg = cfg;
+  dcfg.check_inputs = 1; /* padding slots must not trip the NaN/Inf checks */
+  if (!st) st = mtrain_context_create(&dcfg, comm, &dist);
   if (!st) st = mtrain_layout_create(c->layout, c->N, c->G, world_, NULL, &layout);
   if (!st) st = mtrain_plan_create_ring(dist, layout, c->ranks_per_node, p, &pd);
   int64_t T = 0, *index = NULL;

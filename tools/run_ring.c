@@ -22,31 +22,31 @@
 
 static const char *prog = "mtrain-run";
 
-/* The rank's rows of a full [N, heads, dim] tensor, padding slots zero. */
-static int slice(const mtrain_tensor_t *full, const int64_t *index, int64_t T, int64_t N,
-                 mtrain_tensor_t *local) {
+/* The rank's slots of a whole [N, heads, dim] tensor (padding slots zero),
+ * by the library's permutation. */
+static int slice(mtrain_context_t *ctx, const mtrain_layout_t *layout, int rank,
+                 const mtrain_tensor_t *full, mtrain_tensor_t *local) {
+  const int64_t T = mtrain_layout_local_tokens(layout, rank);
   const size_t row = (size_t)(full->shape[1] * full->shape[2]) * mtrain_dtype_size(full->dtype);
-  *local = mtrain_tensor_3d(calloc((size_t)T, row), full->dtype, T, full->shape[1], full->shape[2]);
+  *local =
+      mtrain_tensor_3d(malloc((size_t)T * row + 1), full->dtype, T, full->shape[1], full->shape[2]);
   if (!local->data) {
     fprintf(stderr, "%s: out of memory for %lld local tokens\n", prog, (long long)T);
     return 1;
   }
-  for (int64_t i = 0; i < T; i++)
-    if (index[i] < N)
-      memcpy((char *)local->data + (size_t)i * row,
-             (const char *)full->data + (size_t)index[i] * row, row);
-  return 0;
+  return tool_failed(prog, "permuting the inputs",
+                     mtrain_layout_permute(ctx, layout, rank, full, local));
 }
 
-static int slice_inputs(const run_inputs_t *in, const int64_t *index, int64_t T,
-                        run_inputs_t *local) {
+static int slice_inputs(mtrain_context_t *ctx, const mtrain_layout_t *layout, int rank,
+                        const run_inputs_t *in, run_inputs_t *local) {
   *local = *in;
-  local->tokens = T;
+  local->tokens = mtrain_layout_local_tokens(layout, rank);
   local->q.data = local->k.data = local->v.data = local->dout.data = NULL;
-  return slice(&in->q, index, T, in->tokens, &local->q) ||
-         slice(&in->k, index, T, in->tokens, &local->k) ||
-         slice(&in->v, index, T, in->tokens, &local->v) ||
-         slice(&in->dout, index, T, in->tokens, &local->dout);
+  return slice(ctx, layout, rank, &in->q, &local->q) ||
+         slice(ctx, layout, rank, &in->k, &local->k) ||
+         slice(ctx, layout, rank, &in->v, &local->v) ||
+         slice(ctx, layout, rank, &in->dout, &local->dout);
 }
 
 static double load(const mtrain_tensor_t *t, int64_t i) {
@@ -377,8 +377,8 @@ int run_ring(const run_options_t *o, int rank, int world) {
     rr.index = malloc(sizeof(int64_t) * (size_t)rr.T);
     rc = tool_failed(prog, "layout", mtrain_layout_rank_token_index(rr.layout, rank, rr.index));
   }
-  if (!rc) rc = slice_inputs(&rr.full, rr.index, rr.T, &rr.local);
   if (!rc) rc = make_context(&rr, o->backend, &rr.ctx);
+  if (!rc) rc = slice_inputs(rr.ctx, rr.layout, rank, &rr.full, &rr.local);
   if (!rc) rc = make_pattern(&rr);
   if (!rc) {
     const double t0 = tool_now();
@@ -392,12 +392,13 @@ int run_ring(const run_options_t *o, int rank, int world) {
     MPI_Barrier(MPI_COMM_WORLD);
     rc = run_attention(rr.ctx, rr.plan, &rr.local, &rr.out, o, &rr.r);
   }
-  /* every rank must agree before the collective steps that follow */
-  int any = rc, failed = 0;
-  MPI_Allreduce(&any, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (!failed && o->check) rc = check(&rr);
-  if (!failed && !rc && o->out_dir) rc = write_outputs(&rr);
-  if (!failed && !rc) report(&rr);
+  /* a rank that failed ends the job: the others may be waiting for it inside
+   * a collective call, and a training job must not go on without it */
+  if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
+  if (o->check) rc = check(&rr);
+  if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
+  if (o->out_dir) rc = write_outputs(&rr);
+  if (!rc) report(&rr);
   run_outputs_free(&rr.out);
   run_inputs_free(&rr.local);
   run_inputs_free(&rr.full);
@@ -407,6 +408,6 @@ int run_ring(const run_options_t *o, int rank, int world) {
   mtrain_layout_destroy(rr.layout);
   mtrain_comm_destroy(rr.comm);
   free(rr.index);
-  if (failed || rc) return 1;
+  if (rc) return 1;
   return rr.r.checked && !rr.r.check_ok ? 3 : 0;
 }

@@ -26,6 +26,9 @@ mtrain_status_t mtrain_cpu_copy(void *state, void *dst, const void *src, size_t 
 mtrain_status_t mtrain_cpu_copy_from(void *state, void *dst, const void *src, size_t bytes);
 mtrain_status_t mtrain_cpu_add(void *state, void *dst, const void *src, mtrain_dtype_t dtype,
                                int64_t count);
+mtrain_status_t mtrain_cpu_permute(void *state, void *dst, const void *src, size_t row_bytes,
+                                   const int64_t *index, int64_t count, int64_t other_rows,
+                                   int scatter);
 mtrain_status_t mtrain_cpu_convert(void *state, const void *src, mtrain_dtype_t src_dtype,
                                    void *dst, mtrain_dtype_t dst_dtype, int64_t count);
 mtrain_status_t mtrain_cpu_find_nonfinite(void *state, const void *ptr, mtrain_dtype_t dtype,

@@ -70,6 +70,27 @@ mtrain_status_t mtrain_cpu_add(void *state, void *dst, const void *src, mtrain_d
   return MTRAIN_SUCCESS;
 }
 
+mtrain_status_t mtrain_cpu_permute(void *state, void *dst, const void *src, size_t row_bytes,
+                                   const int64_t *index, int64_t count, int64_t other_rows,
+                                   int scatter) {
+  cpu_state_t *s = state;
+#pragma omp parallel for num_threads(s->num_threads) schedule(static)
+  for (int64_t i = 0; i < count; i++) {
+    const int64_t j = index[i];
+    if (scatter) {
+      if (j >= 0 && j < other_rows)
+        memcpy((char *)dst + (size_t)j * row_bytes, (const char *)src + (size_t)i * row_bytes,
+               row_bytes);
+    } else if (j >= 0 && j < other_rows) {
+      memcpy((char *)dst + (size_t)i * row_bytes, (const char *)src + (size_t)j * row_bytes,
+             row_bytes);
+    } else {
+      memset((char *)dst + (size_t)i * row_bytes, 0, row_bytes);
+    }
+  }
+  return MTRAIN_SUCCESS;
+}
+
 mtrain_status_t mtrain_cpu_convert(void *state, const void *src, mtrain_dtype_t src_dtype,
                                    void *dst, mtrain_dtype_t dst_dtype, int64_t count) {
   cpu_state_t *s = state;

@@ -167,6 +167,13 @@ typedef struct mtrain_backend_ops {
   /** dst += src element-wise, `count` elements of `dtype` (fp32 or fp64). */
   mtrain_status_t (*add)(void *state, void *dst, const void *src, mtrain_dtype_t dtype,
                          int64_t count);
+  /** Row permutation within the backend's memory. gather (scatter == 0):
+   *  dst row i = src row index[i] for i < count, a zero row where index[i]
+   *  >= src_rows (padding). scatter (scatter == 1): dst row index[i] = src
+   *  row i where index[i] < dst_rows; other rows are left alone. `index`
+   *  is host memory. */
+  mtrain_status_t (*permute)(void *state, void *dst, const void *src, size_t row_bytes,
+                             const int64_t *index, int64_t count, int64_t other_rows, int scatter);
   /** Element-wise dtype conversion within the backend's memory. */
   mtrain_status_t (*convert)(void *state, const void *src, mtrain_dtype_t src_dtype, void *dst,
                              mtrain_dtype_t dst_dtype, int64_t count);

@@ -163,6 +163,20 @@ mtrain_status_t mtrain_layout_local_to_global(const mtrain_layout_t *layout, int
 mtrain_status_t mtrain_layout_rank_token_index(const mtrain_layout_t *layout, int32_t rank,
                                                int64_t *global);
 
+/** The permutation (SPEC.md section 3) as a backend operation on the
+ *  context's backend memory: gathers `rank`'s token slots of a whole-sequence
+ *  tensor `full` [seq_len, ...] into `local` [local tokens, ...] (padding
+ *  slots zero). Any dtype; both tensors of one dtype and the same trailing
+ *  shape. Local (not collective). */
+mtrain_status_t mtrain_layout_permute(mtrain_context_t *ctx, const mtrain_layout_t *layout,
+                                      int32_t rank, const mtrain_tensor_t *full,
+                                      mtrain_tensor_t *local);
+/** The inverse: writes `rank`'s local rows back to their global positions of
+ *  `full`; padding slots are dropped; rows of other ranks are left alone. */
+mtrain_status_t mtrain_layout_unpermute(mtrain_context_t *ctx, const mtrain_layout_t *layout,
+                                        int32_t rank, const mtrain_tensor_t *local,
+                                        mtrain_tensor_t *full);
+
 /* ------------------------------------------------------------------------ */
 /* Position model: patterns from budgets, no tensors needed                  */
 /* ------------------------------------------------------------------------ */
