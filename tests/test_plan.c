@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "core/plan_internal.h"
+#include "mtrain/mtrain_layout.h"
 #include "test_support.h"
 
 /* Adds every pair one (step, head) entry computes to count[i * N + j]. */
@@ -204,11 +205,70 @@ static void test_plan_packed_sequences(void **state) {
   for (int s = 0; s < 3; s++) mtrain_pattern_destroy(p[s]);
 }
 
+/* Ring plans through the public layouts and schedules: for every layout
+ * kind, W in {1, 2, 3, 4, 7, 8, 32} and the flat and (where W allows)
+ * hierarchical rings, the steps of every rank visit every chunk once and the
+ * union of all ranks' steps computes every allowed pair exactly once. */
+static void test_ring_plans_every_layout_and_schedule(void **state) {
+  (void)state;
+  const int32_t worlds[] = {1, 2, 3, 4, 7, 8, 32};
+  const mtrain_layout_kind_t kinds[] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
+                                        MTRAIN_LAYOUT_STRIPED, MTRAIN_LAYOUT_BALANCED};
+  const int32_t G = 4;
+  uint64_t seed = ts_seed(4242);
+  for (size_t wi = 0; wi < sizeof worlds / sizeof *worlds; wi++)
+    for (size_t ki = 0; ki < 4; ki++)
+      for (int hier = 0; hier < 2; hier++) {
+        const int32_t W = worlds[wi];
+        const int32_t rpn = hier ? (W % 2 == 0 && W > 2 ? 2 : 0) : 0;
+        if (hier && rpn == 0) continue;
+        const int64_t N = 301 + W;
+        mtrain_pattern_t *p = ts_make_pattern(TS_PATTERN_RANDOM_SPARSE, N, 2, G, seed + wi + ki);
+        mtrain_layout_t *layout = NULL;
+        assert_int_equal(mtrain_layout_create(kinds[ki], N, G, W, NULL, &layout), MTRAIN_SUCCESS);
+        uint8_t *count = calloc((size_t)(N * N), 1);
+        for (int32_t h = 0; h < 2; h++) {
+          memset(count, 0, (size_t)(N * N));
+          int64_t marked = 0;
+          for (int32_t r = 0; r < W; r++) {
+            mtrain_rank_blocks_t q = {mtrain_layout_rank_num_blocks(layout, r),
+                                      mtrain_layout_rank_blocks(layout, r),
+                                      mtrain_layout_local_tokens(layout, r)};
+            uint8_t *seen = calloc((size_t)W, 1);
+            for (int32_t t = 0; t < W; t++) {
+              int32_t src = -1;
+              assert_int_equal(mtrain_ring_source(W, rpn, r, t, &src), MTRAIN_SUCCESS);
+              assert_true(src >= 0 && src < W && !seen[src]); /* every chunk exactly once */
+              seen[src] = 1;
+              mtrain_rank_blocks_t k = {mtrain_layout_rank_num_blocks(layout, src),
+                                        mtrain_layout_rank_blocks(layout, src),
+                                        mtrain_layout_local_tokens(layout, src)};
+              mtrain_step_head_store_t s;
+              assert_int_equal(mtrain_plan_build_step_head(p, h, &q, &k, &s), MTRAIN_SUCCESS);
+              marked += mark_pairs(&s, &q, &k, G, N, count);
+              mtrain_step_head_store_free(&s);
+            }
+            free(seen);
+          }
+          char what[160];
+          snprintf(what, sizeof what, "W=%d %s %s N=%lld seed=%llu", W,
+                   mtrain_layout_kind_name(kinds[ki]), rpn ? "hierarchical" : "flat", (long long)N,
+                   (unsigned long long)seed);
+          check_counts(p, h, count, what);
+          assert_int_equal(marked, mtrain_pattern_count_pairs(p, h));
+        }
+        free(count);
+        mtrain_layout_destroy(layout);
+        mtrain_pattern_destroy(p);
+      }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_single_rank_plan_exact),
       cmocka_unit_test(test_multi_rank_builder_exact),
       cmocka_unit_test(test_plan_packed_sequences),
+      cmocka_unit_test(test_ring_plans_every_layout_and_schedule),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
