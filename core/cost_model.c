@@ -293,7 +293,8 @@ static int same_head(const mtrain_pattern_head_t *a, const mtrain_pattern_head_t
   if (a->mask_off || b->mask_off) return a == b;
   return a->num_diagonals == b->num_diagonals && a->num_verticals == b->num_verticals &&
          !memcmp(a->diagonals, b->diagonals, (size_t)a->num_diagonals * sizeof *a->diagonals) &&
-         !memcmp(a->verticals, b->verticals, (size_t)a->num_verticals * sizeof *a->verticals);
+         (a->num_verticals == 0 ||
+          !memcmp(a->verticals, b->verticals, (size_t)a->num_verticals * sizeof *a->verticals));
 }
 
 static int cmp_ref(const void *x, const void *y) {

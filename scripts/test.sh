@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # test.sh: the README's test command. Installs the dependencies, builds
 # everything (CUDA code too where nvcc is present) and runs the whole test
-# suite under ctest.
+# suite under ctest; then builds again with AddressSanitizer and
+# UndefinedBehaviorSanitizer (build-asan/) and runs the suite once more.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install_deps.sh"
 "$root/scripts/build.sh"
-cd "$root/build"
+(cd "$root/build" && ctest --output-on-failure --timeout 1800 -j 1)
+echo "== the same tests under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DMTRAIN_SANITIZE=address,undefined -DMTRAIN_WITH_CUDA=OFF > "$root/build-asan.log"
+cmake --build "$root/build-asan" -j "$(nproc)" >> "$root/build-asan.log" ||
+  { cat "$root/build-asan.log"; exit 1; }
+cd "$root/build-asan"
 ctest --output-on-failure --timeout 1800 -j 1
