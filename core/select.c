@@ -5,8 +5,9 @@
 
 #include "select.h"
 
-/* qsort has no context argument: the comparison reads these (selection runs
- * under a lock-free per-thread copy). */
+/* qsort has no context argument: the comparison reads these (thread-local,
+ * so selections on several threads do not interfere). Only the best k (top-k)
+ * or cap (top-p) candidates are sorted, after a quickselect. */
 static _Thread_local const double *sort_scores;
 static _Thread_local const uint8_t *sort_forced;
 
@@ -26,11 +27,46 @@ static int by_index(const void *pa, const void *pb) {
   return (a > b) - (a < b);
 }
 
-static void rank(const double *scores, const uint8_t *forced, int64_t n, int64_t *order) {
+static void swap(int64_t *a, int64_t *b) {
+  const int64_t t = *a;
+  *a = *b;
+  *b = t;
+}
+
+/* Moves the k best candidates (in the order of by_score_desc, a strict total
+ * order, so the set is unique) to order[0..k), in no particular order:
+ * quickselect with a median-of-three pivot. */
+static void select_best(int64_t *order, int64_t n, int64_t k) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi && k > lo && k <= hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (by_score_desc(&order[mid], &order[lo]) < 0) swap(&order[mid], &order[lo]);
+    if (by_score_desc(&order[hi], &order[lo]) < 0) swap(&order[hi], &order[lo]);
+    if (by_score_desc(&order[hi], &order[mid]) < 0) swap(&order[hi], &order[mid]);
+    const int64_t pivot = order[mid];
+    int64_t i = lo, j = hi;
+    while (i <= j) {
+      while (by_score_desc(&order[i], &pivot) < 0) i++;
+      while (by_score_desc(&pivot, &order[j]) < 0) j--;
+      if (i <= j) swap(&order[i++], &order[j--]);
+    }
+    if (k <= j) /* the boundary lies in the left part */
+      hi = j;
+    else if (k >= i)
+      lo = i;
+    else
+      break; /* order[j+1 .. i-1] equal the pivot: the boundary is settled */
+  }
+}
+
+/* order[0..m) = the m best candidates, best first (m = min(m, n)). */
+static void rank(const double *scores, const uint8_t *forced, int64_t n, int64_t m,
+                 int64_t *order) {
   for (int64_t i = 0; i < n; i++) order[i] = i;
   sort_scores = scores;
   sort_forced = forced;
-  qsort(order, (size_t)n, sizeof *order, by_score_desc);
+  if (m < n) select_best(order, n, m);
+  qsort(order, (size_t)(m < n ? m : n), sizeof *order, by_score_desc);
   sort_scores = NULL;
   sort_forced = NULL;
 }
@@ -45,14 +81,14 @@ int64_t mtrain_select_top_k(const double *scores, const uint8_t *forced, int64_t
                             int64_t *order, int64_t *out) {
   if (k > n) k = n; /* budgets larger than the candidates are clamped */
   if (k <= 0 || n <= 0) return 0;
-  rank(scores, forced, n, order);
+  rank(scores, forced, n, k, order);
   return keep_first(order, k, out);
 }
 
 int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t cap, int64_t *order,
                             int64_t *out) {
   if (n <= 0 || cap <= 0) return 0;
-  rank(scores, NULL, n, order);
+  rank(scores, NULL, n, cap < n ? cap : n, order);
   double sum = 0.0;
   int64_t count = 0;
   while (count < n && count < cap) {

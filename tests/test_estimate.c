@@ -182,6 +182,43 @@ static void brute_select(const mtrain_head_budget_t *b, const double *vs, const 
   }
 }
 
+/* The selection (quickselect + sort of the best) against the naive one, on
+ * scores with many ties, forced candidates and NaN. */
+static void test_selection_matches_naive(void **state) {
+  (void)state;
+  ts_rng_t rng;
+  ts_rng_seed(&rng, ts_seed(77));
+  for (int it = 0; it < 300; it++) {
+    const int64_t n = 1 + ts_rng_below(&rng, 300);
+    double *sc = malloc(sizeof(double) * (size_t)n);
+    uint8_t *forced = calloc((size_t)n, 1);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)n), *a = malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *b = malloc(sizeof(int64_t) * (size_t)n);
+    const int levels = 1 + (int)ts_rng_below(&rng, 6);
+    for (int64_t i = 0; i < n; i++) {
+      sc[i] = (double)ts_rng_below(&rng, levels) / levels;
+      if (ts_rng_below(&rng, 50) == 0) sc[i] = NAN;
+      forced[i] = ts_rng_below(&rng, 20) == 0;
+    }
+    const int64_t k = ts_rng_below(&rng, n + 5);
+    const int64_t na = mtrain_select_top_k(sc, forced, n, k, order, a);
+    const int64_t nb = naive_top_k(sc, forced, n, k, b);
+    if (na != nb || memcmp(a, b, sizeof(int64_t) * (size_t)na) != 0)
+      fail_msg("top-k differs from the naive selection: n=%lld k=%lld iteration %d", (long long)n,
+               (long long)k, it);
+    for (int64_t i = 0; i < n; i++)
+      if (isnan(sc[i])) sc[i] = 0.0; /* top-p scores are probabilities */
+    const double p = ts_rng_uniform(&rng) * 1.5;
+    const int64_t cap = ts_rng_below(&rng, n + 3);
+    const int64_t pa = mtrain_select_top_p(sc, n, p, cap, order, a);
+    const int64_t pb = naive_top_p(sc, n, p, cap, b);
+    if (pa != pb || memcmp(a, b, sizeof(int64_t) * (size_t)pa) != 0)
+      fail_msg("top-p differs from the naive selection: n=%lld p=%g cap=%lld iteration %d",
+               (long long)n, p, (long long)cap, it);
+    free(sc), free(forced), free(order), free(a), free(b);
+  }
+}
+
 typedef struct est_case {
   int64_t N;
   int32_t Hq, Hkv, d, G, L;
@@ -308,8 +345,8 @@ static void test_estimate_against_brute_force(void **state) {
       assert_int_equal(mtrain_pattern_get_head(ref, h, &rd, &rnd, &rv, &rnv), MTRAIN_SUCCESS);
       assert_int_equal(mtrain_pattern_get_head(fast, h, &fd, &fnd, &fv, &fnv), MTRAIN_SUCCESS);
       /* cpu-ref: bitwise the brute force's sets */
-      if (rnv != nv || (nv > 0 && memcmp(rv, verts, sizeof(int64_t) * (size_t)nv) != 0) || rnd != nd ||
-          memcmp(rd, blocks, sizeof(int32_t) * (size_t)nd) != 0)
+      if (rnv != nv || (nv > 0 && memcmp(rv, verts, sizeof(int64_t) * (size_t)nv) != 0) ||
+          rnd != nd || memcmp(rd, blocks, sizeof(int32_t) * (size_t)nd) != 0)
         fail_msg("cpu-ref differs from the brute force: case %zu seed %llu head %d (verticals "
                  "%d vs %lld, diagonals %d vs %d)",
                  ci, (unsigned long long)seed, h, rnv, (long long)nv, rnd, nd);
@@ -431,6 +468,7 @@ int main(void) {
       cmocka_unit_test(test_top_k_ties_and_forced),
       cmocka_unit_test(test_top_p_rule),
       cmocka_unit_test(test_token_to_block_diagonals),
+      cmocka_unit_test(test_selection_matches_naive),
       cmocka_unit_test(test_estimate_against_brute_force),
       cmocka_unit_test(test_estimate_bad_inputs),
       cmocka_unit_test(test_estimated_recall_beats_random),
