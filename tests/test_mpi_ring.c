@@ -325,13 +325,33 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: %s\n", rank_, mtrain_last_error());
     MPI_Abort(MPI_COMM_WORLD, 2);
   }
+  int passed = 0, failed = 0;
+  /* split: two sub-communicators (even and odd ranks) with their own ranks and sums */
+  {
+    mtrain_comm_t *sub = NULL;
+    int ok = mtrain_comm_split(comm, rank_ % 2, rank_, &sub) == MTRAIN_SUCCESS;
+    const int want_size = (world_ + 1 - rank_ % 2) / 2;
+    ok = ok && mtrain_comm_size(sub) == want_size && mtrain_comm_rank(sub) == rank_ / 2;
+    double x = rank_;
+    ok = ok &&
+         sub->ops->allreduce(sub->state, &x, 1, MTRAIN_F64, MTRAIN_REDUCE_SUM) == MTRAIN_SUCCESS;
+    double want = 0;
+    for (int r = rank_ % 2; r < world_; r += 2) want += r;
+    ok = ok && x == want;
+    mtrain_comm_destroy(sub);
+    int all = 0;
+    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (rank_ == 0)
+      printf("%s: W=%d communicator split into even and odd ranks\n", all ? "passed" : "FAILED",
+             world_);
+    all ? passed++ : failed++;
+  }
   /* schedules: flat, plus every ranks-per-node given on the command line */
   int32_t schedules[8] = {0};
   int nsched = 1;
   for (int a = 1; a < argc && nsched < 8; a++) schedules[nsched++] = atoi(argv[a]);
   const mtrain_layout_kind_t layouts[4] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
                                            MTRAIN_LAYOUT_STRIPED, MTRAIN_LAYOUT_BALANCED};
-  int passed = 0, failed = 0;
   uint64_t seed = 1;
   for (int sc = 0; sc < nsched; sc++)
     for (int l = 0; l < 4; l++)
