@@ -13,7 +13,8 @@ typedef struct env_snapshot {
   const char *granularity;
   const char *num_threads;
   const char *check_inputs;
-  char granularity_buf[32], num_threads_buf[32], check_inputs_buf[32];
+  const char *deterministic;
+  char granularity_buf[32], num_threads_buf[32], check_inputs_buf[32], deterministic_buf[32];
   int has_backend;
 } env_snapshot_t;
 
@@ -34,6 +35,8 @@ static void read_env_once(void) {
   env.num_threads = copy_env("MTRAIN_NUM_THREADS", env.num_threads_buf, sizeof env.num_threads_buf);
   env.check_inputs =
       copy_env("MTRAIN_CHECK_INPUTS", env.check_inputs_buf, sizeof env.check_inputs_buf);
+  env.deterministic =
+      copy_env("MTRAIN_DETERMINISTIC", env.deterministic_buf, sizeof env.deterministic_buf);
 }
 
 static mtrain_status_t parse_int_env(const char *name, const char *text, int32_t lo, int32_t hi,
@@ -59,6 +62,8 @@ mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config) {
     st = parse_int_env("MTRAIN_NUM_THREADS", env.num_threads, 0, 1 << 16, &config->num_threads);
   if (st == MTRAIN_SUCCESS && env.check_inputs)
     st = parse_int_env("MTRAIN_CHECK_INPUTS", env.check_inputs, 0, 1, &config->check_inputs);
+  if (st == MTRAIN_SUCCESS && env.deterministic)
+    st = parse_int_env("MTRAIN_DETERMINISTIC", env.deterministic, 0, 1, &config->deterministic);
   return st;
 }
 
@@ -79,6 +84,9 @@ mtrain_status_t mtrain_config_validate(const mtrain_config_t *c) {
   if (c->check_inputs != 0 && c->check_inputs != 1)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.check_inputs %d is not 0 or 1",
                         c->check_inputs);
+  if (c->deterministic != 0 && c->deterministic != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.deterministic %d is not 0 or 1",
+                        c->deterministic);
   if (!(c->softmax_scale >= 0.0) || c->softmax_scale > 1e30)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "config.softmax_scale %g must be finite and >= 0 (0 = 1/sqrt(d))",

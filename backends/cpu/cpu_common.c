@@ -13,6 +13,7 @@ mtrain_status_t mtrain_cpu_init(const mtrain_config_t *config, void **state) {
   cpu_state_t *s = calloc(1, sizeof *s);
   if (!s) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu backend: out of memory");
   s->num_threads = config->num_threads > 0 ? config->num_threads : omp_get_max_threads();
+  s->deterministic = config->deterministic;
   *state = s;
   return MTRAIN_SUCCESS;
 }

@@ -102,12 +102,33 @@ static bwd_thread_t *threads_alloc(int n, int32_t G, int64_t k_tokens, int32_t d
   return th;
 }
 
+/* One query block of head h against the chunk. */
+static void bwd_block(const mtrain_bwd_step_args_t *a, const cpu_step_inputs_t *in,
+                      bwd_thread_t *mine, int32_t h, int32_t hk, int32_t qb) {
+  const mtrain_step_view_t *v = a->view;
+  const int32_t G = v->granularity, d = a->head_dim, Hq = v->num_heads;
+  const int64_t gq = v->q_block_global[qb], row0 = (int64_t)qb * G;
+  bwd_item_t it = {in,
+                   mine,
+                   h,
+                   hk,
+                   mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len),
+                   d,
+                   (float)a->scale,
+                   in->q + row0 * in->ldq + (int64_t)h * d,
+                   in->dout + row0 * in->ldq + (int64_t)h * d,
+                   (float *)a->dq_acc + row0 * in->ldq + (int64_t)h * d,
+                   (const float *)a->lse_acc + row0 * Hq + h,
+                   (const float *)a->delta_acc + row0 * Hq + h};
+  if (it.nr > 0) mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, bwd_tile, &it);
+}
+
 /* Runs the query blocks of head h against the chunk, accumulating into the
  * threads' buffers and dq_acc, then scatters the head's bar gradients. */
 static void bwd_head(const mtrain_bwd_step_args_t *a, const cpu_step_inputs_t *in, bwd_thread_t *th,
-                     int nthreads, int32_t h, int32_t hk) {
+                     int nthreads, int deterministic, int32_t h, int32_t hk) {
   const mtrain_step_view_t *v = a->view;
-  const int32_t G = v->granularity, d = a->head_dim, Hq = v->num_heads;
+  const int32_t d = a->head_dim;
   const int32_t nbars = v->heads[h].num_bars;
   for (int t = 0; t < nthreads; t++) { /* also those OpenMP may not start */
     memset(th[t].dkb, 0, sizeof(float) * (size_t)nbars * d);
@@ -116,22 +137,12 @@ static void bwd_head(const mtrain_bwd_step_args_t *a, const cpu_step_inputs_t *i
 #pragma omp parallel num_threads(nthreads)
   {
     bwd_thread_t *mine = &th[omp_get_thread_num()];
+    if (deterministic) { /* a fixed assignment: the per-thread sums repeat bitwise */
+#pragma omp for schedule(static, 1)
+      for (int32_t qb = 0; qb < v->num_q_blocks; qb++) bwd_block(a, in, mine, h, hk, qb);
+    } else { /* load-balanced, the sums' split over threads varies */
 #pragma omp for schedule(dynamic, 1)
-    for (int32_t qb = 0; qb < v->num_q_blocks; qb++) {
-      const int64_t gq = v->q_block_global[qb], row0 = (int64_t)qb * G;
-      bwd_item_t it = {in,
-                       mine,
-                       h,
-                       hk,
-                       mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len),
-                       d,
-                       (float)a->scale,
-                       in->q + row0 * in->ldq + (int64_t)h * d,
-                       in->dout + row0 * in->ldq + (int64_t)h * d,
-                       (float *)a->dq_acc + row0 * in->ldq + (int64_t)h * d,
-                       (const float *)a->lse_acc + row0 * Hq + h,
-                       (const float *)a->delta_acc + row0 * Hq + h};
-      if (it.nr > 0) mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, bwd_tile, &it);
+      for (int32_t qb = 0; qb < v->num_q_blocks; qb++) bwd_block(a, in, mine, h, hk, qb);
     }
     /* bar gradients: sum over threads, scatter to the bars' key rows */
 #pragma omp for schedule(static)
@@ -176,7 +187,8 @@ mtrain_status_t mtrain_cpu_fast_bwd_step(void *state, const mtrain_bwd_step_args
       memset(th[t].dk, 0, sizeof(float) * (size_t)kd);
       memset(th[t].dv, 0, sizeof(float) * (size_t)kd);
     }
-    for (int32_t h = hk * group; h < (hk + 1) * group; h++) bwd_head(a, &in, th, nthreads, h, hk);
+    for (int32_t h = hk * group; h < (hk + 1) * group; h++)
+      bwd_head(a, &in, th, nthreads, s->deterministic, h, hk);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t j = 0; j < v->k_tokens; j++) {
       float *dk = (float *)a->dk_acc + (j * Hkv + hk) * d;

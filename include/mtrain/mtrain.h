@@ -130,7 +130,7 @@ uint16_t mtrain_float_to_half(float x);
 /** Context configuration. Initialise with MTRAIN_CONFIG_INIT, then set fields.
  *  mtrain_context_create applies MTRAIN_* environment overrides (read once per
  *  process) on top: MTRAIN_BACKEND, MTRAIN_GRANULARITY, MTRAIN_NUM_THREADS,
- *  MTRAIN_CHECK_INPUTS. */
+ *  MTRAIN_CHECK_INPUTS, MTRAIN_DETERMINISTIC. */
 typedef struct mtrain_config {
   int32_t api_version;  /**< must be MTRAIN_API_VERSION */
   const char *backend;  /**< "cpu" (default), "cpu-ref", "cuda" */
@@ -138,10 +138,14 @@ typedef struct mtrain_config {
   int32_t num_threads;  /**< CPU threads; 0 = OpenMP's default */
   int32_t check_inputs; /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
   double softmax_scale; /**< 0 = 1/sqrt(head_dim) */
+  int32_t deterministic; /**< 1 (default): two runs on the same inputs, world size and thread
+                              count give bitwise identical outputs and gradients; 0: the
+                              backward is scheduled for load balance, faster, and its gradients
+                              may differ in the last bits between runs */
 } mtrain_config_t;
 
 #define MTRAIN_CONFIG_INIT                                                                         \
-  { MTRAIN_API_VERSION, "cpu", 128, 0, 0, 0.0 }
+  { MTRAIN_API_VERSION, "cpu", 128, 0, 0, 0.0, 1 }
 
 typedef struct mtrain_context mtrain_context_t;
 typedef struct mtrain_comm mtrain_comm_t; /* see mtrain_comm.h */
