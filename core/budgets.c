@@ -19,8 +19,8 @@
 #include <string.h>
 
 #include "error.h"
+#include "file_io.h"
 
-#define BUDGETS_READ_CHUNK 65536
 /* Sizes and caps beyond this are rejected (no sequence is that long). */
 #define BUDGET_SIZE_MAX ((int64_t)1 << 40)
 
@@ -37,21 +37,6 @@ struct mtrain_budgets {
 /* ------------------------------------------------------------------------ */
 /* Helpers                                                                   */
 /* ------------------------------------------------------------------------ */
-
-static void errno_text(int err, char *buf, size_t cap) {
-#if defined(_GNU_SOURCE)
-  const char *s = strerror_r(err, buf, cap);
-  if (s != buf) snprintf(buf, cap, "%s", s);
-#else
-  if (strerror_r(err, buf, cap) != 0) snprintf(buf, cap, "error %d", err);
-#endif
-}
-
-static mtrain_status_t io_fail(const char *path, const char *what, int err) {
-  char reason[128];
-  errno_text(err, reason, sizeof reason);
-  return mtrain_error(MTRAIN_ERR_IO, "%s: %s: %s", path, what, reason);
-}
 
 /* "an array", "a string", ... for messages. */
 static const char *type_name(const json_t *v) {
@@ -329,46 +314,12 @@ mtrain_status_t mtrain_budgets_parse(const char *text, const char *origin, mtrai
   return st;
 }
 
-/* Reads a whole file into a malloc'ed buffer. */
-static mtrain_status_t slurp(const char *path, char **text, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return io_fail(path, "cannot open for reading", errno);
-  char *buf = NULL;
-  size_t n = 0, cap = 0;
-  mtrain_status_t st = MTRAIN_SUCCESS;
-  for (;;) {
-    if (cap - n < BUDGETS_READ_CHUNK) {
-      char *grown = realloc(buf, cap + BUDGETS_READ_CHUNK);
-      if (!grown) {
-        st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "%s: out of memory reading the file", path);
-        break;
-      }
-      buf = grown;
-      cap += BUDGETS_READ_CHUNK;
-    }
-    size_t got = fread(buf + n, 1, cap - n, f);
-    n += got;
-    if (got == 0) {
-      if (ferror(f)) st = io_fail(path, "read error", errno);
-      break;
-    }
-  }
-  fclose(f);
-  if (st != MTRAIN_SUCCESS) {
-    free(buf);
-    return st;
-  }
-  *text = buf;
-  *len = n;
-  return MTRAIN_SUCCESS;
-}
-
 mtrain_status_t mtrain_budgets_read(const char *path, mtrain_budgets_t **out) {
   MTRAIN_CHECK_NOT_NULL(path);
   MTRAIN_CHECK_NOT_NULL(out);
   char *text = NULL;
   size_t len = 0;
-  mtrain_status_t st = slurp(path, &text, &len);
+  mtrain_status_t st = mtrain_read_file(path, &text, &len);
   if (st != MTRAIN_SUCCESS) return st;
   json_error_t err;
   json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &err);

@@ -15,6 +15,7 @@
 #include <sys/types.h>
 
 #include "error.h"
+#include "file_io.h"
 #include "mtrain/mtrain_io.h"
 
 #define NPY_MAGIC "\x93NUMPY"
@@ -43,15 +44,6 @@ typedef struct hdr_parser {
 /* ------------------------------------------------------------------------ */
 /* Small helpers                                                             */
 /* ------------------------------------------------------------------------ */
-
-static void errno_text(int err, char *buf, size_t cap) {
-#if defined(_GNU_SOURCE)
-  const char *s = strerror_r(err, buf, cap);
-  if (s != buf) snprintf(buf, cap, "%s", s);
-#else
-  if (strerror_r(err, buf, cap) != 0) snprintf(buf, cap, "error %d", err);
-#endif
-}
 
 static int host_is_big_endian(void) {
   const uint16_t one = 1;
@@ -349,16 +341,10 @@ static mtrain_status_t parse_header(hdr_parser_t *p, npy_header_t *h) {
 /* Reading                                                                   */
 /* ------------------------------------------------------------------------ */
 
-static mtrain_status_t io_fail(const char *path, const char *what, int err) {
-  char reason[128];
-  errno_text(err, reason, sizeof reason);
-  return mtrain_error(MTRAIN_ERR_IO, "%s: %s: %s", path, what, reason);
-}
-
 static mtrain_status_t file_size(FILE *f, const char *path, int64_t *size) {
   off_t end;
   if (fseeko(f, 0, SEEK_END) != 0 || (end = ftello(f)) < 0 || fseeko(f, 0, SEEK_SET) != 0)
-    return io_fail(path, "cannot determine the file size", errno);
+    return mtrain_io_error(path, "cannot determine the file size", errno);
   *size = (int64_t)end;
   return MTRAIN_SUCCESS;
 }
@@ -368,7 +354,7 @@ static mtrain_status_t read_at(FILE *f, const char *path, void *buf, size_t n, i
   if (ferror(f)) {
     char what[96];
     snprintf(what, sizeof what, "read error at byte offset %lld", (long long)offset);
-    return io_fail(path, what, errno);
+    return mtrain_io_error(path, what, errno);
   }
   return mtrain_error(MTRAIN_ERR_IO,
                       "%s: file ended early while reading %zu bytes at byte offset %lld "
@@ -496,7 +482,7 @@ mtrain_status_t mtrain_npy_read(const char *path, mtrain_npy_t *out) {
   MTRAIN_CHECK_NOT_NULL(path);
   MTRAIN_CHECK_NOT_NULL(out);
   FILE *f = fopen(path, "rb");
-  if (!f) return io_fail(path, "cannot open for reading", errno);
+  if (!f) return mtrain_io_error(path, "cannot open for reading", errno);
   mtrain_npy_t result;
   mtrain_status_t st = read_file(f, path, &result);
   fclose(f); /* read-only stream: nothing to lose */
@@ -638,7 +624,8 @@ static mtrain_status_t write_staged(FILE *f, const char *path, const mtrain_tens
       break;
     }
     if (host_is_big_endian()) swap_bytes(stage, n, out_w);
-    if (fwrite(stage, out_w, (size_t)n, f) != (size_t)n) st = io_fail(path, "write failed", errno);
+    if (fwrite(stage, out_w, (size_t)n, f) != (size_t)n)
+      st = mtrain_io_error(path, "write failed", errno);
   }
   free(stage);
   return st;
@@ -648,10 +635,11 @@ static mtrain_status_t write_file(FILE *f, const char *path, const mtrain_tensor
                                   int64_t numel) {
   char header[256];
   size_t len = format_header(t, header, sizeof header);
-  if (fwrite(header, 1, len, f) != len) return io_fail(path, "write failed", errno);
+  if (fwrite(header, 1, len, f) != len) return mtrain_io_error(path, "write failed", errno);
   if (t->dtype == MTRAIN_BF16 || host_is_big_endian()) return write_staged(f, path, t, numel);
   size_t bytes = (size_t)numel * mtrain_dtype_size(t->dtype);
-  if (bytes && fwrite(t->data, 1, bytes, f) != bytes) return io_fail(path, "write failed", errno);
+  if (bytes && fwrite(t->data, 1, bytes, f) != bytes)
+    return mtrain_io_error(path, "write failed", errno);
   return MTRAIN_SUCCESS;
 }
 
@@ -662,8 +650,8 @@ mtrain_status_t mtrain_npy_write(const char *path, const mtrain_tensor_t *tensor
   mtrain_status_t st = check_tensor(path, tensor, &numel);
   if (st != MTRAIN_SUCCESS) return st;
   FILE *f = fopen(path, "wb");
-  if (!f) return io_fail(path, "cannot open for writing", errno);
+  if (!f) return mtrain_io_error(path, "cannot open for writing", errno);
   st = write_file(f, path, tensor, numel);
-  if (fclose(f) != 0 && st == MTRAIN_SUCCESS) st = io_fail(path, "closing failed", errno);
+  if (fclose(f) != 0 && st == MTRAIN_SUCCESS) st = mtrain_io_error(path, "closing failed", errno);
   return st;
 }

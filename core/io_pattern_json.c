@@ -17,25 +17,9 @@
 #include <string.h>
 
 #include "error.h"
+#include "file_io.h"
 #include "mtrain/mtrain_io.h"
 #include "pattern_internal.h"
-
-#define JSON_READ_CHUNK 65536
-
-static void errno_text(int err, char *buf, size_t cap) {
-#if defined(_GNU_SOURCE)
-  const char *s = strerror_r(err, buf, cap);
-  if (s != buf) snprintf(buf, cap, "%s", s);
-#else
-  if (strerror_r(err, buf, cap) != 0) snprintf(buf, cap, "error %d", err);
-#endif
-}
-
-static mtrain_status_t io_fail(const char *path, const char *what, int err) {
-  char reason[128];
-  errno_text(err, reason, sizeof reason);
-  return mtrain_error(MTRAIN_ERR_IO, "%s: %s: %s", path, what, reason);
-}
 
 /* "an array", "a string", ... for messages. */
 static const char *type_name(const json_t *v) {
@@ -322,46 +306,12 @@ mtrain_status_t mtrain_pattern_parse_json(const char *text, const char *origin,
   return st;
 }
 
-/* Reads a whole file into a malloc'ed buffer. */
-static mtrain_status_t slurp(const char *path, char **text, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return io_fail(path, "cannot open for reading", errno);
-  char *buf = NULL;
-  size_t n = 0, cap = 0;
-  mtrain_status_t st = MTRAIN_SUCCESS;
-  for (;;) {
-    if (cap - n < JSON_READ_CHUNK) {
-      char *grown = realloc(buf, cap + JSON_READ_CHUNK);
-      if (!grown) {
-        st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "%s: out of memory reading the file", path);
-        break;
-      }
-      buf = grown;
-      cap += JSON_READ_CHUNK;
-    }
-    size_t got = fread(buf + n, 1, cap - n, f);
-    n += got;
-    if (got == 0) {
-      if (ferror(f)) st = io_fail(path, "read error", errno);
-      break;
-    }
-  }
-  fclose(f);
-  if (st != MTRAIN_SUCCESS) {
-    free(buf);
-    return st;
-  }
-  *text = buf;
-  *len = n;
-  return MTRAIN_SUCCESS;
-}
-
 mtrain_status_t mtrain_pattern_read_json(const char *path, mtrain_pattern_t **out) {
   MTRAIN_CHECK_NOT_NULL(path);
   MTRAIN_CHECK_NOT_NULL(out);
   char *text = NULL;
   size_t len = 0;
-  mtrain_status_t st = slurp(path, &text, &len);
+  mtrain_status_t st = mtrain_read_file(path, &text, &len);
   if (st != MTRAIN_SUCCESS) return st;
   json_error_t err;
   json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &err);
@@ -433,7 +383,7 @@ mtrain_status_t mtrain_pattern_write_json(const char *path, const mtrain_pattern
   MTRAIN_CHECK_NOT_NULL(path);
   MTRAIN_CHECK_NOT_NULL(pattern);
   writer_t w = {fopen(path, "w"), 0, 0};
-  if (!w.f) return io_fail(path, "cannot open for writing", errno);
+  if (!w.f) return mtrain_io_error(path, "cannot open for writing", errno);
   put_pattern(&w, pattern);
   if (!w.failed && ferror(w.f)) {
     w.failed = 1;
@@ -444,5 +394,5 @@ mtrain_status_t mtrain_pattern_write_json(const char *path, const mtrain_pattern
     w.err = errno;
   }
   if (!w.failed) return MTRAIN_SUCCESS;
-  return io_fail(path, "write failed", w.err);
+  return mtrain_io_error(path, "write failed", w.err);
 }
