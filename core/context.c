@@ -1,11 +1,58 @@
 /* context.c: creation and destruction of a context: effective configuration,
- * backend lookup and initialisation, the communicator binding. */
+ * backend lookup and initialisation, the communicator binding, and (on
+ * several ranks) the collective check that every rank uses the same
+ * configuration. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "context_internal.h"
 #include "error.h"
+
+/* The configuration fields every rank must agree on, in a fixed layout. */
+typedef struct config_digest {
+  int64_t api_version, granularity, deterministic, check_inputs;
+  double softmax_scale;
+  char backend[64];
+} config_digest_t;
+
+/* Collective: compares this rank's configuration with every other rank's
+ * and fails on all ranks, naming the field and two ranks, if any differs. */
+static mtrain_status_t check_config_agrees(mtrain_context_t *ctx) {
+  const int size = mtrain_comm_size(ctx->comm);
+  if (size <= 1) return MTRAIN_SUCCESS;
+  config_digest_t mine;
+  memset(&mine, 0, sizeof mine);
+  mine.api_version = ctx->config.api_version;
+  mine.granularity = ctx->config.granularity;
+  mine.deterministic = ctx->config.deterministic;
+  mine.check_inputs = ctx->config.check_inputs;
+  mine.softmax_scale = ctx->config.softmax_scale;
+  snprintf(mine.backend, sizeof mine.backend, "%s", ctx->backend_name);
+  config_digest_t *all = calloc((size_t)size, sizeof *all);
+  if (!all) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "context: out of memory");
+  mtrain_status_t st = ctx->comm->ops->allgather(ctx->comm->state, &mine, all, sizeof mine);
+  for (int r = 1; st == MTRAIN_SUCCESS && r < size; r++) {
+    const config_digest_t *a = &all[0], *b = &all[r];
+    const char *field = a->api_version != b->api_version       ? "api_version"
+                        : a->granularity != b->granularity     ? "granularity"
+                        : a->deterministic != b->deterministic ? "deterministic"
+                        : a->check_inputs != b->check_inputs   ? "check_inputs"
+                        : a->softmax_scale != b->softmax_scale ? "softmax_scale"
+                        : strcmp(a->backend, b->backend)       ? "backend"
+                                                               : NULL;
+    if (field)
+      st = mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "context: config.%s differs between rank 0 and rank %d (granularity %lld "
+                        "vs %lld, backend '%s' vs '%s'); every rank must use the same "
+                        "configuration",
+                        field, r, (long long)a->granularity, (long long)b->granularity, a->backend,
+                        b->backend);
+  }
+  free(all);
+  return st;
+}
 
 mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
                                       mtrain_context_t **out) {
@@ -40,6 +87,7 @@ mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm
   if (comm) {
     MTRAIN_FAIL_IF(!comm->ops, MTRAIN_ERR_INVALID_ARGUMENT, "context: communicator has no table");
     ctx->comm = comm;
+    MTRAIN_TRY(check_config_agrees(ctx));
   } else {
     MTRAIN_TRY(mtrain_comm_create_self(&ctx->own_comm));
     ctx->comm = ctx->own_comm;

@@ -346,6 +346,23 @@ int main(int argc, char **argv) {
              world_);
     all ? passed++ : failed++;
   }
+  /* a configuration that differs on one rank fails on every rank, naming it */
+  if (world_ > 1) {
+    mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+    cfg.granularity = rank_ == 1 ? 32 : 16;
+    mtrain_context_t *ctx = NULL;
+    const mtrain_status_t st = mtrain_context_create(&cfg, comm, &ctx);
+    int ok = st == MTRAIN_ERR_INVALID_CONFIG && ctx == NULL &&
+             strstr(mtrain_last_error(), "config.granularity differs between rank 0 and rank 1");
+    if (!ok) printf("  rank %d: %s: %s\n", rank_, mtrain_status_name(st), mtrain_last_error());
+    mtrain_context_destroy(ctx);
+    int all = 0;
+    MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (rank_ == 0)
+      printf("%s: W=%d mismatched configuration rejected on every rank\n",
+             all ? "passed" : "FAILED", world_);
+    all ? passed++ : failed++;
+  }
   /* schedules: flat, plus every ranks-per-node given on the command line */
   int32_t schedules[8] = {0};
   int nsched = 1;

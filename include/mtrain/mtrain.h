@@ -154,7 +154,9 @@ typedef struct mtrain_comm mtrain_comm_t; /* see mtrain_comm.h */
  *  the communicator. `comm` may be NULL for a single rank (the built-in "self"
  *  communicator); otherwise the context borrows it (the caller destroys it
  *  after the context). Collective when comm has several ranks: every rank
- *  must call it. Not thread-safe with respect to the same context: one
+ *  must call it, and the configurations (api_version, backend, granularity,
+ *  check_inputs, deterministic, softmax_scale) must agree: otherwise every
+ *  rank fails with MTRAIN_ERR_INVALID_CONFIG naming the field and a rank. Not thread-safe with respect to the same context: one
  *  context is used by one thread at a time. */
 mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
                                       mtrain_context_t **out);
