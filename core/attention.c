@@ -177,7 +177,81 @@ typedef struct ring_call {
   void *o_acc, *lse_acc;             /* forward */
   const void *lse_acc_c, *delta_acc; /* backward */
   void *dq_acc, *dk_own, *dv_own;    /* backward */
+  const void *kbar, *vbar;           /* bars gathered: the vertical K/V rows */
+  void *dkbar, *dvbar;               /* bars gathered, backward: their dK/dV */
 } ring_call_t;
+
+/* Bars gathered: every rank receives the K and V rows of the union of the
+ * verticals (each row has one owner; the others add zeros, so the sum is
+ * exact), widened to fp64 for the all-reduce and narrowed back. */
+static mtrain_status_t gather_bars(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                   const attn_dims_t *dm, const mtrain_tensor_t *k,
+                                   const mtrain_tensor_t *v, void **kbar, void **vbar) {
+  const mtrain_plan_gathered_t *g = plan->gathered;
+  const mtrain_backend_ops_t *be = ctx->backend;
+  const int64_t row = (int64_t)dm->hkv * dm->d, n = g->count * row;
+  const size_t esz = mtrain_dtype_size(dm->dtype);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  double *host = calloc((size_t)(2 * n + 1), sizeof(double));
+  void *raw = malloc((size_t)(row > 0 ? row : 1) * esz + (size_t)(2 * n + 1) * esz);
+  if (!host || !raw) st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of memory");
+  for (int64_t i = 0; !st && i < g->count; i++) {
+    if (g->local_row[i] < 0) continue;
+    const mtrain_tensor_t *src[2] = {k, v};
+    for (int x = 0; !st && x < 2; x++) {
+      st = be->copy_to_host(ctx->backend_state, raw,
+                            (const char *)src[x]->data + (size_t)(g->local_row[i] * row) * esz,
+                            (size_t)row * esz);
+      if (!st) st = mtrain_convert(raw, dm->dtype, host + x * n + i * row, MTRAIN_F64, row);
+    }
+  }
+  if (!st)
+    st = ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * n, MTRAIN_F64, MTRAIN_REDUCE_SUM);
+  if (!st) st = mtrain_convert(host, MTRAIN_F64, raw, dm->dtype, 2 * n);
+  if (!st) st = be->alloc(ctx->backend_state, (size_t)(n > 0 ? n : 1) * esz, kbar);
+  if (!st) st = be->alloc(ctx->backend_state, (size_t)(n > 0 ? n : 1) * esz, vbar);
+  if (!st) st = be->copy_from_host(ctx->backend_state, *kbar, raw, (size_t)n * esz);
+  if (!st)
+    st = be->copy_from_host(ctx->backend_state, *vbar, (const char *)raw + (size_t)n * esz,
+                            (size_t)n * esz);
+  free(host);
+  free(raw);
+  return st;
+}
+
+/* Bars gathered, backward: the dK/dV of the vertical rows summed over the
+ * ranks, each owner adding its rows to its own accumulators. */
+static mtrain_status_t scatter_bar_grads(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                         const attn_dims_t *dm, void *dkbar, void *dvbar,
+                                         void *dk_acc, void *dv_acc) {
+  const mtrain_plan_gathered_t *g = plan->gathered;
+  const mtrain_backend_ops_t *be = ctx->backend;
+  const int64_t row = (int64_t)dm->hkv * dm->d, n = g->count * row;
+  const size_t acc = mtrain_dtype_size(be->acc_dtype);
+  void *host = malloc((size_t)(2 * n + 1) * acc);
+  if (!host) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of memory");
+  mtrain_status_t st = be->copy_to_host(ctx->backend_state, host, dkbar, (size_t)n * acc);
+  if (!st)
+    st = be->copy_to_host(ctx->backend_state, (char *)host + (size_t)n * acc, dvbar,
+                          (size_t)n * acc);
+  if (!st)
+    st = ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * n, be->acc_dtype, MTRAIN_REDUCE_SUM);
+  if (!st) st = be->copy_from_host(ctx->backend_state, dkbar, host, (size_t)n * acc);
+  if (!st)
+    st = be->copy_from_host(ctx->backend_state, dvbar, (const char *)host + (size_t)n * acc,
+                            (size_t)n * acc);
+  for (int64_t i = 0; !st && i < g->count; i++) {
+    if (g->local_row[i] < 0) continue;
+    const size_t to = (size_t)(g->local_row[i] * row) * acc, from = (size_t)(i * row) * acc;
+    st = be->add(ctx->backend_state, (char *)dk_acc + to, (const char *)dkbar + from, be->acc_dtype,
+                 row);
+    if (!st)
+      st = be->add(ctx->backend_state, (char *)dv_acc + to, (const char *)dvbar + from,
+                   be->acc_dtype, row);
+  }
+  free(host);
+  return st;
+}
 
 static mtrain_status_t ring_fwd_step(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
                                      const void *k, const void *v, void *dk, void *dv, void *user) {
@@ -194,6 +268,11 @@ static mtrain_status_t ring_fwd_step(mtrain_context_t *ctx, const mtrain_plan_t 
                               .v = v,
                               .o_acc = rc->o_acc,
                               .lse_acc = rc->lse_acc};
+  mtrain_status_t st = ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+  if (st || !plan->gathered) return st;
+  a.view = &plan->gathered->steps[t].view; /* this step's share of the gathered bars */
+  a.k = rc->kbar;
+  a.v = rc->vbar;
   return ctx->backend->attn_fwd_step(ctx->backend_state, &a);
 }
 
@@ -214,6 +293,13 @@ static mtrain_status_t ring_bwd_step(mtrain_context_t *ctx, const mtrain_plan_t 
                               .dq_acc = rc->dq_acc,
                               .dk_acc = dk,
                               .dv_acc = dv};
+  mtrain_status_t st = ctx->backend->attn_bwd_step(ctx->backend_state, &a);
+  if (st || !plan->gathered) return st;
+  a.view = &plan->gathered->steps[t].view;
+  a.k = rc->kbar;
+  a.v = rc->vbar;
+  a.dk_acc = rc->dkbar;
+  a.dv_acc = rc->dvbar;
   return ctx->backend->attn_bwd_step(ctx->backend_state, &a);
 }
 
@@ -246,12 +332,15 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   const mtrain_backend_ops_t *be = ctx->backend;
   const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
-  void *o_acc = NULL, *lse_acc = NULL;
+  void *o_acc = NULL, *lse_acc = NULL, *kbar = NULL, *vbar = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq * dm.d) * acc, &o_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm.tokens, dm.hq, dm.d));
   if (plan->world > 1) {
     ring_call_t rc = {.dm = &dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
+    if (plan->gathered) MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kbar, &vbar));
+    rc.kbar = kbar;
+    rc.vbar = vbar;
     mtrain_ring_args_t ra = {.backward = 0,
                              .dtype = dm.dtype,
                              .chunk_elems = (size_t)(dm.tokens * dm.hkv * dm.d),
@@ -289,6 +378,8 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   MTRAIN_TRY(be->synchronize(ctx->backend_state));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
+  backend_free(ctx, kbar);
+  backend_free(ctx, vbar);
   backend_free(ctx, o_acc);
   backend_free(ctx, lse_acc);
   return st;
@@ -330,6 +421,7 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   void *lse_acc = NULL, *delta_acc = NULL, *dq_acc = NULL, *dk_acc = NULL, *dv_acc = NULL;
+  void *kbar = NULL, *vbar = NULL, *dkbar = NULL, *dvbar = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &delta_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nq * acc, &dq_acc));
@@ -350,6 +442,18 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
                       .dq_acc = dq_acc,
                       .dk_own = dk_acc,
                       .dv_own = dv_acc};
+    if (plan->gathered) {
+      const size_t nbar = (size_t)(plan->gathered->count * dm.hkv * dm.d) * acc;
+      MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kbar, &vbar));
+      MTRAIN_TRY(backend_alloc(ctx, nbar, &dkbar));
+      MTRAIN_TRY(backend_alloc(ctx, nbar, &dvbar));
+      MTRAIN_TRY(be->memset_zero(bs, dkbar, nbar));
+      MTRAIN_TRY(be->memset_zero(bs, dvbar, nbar));
+      rc.kbar = kbar;
+      rc.vbar = vbar;
+      rc.dkbar = dkbar;
+      rc.dvbar = dvbar;
+    }
     mtrain_ring_args_t ra = {.backward = 1,
                              .dtype = dm.dtype,
                              .chunk_elems = (size_t)nk,
@@ -359,6 +463,7 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
                              .add_partial = ring_add_partial,
                              .user = &rc};
     MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+    if (plan->gathered) MTRAIN_TRY(scatter_bar_grads(ctx, plan, &dm, dkbar, dvbar, dk_acc, dv_acc));
   }
   for (int32_t s = 0; plan->world == 1 && s < plan->num_seqs; s++) {
     const mtrain_plan_seq_t *ps = &plan->seqs[s];
@@ -391,6 +496,10 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(be->synchronize(bs));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
+  backend_free(ctx, kbar);
+  backend_free(ctx, vbar);
+  backend_free(ctx, dkbar);
+  backend_free(ctx, dvbar);
   backend_free(ctx, lse_acc);
   backend_free(ctx, delta_acc);
   backend_free(ctx, dq_acc);

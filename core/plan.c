@@ -44,6 +44,11 @@ static int32_t lower_bound64(const int64_t *a, int32_t n, int64_t x) {
   return lo;
 }
 
+static int cmp_i64(const void *a, const void *b) {
+  const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+  return (x > y) - (x < y);
+}
+
 /* Appends local key-block run [lo, hi), merging with the previous run. */
 static int push_run(ivec_t *runs, int64_t run_begin, int32_t lo, int32_t hi) {
   if (lo >= hi) return 1;
@@ -161,10 +166,9 @@ static int segs_for_query(const mtrain_pattern_head_t *h, const chunk_bars_t *cb
   return 1;
 }
 
-mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int32_t head,
-                                            const mtrain_rank_blocks_t *q,
-                                            const mtrain_rank_blocks_t *k,
-                                            mtrain_step_head_store_t *out) {
+static mtrain_status_t build_step_head(const mtrain_pattern_t *pattern, int32_t head,
+                                       const mtrain_rank_blocks_t *q, const mtrain_rank_blocks_t *k,
+                                       int with_bars, mtrain_step_head_store_t *out) {
   const mtrain_pattern_head_t *h = &pattern->heads[head];
   const int32_t G = pattern->granularity;
   const int64_t N = pattern->seq_len;
@@ -176,7 +180,7 @@ mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int
   out->run_off = malloc((size_t)(q->num_blocks + 1) * sizeof(int32_t));
   out->seg_off = malloc((size_t)(q->num_blocks + 1) * sizeof(int32_t));
   int ok = out->run_off && out->seg_off;
-  if (ok && !h->mask_off && h->num_verticals) ok = chunk_bars_build(h, k, G, &cb);
+  if (ok && with_bars && !h->mask_off && h->num_verticals) ok = chunk_bars_build(h, k, G, &cb);
   for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
     int64_t gq = q->global[qb];
     out->run_off[qb] = (int32_t)(runs.size / 2);
@@ -206,6 +210,101 @@ mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int
   out->runs = runs.data;
   out->segs = segs.data;
   out->num_runs = (int32_t)(runs.size / 2);
+  out->num_segs = (int32_t)(segs.size / 2);
+  out->bars = cb.bars.data;
+  out->num_bars = (int32_t)cb.bars.size;
+  cb.bars.data = NULL;
+  chunk_bars_free(&cb);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int32_t head,
+                                            const mtrain_rank_blocks_t *q,
+                                            const mtrain_rank_blocks_t *k,
+                                            mtrain_step_head_store_t *out) {
+  return build_step_head(pattern, head, q, k, 1, out);
+}
+
+mtrain_status_t mtrain_plan_build_step_head_runs(const mtrain_pattern_t *pattern, int32_t head,
+                                                 const mtrain_rank_blocks_t *q,
+                                                 const mtrain_rank_blocks_t *k,
+                                                 mtrain_step_head_store_t *out) {
+  return build_step_head(pattern, head, q, k, 0, out);
+}
+
+/* Share `part` of `parts` of head h's gathered bar work on this rank: the
+ * head's bar entries (concatenated over the local query blocks in order)
+ * [floor(part*B/parts), floor((part+1)*B/parts)), as segments into the
+ * gathered positions (docs/BALANCE.md, "Bars gathered"). */
+static mtrain_status_t build_gathered_share(const mtrain_pattern_t *pattern, int32_t head,
+                                            const mtrain_rank_blocks_t *q, const int64_t *positions,
+                                            int64_t count, int32_t part, int32_t parts,
+                                            mtrain_step_head_store_t *out) {
+  const mtrain_pattern_head_t *h = &pattern->heads[head];
+  const int32_t G = pattern->granularity;
+  const int64_t N = pattern->seq_len;
+  chunk_bars_t cb;
+  ivec_t segs = {0}, all = {0};
+  memset(&cb, 0, sizeof cb);
+  memset(out, 0, sizeof *out);
+  out->run_off = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
+  out->seg_off = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
+  int ok = out->run_off && out->seg_off;
+  /* the head's verticals as indices into the gathered positions */
+  if (ok && !h->mask_off && h->num_verticals) {
+    cb.block = malloc((size_t)(h->num_verticals + 1) * sizeof *cb.block);
+    cb.start = malloc((size_t)(h->num_verticals + 1) * sizeof *cb.start);
+    ok = cb.block && cb.start;
+    for (int32_t i = 0; ok && i < h->num_verticals; i++) {
+      const int64_t gb = h->verticals[i] / G;
+      const int32_t idx = lower_bound64(positions, (int32_t)count, h->verticals[i]);
+      if (cb.num_blocks == 0 || cb.block[cb.num_blocks - 1] != gb) {
+        cb.block[cb.num_blocks] = gb;
+        cb.start[cb.num_blocks] = (int32_t)cb.bars.size;
+        cb.num_blocks++;
+      }
+      ok = ivec_push(&cb.bars, idx);
+    }
+    if (ok) cb.start[cb.num_blocks] = (int32_t)cb.bars.size;
+  }
+  /* all segments of every query block, then the share's cut of them */
+  int32_t *qseg = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
+  ok = ok && qseg;
+  int64_t total = 0;
+  for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
+    qseg[qb] = (int32_t)(all.size / 2);
+    const int64_t gq = q->global[qb];
+    if (gq * G >= N || cb.bars.size == 0) continue;
+    int64_t nbars = 0;
+    ok = segs_for_query(h, &cb, gq, &all, &nbars);
+    total += nbars;
+  }
+  if (qseg) qseg[q->num_blocks] = (int32_t)(all.size / 2);
+  const int64_t lo = (int64_t)part * total / parts, hi = (int64_t)(part + 1) * total / parts;
+  int64_t c = 0;
+  for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
+    out->seg_off[qb] = (int32_t)(segs.size / 2);
+    const int32_t nr = mtrain_block_rows(q->tokens, G, qb, q->global[qb], N);
+    for (int32_t e = qseg[qb]; ok && e < qseg[qb + 1]; e++) {
+      const int64_t b0 = all.data[2 * e], len = all.data[2 * e + 1] - b0;
+      const int64_t from = lo > c ? lo - c : 0, to = hi - c < len ? hi - c : len;
+      if (from < to) {
+        ok = ivec_push(&segs, (int32_t)(b0 + from)) && ivec_push(&segs, (int32_t)(b0 + to));
+        out->pairs += (to - from) * nr;
+      }
+      c += len;
+    }
+  }
+  if (out->seg_off) out->seg_off[q->num_blocks] = (int32_t)(segs.size / 2);
+  free(qseg);
+  free(all.data);
+  if (!ok) {
+    free(segs.data);
+    chunk_bars_free(&cb);
+    mtrain_step_head_store_free(out);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory (gathered bars)");
+  }
+  out->segs = segs.data;
   out->num_segs = (int32_t)(segs.size / 2);
   out->bars = cb.bars.data;
   out->num_bars = (int32_t)cb.bars.size;
@@ -254,8 +353,24 @@ static void plan_seq_free(mtrain_plan_seq_t *s, int32_t num_steps, int32_t num_h
   mtrain_pattern_destroy(s->pattern);
 }
 
+static void gathered_free(mtrain_plan_gathered_t *g, int32_t num_steps, int32_t num_heads) {
+  if (!g) return;
+  if (g->steps)
+    for (int32_t t = 0; t < num_steps; t++) {
+      if (g->steps[t].heads)
+        for (int32_t h = 0; h < num_heads; h++) mtrain_step_head_store_free(&g->steps[t].heads[h]);
+      free(g->steps[t].heads);
+      free(g->steps[t].head_views);
+    }
+  free(g->steps);
+  free(g->positions);
+  free(g->local_row);
+  free(g);
+}
+
 void mtrain_plan_destroy(mtrain_plan_t *plan) {
   if (!plan) return;
+  gathered_free(plan->gathered, plan->num_steps, plan->num_heads);
   if (plan->seqs)
     for (int32_t s = 0; s < plan->num_seqs; s++)
       plan_seq_free(&plan->seqs[s], plan->num_steps, plan->num_heads);
@@ -265,7 +380,7 @@ void mtrain_plan_destroy(mtrain_plan_t *plan) {
 
 /* Builds step `t` of a sequence: the chunk of rank src, all heads. */
 static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int32_t t, int32_t src,
-                                  mtrain_rank_blocks_t k) {
+                                  mtrain_rank_blocks_t k, int with_bars) {
   const mtrain_pattern_t *p = s->pattern;
   mtrain_plan_step_t *step = &s->steps[t];
   step->src_rank = src;
@@ -275,7 +390,7 @@ static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int
   if (!step->heads || !step->head_views)
     return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   for (int32_t h = 0; h < plan->num_heads; h++) {
-    mtrain_status_t st = mtrain_plan_build_step_head(p, h, &s->q, &step->k, &step->heads[h]);
+    mtrain_status_t st = build_step_head(p, h, &s->q, &step->k, with_bars, &step->heads[h]);
     if (st != MTRAIN_SUCCESS) return st;
     step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
     plan->computed_pairs += step->heads[h].pairs;
@@ -294,6 +409,71 @@ static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int
                           .k_block_global = step->k.global,
                           .heads = step->head_views};
   step->view = v;
+  return MTRAIN_SUCCESS;
+}
+
+/* Bars gathered: the union of the verticals, this rank's rows of it, and
+ * the bar share of every ring step (runs empty, bars into the union). */
+static mtrain_status_t build_gathered(mtrain_plan_t *plan, mtrain_plan_seq_t *ps,
+                                      const struct mtrain_layout *layout) {
+  const mtrain_pattern_t *p = ps->pattern;
+  mtrain_plan_gathered_t *g = calloc(1, sizeof *g);
+  if (!g) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  plan->gathered = g;
+  int64_t total = 0;
+  for (int32_t h = 0; h < p->num_heads; h++) total += p->heads[h].num_verticals;
+  g->positions = malloc(sizeof(int64_t) * (size_t)(total + 1));
+  g->local_row = malloc(sizeof(int64_t) * (size_t)(total + 1));
+  g->steps = calloc((size_t)plan->num_steps, sizeof *g->steps);
+  if (!g->positions || !g->local_row || !g->steps)
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  /* union of sorted lists: merge by sorting the concatenation */
+  int64_t n = 0;
+  for (int32_t h = 0; h < p->num_heads; h++)
+    for (int32_t i = 0; i < p->heads[h].num_verticals; i++)
+      g->positions[n++] = p->heads[h].verticals[i];
+  qsort(g->positions, (size_t)n, sizeof *g->positions, cmp_i64);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; i++)
+    if (m == 0 || g->positions[m - 1] != g->positions[i]) g->positions[m++] = g->positions[i];
+  g->count = m;
+  for (int64_t i = 0; i < m; i++) {
+    int32_t owner = -1;
+    int64_t local = -1;
+    mtrain_status_t st = mtrain_layout_global_to_local(layout, g->positions[i], &owner, &local);
+    if (st) return st;
+    g->local_row[i] = owner == plan->rank ? local : -1;
+  }
+  for (int32_t t = 0; t < plan->num_steps; t++) {
+    mtrain_plan_step_t *step = &g->steps[t];
+    step->src_rank = -1;
+    step->heads = calloc((size_t)plan->num_heads, sizeof *step->heads);
+    step->head_views = calloc((size_t)plan->num_heads, sizeof *step->head_views);
+    if (!step->heads || !step->head_views)
+      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+    for (int32_t h = 0; h < plan->num_heads; h++) {
+      mtrain_status_t st = build_gathered_share(p, h, &ps->q, g->positions, g->count, t,
+                                                plan->num_steps, &step->heads[h]);
+      if (st) return st;
+      step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
+      plan->computed_pairs += step->heads[h].pairs;
+      plan->bytes += step_head_bytes(&step->heads[h], ps->q.num_blocks);
+    }
+    mtrain_step_view_t v = {.step = t,
+                            .src_rank = -1,
+                            .granularity = p->granularity,
+                            .num_heads = plan->num_heads,
+                            .seq_len = p->seq_len,
+                            .q_tokens = ps->q.tokens,
+                            .k_tokens = g->count,
+                            .num_q_blocks = ps->q.num_blocks,
+                            .num_k_blocks = 0,
+                            .q_block_global = ps->q.global,
+                            .k_block_global = NULL,
+                            .heads = step->head_views};
+    step->view = v;
+  }
+  plan->bytes += sizeof(int64_t) * 2 * (size_t)m;
   return MTRAIN_SUCCESS;
 }
 
@@ -346,6 +526,8 @@ mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtra
   MTRAIN_FAIL_IF(!ps->q_global || !ps->steps, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   memcpy(ps->q_global, ps->q.global, sizeof(int64_t) * (size_t)ps->q.num_blocks);
   ps->q.global = ps->q_global; /* the plan must not depend on the layout's lifetime */
+  if (world > 1 && mtrain_layout_bars_mode(layout) == MTRAIN_BARS_GATHERED)
+    MTRAIN_TRY(build_gathered(plan, ps, layout));
   ps->k_globals = calloc((size_t)world, sizeof *ps->k_globals);
   MTRAIN_FAIL_IF(!ps->k_globals, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   for (int32_t t = 0; t < world; t++) {
@@ -358,7 +540,7 @@ mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtra
     memcpy(ps->k_globals[t], mtrain_layout_rank_blocks(layout, src),
            sizeof(int64_t) * (size_t)k.num_blocks);
     k.global = ps->k_globals[t];
-    MTRAIN_TRY(build_step(plan, ps, t, src, k));
+    MTRAIN_TRY(build_step(plan, ps, t, src, k, plan->gathered == NULL));
   }
   plan->local_tokens = ps->q.tokens;
   plan->bytes += sizeof *plan + sizeof *plan->seqs;
@@ -381,7 +563,7 @@ static mtrain_status_t build_single_rank_seq(mtrain_plan_t *plan, mtrain_plan_se
   s->q.num_blocks = nb;
   s->q.global = s->q_global;
   s->q.tokens = p->seq_len;
-  return build_step(plan, s, 0, 0, s->q);
+  return build_step(plan, s, 0, 0, s->q, 1);
 }
 
 static mtrain_status_t check_seqs(const mtrain_seqs_t *seqs,

@@ -29,6 +29,12 @@ mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int
                                             const mtrain_rank_blocks_t *q,
                                             const mtrain_rank_blocks_t *k,
                                             mtrain_step_head_store_t *out);
+/** The same with the bars left out (bars gathered: the ring steps compute
+ *  only listed blocks). */
+mtrain_status_t mtrain_plan_build_step_head_runs(const mtrain_pattern_t *pattern, int32_t head,
+                                                 const mtrain_rank_blocks_t *q,
+                                                 const mtrain_rank_blocks_t *k,
+                                                 mtrain_step_head_store_t *out);
 void mtrain_step_head_store_free(mtrain_step_head_store_t *s);
 /** The public view of a stored entry. */
 mtrain_step_head_t mtrain_step_head_view(const mtrain_step_head_store_t *s);
@@ -50,9 +56,20 @@ typedef struct mtrain_plan_seq {
   int64_t **k_globals;       /* ring plans: owned block ids of each step's chunk */
 } mtrain_plan_seq_t;
 
+/** Bars gathered (docs/BALANCE.md): the union of the verticals of all heads,
+ *  whose K/V rows every rank receives before the ring, and for every ring
+ *  step the share of this rank's bar work computed against them. */
+typedef struct mtrain_plan_gathered {
+  int64_t *positions;          /* [count] sorted global key positions */
+  int64_t *local_row;          /* [count] this rank's local row of each, or -1 */
+  int64_t count;
+  mtrain_plan_step_t *steps;   /* [num_steps]: runs empty, bars index `positions` */
+} mtrain_plan_gathered_t;
+
 struct mtrain_plan {
   int32_t num_seqs, num_steps, num_heads, granularity, rank;
   int32_t world, ranks_per_node; /* ring: world size and ranks per node (0: flat) */
+  mtrain_plan_gathered_t *gathered; /* NULL: bars computed in the ring steps */
   int64_t local_tokens;
   int64_t computed_pairs;
   size_t bytes;

@@ -274,10 +274,11 @@ mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *s
  *  a proper divisor of the world size the hierarchical ring with that many
  *  ranks per node. The attention tensors of this rank then hold its local
  *  token slots in layout order (mtrain_plan_local_tokens, padding slots
- *  included: see mtrain_layout_rank_token_index). Bars are computed in the
- *  ring step where their key passes, whatever the layout's bars mode (the
- *  gathered-bars execution of docs/BALANCE.md is not implemented in the
- *  driver yet). Local; not collective. */
+ *  included: see mtrain_layout_rank_token_index). Bars follow the layout's
+ *  bars mode: computed in the ring step where their key passes, or (bars
+ *  gathered, the balanced layout) against the vertical K/V rows gathered
+ *  before the ring, a share per step (docs/BALANCE.md). Local; not
+ *  collective. */
 struct mtrain_layout; /* mtrain_layout.h */
 mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
                                         int32_t ranks_per_node, const mtrain_pattern_t *pattern,
