@@ -200,6 +200,14 @@ static void test_bad_config(void **state) {
   cfg.softmax_scale = NAN;
   TS_ASSERT_STATUS(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_ERR_INVALID_CONFIG,
                    "softmax_scale");
+  cfg = (mtrain_config_t)MTRAIN_CONFIG_INIT;
+  cfg.check_inputs = 2;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "check_inputs 2");
+  cfg = (mtrain_config_t)MTRAIN_CONFIG_INIT;
+  cfg.deterministic = 5;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "deterministic 5");
   assert_null(ctx);
 }
 
