@@ -20,6 +20,7 @@
 
 #include "error.h"
 #include "file_io.h"
+#include "json_util.h"
 
 /* Sizes and caps beyond this are rejected (no sequence is that long). */
 #define BUDGET_SIZE_MAX ((int64_t)1 << 40)
@@ -37,28 +38,6 @@ struct mtrain_budgets {
 /* ------------------------------------------------------------------------ */
 /* Helpers                                                                   */
 /* ------------------------------------------------------------------------ */
-
-/* "an array", "a string", ... for messages. */
-static const char *type_name(const json_t *v) {
-  switch (json_typeof(v)) {
-  case JSON_OBJECT:
-    return "an object";
-  case JSON_ARRAY:
-    return "a list";
-  case JSON_STRING:
-    return "a string";
-  case JSON_INTEGER:
-    return "an integer";
-  case JSON_REAL:
-    return "a non-integer number";
-  case JSON_TRUE:
-  case JSON_FALSE:
-    return "a boolean";
-  case JSON_NULL:
-    return "null";
-  }
-  return "an unknown value";
-}
 
 /* A double in the fewest digits that read back exactly (up to 17). */
 static void format_double(double x, char *buf, size_t cap) {
@@ -105,7 +84,7 @@ static mtrain_status_t get_size(const json_ctx_t *c, const json_t *v, const char
                                 const char *what, int64_t *out) {
   if (!json_is_integer(v))
     return fail_at(c, MTRAIN_ERR_FORMAT, sub, "%s: expected a non-negative integer, found %s", what,
-                   type_name(v));
+                   mtrain_json_type_name(v));
   json_int_t x = json_integer_value(v);
   if (x < 0)
     return fail_at(c, MTRAIN_ERR_INVALID_BUDGET, sub, "%s %lld is negative", what, (long long)x);
@@ -124,7 +103,7 @@ static mtrain_status_t get_top_p_pair(const json_ctx_t *c, const json_t *v, int 
   snprintf(sub, sizeof sub, "[%d]", idx);
   if (!json_is_array(v))
     return fail_at(c, MTRAIN_ERR_FORMAT, sub, "expected a [%s, %s] pair, found %s", p_name,
-                   cap_name, type_name(v));
+                   cap_name, mtrain_json_type_name(v));
   if (json_array_size(v) != 2)
     return fail_at(c, MTRAIN_ERR_FORMAT, sub,
                    "expected a [%s, %s] pair, found a list of %zu entries", p_name, cap_name,
@@ -133,7 +112,7 @@ static mtrain_status_t get_top_p_pair(const json_ctx_t *c, const json_t *v, int 
   snprintf(sub, sizeof sub, "[%d][0]", idx);
   if (!json_is_number(jp))
     return fail_at(c, MTRAIN_ERR_FORMAT, sub, "%s: expected a number in (0, 1], found %s", p_name,
-                   type_name(jp));
+                   mtrain_json_type_name(jp));
   double x = json_number_value(jp);
   if (!p_ok(x)) {
     format_double(x, num, sizeof num);
@@ -152,7 +131,7 @@ static mtrain_status_t parse_entry(const json_ctx_t *c, const json_t *e, mtrain_
     return fail_at(c, MTRAIN_ERR_FORMAT, "",
                    "expected a list [kind, ..., score], found %s (kinds: '" KIND_TOP_K
                    "', '" KIND_TOP_P "')",
-                   type_name(e));
+                   mtrain_json_type_name(e));
   if (json_array_size(e) != 4)
     return fail_at(c, MTRAIN_ERR_FORMAT, "",
                    "expected a list of 4 entries [kind, ..., score], found %zu entries",
@@ -161,7 +140,7 @@ static mtrain_status_t parse_entry(const json_ctx_t *c, const json_t *e, mtrain_
   if (!json_is_string(kind))
     return fail_at(c, MTRAIN_ERR_FORMAT, "[0]",
                    "expected the kind string '" KIND_TOP_K "' or '" KIND_TOP_P "', found %s",
-                   type_name(kind));
+                   mtrain_json_type_name(kind));
   const json_t *score = json_array_get(e, 3);
   mtrain_head_budget_t r;
   memset(&r, 0, sizeof r);
@@ -183,7 +162,7 @@ static mtrain_status_t parse_entry(const json_ctx_t *c, const json_t *e, mtrain_
   if (st != MTRAIN_SUCCESS) return st;
   if (!json_is_number(score))
     return fail_at(c, MTRAIN_ERR_FORMAT, "[3]", "score: expected a number, found %s",
-                   type_name(score));
+                   mtrain_json_type_name(score));
   *b = r;
   return MTRAIN_SUCCESS;
 }
@@ -230,7 +209,8 @@ static mtrain_status_t check_head_keys(const json_ctx_t *c, const json_t *obj, s
 static mtrain_status_t parse_layer(json_ctx_t *c, const json_t *obj, mtrain_budgets_t *b) {
   if (!json_is_object(obj))
     return fail_at(c, MTRAIN_ERR_FORMAT, "",
-                   "expected an object mapping head indices to entries, found %s", type_name(obj));
+                   "expected an object mapping head indices to entries, found %s",
+                   mtrain_json_type_name(obj));
   size_t n = json_object_size(obj);
   if (n == 0) return fail_at(c, MTRAIN_ERR_FORMAT, "", "empty object (a layer needs a head)");
   if (n > INT32_MAX) return fail_at(c, MTRAIN_ERR_FORMAT, "", "%zu heads, more than 2^31 - 1", n);
@@ -271,7 +251,7 @@ static mtrain_status_t parse_root(const json_t *root, const char *origin, mtrain
   json_ctx_t c = {origin, -1, NULL};
   if (!json_is_array(root))
     return fail_at(&c, MTRAIN_ERR_FORMAT, "", "expected a list with one object per layer, found %s",
-                   type_name(root));
+                   mtrain_json_type_name(root));
   size_t nl = json_array_size(root);
   if (nl == 0)
     return fail_at(&c, MTRAIN_ERR_FORMAT, "", "empty list (a budget file needs a layer)");

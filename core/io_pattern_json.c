@@ -18,30 +18,9 @@
 
 #include "error.h"
 #include "file_io.h"
+#include "json_util.h"
 #include "mtrain/mtrain_io.h"
 #include "pattern_internal.h"
-
-/* "an array", "a string", ... for messages. */
-static const char *type_name(const json_t *v) {
-  switch (json_typeof(v)) {
-  case JSON_OBJECT:
-    return "an object";
-  case JSON_ARRAY:
-    return "an array";
-  case JSON_STRING:
-    return "a string";
-  case JSON_INTEGER:
-    return "an integer";
-  case JSON_REAL:
-    return "a non-integer number";
-  case JSON_TRUE:
-  case JSON_FALSE:
-    return "a boolean";
-  case JSON_NULL:
-    return "null";
-  }
-  return "an unknown value";
-}
 
 /* ------------------------------------------------------------------------ */
 /* Reading                                                                   */
@@ -91,7 +70,8 @@ static mtrain_status_t get_top_int(const json_ctx_t *c, const json_t *root, cons
   const json_t *v = json_object_get(root, key);
   if (!v) return mtrain_error(MTRAIN_ERR_FORMAT, "%s: missing key '%s'", c->origin, key);
   if (!json_is_integer(v))
-    return fail_at(c, MTRAIN_ERR_FORMAT, key, "expected an integer, found %s", type_name(v));
+    return fail_at(c, MTRAIN_ERR_FORMAT, key, "expected an integer, found %s",
+                   mtrain_json_type_name(v));
   json_int_t x = json_integer_value(v);
   if (x < lo || x > hi)
     return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, key, "%lld out of range [%lld, %lld]",
@@ -106,7 +86,8 @@ static mtrain_status_t get_int_array(const json_ctx_t *c, const json_t *arr, con
                                      int64_t **vals, int32_t *count) {
   char place[96];
   if (!json_is_array(arr))
-    return fail_at(c, MTRAIN_ERR_FORMAT, key, "expected an array, found %s", type_name(arr));
+    return fail_at(c, MTRAIN_ERR_FORMAT, key, "expected an array, found %s",
+                   mtrain_json_type_name(arr));
   size_t n = json_array_size(arr);
   if (n > INT32_MAX)
     return fail_at(c, MTRAIN_ERR_FORMAT, key, "%zu entries, more than 2^31 - 1", n);
@@ -117,7 +98,8 @@ static mtrain_status_t get_int_array(const json_ctx_t *c, const json_t *arr, con
     if (!json_is_integer(e)) {
       free(v);
       snprintf(place, sizeof place, "%s[%zu]", key, i);
-      return fail_at(c, MTRAIN_ERR_FORMAT, place, "expected an integer, found %s", type_name(e));
+      return fail_at(c, MTRAIN_ERR_FORMAT, place, "expected an integer, found %s",
+                     mtrain_json_type_name(e));
     }
     v[i] = (int64_t)json_integer_value(e);
   }
@@ -173,7 +155,7 @@ static mtrain_status_t get_block_pair(const json_ctx_t *c, const json_t *arr, si
   const json_t *e = json_array_get(arr, i);
   if (!json_is_array(e))
     return fail_at(c, MTRAIN_ERR_FORMAT, place,
-                   "expected a [query_block, key_block] pair, found %s", type_name(e));
+                   "expected a [query_block, key_block] pair, found %s", mtrain_json_type_name(e));
   if (json_array_size(e) != 2)
     return fail_at(c, MTRAIN_ERR_FORMAT, place,
                    "expected a [query_block, key_block] pair, found an array of %zu entries",
@@ -181,7 +163,7 @@ static mtrain_status_t get_block_pair(const json_ctx_t *c, const json_t *arr, si
   for (size_t k = 0; k < 2; k++)
     if (!json_is_integer(json_array_get(e, k)))
       return fail_at(c, MTRAIN_ERR_FORMAT, place, "entry %zu: expected an integer, found %s", k,
-                     type_name(json_array_get(e, k)));
+                     mtrain_json_type_name(json_array_get(e, k)));
   pair[0] = (int64_t)json_integer_value(json_array_get(e, 0));
   pair[1] = (int64_t)json_integer_value(json_array_get(e, 1));
   if (pair[0] < 0 || pair[0] >= nb)
@@ -204,7 +186,7 @@ static mtrain_status_t parse_mask_head(const json_ctx_t *c, const json_t *arr,
                                        mtrain_pattern_t *p) {
   if (!json_is_array(arr))
     return fail_at(c, MTRAIN_ERR_FORMAT, "block_mask", "expected an array, found %s",
-                   type_name(arr));
+                   mtrain_json_type_name(arr));
   int64_t nb = p->num_blocks;
   size_t n = json_array_size(arr);
   int64_t *off = calloc((size_t)nb + 1, sizeof *off);
@@ -231,7 +213,8 @@ cleanup:
 static mtrain_status_t parse_head(const json_ctx_t *c, const json_t *obj, mtrain_pattern_t *p) {
   static const char *const allowed[] = {"diagonals", "verticals", "block_mask", NULL};
   if (!json_is_object(obj))
-    return fail_at(c, MTRAIN_ERR_FORMAT, "", "expected an object, found %s", type_name(obj));
+    return fail_at(c, MTRAIN_ERR_FORMAT, "", "expected an object, found %s",
+                   mtrain_json_type_name(obj));
   mtrain_status_t st = check_keys(c, obj, "", allowed, "'diagonals', 'verticals', 'block_mask'");
   if (st != MTRAIN_SUCCESS) return st;
   const json_t *mask = json_object_get(obj, "block_mask");
@@ -248,7 +231,7 @@ static mtrain_status_t parse_top(const json_ctx_t *c, const json_t *root, const 
   static const char *const allowed[] = {"granularity", "seq_len", "heads", NULL};
   if (!json_is_object(root))
     return mtrain_error(MTRAIN_ERR_FORMAT, "%s: top level: expected an object, found %s", c->origin,
-                        type_name(root));
+                        mtrain_json_type_name(root));
   mtrain_status_t st =
       check_keys(c, root, "top level", allowed, "'granularity', 'seq_len', 'heads'");
   json_int_t g = 0, n = 0;
@@ -258,7 +241,8 @@ static mtrain_status_t parse_top(const json_ctx_t *c, const json_t *root, const 
   *heads = json_object_get(root, "heads");
   if (!*heads) return mtrain_error(MTRAIN_ERR_FORMAT, "%s: missing key 'heads'", c->origin);
   if (!json_is_array(*heads))
-    return fail_at(c, MTRAIN_ERR_FORMAT, "heads", "expected an array, found %s", type_name(*heads));
+    return fail_at(c, MTRAIN_ERR_FORMAT, "heads", "expected an array, found %s",
+                   mtrain_json_type_name(*heads));
   size_t nh = json_array_size(*heads);
   if (nh == 0)
     return fail_at(c, MTRAIN_ERR_FORMAT, "heads",

@@ -242,7 +242,7 @@ static void test_layer_not_an_object(void **state) {
   (void)state;
   CHECK_BAD("[{\"0\": " K "}, [" K "]]", MTRAIN_ERR_FORMAT, "layer 1: ", "expected an object");
   CHECK_BAD("[{\"0\": " K "}, {\"0\": " K "}, null]", MTRAIN_ERR_FORMAT, "layer 2: ", "found null");
-  CHECK_BAD("[" K "]", MTRAIN_ERR_FORMAT, "layer 0: ", "found a list");
+  CHECK_BAD("[" K "]", MTRAIN_ERR_FORMAT, "layer 0: ", "found an array");
 }
 
 static void test_empty_layer(void **state) {
@@ -334,7 +334,7 @@ static void test_wrong_element_types(void **state) {
       {"[\"vertical_and_slash\", 10.5, 20, 0.5]", "head \"0\"[1]: ", "non-integer number"},
       {"[\"vertical_and_slash\", 10, 20.0, 0.5]", "head \"0\"[2]: ", "s_size"},
       {"[\"vertical_and_slash\", 10, true, 0.5]", "head \"0\"[2]: ", "found a boolean"},
-      {"[\"vertical_and_slash\", [0.9, 10], 20, 0.5]", "head \"0\"[1]: ", "found a list"},
+      {"[\"vertical_and_slash\", [0.9, 10], 20, 0.5]", "head \"0\"[1]: ", "found an array"},
       {"[\"vertical_and_slash\", 10, 20, \"0.5\"]", "head \"0\"[3]: ", "score"},
       {"[\"vertical_and_slash\", 10, 20, null]", "head \"0\"[3]: ", "score"},
       {"[\"flex_vertical_and_slash\", 0.9, [0.9, 4096], 0.0]", "head \"0\"[1]: ", "pair"},
