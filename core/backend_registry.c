@@ -3,11 +3,17 @@
 #include <string.h>
 
 #include "backends/cpu/cpu_backend.h"
+#ifdef MTRAIN_HAVE_CUDA
+#include "backends/cuda/cuda_backend.h"
+#endif
 #include "mtrain/mtrain_backend.h"
 
 static const mtrain_backend_ops_t *const registry[] = {
     &mtrain_cpu_ref_backend,
     &mtrain_cpu_backend,
+#ifdef MTRAIN_HAVE_CUDA
+    &mtrain_cuda_backend,
+#endif
 };
 
 #define REGISTRY_SIZE ((int)(sizeof registry / sizeof registry[0]))

@@ -8,6 +8,10 @@
 #include <time.h>
 
 #include "context_internal.h"
+#if defined(MTRAIN_HAVE_CUDA) && defined(MTRAIN_HAVE_NCCL)
+#include "backends/cuda/cuda_backend.h"
+#include "mtrain/mtrain_nccl.h"
+#endif
 #include "error.h"
 
 /* The configuration fields every rank must agree on, in a fixed layout. */
@@ -54,6 +58,29 @@ static mtrain_status_t check_config_agrees(mtrain_context_t *ctx) {
   return st;
 }
 
+/* Device backends move device buffers through the ring: the communicator
+ * must be one that takes them (and is ordered after the backend's stream). */
+static mtrain_status_t bind_comm_to_backend(mtrain_context_t *ctx) {
+  const int is_cuda = strcmp(ctx->backend_name, "cuda") == 0;
+  const int is_nccl = strcmp(ctx->comm->ops->name, "nccl") == 0;
+  if (is_nccl && !is_cuda)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "context: the nccl communicator moves device memory and needs the 'cuda' "
+                        "backend, not '%s'",
+                        ctx->backend_name);
+  if (is_cuda && !is_nccl && mtrain_comm_size(ctx->comm) > 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "context: backend 'cuda' on %d ranks needs the nccl communicator "
+                        "(mtrain_comm_create_nccl*), not '%s'",
+                        mtrain_comm_size(ctx->comm), ctx->comm->ops->name);
+#if defined(MTRAIN_HAVE_CUDA) && defined(MTRAIN_HAVE_NCCL)
+  if (is_cuda && is_nccl)
+    return mtrain_comm_nccl_set_data_stream(ctx->comm,
+                                            mtrain_cuda_state_stream(ctx->backend_state));
+#endif
+  return MTRAIN_SUCCESS;
+}
+
 mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
                                       mtrain_context_t **out) {
   MTRAIN_CHECK_NOT_NULL(config);
@@ -88,6 +115,7 @@ mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm
     MTRAIN_FAIL_IF(!comm->ops, MTRAIN_ERR_INVALID_ARGUMENT, "context: communicator has no table");
     ctx->comm = comm;
     MTRAIN_TRY(check_config_agrees(ctx));
+    MTRAIN_TRY(bind_comm_to_backend(ctx));
   } else {
     MTRAIN_TRY(mtrain_comm_create_self(&ctx->own_comm));
     ctx->comm = ctx->own_comm;

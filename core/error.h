@@ -7,6 +7,10 @@
 
 #include "mtrain/mtrain.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #if defined(__GNUC__)
 #define MTRAIN_PRINTF(a, b) __attribute__((format(printf, a, b)))
 #else
@@ -43,5 +47,9 @@ mtrain_status_t mtrain_error_prefix(mtrain_status_t status, const char *fmt, ...
     if ((ptr) == NULL)                                                                             \
       return mtrain_error(MTRAIN_ERR_NULL_POINTER, "%s: argument '%s' is NULL", __func__, #ptr);   \
   } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* MTRAIN_CORE_ERROR_H */

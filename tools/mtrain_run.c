@@ -1,8 +1,11 @@
 /* mtrain_run.c: the main job, single-rank form: sparse attention forward and
- * backward on generated or .npy inputs with a fixed or dense pattern, timed,
- * optionally checked against the fp64 reference and written out, with a text
- * or JSON report. (The multi-rank form under mpiexec comes with the
- * distributed ring.) */
+ * backward on generated or .npy inputs with a fixed, dense or estimated
+ * pattern, timed, optionally checked against the fp64 reference and written
+ * out, with a text or JSON report. With --backend cuda the inputs are
+ * copied to the device, the pattern is estimated and the attention computed
+ * there, and the outputs are copied back for the check and the files. The
+ * multi-rank form under mpiexec is run_ring.c (CPU backends; cuda there
+ * needs the NCCL communicator). */
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -12,6 +15,7 @@
 #include <sys/stat.h>
 
 #include "mtrain/mtrain.h"
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_io.h"
 #include "run_common.h"
 #include "run_inputs.h"
@@ -32,50 +36,13 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* The per-head budgets the options ask for (malloc'ed, heads entries). */
-int run_make_budgets(const run_options_t *o, int32_t heads, mtrain_head_budget_t **out) {
-  mtrain_head_budget_t *b = calloc((size_t)heads, sizeof *b);
-  mtrain_budgets_t *file = NULL;
-  int rc = b == NULL;
-  if (!rc && o->budgets_path) {
-    rc = tool_failed(prog, o->budgets_path, mtrain_budgets_read(o->budgets_path, &file));
-    if (!rc && mtrain_budgets_num_heads(file, o->layer) != heads) {
-      fprintf(stderr,
-              "%s: %s: layer %d has %d heads (of %d layers), the inputs have %d query heads\n",
-              prog, o->budgets_path, o->layer, mtrain_budgets_num_heads(file, o->layer),
-              mtrain_budgets_num_layers(file), heads);
-      rc = 1;
-    }
-  }
-  for (int32_t h = 0; h < heads && !rc; h++) {
-    if (file) {
-      rc = tool_failed(prog, o->budgets_path, mtrain_budgets_get(file, o->layer, h, &b[h]));
-    } else if (o->top_p > 0) {
-      b[h].kind = MTRAIN_BUDGET_TOP_P;
-      b[h].p_v = b[h].p_s = o->top_p;
-      b[h].cap_v = b[h].cap_s = o->top_p_cap;
-    } else {
-      b[h].kind = MTRAIN_BUDGET_TOP_K;
-      b[h].v_size = o->v_size;
-      b[h].s_size = o->s_size;
-    }
-  }
-  mtrain_budgets_destroy(file);
-  if (rc) {
-    free(b);
-    return 1;
-  }
-  *out = b;
-  return 0;
-}
-
 /* The pattern: estimated online from q and k, read from a file, or dense;
  * it must agree with the inputs. */
 static int make_pattern(mtrain_context_t *ctx, const run_options_t *o, run_inputs_t *in,
                         mtrain_pattern_t **out, run_result_t *r) {
   if (run_options_estimate(o)) {
     mtrain_head_budget_t *budgets = NULL;
-    if (run_make_budgets(o, in->heads, &budgets)) return 1;
+    if (run_make_budgets(prog, o, in->heads, &budgets)) return 1;
     mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
     eo.last_q = o->last_q;
     const double t0 = tool_now();
@@ -113,6 +80,17 @@ static int make_context(const char *backend, const run_options_t *o, mtrain_cont
   cfg.num_threads = o->threads;
   cfg.check_inputs = 1;
   return tool_failed(prog, "creating the context", mtrain_context_create(&cfg, NULL, ctx));
+}
+
+/* The "cuda" backend's set-up: the kernel variant asked for, and device
+ * copies of the inputs. */
+static int setup_cuda(mtrain_context_t *ctx, const run_options_t *o, const run_inputs_t *in,
+                      run_inputs_t *dev) {
+  if (o->cuda_variant != RUN_CUDA_VARIANT_UNSET &&
+      tool_failed(prog, "--cuda-variant",
+                  mtrain_cuda_set_variant(ctx, (mtrain_cuda_variant_t)o->cuda_variant)))
+    return 1;
+  return run_inputs_to_device(in, dev);
 }
 
 /* Forward (and backward) on one context with tensors of in->dtype. */
@@ -230,6 +208,9 @@ static void report_text(const run_options_t *o, const run_inputs_t *in, const ru
     printf("  estimate   %.3f ms (last %d queries), %.1f%% of the forward time\n",
            1e3 * r->t_estimate, o->last_q, 100.0 * r->t_estimate / r->t_fwd);
   printf("  plan       %.3f ms, %.1f KiB\n", 1e3 * r->t_plan, (double)r->plan_bytes / 1024.0);
+  if (r->cuda_variant >= 0)
+    printf("  cuda       kernel variant %d (%s)\n", r->cuda_variant,
+           r->cuda_variant == MTRAIN_CUDA_VARIANT_MMA ? "tensor cores" : "SIMT");
   printf("  forward    %.3f ms, %.2f effective GFLOP/s\n", 1e3 * r->t_fwd,
          fwd_flops / r->t_fwd * 1e-9);
   if (!o->forward_only)
@@ -248,6 +229,7 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
   const double fwd_flops = tool_fwd_flops(r->pairs, in->head_dim);
   json_t *j = json_object();
   json_object_set_new(j, "backend", json_string(o->backend));
+  if (r->cuda_variant >= 0) json_object_set_new(j, "cuda_variant", json_integer(r->cuda_variant));
   json_object_set_new(j, "dtype", json_string(mtrain_dtype_name(in->q.dtype)));
   json_object_set_new(j, "world", json_integer(1));
   json_object_set_new(j, "seq_len", json_integer(in->tokens));
@@ -294,19 +276,26 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
 #include "run_ring.h"
 #endif
 
-/* The single-rank run: whole tensors, no layout. */
+/* The single-rank run: whole tensors, no layout. With the "cuda" backend
+ * the estimate and the attention run on device copies of the inputs, and
+ * the outputs come back to the host for the check and the files. */
 static int run_single(const run_options_t *o_in) {
   run_options_t o = *o_in;
+  const int device = strcmp(o.backend, "cuda") == 0;
   int rc = 0;
-  run_inputs_t in = {0};
-  run_outputs_t out = {0};
+  run_inputs_t in = {0}, dev_in = {0};
+  run_outputs_t out = {0}, dev_out = {0};
   run_result_t r = {0};
+  r.cuda_variant = -1;
   mtrain_pattern_t *pattern = NULL;
   mtrain_context_t *ctx = NULL;
   mtrain_plan_t *plan = NULL;
+  run_inputs_t *work_in = device ? &dev_in : &in;
+  run_outputs_t *work_out = device ? &dev_out : &out;
   rc = run_inputs_load_or_generate(&o, &in);
   if (!rc) rc = make_context(o.backend, &o, &ctx);
-  if (!rc) rc = make_pattern(ctx, &o, &in, &pattern, &r);
+  if (!rc && device) rc = setup_cuda(ctx, &o, &in, &dev_in);
+  if (!rc) rc = make_pattern(ctx, &o, work_in, &pattern, &r);
   if (!rc) {
     const mtrain_pattern_t *pats[1] = {pattern};
     double t0 = tool_now();
@@ -318,8 +307,13 @@ static int run_single(const run_options_t *o_in) {
     r.dense_pairs = (long long)in.heads * in.tokens * (in.tokens + 1) / 2;
     r.plan_bytes = mtrain_plan_bytes(plan);
     rc = run_outputs_alloc(&in, in.q.dtype, &out);
+    if (!rc && device) rc = run_outputs_alloc_device(&in, in.q.dtype, &dev_out);
   }
-  if (!rc) rc = run_attention(ctx, plan, &in, &out, &o, &r);
+  if (!rc) rc = run_attention(ctx, plan, work_in, work_out, &o, &r);
+  if (!rc && device) {
+    r.cuda_variant = mtrain_cuda_last_variant(ctx);
+    if (o.check || o.out_dir) rc = run_outputs_download(&dev_out, &out, o.forward_only ? 2 : 5);
+  }
   if (!rc && o.check) rc = check_against_reference(&o, pattern, &in, &out, &r);
   if (!rc && o.out_dir) rc = write_outputs(&o, &out, pattern);
   if (!rc) {
@@ -328,6 +322,8 @@ static int run_single(const run_options_t *o_in) {
     else
       report_text(&o, &in, &r);
   }
+  run_outputs_free_device(&dev_out);
+  run_inputs_free_device(&dev_in);
   run_outputs_free(&out);
   run_inputs_free(&in);
   mtrain_plan_destroy(plan);
@@ -348,7 +344,17 @@ int main(int argc, char **argv) {
   int rc = run_options_parse(argc, argv, &o);
   if (rc == 0) {
 #ifdef MTRAIN_HAVE_MPI
-    rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);
+    if (world > 1 && strcmp(o.backend, "cuda") == 0) {
+      /* every rank has the same command line: all of them stop here */
+      if (rank == 0)
+        fprintf(stderr,
+                "%s: --backend cuda on %d ranks: not supported yet: cuda with several "
+                "ranks needs the NCCL communicator (issue 7); run it on one rank\n",
+                prog, world);
+      rc = 1;
+    } else {
+      rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);
+    }
 #else
     rc = run_single(&o);
 #endif

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_inputs.h"
 #include "mtrain/mtrain_io.h"
 #include "tool_common.h"
@@ -143,6 +144,72 @@ void run_outputs_free(run_outputs_t *out) {
   free(out->dq.data);
   free(out->dk.data);
   free(out->dv.data);
+  *out = (run_outputs_t){0};
+}
+
+/* ---- device copies (the "cuda" backend) ---- */
+
+/* A device tensor shaped like `like` (dtype `dtype`), uninitialised. */
+static int alloc_device(const mtrain_tensor_t *like, mtrain_dtype_t dtype, mtrain_tensor_t *t) {
+  *t = *like;
+  t->dtype = dtype;
+  t->data = NULL;
+  const size_t bytes = mtrain_dtype_size(dtype) * (size_t)mtrain_tensor_numel(t);
+  if (tool_failed(prog, "allocating device memory", mtrain_cuda_malloc(bytes, &t->data))) {
+    t->data = NULL;
+    return 1;
+  }
+  return 0;
+}
+
+/* A device copy of a host tensor. */
+static int upload(const mtrain_tensor_t *host, mtrain_tensor_t *dev) {
+  if (alloc_device(host, host->dtype, dev)) return 1;
+  const size_t bytes = mtrain_dtype_size(host->dtype) * (size_t)mtrain_tensor_numel(host);
+  return tool_failed(prog, "copying an input to the device",
+                     mtrain_cuda_memcpy_to_device(dev->data, host->data, bytes));
+}
+
+int run_inputs_to_device(const run_inputs_t *host, run_inputs_t *dev) {
+  *dev = *host;
+  dev->q.data = dev->k.data = dev->v.data = dev->dout.data = NULL;
+  return upload(&host->q, &dev->q) || upload(&host->k, &dev->k) || upload(&host->v, &dev->v) ||
+         upload(&host->dout, &dev->dout);
+}
+
+void run_inputs_free_device(run_inputs_t *dev) {
+  mtrain_cuda_free(dev->q.data);
+  mtrain_cuda_free(dev->k.data);
+  mtrain_cuda_free(dev->v.data);
+  mtrain_cuda_free(dev->dout.data);
+  *dev = (run_inputs_t){0};
+}
+
+int run_outputs_alloc_device(const run_inputs_t *in, mtrain_dtype_t dtype, run_outputs_t *out) {
+  *out = (run_outputs_t){0};
+  const mtrain_tensor_t lse = mtrain_tensor_2d(NULL, MTRAIN_F32, in->tokens, in->heads);
+  return alloc_device(&in->q, dtype, &out->o) || alloc_device(&lse, MTRAIN_F32, &out->lse) ||
+         alloc_device(&in->q, dtype, &out->dq) || alloc_device(&in->k, dtype, &out->dk) ||
+         alloc_device(&in->k, dtype, &out->dv);
+}
+
+int run_outputs_download(const run_outputs_t *dev, run_outputs_t *host, int count) {
+  for (int t = 0; t < count; t++) {
+    const mtrain_tensor_t *d = run_outputs_get(dev, t), *h = run_outputs_get(host, t);
+    const size_t bytes = mtrain_dtype_size(d->dtype) * (size_t)mtrain_tensor_numel(d);
+    if (tool_failed(prog, "copying an output from the device",
+                    mtrain_cuda_memcpy_to_host(h->data, d->data, bytes)))
+      return 1;
+  }
+  return 0;
+}
+
+void run_outputs_free_device(run_outputs_t *out) {
+  mtrain_cuda_free(out->o.data);
+  mtrain_cuda_free(out->lse.data);
+  mtrain_cuda_free(out->dq.data);
+  mtrain_cuda_free(out->dk.data);
+  mtrain_cuda_free(out->dv.data);
   *out = (run_outputs_t){0};
 }
 

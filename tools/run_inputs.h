@@ -1,5 +1,6 @@
 /* run_inputs.h: mtrain-run's tensors: inputs read from .npy or generated
- * from a seed, outputs allocated to match, comparison and writing. */
+ * from a seed, outputs allocated to match, their device copies for the
+ * "cuda" backend, comparison and writing. */
 #ifndef MTRAIN_RUN_INPUTS_H
 #define MTRAIN_RUN_INPUTS_H
 
@@ -30,6 +31,19 @@ int run_outputs_alloc(const run_inputs_t *in, mtrain_dtype_t dtype, run_outputs_
 /** Output t in the order o, lse, dq, dk, dv. */
 const mtrain_tensor_t *run_outputs_get(const run_outputs_t *out, int t);
 void run_outputs_free(run_outputs_t *out);
+
+/** Device copies (the "cuda" backend's memory) of the inputs: same shapes
+ *  and dtype, data in device memory. Returns 0 or 1 (message printed). */
+int run_inputs_to_device(const run_inputs_t *host, run_inputs_t *dev);
+/** Frees device inputs from run_inputs_to_device. */
+void run_inputs_free_device(run_inputs_t *dev);
+/** Outputs like run_outputs_alloc, in device memory. */
+int run_outputs_alloc_device(const run_inputs_t *in, mtrain_dtype_t dtype, run_outputs_t *out);
+/** Copies the first `count` device outputs (in the order o, lse, dq, dk, dv)
+ *  into host outputs of the same shapes. Returns 0 or 1 (message printed). */
+int run_outputs_download(const run_outputs_t *dev, run_outputs_t *host, int count);
+/** Frees device outputs from run_outputs_alloc_device. */
+void run_outputs_free_device(run_outputs_t *out);
 
 /** max |a - ref| and max |ref| over the tensors (any dtypes, same shape);
  *  NaN gives an infinite error. */

@@ -33,7 +33,10 @@ static const char usage[] =
     "  --ranks-per-node n    ranks per node of the hierarchical ring (default: the\n"
     "                        ranks that share memory, from MPI)\n"
     "Computation:\n"
-    "  --backend cpu|cpu-ref (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
+    "  --backend cpu|cpu-ref|cuda (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
+    "  --cuda-variant auto|0|1  CUDA kernel variant: 0 SIMT, 1 tensor cores (bf16/fp16,\n"
+    "                        d 64/128); default: MTRAIN_CUDA_VARIANT or auto. cuda runs on\n"
+    "                        one rank for now (several ranks need the NCCL communicator)\n"
     "  --threads T           OpenMP threads (default: OpenMP's)\n"
     "  --forward-only        skip the backward\n"
     "  --repeat R            time R runs, report the median (default 1)\n"
@@ -79,6 +82,7 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   o->last_q = 64;
   o->input = "structured";
   o->layout = "striped";
+  o->cuda_variant = RUN_CUDA_VARIANT_UNSET;
   static const struct option longs[] = {{"q", required_argument, 0, 'q'},
                                         {"k", required_argument, 0, 'k'},
                                         {"v", required_argument, 0, 'v'},
@@ -110,6 +114,7 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
                                         {"layout", required_argument, 0, 'y'},
                                         {"schedule", required_argument, 0, 'x'},
                                         {"ranks-per-node", required_argument, 0, 'R'},
+                                        {"cuda-variant", required_argument, 0, 'u'},
                                         {0, 0, 0, 0}};
   int c, bad = 0;
   int64_t seed = 0;
@@ -226,6 +231,16 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
     case 'R':
       bad = parse_i32("ranks-per-node", optarg, 1, 1 << 20, &o->ranks_per_node);
       break;
+    case 'u':
+      if (strcmp(optarg, "auto") == 0) {
+        o->cuda_variant = -1;
+      } else if (strcmp(optarg, "0") == 0 || strcmp(optarg, "1") == 0) {
+        o->cuda_variant = optarg[0] - '0';
+      } else {
+        fprintf(stderr, "mtrain-run: --cuda-variant '%s': expected auto, 0 or 1\n", optarg);
+        bad = 1;
+      }
+      break;
     case 'h':
       fputs(usage, stdout);
       return 2;
@@ -261,6 +276,10 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   }
   if ((o->budgets_path != NULL) != (o->layer >= 0)) {
     fprintf(stderr, "mtrain-run: --budgets and --layer must be given together\n");
+    return 1;
+  }
+  if (o->cuda_variant != RUN_CUDA_VARIANT_UNSET && strcmp(o->backend, "cuda") != 0) {
+    fprintf(stderr, "mtrain-run: --cuda-variant needs --backend cuda\n");
     return 1;
   }
   if (files == 0 && o->heads % o->kv_heads != 0) {

@@ -24,10 +24,15 @@ typedef struct run_options {
   int hierarchical;       /* --schedule hier */
   int32_t ranks_per_node; /* 0: detected (the ranks that share memory) */
   const char *backend;
+  int cuda_variant; /* --cuda-variant: -1 auto, 0, 1; RUN_CUDA_VARIANT_UNSET when not given */
   mtrain_dtype_t dtype;
   const char *out_dir;
   int check, json, forward_only, repeat;
 } run_options_t;
+
+/** run_options_t.cuda_variant when --cuda-variant was not given (the
+ *  backend's default: MTRAIN_CUDA_VARIANT or auto). */
+#define RUN_CUDA_VARIANT_UNSET (-2)
 
 /** 1 when the options ask for online estimation. */
 static inline int run_options_estimate(const run_options_t *o) {

@@ -99,7 +99,7 @@ static int make_pattern(ring_run_t *rr) {
   const run_options_t *o = rr->o;
   if (run_options_estimate(o)) {
     mtrain_head_budget_t *budgets = NULL;
-    if (run_make_budgets(o, rr->full.heads, &budgets)) return 1;
+    if (run_make_budgets(prog, o, rr->full.heads, &budgets)) return 1;
     mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
     eo.last_q = o->last_q;
     MPI_Barrier(MPI_COMM_WORLD);

@@ -1,0 +1,440 @@
+/* cuda_backend.c: the "cuda" backend table: state (device, stream, staging
+ * slots, scratch), memory operations on caller-owned device memory, the
+ * variant dispatch of the attention steps, and the public mtrain_cuda_*
+ * functions. Kernels live in the .cu files; the step metadata upload in
+ * cuda_step.c. Every CUDA error is mapped to a status here (cuda_check). */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_internal.h"
+#include "core/context_internal.h"
+#include "core/error.h"
+#include "mtrain/mtrain_cuda.h"
+#ifdef MTRAIN_HAVE_NCCL
+#include "mtrain/mtrain_nccl.h"
+#endif
+
+#define CUDA_MAX_HEAD_DIM 256
+
+mtrain_status_t cuda_check(int err, const char *what) {
+  if (err == cudaSuccess) return MTRAIN_SUCCESS;
+  cudaGetLastError(); /* clear a non-sticky error so the context stays usable */
+  const cudaError_t e = (cudaError_t)err;
+  if (e == cudaErrorMemoryAllocation)
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda: %s: out of memory on the device (%s)",
+                        what, cudaGetErrorString(e));
+  return mtrain_error(MTRAIN_ERR_BACKEND, "cuda: %s failed: %s (%s)", what, cudaGetErrorName(e),
+                      cudaGetErrorString(e));
+}
+
+mtrain_status_t cuda_check_launch(const char *kernel) {
+  return cuda_check((int)cudaGetLastError(), kernel);
+}
+
+static cudaStream_t stream_of(const cuda_state_t *s) { return (cudaStream_t)s->stream; }
+
+void *mtrain_cuda_state_stream(void *state) { return ((cuda_state_t *)state)->stream; }
+
+/* ---- state ---------------------------------------------------------------- */
+
+static mtrain_status_t parse_variant_env(int *variant) {
+  const char *e = getenv("MTRAIN_CUDA_VARIANT");
+  *variant = MTRAIN_CUDA_VARIANT_AUTO;
+  if (!e || !*e || strcmp(e, "auto") == 0) return MTRAIN_SUCCESS;
+  if (strcmp(e, "0") == 0)
+    *variant = MTRAIN_CUDA_VARIANT_SIMT;
+  else if (strcmp(e, "1") == 0)
+    *variant = MTRAIN_CUDA_VARIANT_MMA;
+  else
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "environment variable MTRAIN_CUDA_VARIANT='%s': expected auto, 0 or 1", e);
+  return MTRAIN_SUCCESS;
+}
+
+static void cuda_fini(void *state) {
+  cuda_state_t *s = state;
+  if (!s) return;
+  cudaSetDevice(s->device);
+  if (s->stream) cudaStreamSynchronize(stream_of(s));
+  for (int i = 0; i < CUDA_STAGE_SLOTS; i++) {
+    if (s->slots[i].event) cudaEventDestroy((cudaEvent_t)s->slots[i].event);
+    if (s->slots[i].host) cudaFreeHost(s->slots[i].host);
+    if (s->slots[i].dev) cudaFree(s->slots[i].dev);
+  }
+  if (s->scratch) cudaFree(s->scratch);
+  if (s->own_stream) cudaStreamDestroy((cudaStream_t)s->own_stream);
+  free(s);
+}
+
+static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return mtrain_error(MTRAIN_ERR_BACKEND, "backend 'cuda': no CUDA device is usable here (%s)",
+                        e != cudaSuccess ? cudaGetErrorString(e) : "no device found");
+  }
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  cuda_state_t *s = calloc(1, sizeof *s);
+  if (!s) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "backend 'cuda': out of host memory");
+  MTRAIN_TRY(parse_variant_env(&s->variant));
+  s->last_variant = -1;
+  s->deterministic = config->deterministic;
+  MTRAIN_TRY(cuda_check(cudaGetDevice(&s->device), "cudaGetDevice"));
+  struct cudaDeviceProp prop;
+  MTRAIN_TRY(cuda_check(cudaGetDeviceProperties(&prop, s->device), "cudaGetDeviceProperties"));
+  s->num_sms = prop.multiProcessorCount;
+  s->max_smem_optin = prop.sharedMemPerBlockOptin;
+  cudaStream_t own = NULL;
+  MTRAIN_TRY(cuda_check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking),
+                        "cudaStreamCreateWithFlags"));
+  s->own_stream = own;
+  s->stream = own;
+  for (int i = 0; i < CUDA_STAGE_SLOTS; i++) {
+    cudaEvent_t ev = NULL;
+    MTRAIN_TRY(cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+                          "cudaEventCreateWithFlags"));
+    s->slots[i].event = ev;
+  }
+  *state = s;
+  return MTRAIN_SUCCESS;
+cleanup:
+  cuda_fini(s);
+  return st;
+}
+
+static mtrain_status_t cuda_supports(void *state, mtrain_dtype_t dtype, int32_t head_dim) {
+  (void)state;
+  if (dtype != MTRAIN_F32 && dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE,
+                        "backend 'cuda' computes fp32, bf16 and fp16 inputs, not %s",
+                        mtrain_dtype_name(dtype));
+  if (head_dim < 32 || head_dim > CUDA_MAX_HEAD_DIM || head_dim % 32 != 0)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM,
+                        "backend 'cuda' supports head_dim 32, 64, ..., %d (a multiple of 32), "
+                        "got %d",
+                        CUDA_MAX_HEAD_DIM, head_dim);
+  return MTRAIN_SUCCESS;
+}
+
+/* ---- memory ---------------------------------------------------------------- */
+
+static mtrain_status_t cuda_alloc(void *state, size_t bytes, void **ptr) {
+  (void)state;
+  void *p = NULL;
+  cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    if (e == cudaErrorMemoryAllocation)
+      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY,
+                          "cuda: out of memory on the device allocating %zu bytes", bytes);
+    return cuda_check((int)e, "cudaMalloc");
+  }
+  *ptr = p;
+  return MTRAIN_SUCCESS;
+}
+
+static void cuda_free(void *state, void *ptr) {
+  cuda_state_t *s = state;
+  if (!ptr) return;
+  /* the memory may still be read by queued work */
+  cudaStreamSynchronize(stream_of(s));
+  cudaFree(ptr);
+}
+
+static mtrain_status_t cuda_memset_zero(void *state, void *ptr, size_t bytes) {
+  return cuda_check(cudaMemsetAsync(ptr, 0, bytes, stream_of(state)), "cudaMemsetAsync");
+}
+
+static mtrain_status_t cuda_copy_to_host(void *state, void *host_dst, const void *src,
+                                         size_t bytes) {
+  cuda_state_t *s = state;
+  mtrain_status_t st = cuda_check(
+      cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(s)), "copy to host");
+  return st ? st : cuda_check(cudaStreamSynchronize(stream_of(s)), "copy to host (sync)");
+}
+
+static mtrain_status_t cuda_copy_from_host(void *state, void *dst, const void *host_src,
+                                           size_t bytes) {
+  cuda_state_t *s = state;
+  mtrain_status_t st =
+      cuda_check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_of(s)),
+                 "copy from host");
+  /* the host buffer may be reused by the caller as soon as we return */
+  return st ? st : cuda_check(cudaStreamSynchronize(stream_of(s)), "copy from host (sync)");
+}
+
+static mtrain_status_t cuda_copy(void *state, void *dst, const void *src, size_t bytes) {
+  return cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(state)),
+                    "device copy");
+}
+
+static mtrain_status_t cuda_synchronize(void *state) {
+  return cuda_check(cudaStreamSynchronize(stream_of(state)), "cudaStreamSynchronize");
+}
+
+mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out) {
+  if (bytes > s->scratch_cap) {
+    if (s->scratch) {
+      cudaStreamSynchronize(stream_of(s));
+      cudaFree(s->scratch);
+      s->scratch = NULL;
+      s->scratch_cap = 0;
+    }
+    mtrain_status_t st = cuda_alloc(s, bytes, &s->scratch);
+    if (st) return st;
+    s->scratch_cap = bytes;
+  }
+  *out = s->scratch;
+  return MTRAIN_SUCCESS;
+}
+
+/* Device memory check of a caller pointer (host memory would crash a kernel). */
+static mtrain_status_t check_device_ptr(const void *p, const char *name) {
+  if (!p) return MTRAIN_SUCCESS;
+  struct cudaPointerAttributes attr;
+  cudaError_t e = cudaPointerGetAttributes(&attr, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "backend 'cuda': %s is not a CUDA pointer (%s); the cuda backend takes "
+                        "device memory",
+                        name, cudaGetErrorString(e));
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "backend 'cuda': %s is host memory; the cuda backend takes device memory "
+                        "(cudaMalloc or mtrain_cuda_malloc)",
+                        name);
+  return MTRAIN_SUCCESS;
+}
+
+/* ---- attention dispatch -------------------------------------------------------- */
+
+/* Variant 1 loads rows with 16-byte copies. */
+static int aligned16(const void *a, const void *b, const void *c, const void *e) {
+  return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)e) & 15u) == 0;
+}
+
+static mtrain_status_t pick_variant(cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, int32_t G,
+                                    int aligned, int *variant) {
+  const char *why = NULL;
+  int mma_ok = cuda_mma_supports(dtype, d, G, &why);
+  if (mma_ok && !aligned) {
+    mma_ok = 0;
+    why = "q, k, v (and dout) must be 16-byte aligned";
+  }
+  if (s->variant == MTRAIN_CUDA_VARIANT_MMA && !mma_ok)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 (mma) cannot compute this: %s",
+                        why ? why : "unsupported");
+  if (s->variant == MTRAIN_CUDA_VARIANT_SIMT)
+    *variant = 0;
+  else
+    *variant = mma_ok ? 1 : 0;
+  s->last_variant = *variant;
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t cuda_fwd_init_op(void *state, void *o_acc, void *lse_acc, int64_t rows,
+                                        int32_t num_heads, int32_t head_dim) {
+  return cuda_fwd_init(state, o_acc, lse_acc, rows, num_heads, head_dim);
+}
+
+static mtrain_status_t cuda_fwd_step(void *state, const mtrain_fwd_step_args_t *a) {
+  cuda_state_t *s = state;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  int variant = 0, slot = -1;
+  cuda_step_t step;
+  MTRAIN_TRY(check_device_ptr(a->q, "q"));
+  MTRAIN_TRY(check_device_ptr(a->k, "k"));
+  MTRAIN_TRY(check_device_ptr(a->v, "v"));
+  MTRAIN_TRY(pick_variant(s, a->dtype, a->head_dim, a->view->granularity,
+                          aligned16(a->q, a->k, a->v, a->q), &variant));
+  MTRAIN_TRY(cuda_step_upload(s, a->view, a->num_kv_heads, a->head_dim, a->scale, 0, &step, &slot));
+  MTRAIN_TRY(variant == 1 ? cuda_mma_fwd(s, &step, a) : cuda_simt_fwd(s, &step, a));
+cleanup:
+  if (slot >= 0) {
+    mtrain_status_t st2 = cuda_step_release(s, slot);
+    if (!st) st = st2;
+  }
+  return st;
+}
+
+static mtrain_status_t cuda_bwd_prepare(void *state, const void *o, const void *dout,
+                                        mtrain_dtype_t dtype, void *delta_acc, int64_t rows,
+                                        int32_t num_heads, int32_t head_dim) {
+  mtrain_status_t st = check_device_ptr(o, "o");
+  if (!st) st = check_device_ptr(dout, "dout");
+  if (st) return st;
+  return cuda_bwd_delta(state, o, dout, dtype, delta_acc, rows, num_heads, head_dim);
+}
+
+static mtrain_status_t cuda_bwd_step(void *state, const mtrain_bwd_step_args_t *a) {
+  cuda_state_t *s = state;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  int variant = 0, slot = -1;
+  cuda_step_t step;
+  MTRAIN_TRY(check_device_ptr(a->q, "q"));
+  MTRAIN_TRY(check_device_ptr(a->k, "k"));
+  MTRAIN_TRY(check_device_ptr(a->v, "v"));
+  MTRAIN_TRY(check_device_ptr(a->dout, "dout"));
+  MTRAIN_TRY(pick_variant(s, a->dtype, a->head_dim, a->view->granularity,
+                          aligned16(a->q, a->k, a->v, a->dout), &variant));
+  MTRAIN_TRY(cuda_step_upload(s, a->view, a->num_kv_heads, a->head_dim, a->scale, 1, &step, &slot));
+  float *dk_bar = NULL, *dv_bar = NULL;
+  if (step.total_bars > 0) {
+    void *scr = NULL;
+    const size_t n = (size_t)step.total_bars * (size_t)a->head_dim;
+    MTRAIN_TRY(cuda_scratch(s, 2 * n * sizeof(float), &scr));
+    dk_bar = scr;
+    dv_bar = dk_bar + n;
+  }
+  MTRAIN_TRY(variant == 1 ? cuda_mma_bwd(s, &step, a, dk_bar, dv_bar)
+                          : cuda_simt_bwd(s, &step, a, dk_bar, dv_bar));
+  if (step.total_bars > 0)
+    MTRAIN_TRY(cuda_bars_reduce(s, &step, dk_bar, dv_bar, a->dk_acc, a->dv_acc));
+cleanup:
+  if (slot >= 0) {
+    mtrain_status_t st2 = cuda_step_release(s, slot);
+    if (!st) st = st2;
+  }
+  return st;
+}
+
+static mtrain_status_t cuda_convert_op(void *state, const void *src, mtrain_dtype_t src_dtype,
+                                       void *dst, mtrain_dtype_t dst_dtype, int64_t count) {
+  mtrain_status_t st = check_device_ptr(dst, "output tensor");
+  return st ? st : cuda_convert(state, src, src_dtype, dst, dst_dtype, count);
+}
+
+static mtrain_status_t cuda_find_nonfinite_op(void *state, const void *ptr, mtrain_dtype_t dtype,
+                                              int64_t count, int64_t *bad_index) {
+  mtrain_status_t st = check_device_ptr(ptr, "input tensor");
+  return st ? st : cuda_find_nonfinite(state, ptr, dtype, count, bad_index);
+}
+
+static mtrain_status_t cuda_add_op(void *state, void *dst, const void *src, mtrain_dtype_t dtype,
+                                   int64_t count) {
+  return cuda_add(state, dst, src, dtype, count);
+}
+
+static mtrain_status_t cuda_permute_op(void *state, void *dst, const void *src, size_t row_bytes,
+                                       const int64_t *index, int64_t count, int64_t other_rows,
+                                       int scatter) {
+  return cuda_permute(state, dst, src, row_bytes, index, count, other_rows, scatter);
+}
+
+static mtrain_status_t cuda_scores_op(void *state, const mtrain_scores_args_t *a) {
+  return cuda_pattern_scores(state, a);
+}
+
+const mtrain_backend_ops_t mtrain_cuda_backend = {
+    .api_version = MTRAIN_API_VERSION,
+    .name = "cuda",
+    .acc_dtype = MTRAIN_F32,
+    .init = cuda_init,
+    .fini = cuda_fini,
+    .supports = cuda_supports,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .memset_zero = cuda_memset_zero,
+    .copy_to_host = cuda_copy_to_host,
+    .copy_from_host = cuda_copy_from_host,
+    .copy = cuda_copy,
+    .add = cuda_add_op,
+    .permute = cuda_permute_op,
+    .convert = cuda_convert_op,
+    .find_nonfinite = cuda_find_nonfinite_op,
+    .attn_fwd_init = cuda_fwd_init_op,
+    .attn_fwd_step = cuda_fwd_step,
+    .attn_bwd_prepare = cuda_bwd_prepare,
+    .attn_bwd_step = cuda_bwd_step,
+    .pattern_scores = cuda_scores_op,
+    .synchronize = cuda_synchronize,
+};
+
+/* ---- public functions (mtrain_cuda.h) ---------------------------------------- */
+
+static mtrain_status_t cuda_state_of(const mtrain_context_t *ctx, cuda_state_t **out) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  if (ctx->backend != &mtrain_cuda_backend)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "the context uses backend '%s', not 'cuda'",
+                        ctx->backend_name);
+  *out = ctx->backend_state;
+  return MTRAIN_SUCCESS;
+}
+
+int mtrain_cuda_device_count(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream) {
+  cuda_state_t *s = NULL;
+  mtrain_status_t st = cuda_state_of(ctx, &s);
+  if (st) return st;
+  /* work queued on the old stream completes before the new one is used */
+  st = cuda_check(cudaStreamSynchronize(stream_of(s)), "cudaStreamSynchronize");
+  if (st) return st;
+  s->stream = stream ? stream : s->own_stream;
+#ifdef MTRAIN_HAVE_NCCL
+  /* the ring's transfers follow the compute of the new stream */
+  if (mtrain_comm_is_nccl(ctx->comm)) return mtrain_comm_nccl_set_data_stream(ctx->comm, s->stream);
+#endif
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant) {
+  cuda_state_t *s = NULL;
+  mtrain_status_t st = cuda_state_of(ctx, &s);
+  if (st) return st;
+  if (variant != MTRAIN_CUDA_VARIANT_AUTO && variant != MTRAIN_CUDA_VARIANT_SIMT &&
+      variant != MTRAIN_CUDA_VARIANT_MMA)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "cuda variant %d: expected -1 (auto), 0 or 1",
+                        (int)variant);
+  s->variant = variant;
+  return MTRAIN_SUCCESS;
+}
+
+int mtrain_cuda_last_variant(const mtrain_context_t *ctx) {
+  cuda_state_t *s = NULL;
+  if (cuda_state_of(ctx, &s)) return -1;
+  return s->last_variant;
+}
+
+mtrain_status_t mtrain_cuda_malloc(size_t bytes, void **ptr) {
+  MTRAIN_CHECK_NOT_NULL(ptr);
+  return cuda_alloc(NULL, bytes, ptr);
+}
+
+void mtrain_cuda_free(void *ptr) {
+  if (ptr) cudaFree(ptr);
+}
+
+mtrain_status_t mtrain_cuda_memcpy_to_device(void *dst, const void *host_src, size_t bytes) {
+  return cuda_check(cudaMemcpy(dst, host_src, bytes, cudaMemcpyHostToDevice), "copy to device");
+}
+
+mtrain_status_t mtrain_cuda_memcpy_to_host(void *host_dst, const void *src, size_t bytes) {
+  return cuda_check(cudaMemcpy(host_dst, src, bytes, cudaMemcpyDeviceToHost), "copy to host");
+}
+
+mtrain_status_t mtrain_cuda_memset(void *ptr, int value, size_t bytes) {
+  return cuda_check(cudaMemset(ptr, value, bytes), "cudaMemset");
+}
+
+mtrain_status_t mtrain_cuda_set_device(int device) {
+  return cuda_check(cudaSetDevice(device), "cudaSetDevice");
+}
+
+mtrain_status_t mtrain_cuda_device_synchronize(void) {
+  return cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}

@@ -1,0 +1,154 @@
+/* cuda_internal.h (private): the CUDA backend's state, the device-side copy
+ * of one plan step that every attention kernel reads, and the entry points
+ * of the kernel variants. Included by the C table file and the .cu files
+ * (plain C types only; no CUDA headers here).
+ *
+ * Work decomposition shared by every variant (SPEC.md sections 1 and 4):
+ *  - forward and dQ are query-major: one work item per (query head h, local
+ *    query block qb) walks qb's runs of key blocks (causal mask on the block
+ *    whose global index equals qb's) and then its bar segments (gathered key
+ *    rows bars[b], never masked: the plan puts bars before the diagonal);
+ *  - dK/dV of the runs are key-major: one item per (kv head hk, local key
+ *    block kb) walks the (h, qb) entries that list kb, h in hk's group, in a
+ *    fixed order, and adds to dk_acc/dv_acc rows it alone owns;
+ *  - dK/dV of the bars: one item per (head h, tile of CUDA_BAR_TILE bars of
+ *    h) walks the (qb, lo, hi) entries of query blocks whose segments meet
+ *    the tile and WRITES the tile's rows of a per-step scratch
+ *    (bar_base[h] + b); the dispatcher then adds the scratch into
+ *    dk_acc/dv_acc group position by group position (deterministic).
+ * Padding rows and columns (mtrain_block_rows) never take part. */
+#ifndef MTRAIN_CUDA_INTERNAL_H
+#define MTRAIN_CUDA_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CUDA_BAR_TILE 64
+#define CUDA_STAGE_SLOTS 4
+
+/* Per-head offsets into cuda_step_t.idx (int32 units) and sizes. */
+enum {
+  CUDA_HM_RUN_OFF = 0, /* [num_q_blocks + 1] */
+  CUDA_HM_RUNS = 1,    /* [2 * num_runs] local key block ranges [b0, b1) */
+  CUDA_HM_SEG_OFF = 2, /* [num_q_blocks + 1] */
+  CUDA_HM_SEGS = 3,    /* [2 * num_segs] bar index ranges [s0, s1) */
+  CUDA_HM_BARS = 4,    /* [num_bars] local key positions */
+  CUDA_HM_NUM_BARS = 5,
+  CUDA_HM_BAR_BASE = 6, /* sum of num_bars of heads before h */
+  CUDA_HM_STRIDE = 8
+};
+
+/* One plan step in device memory (all pointers device pointers into one
+ * staging allocation, valid while the step's kernels run). */
+typedef struct cuda_step {
+  int32_t G, Hq, Hkv, group, d;
+  int32_t num_q_blocks, num_k_blocks;
+  int64_t seq_len, q_tokens, k_tokens;
+  float scale;                   /* softmax scale */
+  const int64_t *q_block_global; /* [num_q_blocks] */
+  const int64_t *k_block_global; /* [num_k_blocks] */
+  const int32_t *head_meta;      /* [Hq * CUDA_HM_STRIDE] */
+  const int32_t *idx;            /* the per-head arrays */
+  /* backward only (NULL/0 in the forward) */
+  const int32_t *kv_off;  /* [Hkv * num_k_blocks + 1] entry ranges of (hk, kb) */
+  const int32_t *kv_ent;  /* [2 * n] (h, qb), h ascending then qb ascending */
+  const int32_t *bt_tile; /* [3 * num_bar_tiles] (h, b0, b1): bars [b0, b1) of head h */
+  const int32_t *bt_off;  /* [num_bar_tiles + 1] */
+  const int32_t *bt_ent;  /* [3 * n] (qb, lo, hi): qb's segments cover bars [lo, hi) */
+  int32_t num_bar_tiles;
+  int32_t total_bars;        /* sum over heads of num_bars (scratch rows) */
+  int32_t max_runs_per_item; /* informational */
+} cuda_step_t;
+
+/* Host staging of step metadata: pinned host + device buffers in a ring of
+ * CUDA_STAGE_SLOTS slots, each guarded by an event recorded after the kernels
+ * that read it. */
+typedef struct cuda_stage_slot {
+  void *host;
+  void *dev;
+  size_t cap;
+  void *event; /* cudaEvent_t */
+} cuda_stage_slot_t;
+
+typedef struct cuda_state {
+  int device;
+  void *stream;     /* cudaStream_t in use */
+  void *own_stream; /* the backend's own stream */
+  int variant;      /* mtrain_cuda_variant_t requested */
+  int last_variant; /* the variant the last step ran */
+  int deterministic;
+  int num_sms;
+  size_t max_smem_optin;
+  cuda_stage_slot_t slots[CUDA_STAGE_SLOTS];
+  int next_slot;
+  void *scratch; /* device scratch for bar dK/dV (2 * total_bars * d floats) */
+  size_t scratch_cap;
+} cuda_state_t;
+
+/* Maps a CUDA runtime error (as int) to a status with a message naming what
+ * failed; cudaErrorMemoryAllocation becomes MTRAIN_ERR_OUT_OF_MEMORY. */
+mtrain_status_t cuda_check(int err, const char *what);
+/* Checks the launch just queued (cudaGetLastError). */
+mtrain_status_t cuda_check_launch(const char *kernel);
+
+/* Builds and uploads a step's metadata (backward lists when `backward`). */
+mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, int32_t hkv,
+                                 int32_t d, double scale, int backward, cuda_step_t *out,
+                                 int *slot);
+/* Marks the slot's metadata as in use by the kernels queued so far. */
+mtrain_status_t cuda_step_release(cuda_state_t *s, int slot);
+
+/* Variant 0 (SIMT) and variant 1 (mma.sync). Each queues its kernels on
+ * s->stream. fwd: merges the step into o_acc/lse_acc (fp32). bwd: adds dQ
+ * into dq_acc, the runs' dK/dV into dk_acc/dv_acc, and WRITES every bar's
+ * dK/dV to dk_bar/dv_bar [total_bars, d] fp32 (zero rows where a bar has no
+ * entries). */
+mtrain_status_t cuda_simt_fwd(cuda_state_t *s, const cuda_step_t *st,
+                              const mtrain_fwd_step_args_t *a);
+mtrain_status_t cuda_simt_bwd(cuda_state_t *s, const cuda_step_t *st,
+                              const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
+/* 1 when variant 1 can compute (dtype, d, G); else 0 and *why (static). */
+int cuda_mma_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why);
+mtrain_status_t cuda_mma_fwd(cuda_state_t *s, const cuda_step_t *st,
+                             const mtrain_fwd_step_args_t *a);
+mtrain_status_t cuda_mma_bwd(cuda_state_t *s, const cuda_step_t *st,
+                             const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
+
+/* Adds the bar scratch into dk_acc/dv_acc ([k_tokens, Hkv, d] fp32). */
+mtrain_status_t cuda_bars_reduce(cuda_state_t *s, const cuda_step_t *st, const float *dk_bar,
+                                 const float *dv_bar, float *dk_acc, float *dv_acc);
+
+/* Elementwise and misc kernels (cuda_misc.cu). */
+mtrain_status_t cuda_fwd_init(cuda_state_t *s, float *o_acc, float *lse_acc, int64_t rows,
+                              int32_t heads, int32_t d);
+mtrain_status_t cuda_add(cuda_state_t *s, void *dst, const void *src, mtrain_dtype_t dtype,
+                         int64_t count);
+mtrain_status_t cuda_convert(cuda_state_t *s, const void *src, mtrain_dtype_t src_dtype, void *dst,
+                             mtrain_dtype_t dst_dtype, int64_t count);
+mtrain_status_t cuda_find_nonfinite(cuda_state_t *s, const void *ptr, mtrain_dtype_t dtype,
+                                    int64_t count, int64_t *bad_index);
+mtrain_status_t cuda_permute(cuda_state_t *s, void *dst, const void *src, size_t row_bytes,
+                             const int64_t *index, int64_t count, int64_t other_rows, int scatter);
+mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const void *dout,
+                               mtrain_dtype_t dtype, float *delta, int64_t rows, int32_t heads,
+                               int32_t d);
+mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a);
+
+/* Device scratch of at least `bytes` (grown on demand, kept). */
+mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out);
+/* Staging of small host arrays to device (uses a stage slot). */
+mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t bytes, void **dev,
+                                  int *slot);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_CUDA_INTERNAL_H */

@@ -1,0 +1,212 @@
+/* cuda_scores.cu: the pattern scores of SPEC.md section 2 on the GPU (the
+ * pattern_scores slot). One CTA per (query head, local key block): it
+ * computes the logits of the last L queries against the block's keys in
+ * fp64 (no fused multiply-add, the reference's dot-product order), a chunk
+ * of rows at a time, and applies the stage. Every output entry of a stage
+ * is owned by one CTA and accumulated in the order the spec fixes (rows
+ * ascending; keys ascending within a block), so the result is deterministic
+ * and matches the CPU backends up to the last bits of exp(). */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cuda/cuda_device.cuh"
+#include "core/error.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxRows = 32; /* rows of a chunk (register array bound) */
+
+__device__ __forceinline__ float ld_any(const void *p, mtrain_dtype_t t, int64_t i) {
+  switch (t) {
+  case MTRAIN_F32: return ((const float *)p)[i];
+  case MTRAIN_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+  case MTRAIN_F16: return __half2float(((const __half *)p)[i]);
+  default: return (float)((const double *)p)[i]; /* not reached: fp64 is refused */
+  }
+}
+
+__device__ __forceinline__ void atomic_max_double(double *a, double v) {
+  unsigned long long *p = (unsigned long long *)a, old = *p, assumed;
+  while (__longlong_as_double((long long)old) < v) {
+    assumed = old;
+    old = atomicCAS(p, assumed, (unsigned long long)__double_as_longlong(v));
+    if (old == assumed) break;
+  }
+}
+
+struct scores_params {
+  mtrain_scores_stage_t stage;
+  int64_t N, k_tokens;
+  int L, G, Hq, Hkv, d, rows_per_chunk, slots;
+  double scale;
+  mtrain_dtype_t dtype, q_dtype;
+  const void *q_last, *k;
+  const int64_t *k_block_global; /* device */
+  const uint8_t *probs;          /* device */
+  const double *row_max, *row_norm;
+  double *row_out, *col_out, *diag_out;
+};
+
+__global__ void __launch_bounds__(kThreads) scores_kernel(scores_params p) {
+  extern __shared__ double smem[];
+  const int lb = blockIdx.x, h = blockIdx.y, hk = h / (p.Hq / p.Hkv), tid = threadIdx.x;
+  const int R = p.rows_per_chunk, G = p.G, d = p.d, L = p.L;
+  double *logit = smem;                   /* [R][G] */
+  float *qs = (float *)(smem + (size_t)R * G); /* [R][d] */
+  const int64_t gb = p.k_block_global[lb], N = p.N;
+  const int cols = block_rows_dev(p.k_tokens, G, lb, gb, N);
+  if (cols == 0) return;
+  const int64_t j0 = gb * G; /* global position of column 0 */
+  const int64_t nb = (N + G - 1) / G;
+  for (int r0 = 0; r0 < L; r0 += R) {
+    const int rows = L - r0 < R ? L - r0 : R;
+    /* rows whose query position precedes the block see none of it */
+    if (N - L + r0 + rows - 1 < j0) continue;
+    __syncthreads();
+    for (int x = tid; x < rows * d; x += kThreads) {
+      const int rr = x / d, c = x % d;
+      qs[x] = ld_any(p.q_last, p.q_dtype, ((int64_t)(r0 + rr) * p.Hq + h) * d + c);
+    }
+    __syncthreads();
+    for (int c = tid; c < cols; c += kThreads) {
+      const int64_t jl = (int64_t)lb * G + c;
+      double acc[kMaxRows];
+#pragma unroll
+      for (int rr = 0; rr < kMaxRows; rr++) acc[rr] = 0.0;
+      for (int x = 0; x < d; x++) {
+        const double kx = (double)ld_any(p.k, p.dtype, (jl * p.Hkv + hk) * d + x);
+#pragma unroll
+        for (int rr = 0; rr < kMaxRows; rr++)
+          if (rr < rows) acc[rr] = __dadd_rn(acc[rr], __dmul_rn((double)qs[rr * d + x], kx));
+      }
+#pragma unroll
+      for (int rr = 0; rr < kMaxRows; rr++)
+        if (rr < rows) logit[rr * G + c] = __dmul_rn(p.scale, acc[rr]);
+    }
+    __syncthreads();
+    if (p.stage == MTRAIN_SCORES_ROW_MAX || p.stage == MTRAIN_SCORES_ROW_BLOCK_SUMS) {
+      for (int rr = tid; rr < rows; rr += kThreads) {
+        const int r = r0 + rr;
+        const int64_t qpos = N - L + r, row = (int64_t)h * L + r;
+        int n = (int)(qpos - j0 + 1);
+        if (n > cols) n = cols;
+        if (n <= 0) continue;
+        if (p.stage == MTRAIN_SCORES_ROW_MAX) {
+          double m = -INFINITY;
+          for (int c = 0; c < n; c++) m = fmax(m, logit[rr * G + c]);
+          atomic_max_double(&p.row_out[row], m);
+        } else {
+          double sum = p.row_out[row * nb + gb];
+          for (int c = 0; c < n; c++) sum += exp(logit[rr * G + c] - p.row_max[row]);
+          p.row_out[row * nb + gb] = sum;
+        }
+      }
+      continue;
+    }
+    /* SUMS: scores in place, then columns, then diagonals */
+    const bool probs = p.probs[h] != 0;
+    for (int x = tid; x < rows * cols; x += kThreads) {
+      const int rr = x / cols, c = x % cols;
+      const int64_t row = (int64_t)h * L + r0 + rr;
+      double *s = &logit[rr * G + c];
+      if (probs) *s = exp(*s - p.row_max[row]) / p.row_norm[row] / (double)L;
+    }
+    __syncthreads();
+    for (int c = tid; c < cols; c += kThreads) {
+      const int64_t j = j0 + c;
+      double acc = p.col_out[(int64_t)h * N + j];
+      bool any = false;
+      for (int rr = 0; rr < rows; rr++)
+        if (j <= N - L + r0 + rr) {
+          acc += logit[rr * G + c];
+          any = true;
+        }
+      if (any) p.col_out[(int64_t)h * N + j] = acc;
+    }
+    /* t = N - L + r - j over this chunk's rows and the block's columns */
+    const int64_t t_lo = N - L + r0 - (j0 + cols - 1), t_hi = N - L + r0 + rows - 1 - j0;
+    for (int64_t t = t_lo + tid; t <= t_hi; t += kThreads) {
+      if (t < 0) continue;
+      const int64_t lo = N - L - t > 0 ? N - L - t : 0;
+      double *slot = &p.diag_out[((int64_t)h * N + t) * p.slots + (gb - lo / G)];
+      double acc = *slot;
+      bool any = false;
+      for (int rr = 0; rr < rows; rr++) {
+        const int64_t c = N - L + r0 + rr - t - j0;
+        if (c < 0 || c >= cols) continue;
+        acc += logit[rr * G + c];
+        any = true;
+      }
+      if (any) *slot = acc;
+    }
+  }
+}
+
+} // namespace
+
+extern "C" mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a) {
+  if (a->stage != MTRAIN_SCORES_ROW_MAX && a->stage != MTRAIN_SCORES_ROW_BLOCK_SUMS &&
+      a->stage != MTRAIN_SCORES_SUMS)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "pattern scores: unknown stage %d",
+                        (int)a->stage);
+  if (a->num_k_blocks == 0 || a->num_heads == 0 || a->last_q == 0) return MTRAIN_SUCCESS;
+  scores_params p;
+  p.stage = a->stage;
+  p.N = a->seq_len;
+  p.k_tokens = a->k_tokens;
+  p.L = a->last_q;
+  p.G = a->granularity;
+  p.Hq = a->num_heads;
+  p.Hkv = a->num_kv_heads;
+  p.d = a->head_dim;
+  int R = 4096 / p.G;
+  if (R > kMaxRows) R = kMaxRows;
+  if (R < 1) R = 1;
+  p.rows_per_chunk = R;
+  p.slots = mtrain_scores_slots(a->last_q, a->granularity);
+  p.scale = a->scale;
+  p.dtype = a->dtype;
+  p.q_dtype = a->q_dtype;
+  p.q_last = a->q_last;
+  p.k = a->k;
+  p.row_max = a->row_max;
+  p.row_norm = a->row_norm;
+  p.row_out = a->row_out;
+  p.col_out = a->col_out;
+  p.diag_out = a->diag_out;
+  /* host arrays: block globals and the per-head probs flags, one upload */
+  const size_t nkb = (size_t)a->num_k_blocks, nh = (size_t)a->num_heads;
+  const size_t bytes = nkb * sizeof(int64_t) + nh;
+  unsigned char *host = (unsigned char *)malloc(bytes);
+  if (!host) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda scores: out of host memory");
+  memcpy(host, a->k_block_global, nkb * sizeof(int64_t));
+  for (size_t h = 0; h < nh; h++) host[nkb * sizeof(int64_t) + h] = a->probs ? a->probs[h] : 0;
+  void *dev = NULL;
+  int slot = -1;
+  mtrain_status_t st = cuda_upload_small(s, host, bytes, &dev, &slot);
+  free(host);
+  if (st) return st;
+  p.k_block_global = (const int64_t *)dev;
+  p.probs = (const uint8_t *)dev + nkb * sizeof(int64_t);
+  const size_t smem = (size_t)R * p.G * sizeof(double) + (size_t)R * p.d * sizeof(float);
+  if (smem > s->max_smem_optin) {
+    cuda_step_release(s, slot);
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda scores: granularity %d with head_dim %d needs %zu bytes of shared "
+                        "memory (device limit %zu)",
+                        p.G, p.d, smem, s->max_smem_optin);
+  }
+  st = cuda_check(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem),
+                  "cudaFuncSetAttribute (scores)");
+  if (!st) {
+    dim3 grid((unsigned)a->num_k_blocks, (unsigned)a->num_heads);
+    scores_kernel<<<grid, kThreads, smem, (cudaStream_t)s->stream>>>(p);
+    st = cuda_check_launch("scores_kernel");
+  }
+  mtrain_status_t st2 = cuda_step_release(s, slot);
+  return st ? st : st2;
+}

@@ -1,0 +1,70 @@
+/* mtrain_cuda.h: the CUDA backend's public extras: the caller's stream, the
+ * kernel variant, and small device-memory helpers for C programs (tests,
+ * tools) that do not include the CUDA runtime themselves.
+ *
+ * With the "cuda" backend every tensor passed to mtrain (q, k, v, o, lse,
+ * dout, dq, dk, dv) is device memory of the current CUDA device, owned by
+ * the caller. All work of a call is queued on the context's stream (the
+ * caller's, set with mtrain_cuda_set_stream, or the backend's own); the call
+ * returns once its outputs are complete on that stream (it synchronises the
+ * stream before returning, since the ring driver reads host-side results).
+ *
+ * Every function here exists in every build: without CUDA they report
+ * MTRAIN_ERR_NOT_SUPPORTED (mtrain_cuda_device_count returns 0). */
+#ifndef MTRAIN_CUDA_H
+#define MTRAIN_CUDA_H
+
+#include <stddef.h>
+
+#include "mtrain.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Kernel variants (numbered, each validated against cpu-ref before timing).
+ *  AUTO picks the fastest variant that supports the call's dtype, head_dim
+ *  and granularity. */
+typedef enum mtrain_cuda_variant {
+  MTRAIN_CUDA_VARIANT_AUTO = -1,
+  MTRAIN_CUDA_VARIANT_SIMT = 0, /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
+  MTRAIN_CUDA_VARIANT_MMA = 1,  /**< tensor cores (mma.sync m16n8k16): bf16/fp16, d 64 or 128,
+                                     granularity a multiple of 64 */
+} mtrain_cuda_variant_t;
+
+/** Number of CUDA devices visible (0 without CUDA, a driver or a GPU). */
+int mtrain_cuda_device_count(void);
+
+/** Queues the context's work on `stream` (a cudaStream_t; NULL returns to
+ *  the backend's own non-blocking stream). The stream must outlive its use
+ *  by the context. Fails with MTRAIN_ERR_INVALID_ARGUMENT when the context
+ *  does not use the "cuda" backend. Not thread-safe with respect to ctx. */
+mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream);
+
+/** Selects the kernel variant for later calls on ctx (default AUTO, or the
+ *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1 read at context
+ *  creation). A forced variant that cannot compute a call makes that call
+ *  fail with MTRAIN_ERR_NOT_SUPPORTED naming the reason. */
+mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant);
+
+/** The variant the last attention call on ctx ran (-1 before any). */
+int mtrain_cuda_last_variant(const mtrain_context_t *ctx);
+
+/** Device-memory helpers (current device, synchronous). Errors, including
+ *  out-of-memory, are returned as statuses with the CUDA message. */
+mtrain_status_t mtrain_cuda_malloc(size_t bytes, void **ptr);
+/** Frees memory from mtrain_cuda_malloc; NULL is a no-op. */
+void mtrain_cuda_free(void *ptr);
+mtrain_status_t mtrain_cuda_memcpy_to_device(void *dst, const void *host_src, size_t bytes);
+mtrain_status_t mtrain_cuda_memcpy_to_host(void *host_dst, const void *src, size_t bytes);
+mtrain_status_t mtrain_cuda_memset(void *ptr, int value, size_t bytes);
+/** Selects the current device of the calling thread. */
+mtrain_status_t mtrain_cuda_set_device(int device);
+/** Waits for all work on the current device. */
+mtrain_status_t mtrain_cuda_device_synchronize(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_CUDA_H */

@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# device_cuda.sh: the one script for the GPU machine (H100/H200, Ubuntu, root,
+# nvcc, cmake, OpenMPI, OpenBLAS, torch and compute-sanitizer installed). From
+# the repository root:
+#
+#   bash scripts/device_cuda.sh [build] [test] [sanitize] [run] [bench] [peers]
+#
+# runs the stages named (all six, in this order, when none is named):
+#   build     configure (CUDA on, CMAKE_CUDA_ARCHITECTURES=$MTRAIN_CUDA_ARCH or
+#             90a, the library's default) and build with -j16 into build-cuda/
+#   test      the CUDA tests under ctest (-R cuda), with their output
+#   sanitize  compute-sanitizer memcheck (with leak check) and racecheck on the
+#             reduced cross-backend run (MTRAIN_TEST_QUICK=1), variants 0 and 1
+#   run       mtrain-run --backend cuda --check on small problems (variants
+#             auto, 0 and 1; the pattern estimated on the device)
+#   bench     mtrain-bench-cuda (N = $MTRAIN_BENCH_SEQ or 32768): validation,
+#             then timing; writes the pattern and the validation dumps
+#   peers     tools/bench_cuda_peers.py (torch SDPA flash/cuDNN, FlexAttention)
+#             on the bench's pattern, and the independent check of its dumps;
+#             runs the bench first when its outputs are missing
+# A stage that needs the build builds first when build-cuda/ has no build.
+# Dependencies missing on the machine (jansson, cmocka, ...) are taken from
+# the .deb files in .device/debs when that folder exists (unpacked with
+# dpkg -x into /tmp/deps). Logs go to $OUT (default build-cuda/device-out), at most 8
+# files: build.log test.log sanitize.log run.log bench.log bench.json
+# peers.log summary.txt; a short summary table is printed last. The exit
+# status is 0 when every stage run passed.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=$root/build-cuda
+OUT=${OUT:-$build/device-out}
+mkdir -p "$OUT"
+work=$build/device-work # the bench's pattern and dumps (kept between calls)
+arch=${MTRAIN_CUDA_ARCH:-90a}
+bench_seq=${MTRAIN_BENCH_SEQ:-32768}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PATH=$PATH:/usr/local/cuda/bin
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build test sanitize run bench peers)
+for s in "${stages[@]}"; do
+  case $s in
+  build | test | sanitize | run | bench | peers) ;;
+  *)
+    echo "device_cuda.sh: unknown stage '$s' (build test sanitize run bench peers)" >&2
+    exit 2
+    ;;
+  esac
+done
+
+summary=()  # "stage|status|seconds|detail"
+failed=0
+bench_ran=0
+note() { summary+=("$1|$2|$3|$4"); [ "$2" = ok ] || failed=1; }
+join() { local out="" x; for x in "$@"; do out+="${out:+; }$x"; done; echo "$out"; }
+say() { echo "== device_cuda.sh: $* ($(date +%H:%M:%S))"; }
+
+# ---- dependencies from .device/debs ------------------------------------------
+if [ -d "$root/.device/debs" ]; then
+  deps=/tmp/deps
+  mkdir -p "$deps"
+  for deb in "$root"/.device/debs/*.deb; do
+    [ -e "$deb" ] && dpkg -x "$deb" "$deps"
+  done
+  # their pkg-config files name the prefix /usr: point them at the copy
+  find "$deps" -name '*.pc' -exec sed -i -e 's|=/usr|='"$deps"'/usr|g' \
+    -e 's|-I/usr|-I'"$deps"'/usr|g' -e 's|-L/usr|-L'"$deps"'/usr|g' {} +
+  multi=$deps/usr/lib/x86_64-linux-gnu
+  export PKG_CONFIG_PATH=$multi/pkgconfig:$deps/usr/lib/pkgconfig:$deps/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export CMAKE_PREFIX_PATH=$deps/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+  export LD_LIBRARY_PATH=$multi:$deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LIBRARY_PATH=$multi:$deps/usr/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export CPATH=$deps/usr/include${CPATH:+:$CPATH}
+  export PATH=$PATH:$deps/usr/bin
+fi
+
+# The real budget files (tests and the run stage): ../shared or ./shared.
+data=""
+for d in "$root/../shared/data/patterns" "$root/shared/data/patterns" "$root/.device/patterns"; do
+  [ -f "$d/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" ] && data=$(cd "$d" && pwd) && break
+done
+
+# ---- stages -----------------------------------------------------------------------
+stage_build() {
+  local t0=$SECONDS log=$OUT/build.log
+  say "build (CUDA architectures $arch) -> $log"
+  {
+    echo "nvcc: $(nvcc --version 2>&1 | tail -1)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    for m in jansson cmocka libpng; do
+      pkg-config --exists $m 2>/dev/null && echo "$m $(pkg-config --modversion $m)" ||
+        echo "MISSING: $m (put its .deb files, -dev and runtime, in .device/debs)"
+    done
+    [ -n "$data" ] && echo "budget files: $data" ||
+      echo "WARNING: no shared/data/patterns: the qwen-budgets test cases will fail"
+    extra=()
+    [ -n "$data" ] && extra+=(-DMTRAIN_PATTERN_DATA_DIR="$data")
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMTRAIN_WITH_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="$arch" "${extra[@]}" &&
+      cmake --build "$build" -j16
+  } > "$log" 2>&1
+  local rc=$?
+  if [ $rc -eq 0 ]; then
+    note build ok $((SECONDS - t0)) "sm_$arch"
+  else
+    tail -30 "$log"
+    note build FAILED $((SECONDS - t0)) "see build.log"
+  fi
+  return $rc
+}
+
+ensure_build() {
+  [ -x "$build/tools/mtrain-bench-cuda" ] && [ -x "$build/tests/test_cross_backend" ] && return 0
+  stage_build
+}
+
+stage_test() {
+  local t0=$SECONDS log=$OUT/test.log
+  say "CUDA tests (ctest -R cuda) -> $log"
+  ensure_build || { note test FAILED 0 "no build"; return 1; }
+  (cd "$build" && ctest -R cuda -V --timeout 1500) > "$log" 2>&1
+  local rc=$?
+  local line skipped
+  line=$(grep -E "tests passed|tests failed" "$log" | tail -1)
+  skipped=$(grep -c "\*\*\*Skipped\|Not Run" "$log")
+  grep -E "(fp32|bf16|fp16): .*(compared|skipped)|Test +#|all cases SKIPPED|FAILED  \]" "$log" |
+    tail -24
+  if [ $rc -eq 0 ] && [ "$skipped" -eq 0 ]; then
+    note test ok $((SECONDS - t0)) "$line"
+  else
+    note test FAILED $((SECONDS - t0)) "$line; $skipped skipped (a GPU run must skip none)"
+  fi
+}
+
+stage_sanitize() {
+  local t0=$SECONDS log=$OUT/sanitize.log res=() bad=0
+  say "compute-sanitizer (memcheck, racecheck) on the quick cross-backend cases -> $log"
+  ensure_build || { note sanitize FAILED 0 "no build"; return 1; }
+  local cs
+  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  if [ ! -x "$cs" ]; then
+    note sanitize FAILED 0 "compute-sanitizer not found"
+    return 1
+  fi
+  : > "$log"
+  for tool in memcheck racecheck; do
+    for v in 0 1; do
+      local flags=(--tool "$tool" --error-exitcode 99)
+      [ "$tool" = memcheck ] && flags+=(--leak-check full)
+      echo "== $tool, variant $v" >> "$log"
+      MTRAIN_TEST_QUICK=1 "$cs" "${flags[@]}" "$build/tests/test_cross_backend" cuda "$v" \
+        >> "$log" 2>&1
+      local rc=$?
+      local errs
+      errs=$(grep -E "ERROR SUMMARY" "$log" | tail -1 | grep -oE "[0-9]+ errors?" || echo "?")
+      res+=("$tool v$v: rc $rc, $errs")
+      [ $rc -eq 0 ] || bad=1
+    done
+  done
+  printf '  %s\n' "${res[@]}"
+  if [ $bad -eq 0 ]; then
+    note sanitize ok $((SECONDS - t0)) "$(join "${res[@]}")"
+  else
+    note sanitize FAILED $((SECONDS - t0)) "$(join "${res[@]}")"
+  fi
+}
+
+stage_run() {
+  local t0=$SECONDS log=$OUT/run.log res=() bad=0
+  say "mtrain-run --backend cuda --check -> $log"
+  ensure_build || { note run FAILED 0 "no build"; return 1; }
+  local src=(--v-size 256 --s-size 128)
+  [ -n "$data" ] && src=(--budgets "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" --layer 31)
+  : > "$log"
+  for v in auto 0 1; do
+    for spec in "bf16 2048 estimated" "fp16 1000 dense"; do
+      set -- $spec
+      local args=(--backend cuda --cuda-variant "$v" --dtype "$1" --seq-len "$2" --check --repeat 3)
+      [ "$3" = estimated ] && args+=("${src[@]}")
+      echo "== mtrain-run ${args[*]}" >> "$log"
+      "$build/tools/mtrain-run" "${args[@]}" >> "$log" 2>&1
+      local rc=$?
+      res+=("v$v $1 N=$2 $3: $([ $rc -eq 0 ] && echo PASS || echo "FAIL (exit $rc)")")
+      [ $rc -eq 0 ] || bad=1
+    done
+  done
+  printf '  %s\n' "${res[@]}"
+  if [ $bad -eq 0 ]; then
+    note run ok $((SECONDS - t0)) "$(join "${res[@]}")"
+  else
+    note run FAILED $((SECONDS - t0)) "$(join "${res[@]}")"
+  fi
+}
+
+stage_bench() {
+  local t0=$SECONDS log=$OUT/bench.log
+  say "mtrain-bench-cuda N=$bench_seq -> $log, $OUT/bench.json"
+  bench_ran=1
+  ensure_build || { note bench FAILED 0 "no build"; return 1; }
+  rm -rf "$work"
+  mkdir -p "$work"
+  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --pattern-out "$work/pattern.json" \
+    --dump-dir "$work/dump" --json "$OUT/bench.json" > "$log" 2>&1
+  local rc=$?
+  sed -n '/^mtrain-bench-cuda: .*causal; median/,$p' "$log"
+  if [ $rc -eq 0 ]; then
+    note bench ok $((SECONDS - t0)) "table in bench.log"
+  else
+    tail -5 "$log"
+    note bench FAILED $((SECONDS - t0)) "exit $rc (exit 3: a variant failed its validation)"
+  fi
+  return $rc
+}
+
+stage_peers() {
+  local t0=$SECONDS log=$OUT/peers.log
+  # the peers need the bench's pattern, dumps and results: run it first when
+  # this call has not and they are missing
+  if [ $bench_ran -eq 0 ] && { [ ! -f "$work/pattern.json" ] || [ ! -f "$OUT/bench.json" ]; }; then
+    stage_bench || true
+  fi
+  if [ ! -f "$work/pattern.json" ]; then
+    note peers FAILED 0 "no pattern from mtrain-bench-cuda"
+    return 1
+  fi
+  say "bench_cuda_peers.py -> $log"
+  python3 "$root/tools/bench_cuda_peers.py" --pattern "$work/pattern.json" --seq-len "$bench_seq" \
+    --dump-dir "$work/dump" --ours "$OUT/bench.json" > "$log" 2>&1
+  local rc=$?
+  grep -E "MISMATCH|FAIL|pairs:" "$log" | head -12
+  sed -n '/^== peers table/,$p' "$log"
+  if [ $rc -eq 0 ]; then
+    note peers ok $((SECONDS - t0)) "table in peers.log; independent check passed"
+  else
+    tail -5 "$log"
+    note peers FAILED $((SECONDS - t0)) "exit $rc (exit 3: the independent check failed)"
+  fi
+}
+
+for s in "${stages[@]}"; do
+  "stage_$s"
+done
+
+# ---- summary ------------------------------------------------------------------------
+{
+  echo "== device_cuda.sh summary: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(date -u +%Y-%m-%dT%H:%MZ)"
+  printf '%-9s %-7s %6s  %s\n' stage status seconds detail
+  for row in "${summary[@]}"; do
+    IFS='|' read -r st status secs detail <<< "$row"
+    printf '%-9s %-7s %6s  %s\n' "$st" "$status" "$secs" "$detail"
+  done
+  if [ -f "$OUT/bench.log" ]; then
+    echo "-- mtrain-bench-cuda"
+    sed -n '/^pattern .*density/,$p' "$OUT/bench.log"
+  fi
+  if [ -f "$OUT/peers.log" ]; then
+    echo "-- peers"
+    sed -n '/^== peers table/,$p' "$OUT/peers.log" | tail -n +2
+  fi
+} | tee "$OUT/summary.txt"
+exit $failed
