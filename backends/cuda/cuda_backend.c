@@ -35,6 +35,8 @@ mtrain_status_t cuda_check_launch(const char *kernel) {
   return cuda_check((int)cudaGetLastError(), kernel);
 }
 
+static mtrain_status_t check_device_ptr(const void *p, const char *name);
+
 static cudaStream_t stream_of(const cuda_state_t *s) { return (cudaStream_t)s->stream; }
 
 void *mtrain_cuda_state_stream(void *state) { return ((cuda_state_t *)state)->stream; }
@@ -169,6 +171,9 @@ static mtrain_status_t cuda_copy_from_host(void *state, void *dst, const void *h
 }
 
 static mtrain_status_t cuda_copy(void *state, void *dst, const void *src, size_t bytes) {
+  mtrain_status_t st = check_device_ptr(src, "a tensor");
+  if (!st) st = check_device_ptr(dst, "an output tensor");
+  if (st) return st;
   return cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(state)),
                     "device copy");
 }
@@ -307,7 +312,8 @@ cleanup:
 
 static mtrain_status_t cuda_convert_op(void *state, const void *src, mtrain_dtype_t src_dtype,
                                        void *dst, mtrain_dtype_t dst_dtype, int64_t count) {
-  mtrain_status_t st = check_device_ptr(dst, "output tensor");
+  mtrain_status_t st = check_device_ptr(src, "a tensor");
+  if (!st) st = check_device_ptr(dst, "an output tensor");
   return st ? st : cuda_convert(state, src, src_dtype, dst, dst_dtype, count);
 }
 
@@ -325,7 +331,9 @@ static mtrain_status_t cuda_add_op(void *state, void *dst, const void *src, mtra
 static mtrain_status_t cuda_permute_op(void *state, void *dst, const void *src, size_t row_bytes,
                                        const int64_t *index, int64_t count, int64_t other_rows,
                                        int scatter) {
-  return cuda_permute(state, dst, src, row_bytes, index, count, other_rows, scatter);
+  mtrain_status_t st = check_device_ptr(src, "a tensor");
+  if (!st) st = check_device_ptr(dst, "an output tensor");
+  return st ? st : cuda_permute(state, dst, src, row_bytes, index, count, other_rows, scatter);
 }
 
 static mtrain_status_t cuda_scores_op(void *state, const mtrain_scores_args_t *a) {
