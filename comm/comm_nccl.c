@@ -20,7 +20,7 @@
 enum { CH_P2P = 0, CH_OUTER = 1, CH_INNER_PARTIAL = 2, CH_PARTIAL = 3, CH_COLL = 4, CH_COUNT = 5 };
 
 struct mtrain_comm_request {
-  int channel, peer, is_send, launched;
+  int channel, peer, tag, is_send, launched;
   void *buf;
   size_t bytes;
   cudaEvent_t done;
@@ -163,24 +163,41 @@ static mtrain_status_t after_data(nccl_state_t *s, int c) {
   return e == cudaSuccess ? MTRAIN_SUCCESS : cuda_failed(s, e, "ordering after the data stream");
 }
 
-/* Launches the deferred receives of channel c plus `send` (may be NULL) as
- * one NCCL group, and records each request's completion event. */
-static mtrain_status_t launch(nccl_state_t *s, int c, mtrain_comm_request_t *send) {
+/* Whether deferred receive q goes into the group launched for `send` (the
+ * receives of its tag) or for the wait on `only` (itself alone). */
+static int joins(const mtrain_comm_request_t *q, const mtrain_comm_request_t *send,
+                 const mtrain_comm_request_t *only) {
+  return send ? q->tag == send->tag : q == only;
+}
+
+/* Launches, as one NCCL group on channel c, either `send` with the deferred
+ * receives of its tag, or (send == NULL) the deferred receive `only`; records
+ * each launched request's completion event and unlinks it from the pending
+ * list. */
+static mtrain_status_t launch(nccl_state_t *s, int c, mtrain_comm_request_t *send,
+                              mtrain_comm_request_t *only) {
   mtrain_status_t st = after_data(s, c);
   if (st) return st;
   ncclResult_t r = ncclGroupStart();
   for (mtrain_comm_request_t *q = s->pending[c]; q && r == ncclSuccess; q = q->next_pending)
-    r = ncclRecv(q->buf, q->bytes, ncclUint8, q->peer, s->ch[c], s->stream[c]);
+    if (joins(q, send, only))
+      r = ncclRecv(q->buf, q->bytes, ncclUint8, q->peer, s->ch[c], s->stream[c]);
   if (send && r == ncclSuccess)
     r = ncclSend(send->buf, send->bytes, ncclUint8, send->peer, s->ch[c], s->stream[c]);
   ncclResult_t r2 = ncclGroupEnd();
   if (r != ncclSuccess) return nccl_failed(s, r, "point-to-point group");
   if ((st = settle(s, s->ch[c], r2, "point-to-point group"))) return st;
-  for (mtrain_comm_request_t *q = s->pending[c]; q; q = q->next_pending) {
+  for (mtrain_comm_request_t **p = &s->pending[c]; *p;) {
+    mtrain_comm_request_t *q = *p;
+    if (!joins(q, send, only)) {
+      p = &q->next_pending;
+      continue;
+    }
     q->launched = 1;
     cudaEventRecord(q->done, s->stream[c]);
+    *p = q->next_pending;
+    q->next_pending = NULL;
   }
-  s->pending[c] = NULL;
   if (send) {
     send->launched = 1;
     cudaError_t e = cudaEventRecord(send->done, s->stream[c]);
@@ -205,6 +222,7 @@ static mtrain_status_t make_request(nccl_state_t *s, void *buf, size_t bytes, in
     return cuda_failed(s, e, "cudaEventCreate");
   }
   r->channel = channel_of(tag);
+  r->tag = tag;
   r->peer = peer;
   r->is_send = is_send;
   r->buf = buf;
@@ -225,7 +243,7 @@ static mtrain_status_t nccl_isend(void *state, const void *buf, size_t bytes, in
   mtrain_comm_request_t *r = NULL;
   mtrain_status_t st = make_request(s, (void *)buf, bytes, peer, tag, 1, &r);
   if (st) return st;
-  if ((st = launch(s, r->channel, r))) {
+  if ((st = launch(s, r->channel, r, NULL))) {
     request_free(r);
     return st;
   }
@@ -251,7 +269,7 @@ static mtrain_status_t nccl_wait(void *state, mtrain_comm_request_t *req) {
   nccl_state_t *s = state;
   if (!req) return MTRAIN_SUCCESS;
   mtrain_status_t st = check_usable(s);
-  if (!st && !req->launched) st = launch(s, req->channel, NULL);
+  if (!st && !req->launched) st = launch(s, req->channel, NULL, req);
   if (!st)
     st = wait_event(s, req->done, req->channel, req->is_send ? "a send" : "a receive", req->peer);
   /* a request that never launched is unlinked from its pending list */

@@ -8,8 +8,11 @@
  * is computed and sent on), then the received outer chunk is taken.
  * Backward: an fp32 (acc dtype) dK/dV partial travels with the chunk through
  * the inner ring: each rank computes its contribution from zero while the
- * partial of the ranks before it arrives, adds it, and sends the sum on (so
- * the sum has one fixed shape, whatever the message timing). At the end of
+ * partial of the ranks before it arrives, adds it, and sends the sum on at
+ * the start of the next step, right after posting that step's receive (so
+ * the sum has one fixed shape, whatever the message timing, and a
+ * communicator that pairs a receive with the next send of its tag, as NCCL's
+ * does, sees matched pairs around the ring). At the end of
  * each outer step the node's partial goes to the chunk's owner, which adds
  * the partials of the n nodes in outer-step order. */
 #include <stdlib.h>
@@ -129,6 +132,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
     if (backward)
       MTRAIN_TRY(be->memset_zero(bs, (char *)b.chunk[held] + 2 * kv_bytes, 2 * acc_bytes));
     int cur = held, spare = 2;
+    char *prev_chunk = NULL; /* the buffer of the previous inner step */
     for (int32_t i = 0; i < g.L; i++) {
       const int32_t t = o * g.L + i;
       char *chunk = b.chunk[cur];
@@ -137,12 +141,24 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
                             TAG_INNER, &inner));
       mtrain_comm_request_t *incoming = NULL;
       if (backward) {
+        /* the send of two steps back read this buffer: done before it is zeroed */
+        if (pending_partial) {
+          MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, pending_partial));
+          pending_partial = NULL;
+        }
         /* this rank's contribution starts from zero; the partial of the ranks
          * before it in the inner ring arrives meanwhile and is added after */
         MTRAIN_TRY(be->memset_zero(bs, chunk + 2 * kv_bytes, 2 * acc_bytes));
-        if (i > 0)
+        if (i > 0) {
           MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.inner_partial, 2 * acc_bytes,
                                            g.inner_prev, TAG_INNER_PARTIAL, &incoming));
+          /* the previous step's sum goes on now, posted after the receive so
+           * that a communicator may pair them (NCCL groups them: a chain of
+           * lone sends and receives around the ring could deadlock) */
+          MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, prev_chunk + 2 * kv_bytes,
+                                           2 * acc_bytes, g.inner_next, TAG_INNER_PARTIAL,
+                                           &pending_partial));
+        }
       }
       const double t0 = mtrain_now();
       MTRAIN_TRY(a->step(ctx, plan, t, chunk, chunk + kv_bytes,
@@ -157,15 +173,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
           MTRAIN_TRY(be->add(bs, chunk + 2 * kv_bytes, b.inner_partial, be->acc_dtype,
                              2 * (int64_t)a->chunk_elems));
         }
-        /* the previous step's partial send must be done before its buffer
-         * is zeroed again (two steps later) */
-        if (pending_partial) {
-          MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, pending_partial));
-          pending_partial = NULL;
-        }
-        if (i + 1 < g.L)
-          MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, chunk + 2 * kv_bytes, 2 * acc_bytes,
-                                           g.inner_next, TAG_INNER_PARTIAL, &pending_partial));
+        prev_chunk = chunk; /* its sum is sent at the next step */
       }
       if (i + 1 < g.L) {
         const double w0 = mtrain_now();

@@ -15,6 +15,9 @@
 #             auto, 0 and 1; the pattern estimated on the device)
 #   bench     mtrain-bench-cuda (N = $MTRAIN_BENCH_SEQ or 32768): validation,
 #             then timing; writes the pattern and the validation dumps
+#   nccl      (two or more GPUs) the NCCL ring tests (ctest -L nccl: one process
+#             per GPU under mpiexec, and one process with a thread per GPU), then
+#             mtrain-run under mpiexec on 2 GPUs with --check (flat, hierarchical)
 #   peers     tools/bench_cuda_peers.py (torch SDPA flash/cuDNN, FlexAttention)
 #             on the bench's pattern, and the independent check of its dumps;
 #             runs the bench first when its outputs are missing
@@ -40,9 +43,9 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize run bench peers)
 for s in "${stages[@]}"; do
   case $s in
-  build | test | sanitize | run | bench | peers) ;;
+  build | test | sanitize | run | bench | peers | nccl) ;;
   *)
-    echo "device_cuda.sh: unknown stage '$s' (build test sanitize run bench peers)" >&2
+    echo "device_cuda.sh: unknown stage '$s' (build test sanitize run bench peers nccl)" >&2
     exit 2
     ;;
   esac
@@ -234,6 +237,37 @@ stage_peers() {
   else
     tail -5 "$log"
     note peers FAILED $((SECONDS - t0)) "exit $rc (exit 3: the independent check failed)"
+  fi
+}
+
+stage_nccl() {
+  local t0=$SECONDS log=$OUT/nccl.log res=() bad=0
+  say "NCCL ring tests and mtrain-run on $(nvidia-smi -L | wc -l) GPUs -> $log"
+  ensure_build || { note nccl FAILED 0 "no build"; return 1; }
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  (cd "$build" && ctest -L nccl -V --timeout 900) > "$log" 2>&1
+  local rc=$?
+  grep -E "^[0-9]+: (passed|FAILED|SKIPPED)|^[0-9]+: +rank|tests passed|tests failed" "$log" | tail -30
+  res+=("ctest -L nccl: $(grep -E 'tests passed|tests failed' "$log" | tail -1)")
+  grep -q "Skipped" "$log" && { res+=("a test SKIPPED"); bad=1; }
+  [ $rc -eq 0 ] || bad=1
+  local src=(--v-size 256 --s-size 128)
+  [ -n "$data" ] && src=(--budgets "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" --layer 31)
+  for spec in "flat" "hier 1"; do
+    set -- $spec
+    local args=(--backend cuda --dtype bf16 --seq-len 16384 --layout striped --check "${src[@]}")
+    [ "$1" = hier ] && args+=(--schedule hier --ranks-per-node "$2")
+    echo "== mpiexec -n 2 mtrain-run ${args[*]}" >> "$log"
+    mpiexec -n 2 --bind-to none "$build/tools/mtrain-run" "${args[@]}" >> "$log" 2>&1
+    rc=$?
+    res+=("mtrain-run 2 GPUs $spec: $([ $rc -eq 0 ] && echo PASS || echo "FAIL (exit $rc)")")
+    [ $rc -eq 0 ] || bad=1
+  done
+  printf '  %s\n' "${res[@]}"
+  if [ $bad -eq 0 ]; then
+    note nccl ok $((SECONDS - t0)) "$(join "${res[@]}")"
+  else
+    note nccl FAILED $((SECONDS - t0)) "$(join "${res[@]}")"
   fi
 }
 

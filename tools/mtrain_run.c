@@ -4,8 +4,8 @@
  * out, with a text or JSON report. With --backend cuda the inputs are
  * copied to the device, the pattern is estimated and the attention computed
  * there, and the outputs are copied back for the check and the files. The
- * multi-rank form under mpiexec is run_ring.c (CPU backends; cuda there
- * needs the NCCL communicator). */
+ * multi-rank form under mpiexec is run_ring.c (cuda there runs one GPU per
+ * rank through the NCCL communicator). */
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -344,17 +344,7 @@ int main(int argc, char **argv) {
   int rc = run_options_parse(argc, argv, &o);
   if (rc == 0) {
 #ifdef MTRAIN_HAVE_MPI
-    if (world > 1 && strcmp(o.backend, "cuda") == 0) {
-      /* every rank has the same command line: all of them stop here */
-      if (rank == 0)
-        fprintf(stderr,
-                "%s: --backend cuda on %d ranks: not supported yet: cuda with several "
-                "ranks needs the NCCL communicator (issue 7); run it on one rank\n",
-                prog, world);
-      rc = 1;
-    } else {
-      rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);
-    }
+    rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);
 #else
     rc = run_single(&o);
 #endif

@@ -14,9 +14,13 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_io.h"
 #include "mtrain/mtrain_layout.h"
 #include "mtrain/mtrain_mpi.h"
+#ifdef MTRAIN_HAVE_NCCL
+#include "mtrain/mtrain_nccl.h"
+#endif
 #include "run_common.h"
 #include "tool_common.h"
 
@@ -75,24 +79,27 @@ static void compare_rows(const mtrain_tensor_t *a, const mtrain_tensor_t *ref, c
 typedef struct ring_run {
   const run_options_t *o;
   int rank, world, ranks_per_node;
-  mtrain_comm_t *comm;
+  mtrain_comm_t *comm;     /* MPI: host contexts (slicing, the reference) */
+  mtrain_comm_t *dev_comm; /* NCCL, for the "cuda" backend; else NULL */
+  int device;              /* --backend cuda: device tensors */
   mtrain_layout_t *layout;
   int64_t T, *index;
-  run_inputs_t full, local;
-  run_outputs_t out;
+  run_inputs_t full, local, dev_local;
+  run_outputs_t out, dev_out;
   mtrain_pattern_t *pattern;
-  mtrain_context_t *ctx;
+  mtrain_context_t *ctx, *host_ctx;
   mtrain_plan_t *plan;
   run_result_t r;
 } ring_run_t;
 
-static int make_context(ring_run_t *rr, const char *backend, mtrain_context_t **ctx) {
+static int make_context(ring_run_t *rr, const char *backend, mtrain_comm_t *comm,
+                        mtrain_context_t **ctx) {
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.backend = backend;
   cfg.granularity = rr->o->granularity;
   cfg.num_threads = rr->o->threads;
   cfg.check_inputs = 1;
-  return tool_failed(prog, "creating the context", mtrain_context_create(&cfg, rr->comm, ctx));
+  return tool_failed(prog, "creating the context", mtrain_context_create(&cfg, comm, ctx));
 }
 
 static int make_pattern(ring_run_t *rr) {
@@ -105,8 +112,10 @@ static int make_pattern(ring_run_t *rr) {
     MPI_Barrier(MPI_COMM_WORLD);
     const double t0 = tool_now();
     int rc = tool_failed(prog, "estimating the pattern",
-                         mtrain_pattern_estimate_ring(rr->ctx, rr->layout, &rr->local.q,
-                                                      &rr->local.k, budgets, &eo, &rr->pattern));
+                         mtrain_pattern_estimate_ring(rr->ctx, rr->layout,
+                                                      rr->device ? &rr->dev_local.q : &rr->local.q,
+                                                      rr->device ? &rr->dev_local.k : &rr->local.k,
+                                                      budgets, &eo, &rr->pattern));
     rr->r.t_estimate = tool_now() - t0;
     free(budgets);
     return rc;
@@ -139,7 +148,7 @@ static int check(ring_run_t *rr) {
   mtrain_plan_t *plan = NULL;
   run_inputs_t in64 = {0};
   run_outputs_t out64 = {0};
-  int rc = make_context(rr, "cpu-ref", &ref);
+  int rc = make_context(rr, "cpu-ref", rr->comm, &ref);
   if (!rc)
     rc = tool_failed(
         prog, "reference plan",
@@ -352,6 +361,7 @@ static int ranks_per_node(const run_options_t *o, int world) {
 int run_ring(const run_options_t *o, int rank, int world) {
   ring_run_t rr;
   memset(&rr, 0, sizeof rr);
+  rr.r.cuda_variant = -1;
   rr.o = o;
   rr.rank = rank;
   rr.world = world;
@@ -368,6 +378,18 @@ int run_ring(const run_options_t *o, int rank, int world) {
   if (!rc) rc = run_inputs_load_or_generate(o, &rr.full);
   if (!rc)
     rc = tool_failed(prog, "MPI communicator", mtrain_comm_create_mpi(MPI_COMM_WORLD, 0, &rr.comm));
+  rr.device = strcmp(o->backend, "cuda") == 0;
+  if (!rc && rr.device) {
+#ifdef MTRAIN_HAVE_NCCL
+    /* one GPU per rank: the rank's index on its host picks the device */
+    rc = tool_failed(prog, "NCCL communicator",
+                     mtrain_comm_create_nccl_mpi(MPI_COMM_WORLD, -1, 0, &rr.dev_comm));
+#else
+    if (rank == 0)
+      fprintf(stderr, "%s: --backend cuda on several ranks needs a build with NCCL\n", prog);
+    rc = 1;
+#endif
+  }
   if (!rc)
     rc = tool_failed(
         prog, "layout",
@@ -377,8 +399,15 @@ int run_ring(const run_options_t *o, int rank, int world) {
     rr.index = malloc(sizeof(int64_t) * (size_t)rr.T);
     rc = tool_failed(prog, "layout", mtrain_layout_rank_token_index(rr.layout, rank, rr.index));
   }
-  if (!rc) rc = make_context(&rr, o->backend, &rr.ctx);
-  if (!rc) rc = slice_inputs(rr.ctx, rr.layout, rank, &rr.full, &rr.local);
+  if (!rc) rc = make_context(&rr, o->backend, rr.device ? rr.dev_comm : rr.comm, &rr.ctx);
+  if (!rc && rr.device && o->cuda_variant != RUN_CUDA_VARIANT_UNSET)
+    rc = tool_failed(prog, "--cuda-variant",
+                     mtrain_cuda_set_variant(rr.ctx, (mtrain_cuda_variant_t)o->cuda_variant));
+  /* the inputs are sliced on the host (a cpu context for the cuda backend) */
+  if (!rc && rr.device) rc = make_context(&rr, "cpu", rr.comm, &rr.host_ctx);
+  if (!rc)
+    rc = slice_inputs(rr.device ? rr.host_ctx : rr.ctx, rr.layout, rank, &rr.full, &rr.local);
+  if (!rc && rr.device) rc = run_inputs_to_device(&rr.local, &rr.dev_local);
   if (!rc) rc = make_pattern(&rr);
   if (!rc) {
     const double t0 = tool_now();
@@ -388,9 +417,15 @@ int run_ring(const run_options_t *o, int rank, int world) {
     rr.r.t_plan = tool_now() - t0;
   }
   if (!rc) rc = run_outputs_alloc(&rr.local, rr.local.q.dtype, &rr.out);
+  if (!rc && rr.device) rc = run_outputs_alloc_device(&rr.local, rr.local.q.dtype, &rr.dev_out);
   if (!rc) {
     MPI_Barrier(MPI_COMM_WORLD);
-    rc = run_attention(rr.ctx, rr.plan, &rr.local, &rr.out, o, &rr.r);
+    rc = rr.device ? run_attention(rr.ctx, rr.plan, &rr.dev_local, &rr.dev_out, o, &rr.r)
+                   : run_attention(rr.ctx, rr.plan, &rr.local, &rr.out, o, &rr.r);
+  }
+  if (!rc && rr.device) {
+    rr.r.cuda_variant = mtrain_cuda_last_variant(rr.ctx);
+    rc = run_outputs_download(&rr.dev_out, &rr.out, o->forward_only ? 2 : 5);
   }
   /* a rank that failed ends the job: the others may be waiting for it inside
    * a collective call, and a training job must not go on without it */
@@ -399,13 +434,17 @@ int run_ring(const run_options_t *o, int rank, int world) {
   if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
   if (o->out_dir) rc = write_outputs(&rr);
   if (!rc) report(&rr);
+  run_outputs_free_device(&rr.dev_out);
+  run_inputs_free_device(&rr.dev_local);
   run_outputs_free(&rr.out);
   run_inputs_free(&rr.local);
   run_inputs_free(&rr.full);
   mtrain_plan_destroy(rr.plan);
   mtrain_context_destroy(rr.ctx);
+  mtrain_context_destroy(rr.host_ctx);
   mtrain_pattern_destroy(rr.pattern);
   mtrain_layout_destroy(rr.layout);
+  mtrain_comm_destroy(rr.dev_comm);
   mtrain_comm_destroy(rr.comm);
   free(rr.index);
   if (rc) return 1;

@@ -9,7 +9,7 @@
  * partials and the collectives never queue behind one another: tags 11
  * (inner K/V), 12 (outer K/V), 13 (inner dK/dV partial), >= 100 (partials to
  * their owner), anything else on the first class. A receive is launched
- * together with the next send of its class (one NCCL group, so a ring
+ * together with the next send of the same tag (one NCCL group, so a ring
  * exchange cannot deadlock) or, if the caller waits for it first, alone.
  * Transfers are ordered after the work queued so far on the data stream
  * (mtrain_comm_nccl_set_data_stream; the context does it for the "cuda"
