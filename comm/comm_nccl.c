@@ -210,10 +210,10 @@ static mtrain_status_t make_request(nccl_state_t *s, void *buf, size_t bytes, in
                                     int is_send, mtrain_comm_request_t **out) {
   mtrain_status_t st = check_usable(s);
   if (st) return st;
-  if (peer < 0 || peer >= s->size || peer == s->rank)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                        "nccl %s: peer %d out of range or this rank (%d of %d)",
-                        is_send ? "send" : "receive", peer, s->rank, s->size);
+  /* (a transfer to this rank itself is allowed: NCCL pairs it within the group) */
+  if (peer < 0 || peer >= s->size)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "nccl %s: peer %d out of range [0, %d)",
+                        is_send ? "send" : "receive", peer, s->size);
   mtrain_comm_request_t *r = calloc(1, sizeof *r);
   if (!r) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "nccl: out of host memory");
   cudaError_t e = cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming);
@@ -355,8 +355,11 @@ static mtrain_status_t nccl_split(void *state, int color, int key, mtrain_comm_t
   cfg.blocking = 0;
   ncclComm_t sub = NULL;
   ncclComm_t parent = s->ch[CH_COLL];
-  if ((st = settle(s, parent, ncclCommSplit(parent, color, key, &sub, &cfg), "ncclCommSplit")))
-    return st;
+  /* non-blocking: the new communicator is the one to poll */
+  ncclResult_t r = ncclCommSplit(parent, color, key, &sub, &cfg);
+  if ((st = settle(s, sub ? sub : parent, r, "ncclCommSplit"))) return st;
+  /* the split is an operation of the parent too: it must settle before the next */
+  if ((st = settle(s, parent, ncclInProgress, "ncclCommSplit (parent)"))) return st;
   st = wrap(sub, 0, s->device, s->timeout, out);
   if (st && sub) ncclCommDestroy(sub);
   return st;
@@ -446,8 +449,15 @@ static mtrain_status_t wrap(ncclComm_t base, int borrowed, int device, double ti
   for (int ch = 0; ch < CH_COUNT; ch++) {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0;
-    if ((st = settle(s, base, ncclCommSplit(base, 0, s->rank, &s->ch[ch], &cfg), "ncclCommSplit")))
+    /* the base must have settled (its creation, the previous split) */
+    if ((st = settle(s, base, ncclInProgress, "waiting for the base communicator"))) goto cleanup;
+    /* non-blocking: the new communicator is the one to poll */
+    ncclResult_t rs = ncclCommSplit(base, 0, s->rank, &s->ch[ch], &cfg);
+    if ((st = settle(s, s->ch[ch] ? s->ch[ch] : base, rs,
+                     ch == 0 ? "ncclCommSplit (first)" : "ncclCommSplit (later)")))
       goto cleanup;
+    /* the split is an operation of the parent too: it must settle before the next */
+    if ((st = settle(s, base, ncclInProgress, "ncclCommSplit (parent)"))) goto cleanup;
     cudaError_t e = cudaStreamCreateWithFlags(&s->stream[ch], cudaStreamNonBlocking);
     if (e != cudaSuccess) {
       st = cuda_failed(s, e, "cudaStreamCreate");
