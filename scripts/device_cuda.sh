@@ -18,6 +18,10 @@
 #   nccl      (two or more GPUs) the NCCL ring tests (ctest -L nccl: one process
 #             per GPU under mpiexec, and one process with a thread per GPU), then
 #             mtrain-run under mpiexec on 2 GPUs with --check (flat, hierarchical)
+#   ringbench (two GPUs) mtrain-run under mpiexec -n 2, bf16, 16:2 heads, d 128:
+#             the dense ring (zigzag) against the sparse ring (striped, the
+#             Qwen2.5-3B budgets of layers $MTRAIN_RING_LAYERS, estimated) at
+#             $MTRAIN_RING_SEQS tokens (default 131072), --repeat 3, JSON reports
 #   peers     tools/bench_cuda_peers.py (torch SDPA flash/cuDNN, FlexAttention)
 #             on the bench's pattern, and the independent check of its dumps;
 #             runs the bench first when its outputs are missing
@@ -43,7 +47,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize run bench peers)
 for s in "${stages[@]}"; do
   case $s in
-  build | test | sanitize | run | bench | peers | nccl) ;;
+  build | test | sanitize | run | bench | peers | nccl | ringbench) ;;
   *)
     echo "device_cuda.sh: unknown stage '$s' (build test sanitize run bench peers nccl)" >&2
     exit 2
@@ -269,6 +273,41 @@ stage_nccl() {
   else
     note nccl FAILED $((SECONDS - t0)) "$(join "${res[@]}")"
   fi
+}
+
+stage_ringbench() {
+  local t0=$SECONDS log=$OUT/ringbench.log bad=0
+  say "ring benchmark on 2 GPUs -> $log"
+  ensure_build || { note ringbench FAILED 0 "no build"; return 1; }
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  : > "$log"
+  local budgets=$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json
+  printf '%-8s %-6s %-22s %9s %10s %10s %9s %9s\n' tokens layer mode sparsity fwd_s bwd_s \
+    fwd_ring bwd_ring | tee -a "$OUT/ringbench.txt"
+  for n in ${MTRAIN_RING_SEQS:-131072}; do
+    local dense_total=""
+    for mode in dense ${MTRAIN_RING_LAYERS:-3 31}; do
+      local args=(--backend cuda --dtype bf16 --seq-len "$n" --heads 16 --kv-heads 2 --head-dim 128
+        --repeat 3 --json)
+      if [ "$mode" = dense ]; then args+=(--layout zigzag --input normal)
+      else args+=(--layout striped --budgets "$budgets" --layer "$mode"); fi
+      echo "== mpiexec -n 2 mtrain-run ${args[*]}" >> "$log"
+      local js
+      js=$(mpiexec -n 2 --bind-to none "$build/tools/mtrain-run" "${args[@]}" 2>> "$log")
+      local rc=$?
+      echo "$js" >> "$log"
+      [ $rc -eq 0 ] || { bad=1; continue; }
+      python3 - "$n" "$mode" "$js" <<'PY' | tee -a "$OUT/ringbench.txt"
+import json, sys
+n, mode, js = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+print(f"{n:<8} {mode:<6} {('dense zigzag' if mode == 'dense' else 'sparse striped'):<22} "
+      f"{js['sparsity']:9.4f} {js['forward_seconds']:10.4f} {js['backward_seconds']:10.4f} "
+      f"{js['forward_ring_over_compute']:9.3f} {js['backward_ring_over_compute']:9.3f}")
+PY
+    done
+  done
+  if [ $bad -eq 0 ]; then note ringbench ok $((SECONDS - t0)) "table in ringbench.log"
+  else note ringbench FAILED $((SECONDS - t0)) "see ringbench.log"; fi
 }
 
 for s in "${stages[@]}"; do

@@ -68,6 +68,9 @@ static void cuda_fini(void *state) {
     if (s->slots[i].dev) cudaFree(s->slots[i].dev);
   }
   if (s->scratch) cudaFree(s->scratch);
+  for (int i = 0; i < s->num_timers; i++)
+    if (s->timers[i]) cudaEventDestroy((cudaEvent_t)s->timers[i]);
+  free(s->timers);
   if (s->own_stream) cudaStreamDestroy((cudaStream_t)s->own_stream);
   free(s);
 }
@@ -340,6 +343,48 @@ static mtrain_status_t cuda_scores_op(void *state, const mtrain_scores_args_t *a
   return cuda_pattern_scores(state, a);
 }
 
+#define CUDA_MAX_TIMERS 4096
+
+static mtrain_status_t cuda_timer_mark(void *state, int index) {
+  cuda_state_t *s = state;
+  if (index < 0 || index >= CUDA_MAX_TIMERS)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "cuda timer slot %d out of range", index);
+  if (index >= s->num_timers) {
+    int n = s->num_timers ? s->num_timers : 64;
+    while (n <= index) n *= 2;
+    void **t = realloc(s->timers, sizeof(void *) * (size_t)n);
+    if (!t) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda timers: out of host memory");
+    for (int i = s->num_timers; i < n; i++) t[i] = NULL;
+    s->timers = t;
+    s->num_timers = n;
+  }
+  if (!s->timers[index]) {
+    cudaEvent_t ev;
+    mtrain_status_t st = cuda_check(cudaEventCreate(&ev), "cudaEventCreate (timer)");
+    if (st) return st;
+    s->timers[index] = ev;
+  }
+  return cuda_check(cudaEventRecord((cudaEvent_t)s->timers[index], stream_of(s)),
+                    "cudaEventRecord (timer)");
+}
+
+static mtrain_status_t cuda_timer_elapsed(void *state, int from, int to, double *seconds) {
+  cuda_state_t *s = state;
+  if (from < 0 || to < 0 || from >= s->num_timers || to >= s->num_timers || !s->timers[from] ||
+      !s->timers[to])
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "cuda timer slots %d, %d were not marked",
+                        from, to);
+  mtrain_status_t st =
+      cuda_check(cudaEventSynchronize((cudaEvent_t)s->timers[to]), "cudaEventSynchronize");
+  float ms = 0.f;
+  if (!st)
+    st = cuda_check(
+        cudaEventElapsedTime(&ms, (cudaEvent_t)s->timers[from], (cudaEvent_t)s->timers[to]),
+        "cudaEventElapsedTime");
+  if (!st) *seconds = 1e-3 * (double)ms;
+  return st;
+}
+
 const mtrain_backend_ops_t mtrain_cuda_backend = {
     .api_version = MTRAIN_API_VERSION,
     .name = "cuda",
@@ -363,6 +408,8 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .attn_bwd_step = cuda_bwd_step,
     .pattern_scores = cuda_scores_op,
     .synchronize = cuda_synchronize,
+    .timer_mark = cuda_timer_mark,
+    .timer_elapsed = cuda_timer_elapsed,
 };
 
 /* ---- public functions (mtrain_cuda.h) ---------------------------------------- */

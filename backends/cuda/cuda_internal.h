@@ -90,6 +90,8 @@ typedef struct cuda_state {
   int next_slot;
   void *scratch; /* device scratch for bar dK/dV (2 * total_bars * d floats) */
   size_t scratch_cap;
+  void **timers; /* cudaEvent_t slots of timer_mark, created on demand */
+  int num_timers;
 } cuda_state_t;
 
 /* Maps a CUDA runtime error (as int) to a status with a message naming what

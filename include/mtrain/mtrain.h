@@ -132,12 +132,12 @@ uint16_t mtrain_float_to_half(float x);
  *  process) on top: MTRAIN_BACKEND, MTRAIN_GRANULARITY, MTRAIN_NUM_THREADS,
  *  MTRAIN_CHECK_INPUTS, MTRAIN_DETERMINISTIC. */
 typedef struct mtrain_config {
-  int32_t api_version;  /**< must be MTRAIN_API_VERSION */
-  const char *backend;  /**< "cpu" (default), "cpu-ref", "cuda" */
-  int32_t granularity;  /**< block size G of patterns and plans (default 128) */
-  int32_t num_threads;  /**< CPU threads; 0 = OpenMP's default */
-  int32_t check_inputs; /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
-  double softmax_scale; /**< 0 = 1/sqrt(head_dim) */
+  int32_t api_version;   /**< must be MTRAIN_API_VERSION */
+  const char *backend;   /**< "cpu" (default), "cpu-ref", "cuda" */
+  int32_t granularity;   /**< block size G of patterns and plans (default 128) */
+  int32_t num_threads;   /**< CPU threads; 0 = OpenMP's default */
+  int32_t check_inputs;  /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
+  double softmax_scale;  /**< 0 = 1/sqrt(head_dim) */
   int32_t deterministic; /**< 1 (default): two runs on the same inputs, world size and thread
                               count give bitwise identical outputs and gradients; 0: the
                               backward is scheduled for load balance, faster, and its gradients
@@ -156,8 +156,8 @@ typedef struct mtrain_comm mtrain_comm_t; /* see mtrain_comm.h */
  *  after the context). Collective when comm has several ranks: every rank
  *  must call it, and the configurations (api_version, backend, granularity,
  *  check_inputs, deterministic, softmax_scale) must agree: otherwise every
- *  rank fails with MTRAIN_ERR_INVALID_CONFIG naming the field and a rank. Not thread-safe with respect to the same context: one
- *  context is used by one thread at a time. */
+ *  rank fails with MTRAIN_ERR_INVALID_CONFIG naming the field and a rank. Not thread-safe with
+ * respect to the same context: one context is used by one thread at a time. */
 mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
                                       mtrain_context_t **out);
 /** Destroys a context and everything it owns. NULL is a no-op. */
@@ -170,9 +170,11 @@ const char *mtrain_context_backend_name(const mtrain_context_t *ctx);
 int mtrain_context_rank(const mtrain_context_t *ctx);
 int mtrain_context_world(const mtrain_context_t *ctx);
 
-/** Timing of the last attention call on a context (host clock; the CPU
- *  backends compute synchronously). ring_seconds is the time from the first
- *  ring step to the last; compute_seconds the sum of the steps' compute;
+/** Timing of the last attention call on a context (host clock for the CPU
+ *  backends, which compute synchronously; for the ring on the "cuda" backend
+ *  ring_seconds and compute_seconds come from device events around each
+ *  step). ring_seconds is the time from the first ring step to the last;
+ *  compute_seconds the sum of the steps' compute;
  *  ring_seconds / compute_seconds near 1 means the transfers were hidden
  *  behind the compute. */
 typedef struct mtrain_call_stats {
@@ -311,9 +313,9 @@ typedef enum mtrain_budget_kind {
 /** The budget of one query head. */
 typedef struct mtrain_head_budget {
   mtrain_budget_kind_t kind;
-  int64_t v_size, s_size;  /**< top-k: verticals (key columns) and slashes (token diagonals) */
-  double p_v, p_s;         /**< top-p: mass thresholds in (0, 1] */
-  int64_t cap_v, cap_s;    /**< top-p: most verticals / slashes kept */
+  int64_t v_size, s_size; /**< top-k: verticals (key columns) and slashes (token diagonals) */
+  double p_v, p_s;        /**< top-p: mass thresholds in (0, 1] */
+  int64_t cap_v, cap_s;   /**< top-p: most verticals / slashes kept */
 } mtrain_head_budget_t;
 
 /** Per layer and head budgets, as in the MInference budget files. */
@@ -340,12 +342,13 @@ mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *budget);
 
 /** Options of the estimation. Initialise with MTRAIN_ESTIMATE_INIT. */
 typedef struct mtrain_estimate_options {
-  int32_t last_q;     /**< L: the last L queries score the keys (default 64; clamped to N) */
-  int32_t num_sinks;  /**< top-k mode: first keys forced in as verticals (default 30) */
-  int32_t window;     /**< top-k mode: token diagonals 0..window-1 forced in (default 100) */
+  int32_t last_q;    /**< L: the last L queries score the keys (default 64; clamped to N) */
+  int32_t num_sinks; /**< top-k mode: first keys forced in as verticals (default 30) */
+  int32_t window;    /**< top-k mode: token diagonals 0..window-1 forced in (default 100) */
 } mtrain_estimate_options_t;
 
-#define MTRAIN_ESTIMATE_INIT {64, 30, 100}
+#define MTRAIN_ESTIMATE_INIT                                                                       \
+  { 64, 30, 100 }
 
 /** Estimates the vertical-slash pattern of one sequence from its post-RoPE q
  *  [N, Hq, d] and k [N, Hkv, d] (SPEC.md section 2): per query head h,
@@ -360,7 +363,6 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
                                         const mtrain_head_budget_t *budgets,
                                         const mtrain_estimate_options_t *options,
                                         mtrain_pattern_t **out);
-
 
 /** The distributed estimate (SPEC.md section 2): q and k are this rank's
  *  [local tokens, heads, d] slots of a sequence laid out by `layout` (as the

@@ -123,24 +123,24 @@ static inline int32_t mtrain_scores_slots(int32_t last_q, int32_t granularity) {
 
 typedef struct mtrain_scores_args {
   mtrain_scores_stage_t stage;
-  int64_t seq_len;            /**< N */
-  int32_t last_q;             /**< L (<= N) */
-  int32_t granularity;        /**< G */
+  int64_t seq_len;     /**< N */
+  int32_t last_q;      /**< L (<= N) */
+  int32_t granularity; /**< G */
   int32_t num_heads, num_kv_heads, head_dim;
   double scale;
-  mtrain_dtype_t dtype;       /**< storage dtype of k */
-  mtrain_dtype_t q_dtype;     /**< storage dtype of q_last (fp32 when gathered from ranks) */
-  const void *q_last;         /**< [L, Hq, d] */
-  const void *k;              /**< [k_tokens, Hkv, d] the keys this rank holds */
+  mtrain_dtype_t dtype;   /**< storage dtype of k */
+  mtrain_dtype_t q_dtype; /**< storage dtype of q_last (fp32 when gathered from ranks) */
+  const void *q_last;     /**< [L, Hq, d] */
+  const void *k;          /**< [k_tokens, Hkv, d] the keys this rank holds */
   int64_t k_tokens;
   int32_t num_k_blocks;
   const int64_t *k_block_global; /**< [num_k_blocks] global block of each local key block */
-  const uint8_t *probs;       /**< [Hq] host flags: 1 = top-p head (probabilities) */
-  const double *row_max;      /**< [Hq*L] global row max (stages 1 and 2 with probs) */
-  const double *row_norm;     /**< [Hq*L] global sum of exp(A - row_max) (stage 2 with probs) */
-  double *row_out;            /**< stages 0 and 1 (overwritten where this chunk contributes) */
-  double *col_out;            /**< stage 2, zero-initialised by the caller, [Hq*N] */
-  double *diag_out;           /**< stage 2, zero-initialised by the caller, [Hq*N*S] */
+  const uint8_t *probs;          /**< [Hq] host flags: 1 = top-p head (probabilities) */
+  const double *row_max;         /**< [Hq*L] global row max (stages 1 and 2 with probs) */
+  const double *row_norm;        /**< [Hq*L] global sum of exp(A - row_max) (stage 2 with probs) */
+  double *row_out;               /**< stages 0 and 1 (overwritten where this chunk contributes) */
+  double *col_out;               /**< stage 2, zero-initialised by the caller, [Hq*N] */
+  double *diag_out;              /**< stage 2, zero-initialised by the caller, [Hq*N*S] */
 } mtrain_scores_args_t;
 
 /** The backend table. Slots marked optional may be NULL; the core reports
@@ -199,6 +199,13 @@ typedef struct mtrain_backend_ops {
 
   /** Waits for all work queued by this backend (no-op on the CPU). */
   mtrain_status_t (*synchronize)(void *state);
+
+  /** Optional device-side timing (NULL where the host clock is exact): mark
+   *  records a timestamp into slot `index` (0 <= index < 4096) behind the work
+   *  queued so far; elapsed waits for two recorded slots and gives the seconds
+   *  between them. The ring driver uses them for its step statistics. */
+  mtrain_status_t (*timer_mark)(void *state, int index);
+  mtrain_status_t (*timer_elapsed)(void *state, int from, int to, double *seconds);
 } mtrain_backend_ops_t;
 
 /** Finds a compiled-in backend by name; NULL if none. */

@@ -1,0 +1,39 @@
+/* attn_mma2.h (private): entry points of variant 2 of the CUDA attention
+ * kernels (tensor cores, mma.sync, tuned: 128-row query tiles, a fused
+ * key-major backward with atomic dQ when the context is not deterministic).
+ * Same inputs, outputs and accumulator contract as variant 1
+ * (cuda_internal.h): fwd merges the step into o_acc/lse_acc; bwd adds dQ
+ * into dq_acc, the runs' dK/dV into dk_acc/dv_acc, and WRITES every bar's
+ * dK/dV to dk_bar/dv_bar [total_bars, d] fp32 (zero rows where a bar has no
+ * entries). q, k, v and dout must be 16-byte aligned.
+ *
+ * The tile configuration is read from the environment variable
+ * MTRAIN_CUDA_MMA2_CONFIG at every call ("0" when unset or empty; "0", "1"
+ * or "2", see docs/CUDA_KERNELS.md, section "Variant 2"); any other value
+ * makes the call fail with MTRAIN_ERR_INVALID_CONFIG. */
+#ifndef MTRAIN_ATTN_MMA2_H
+#define MTRAIN_ATTN_MMA2_H
+
+#include <stdint.h>
+
+#include "backends/cuda/cuda_internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when variant 2 can compute (dtype, d, G); else 0 and *why (static). */
+int cuda_mma2_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why);
+mtrain_status_t cuda_mma2_fwd(cuda_state_t *s, const cuda_step_t *st,
+                              const mtrain_fwd_step_args_t *a);
+/* Non-deterministic contexts (s->deterministic == 0) run the fused kernel
+ * (dQ by fp32 atomics, order-dependent in the last bits); deterministic
+ * ones run a query-major dQ kernel and a key-major dK/dV kernel. */
+mtrain_status_t cuda_mma2_bwd(cuda_state_t *s, const cuda_step_t *st,
+                              const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_ATTN_MMA2_H */

@@ -1,0 +1,389 @@
+/* attn_mma2_common.cuh (private): device code shared by the forward and
+ * backward kernels of variant 2 (attn_mma2_fwd.cu, attn_mma2_bwd.cu). It
+ * reuses variant 1's PTX wrappers, fragment layouts and swizzled 64-column
+ * chunk addressing (attn_mma_common.cuh, namespace mma1) and adds:
+ *  - two PTX wrappers: stmatrix.x4 (C fragments -> shared memory, the exact
+ *    inverse of ldmatrix.x4) and the sm_90 vector reduction
+ *    red.global.add.v2.f32 (the atomic dQ of the fused backward);
+ *  - the run-time configurations (MTRAIN_CUDA_MMA2_CONFIG);
+ *  - row loaders for CTAs of NT threads and tiles of any multiple of 64 rows;
+ *  - a bar cursor that keeps the end of its current segment, so moving it
+ *    within a segment reads no memory (variant 1's seg_walk reads the
+ *    segment bounds at every step, on the critical path of every bar tile);
+ *  - the query-major key walk generalised to query tiles of BM = 64 or 128
+ *    rows (KeyWalk2) and the key-major query walk generalised to key tiles
+ *    of BN = 64 or 128 keys (QWalk2), where a 128-key bar item is a pair of
+ *    consecutive 64-bar tiles of one head.
+ *
+ * Masks use one rule everywhere: a tile pair on the causal diagonal block
+ * carries off = (first key position of the key tile in the block) - (first
+ * query position of the query tile in the block); tile-local key column c
+ * is masked for tile-local query row r iff c + off > r. */
+#ifndef MTRAIN_ATTN_MMA2_COMMON_CUH
+#define MTRAIN_ATTN_MMA2_COMMON_CUH
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backends/cuda/attn_mma_common.cuh"
+
+extern "C" {
+#include "core/error.h"
+}
+
+namespace mma2 {
+
+using mma1::cp_async16;
+using mma1::cp_async4;
+using mma1::cp_async_commit;
+using mma1::cp_async_wait;
+using mma1::fast_exp2;
+using mma1::Frag;
+using mma1::kLn2;
+using mma1::kLog2e;
+using mma1::ldsm_x4;
+using mma1::ldsm_x4_t;
+using mma1::mma16816;
+using mma1::pack2;
+using mma1::pack_a;
+using mma1::smem_u32;
+using mma1::toff;
+
+constexpr int kKT = 64; /* rows of a streamed key tile (forward, dQ) and of a
+                           streamed query tile (dK/dV); one bar tile */
+
+/* ---- PTX wrappers of variant 2 ---- */
+
+/* Stores four 8x8 16-bit matrices: lanes 8i..8i+7 give the row addresses of
+ * matrix i, register i of lane l holds {M_i[l/4][2(l%4)], M_i[l/4][2(l%4)+1]}.
+ * With the A-fragment addressing Frag::A(m0, c2) and the registers of pack_a
+ * it stores a 16x16 block of C fragments (rows m0.., columns 8*c2..). */
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                        uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+/* p[0] += a, p[1] += b in global memory, one relaxed gpu-scope reduction
+ * (p 8-byte aligned). */
+__device__ __forceinline__ void red_add_v2(float *p, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+/* ---- end of PTX wrappers of variant 2 ---- */
+
+/* ---- run-time configurations ---- */
+
+/* Forward kernels: NW warps of WM query rows each (query tile BM = NW * WM
+ * rows), 64-key tiles, two cp.async stages of (K, V).
+ *  kind 0: 4 warps x 32 rows (BM 128): every K/V fragment read from shared
+ *          memory feeds two 16-row MMA tiles; Q fragments re-read from
+ *          shared memory per key tile at d = 128 (kept in registers at d = 64);
+ *  kind 1: 8 warps x 16 rows (BM 128), Q re-read from shared memory;
+ *  kind 2: 4 warps x 16 rows (BM 64), Q in registers (variant 1's tiling). */
+enum { kFwd4x32 = 0, kFwd8x16 = 1, kFwd4x16 = 2 };
+
+struct Config {
+  int fwd;   /* forward kind (above) for G a multiple of 128 */
+  int kv_nw; /* warps of the key-major dK/dV (fused or not) kernel: 8 (128-key
+                tiles) or 4 (64-key tiles), for G a multiple of 128 */
+  int dq_nw; /* warps of the deterministic dQ kernel (16 query rows each) */
+};
+
+/* MTRAIN_CUDA_MMA2_CONFIG: index into this table. */
+constexpr int kNumConfigs = 3;
+static const Config kConfigs[kNumConfigs] = {
+    {kFwd4x32, 8, 8}, /* "0" (default) */
+    {kFwd8x16, 8, 8}, /* "1" */
+    {kFwd4x16, 4, 4}, /* "2": 64-row / 64-key tiles everywhere */
+};
+
+/* Reads MTRAIN_CUDA_MMA2_CONFIG (unset or empty: 0) into *index; any value
+ * other than "0" .. "2" fails with MTRAIN_ERR_INVALID_CONFIG. Read at every
+ * call, so that one process can time several configurations. */
+inline mtrain_status_t config_from_env(const char *who, int *index) {
+  const char *e = getenv("MTRAIN_CUDA_MMA2_CONFIG");
+  *index = 0;
+  if (!e || !*e) return MTRAIN_SUCCESS;
+  if (e[0] >= '0' && e[0] < '0' + kNumConfigs && e[1] == '\0') {
+    *index = e[0] - '0';
+    return MTRAIN_SUCCESS;
+  }
+  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                      "%s: environment variable MTRAIN_CUDA_MMA2_CONFIG='%s': expected 0 (4 "
+                      "warps x 32 query rows forward, 128-key backward), 1 (8 warps x 16 query "
+                      "rows forward, 128-key backward) or 2 (64-row and 64-key tiles)",
+                      who, e);
+}
+
+/* The configuration actually run for granularity G: 128-row and 128-key
+ * tiles need G % 128 == 0 (a tile never spans two blocks, whose key lists
+ * and causal diagonals differ); otherwise configuration 2's 64-row tiles. */
+inline Config effective_config(int index, int G) {
+  Config c = kConfigs[index];
+  if (G % 128 != 0) c = kConfigs[2];
+  return c;
+}
+
+/* ---- loaders ---- */
+
+/* Rows per thread of an R-row tile loaded by NT threads (8 threads a row). */
+template <int NT, int R> struct LoadShape {
+  static_assert(NT % 64 == 0 && R % (NT / 8) == 0, "tile rows must be a multiple of NT / 8");
+  static constexpr int kStep = NT / 8;     /* rows between a thread's rows */
+  static constexpr int kRows = R / kStep; /* rows per thread */
+};
+
+/* Loads R rows into a swizzled tile at sdst: tile row i = tid/8 + step*r
+ * comes from g + rows[r] * stride (elements), zero-filled where rows[r] < 0.
+ * Thread tid copies chunks tid%8 + 8j of its rows (8 threads read one row's
+ * 128 contiguous bytes per instruction); row & 7 == (tid / 8) & 7 because
+ * step is a multiple of 8. */
+template <int D, int NT, int R, typename T>
+__device__ __forceinline__ void load_rows_n(uint32_t sdst, const T *g, int64_t stride,
+                                            const int64_t (&rows)[LoadShape<NT, R>::kRows],
+                                            int tid) {
+  using LS = LoadShape<NT, R>;
+  const int i0 = tid >> 3, c0 = tid & 7, cx = c0 ^ (i0 & 7);
+#pragma unroll
+  for (int r = 0; r < LS::kRows; ++r) {
+    const int i = i0 + LS::kStep * r;
+    const bool ok = rows[r] >= 0;
+    const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j)
+      cp_async16(sdst + toff<D>(i, 8 * j + cx), ok ? src + 64 * j : g, ok);
+  }
+}
+
+/* Rows of a tile whose valid rows are row0 + i for i < nvalid. */
+template <int NT, int R>
+__device__ __forceinline__ void contiguous_rows_n(int64_t (&rows)[LoadShape<NT, R>::kRows],
+                                                  int64_t row0, int nvalid, int tid) {
+  using LS = LoadShape<NT, R>;
+#pragma unroll
+  for (int r = 0; r < LS::kRows; ++r) {
+    const int i = (tid >> 3) + LS::kStep * r;
+    rows[r] = i < nvalid ? row0 + i : -1;
+  }
+}
+
+/* ---- bar cursor ---- */
+
+/* Position (segment s, bar index b) in the segments [s, s_end) of a query
+ * block, with be = segs[2s + 1] cached: b < be while s < s_end; s == s_end
+ * past the last bar. */
+struct BarCursor {
+  int s, b, be;
+
+  __device__ __forceinline__ void init(const int32_t *segs, int s0, int s_end) {
+    s = s0;
+    b = be = 0;
+    if (s < s_end) {
+      b = segs[2 * s];
+      be = segs[2 * s + 1];
+    }
+    advance(segs, s_end, 0);
+  }
+  /* p bars forward (p == 0 skips empty segments); reads memory only when it
+   * crosses into the next segment. */
+  __device__ __forceinline__ void advance(const int32_t *segs, int s_end, int p) {
+    b += p;
+    while (s < s_end && b >= be) {
+      const int over = b - be;
+      if (++s < s_end) {
+        b = segs[2 * s] + over;
+        be = segs[2 * s + 1];
+      }
+    }
+  }
+};
+
+/* ---- query-major walk (forward, dQ) ---- */
+
+/* One 64-key tile of a query item: kind 1 = consecutive key rows of a run
+ * block from row a, kind 2 = bars from cursor c. Valid key columns [0,
+ * nvalid); causal: on the diagonal block, mask c + off > r. */
+struct KTile2 {
+  int kind, nvalid, causal, off, a;
+  BarCursor c;
+};
+
+/* The key tiles of (head h, local query block qb, query rows [q0, q0 +
+ * nq) of the block), in the plan's order: every run block's 64-key tiles
+ * that hold valid keys (on the diagonal block only those starting at or
+ * before the last valid query row), then qb's bars 64 at a time. Every
+ * thread of the CTA walks it identically. */
+struct KeyWalk2 {
+  const int32_t *runs, *segs, *bars;
+  int e, e_end, kb, kb_end, kt;
+  int s_end, bars_left;
+  BarCursor c;
+  int q0, qlast;
+  int64_t gq;
+
+  __device__ __forceinline__ void init(const head_view &hv, int qb, int64_t gq_, int q0_,
+                                       int nq) {
+    runs = hv.runs;
+    segs = hv.segs;
+    bars = hv.bars;
+    gq = gq_;
+    q0 = q0_;
+    qlast = q0_ + nq - 1;
+    e = hv.run_off[qb];
+    e_end = hv.run_off[qb + 1];
+    kb = kb_end = 0;
+    if (e < e_end) {
+      kb = runs[2 * e];
+      kb_end = runs[2 * e + 1];
+    }
+    kt = 0;
+    const int s0 = hv.seg_off[qb];
+    s_end = hv.seg_off[qb + 1];
+    bars_left = 0;
+    for (int x = s0; x < s_end; ++x) bars_left += segs[2 * x + 1] - segs[2 * x];
+    c.init(segs, s0, s_end);
+  }
+
+  __device__ __forceinline__ bool next(const cuda_step_t &st, KTile2 &t) {
+    while (e < e_end) {
+      if (kb < kb_end) {
+        const int64_t gk = st.k_block_global[kb];
+        const int nc = block_rows_dev(st.k_tokens, st.G, kb, gk, st.seq_len);
+        const bool diag = gk == gq;
+        int lim = (nc + kKT - 1) / kKT;
+        if (diag && lim > qlast / kKT + 1) lim = qlast / kKT + 1;
+        if (kt < lim) {
+          t.kind = 1;
+          t.a = kb * st.G + kt * kKT;
+          t.nvalid = min(kKT, nc - kt * kKT);
+          t.off = kt * kKT - q0;
+          t.causal = diag && t.off + kKT - 1 > 0;
+          ++kt;
+          return true;
+        }
+        ++kb;
+        kt = 0;
+        continue;
+      }
+      if (++e < e_end) {
+        kb = runs[2 * e];
+        kb_end = runs[2 * e + 1];
+        kt = 0;
+      }
+    }
+    if (bars_left > 0) {
+      t.kind = 2;
+      t.nvalid = min(kKT, bars_left);
+      t.causal = 0;
+      t.off = 0;
+      t.a = 0;
+      t.c = c;
+      c.advance(segs, s_end, kKT);
+      bars_left -= kKT;
+      return true;
+    }
+    return false;
+  }
+
+  /* Issues the cp.async loads of tile t into the K and V tiles at sK, sV
+   * (NT threads; kv head base pointers kbase, vbase). */
+  template <int D, int NT, typename T>
+  __device__ __forceinline__ void load(uint32_t sK, uint32_t sV, const T *kbase, const T *vbase,
+                                       int64_t stride, const KTile2 &t, int tid) const {
+    using LS = LoadShape<NT, kKT>;
+    int64_t rows[LS::kRows];
+    if (t.kind == 1) {
+      contiguous_rows_n<NT, kKT>(rows, t.a, t.nvalid, tid);
+    } else {
+      const int i0 = tid >> 3;
+      BarCursor cc = t.c;
+      cc.advance(segs, s_end, i0);
+#pragma unroll
+      for (int r = 0; r < LS::kRows; ++r) {
+        rows[r] = i0 + LS::kStep * r < t.nvalid ? (int64_t)bars[cc.b] : -1;
+        if (r + 1 < LS::kRows) cc.advance(segs, s_end, LS::kStep);
+      }
+    }
+    load_rows_n<D, NT, kKT>(sK, kbase, stride, rows, tid);
+    load_rows_n<D, NT, kKT>(sV, vbase, stride, rows, tid);
+  }
+};
+
+/* ---- key-major walk (dK/dV, fused backward) ---- */
+
+/* One streamed 64-row query tile of a key-major item: rows row0 + i (i <
+ * nvalid) of head h; key slots outside [jlo, jhi) take no part; causal: on
+ * the diagonal block, mask c + off > r. */
+struct QTile2 {
+  int h, nvalid, causal, off, jlo, jhi;
+  int64_t row0;
+};
+
+/* Bar tiles t and t + 1 form one 128-key item when t holds bars [b0, b0 +
+ * 64) with b0 % 128 == 0 and t + 1 is the next 64 bars of the same head
+ * (always so for cuda_step.c's tiles but the last odd one of a head). */
+__device__ __forceinline__ bool bar_tiles_pair(const cuda_step_t &st, int t) {
+  if (t < 0 || t + 1 >= st.num_bar_tiles) return false;
+  const int32_t *a = st.bt_tile + 3 * t;
+  return a[1] % 128 == 0 && a[2] - a[1] == 64 && a[3] == a[0] && a[4] == a[2];
+}
+
+/* The query tiles of a key-major item of BN keys.
+ * Runs (key tile kt of local block kb, BN keys from kt * BN): the entries
+ * (h, qb) of kv_ent, every 64-row tile of qb's valid rows; on the diagonal
+ * block from the first tile that holds a query at or after the key tile's
+ * first key. Bars (one bar tile [b0, b1), or a pair [b0, b2)): the entries
+ * (qb, lo, hi) of the first tile, then those of the second tile whose
+ * segment starts at or after b1 (the others met the first tile and were
+ * walked with it); key slots [max(lo, b0), min(hi, b_end)) - b0. */
+struct QWalk2 {
+  int bars;
+  int e, e_end, e_mid, qt, qt_end, h, nr, jlo, jhi, diag;
+  int64_t rbase;
+  int kpos, nk; /* runs: first key position in the block, valid keys */
+  int64_t gk;
+  int h_bar, b0, b1, b_end;
+
+  __device__ __forceinline__ bool next(const cuda_step_t &st, QTile2 &t) {
+    while (qt >= qt_end) {
+      if (++e >= e_end) return false;
+      int qb;
+      if (bars) {
+        qb = st.bt_ent[3 * e];
+        const int lo = st.bt_ent[3 * e + 1], hi = st.bt_ent[3 * e + 2];
+        if (e >= e_mid && lo < b1) continue; /* walked with the first tile */
+        h = h_bar;
+        jlo = max(lo, b0) - b0;
+        jhi = min(hi, b_end) - b0;
+        diag = 0;
+      } else {
+        h = st.kv_ent[2 * e];
+        qb = st.kv_ent[2 * e + 1];
+        jlo = 0;
+        jhi = nk;
+      }
+      const int64_t gq = st.q_block_global[qb];
+      nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
+      rbase = (int64_t)qb * st.G;
+      if (!bars) diag = gq == gk;
+      qt = diag ? kpos / kKT : 0;
+      qt_end = jlo < jhi ? (nr + kKT - 1) / kKT : 0;
+    }
+    t.h = h;
+    t.row0 = rbase + (int64_t)qt * kKT;
+    t.nvalid = min(kKT, nr - qt * kKT);
+    t.off = kpos - qt * kKT;
+    t.causal = diag && t.off + (jhi - 1) > 0;
+    t.jlo = jlo;
+    t.jhi = jhi;
+    ++qt;
+    return true;
+  }
+};
+
+} /* namespace mma2 */
+
+#endif /* MTRAIN_ATTN_MMA2_COMMON_CUH */
