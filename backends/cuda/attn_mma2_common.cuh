@@ -7,11 +7,9 @@
  *    red.global.add.v2.f32 (the atomic dQ of the fused backward);
  *  - the run-time configurations (MTRAIN_CUDA_MMA2_CONFIG);
  *  - row loaders for CTAs of NT threads and tiles of any multiple of 64 rows;
- *  - a bar cursor that keeps the end of its current segment, so moving it
- *    within a segment reads no memory (variant 1's seg_walk reads the
- *    segment bounds at every step, on the critical path of every bar tile);
  *  - the query-major key walk generalised to query tiles of BM = 64 or 128
- *    rows (KeyWalk2) and the key-major query walk generalised to key tiles
+ *    rows (KeyWalk2), advanced by one thread in shared memory (TileRing) so
+ *    that no walk state occupies registers during the MMAs, and the key-major query walk generalised to key tiles
  *    of BN = 64 or 128 keys (QWalk2), where a 128-key bar item is a pair of
  *    consecutive 64-bar tiles of one head.
  *
@@ -170,81 +168,56 @@ __device__ __forceinline__ void contiguous_rows_n(int64_t (&rows)[LoadShape<NT, 
   }
 }
 
-/* ---- bar cursor ---- */
-
-/* Position (segment s, bar index b) in the segments [s, s_end) of a query
- * block, with be = segs[2s + 1] cached: b < be while s < s_end; s == s_end
- * past the last bar. */
-struct BarCursor {
-  int s, b, be;
-
-  __device__ __forceinline__ void init(const int32_t *segs, int s0, int s_end) {
-    s = s0;
-    b = be = 0;
-    if (s < s_end) {
-      b = segs[2 * s];
-      be = segs[2 * s + 1];
-    }
-    advance(segs, s_end, 0);
-  }
-  /* p bars forward (p == 0 skips empty segments); reads memory only when it
-   * crosses into the next segment. */
-  __device__ __forceinline__ void advance(const int32_t *segs, int s_end, int p) {
-    b += p;
-    while (s < s_end && b >= be) {
-      const int over = b - be;
-      if (++s < s_end) {
-        b = segs[2 * s] + over;
-        be = segs[2 * s + 1];
-      }
-    }
-  }
-};
-
 /* ---- query-major walk (forward, dQ) ---- */
 
 /* One 64-key tile of a query item: kind 1 = consecutive key rows of a run
- * block from row a, kind 2 = bars from cursor c. Valid key columns [0,
- * nvalid); causal: on the diagonal block, mask c + off > r. */
+ * block from row a, kind 2 = bars from the cursor (segment a, bar index b).
+ * Valid key columns [0, nvalid); causal: on the diagonal block, mask
+ * c + off > r. */
 struct KTile2 {
-  int kind, nvalid, causal, off, a;
-  BarCursor c;
+  int kind, nvalid, causal, off, a, b;
 };
 
 /* The key tiles of (head h, local query block qb, query rows [q0, q0 +
  * nq) of the block), in the plan's order: every run block's 64-key tiles
  * that hold valid keys (on the diagonal block only those starting at or
  * before the last valid query row), then qb's bars 64 at a time. Every
- * thread of the CTA walks it identically. */
+ * thread of the CTA walks it identically. The per-head arrays are kept as
+ * 32-bit offsets into st.idx (kernel parameter space), and the global query
+ * block as 32 bits (block indices are far below 2^31), which keeps the walk
+ * near variant 1's register count. */
 struct KeyWalk2 {
-  const int32_t *runs, *segs, *bars;
+  int runs, segs, bars; /* offsets of the head's arrays in st.idx */
   int e, e_end, kb, kb_end, kt;
-  int s_end, bars_left;
-  BarCursor c;
-  int q0, qlast;
-  int64_t gq;
+  int s, s_end, b, bars_left;
+  int q0, qlast, gq;
 
-  __device__ __forceinline__ void init(const head_view &hv, int qb, int64_t gq_, int q0_,
-                                       int nq) {
-    runs = hv.runs;
-    segs = hv.segs;
-    bars = hv.bars;
-    gq = gq_;
+  __device__ __forceinline__ void init(const cuda_step_t &st, int h, int qb, int64_t gq_,
+                                       int q0_, int nq) {
+    const int32_t *m = st.head_meta + (int64_t)h * CUDA_HM_STRIDE;
+    const int32_t *run_off = st.idx + m[CUDA_HM_RUN_OFF];
+    const int32_t *seg_off = st.idx + m[CUDA_HM_SEG_OFF];
+    runs = m[CUDA_HM_RUNS];
+    segs = m[CUDA_HM_SEGS];
+    bars = m[CUDA_HM_BARS];
+    gq = (int)gq_;
     q0 = q0_;
     qlast = q0_ + nq - 1;
-    e = hv.run_off[qb];
-    e_end = hv.run_off[qb + 1];
+    e = run_off[qb];
+    e_end = run_off[qb + 1];
     kb = kb_end = 0;
     if (e < e_end) {
-      kb = runs[2 * e];
-      kb_end = runs[2 * e + 1];
+      kb = st.idx[runs + 2 * e];
+      kb_end = st.idx[runs + 2 * e + 1];
     }
     kt = 0;
-    const int s0 = hv.seg_off[qb];
-    s_end = hv.seg_off[qb + 1];
+    s = seg_off[qb];
+    s_end = seg_off[qb + 1];
+    const int32_t *sg = st.idx + segs;
     bars_left = 0;
-    for (int x = s0; x < s_end; ++x) bars_left += segs[2 * x + 1] - segs[2 * x];
-    c.init(segs, s0, s_end);
+    for (int x = s; x < s_end; ++x) bars_left += sg[2 * x + 1] - sg[2 * x];
+    b = s < s_end ? sg[2 * s] : 0;
+    mma1::seg_walk(sg, s_end, s, b, 0);
   }
 
   __device__ __forceinline__ bool next(const cuda_step_t &st, KTile2 &t) {
@@ -252,12 +225,13 @@ struct KeyWalk2 {
       if (kb < kb_end) {
         const int64_t gk = st.k_block_global[kb];
         const int nc = block_rows_dev(st.k_tokens, st.G, kb, gk, st.seq_len);
-        const bool diag = gk == gq;
+        const bool diag = (int)gk == gq;
         int lim = (nc + kKT - 1) / kKT;
         if (diag && lim > qlast / kKT + 1) lim = qlast / kKT + 1;
         if (kt < lim) {
           t.kind = 1;
           t.a = kb * st.G + kt * kKT;
+          t.b = 0;
           t.nvalid = min(kKT, nc - kt * kKT);
           t.off = kt * kKT - q0;
           t.causal = diag && t.off + kKT - 1 > 0;
@@ -269,8 +243,8 @@ struct KeyWalk2 {
         continue;
       }
       if (++e < e_end) {
-        kb = runs[2 * e];
-        kb_end = runs[2 * e + 1];
+        kb = st.idx[runs + 2 * e];
+        kb_end = st.idx[runs + 2 * e + 1];
         kt = 0;
       }
     }
@@ -279,38 +253,69 @@ struct KeyWalk2 {
       t.nvalid = min(kKT, bars_left);
       t.causal = 0;
       t.off = 0;
-      t.a = 0;
-      t.c = c;
-      c.advance(segs, s_end, kKT);
+      t.a = s;
+      t.b = b;
+      mma1::seg_walk(st.idx + segs, s_end, s, b, kKT);
       bars_left -= kKT;
       return true;
     }
     return false;
   }
+};
+
+/* The walk of a query item shared by the CTA: thread 0 alone advances it
+ * (state in shared memory) and publishes each tile in a ring of 3 slots,
+ * two tiles ahead of the one being computed; every thread reads the slots.
+ * Tile n sits in d[n % 3]; thread 0 writes tile n + 2 during iteration n,
+ * into the slot of tile n - 1, which every thread finished reading before
+ * the barrier that opens iteration n. No walk state stays in registers
+ * across the MMAs. kind == 0 marks the end of the walk. */
+struct TileRing {
+  KeyWalk2 w;
+  KTile2 d[3];
+  /* the item's first query row, valid rows and head, for the epilogue: read
+   * back from shared memory, they hold no register across the MMAs */
+  int64_t row0;
+  int rows, h;
+
+  /* thread 0: tile n of the walk into d[slot] */
+  __device__ __forceinline__ void produce(const cuda_step_t &st, int slot) {
+    KeyWalk2 x = w;
+    KTile2 t;
+    if (!x.next(st, t)) t.kind = 0;
+    d[slot] = t;
+    w = x;
+  }
 
   /* Issues the cp.async loads of tile t into the K and V tiles at sK, sV
    * (NT threads; kv head base pointers kbase, vbase). */
   template <int D, int NT, typename T>
-  __device__ __forceinline__ void load(uint32_t sK, uint32_t sV, const T *kbase, const T *vbase,
-                                       int64_t stride, const KTile2 &t, int tid) const {
+  __device__ __forceinline__ void load(const cuda_step_t &st, uint32_t sK, uint32_t sV,
+                                       const T *kbase, const T *vbase, int64_t stride,
+                                       const KTile2 &t, int tid) const {
     using LS = LoadShape<NT, kKT>;
     int64_t rows[LS::kRows];
     if (t.kind == 1) {
       contiguous_rows_n<NT, kKT>(rows, t.a, t.nvalid, tid);
     } else {
-      const int i0 = tid >> 3;
-      BarCursor cc = t.c;
-      cc.advance(segs, s_end, i0);
+      const int i0 = tid >> 3, s_end = w.s_end;
+      const int32_t *sg = st.idx + w.segs, *bl = st.idx + w.bars;
+      int cs = t.a, cb = t.b;
+      mma1::seg_walk(sg, s_end, cs, cb, i0);
 #pragma unroll
       for (int r = 0; r < LS::kRows; ++r) {
-        rows[r] = i0 + LS::kStep * r < t.nvalid ? (int64_t)bars[cc.b] : -1;
-        if (r + 1 < LS::kRows) cc.advance(segs, s_end, LS::kStep);
+        rows[r] = i0 + LS::kStep * r < t.nvalid ? (int64_t)bl[cb] : -1;
+        if (r + 1 < LS::kRows) mma1::seg_walk(sg, s_end, cs, cb, LS::kStep);
       }
     }
     load_rows_n<D, NT, kKT>(sK, kbase, stride, rows, tid);
     load_rows_n<D, NT, kKT>(sV, vbase, stride, rows, tid);
   }
 };
+
+/* Bytes reserved for a TileRing at the end of a kernel's dynamic shared
+ * memory (a multiple of 128). */
+constexpr int kRingBytes = (int)((sizeof(TileRing) + 127) / 128 * 128);
 
 /* ---- key-major walk (dK/dV, fused backward) ---- */
 
