@@ -39,13 +39,17 @@ static double now(void) {
 
 /* Polls a request until done or the timeout; on timeout the request is
  * cancelled where MPI allows it (a receive). */
-static mtrain_status_t wait_bounded(mpi_state_t *s, MPI_Request *req, const char *what, int peer) {
+static mtrain_status_t wait_bounded(mpi_state_t *s, MPI_Request *req, const char *what, int peer,
+                                    MPI_Status *status) {
   const double deadline = now() + s->timeout;
   struct timespec nap = {0, 20000}; /* 20 us, doubling to 1 ms */
   for (;;) {
     int done = 0;
-    int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return mpi_failed(rc, what);
+    int rc = MPI_Test(req, &done, status ? status : MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      mtrain_status_t e = mpi_failed(rc, what);
+      return peer >= 0 ? mtrain_error_prefix(e, "rank %d, with rank %d: ", s->rank, peer) : e;
+    }
     if (done) return MTRAIN_SUCCESS;
     if (now() > deadline) {
       MPI_Cancel(req);
@@ -108,8 +112,21 @@ static mtrain_status_t mpi_irecv(void *state, void *buf, size_t bytes, int peer,
 
 static mtrain_status_t mpi_wait(void *state, mtrain_comm_request_t *req) {
   if (!req) return MTRAIN_SUCCESS;
+  mpi_state_t *s = state;
+  MPI_Status status;
   mtrain_status_t st =
-      wait_bounded(state, &req->request, req->is_send ? "a send" : "a receive", req->peer);
+      wait_bounded(s, &req->request, req->is_send ? "a send" : "a receive", req->peer, &status);
+  if (!st && !req->is_send) {
+    /* a shorter message completes a receive: a peer out of step must not
+     * pass unnoticed */
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    if ((size_t)count != req->bytes)
+      st = mtrain_error(MTRAIN_ERR_COMM,
+                        "rank %d: received %d bytes from rank %d, expected %zu (the ranks do not "
+                        "agree on the problem: tokens, heads or plan)",
+                        s->rank, count, req->peer, req->bytes);
+  }
   free(req);
   return st;
 }
@@ -129,7 +146,7 @@ static mtrain_status_t mpi_allreduce(void *state, void *buf, int64_t count, mtra
     int rc = MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + (size_t)off * esz, n, type,
                             op == MTRAIN_REDUCE_MAX ? MPI_MAX : MPI_SUM, s->comm, &req);
     if (rc != MPI_SUCCESS) return mpi_failed(rc, "Iallreduce");
-    mtrain_status_t st = wait_bounded(s, &req, "an all-reduce", -1);
+    mtrain_status_t st = wait_bounded(s, &req, "an all-reduce", -1, NULL);
     if (st) return st;
   }
   return MTRAIN_SUCCESS;
@@ -143,7 +160,7 @@ static mtrain_status_t mpi_allgather(void *state, const void *send, void *recv, 
   MPI_Request req;
   int rc = MPI_Iallgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, s->comm, &req);
   if (rc != MPI_SUCCESS) return mpi_failed(rc, "Iallgather");
-  return wait_bounded(s, &req, "an all-gather", -1);
+  return wait_bounded(s, &req, "an all-gather", -1, NULL);
 }
 
 static mtrain_status_t mpi_barrier(void *state) {
@@ -151,7 +168,7 @@ static mtrain_status_t mpi_barrier(void *state) {
   MPI_Request req;
   int rc = MPI_Ibarrier(s->comm, &req);
   if (rc != MPI_SUCCESS) return mpi_failed(rc, "Ibarrier");
-  return wait_bounded(s, &req, "a barrier", -1);
+  return wait_bounded(s, &req, "a barrier", -1, NULL);
 }
 
 static mtrain_status_t wrap(MPI_Comm comm, double timeout, mtrain_comm_t **out);

@@ -1,8 +1,15 @@
 /* test_mpi_fault.c: a rank that dies or stops answering in the middle of a
  * ring must not hang the others. Run under mpiexec by test_mpi_fault.sh:
- *   kill   rank 1 is killed (SIGKILL) just before the forward;
- *   stall  rank 1 sleeps instead of joining the forward; the others must
- *          end with MTRAIN_ERR_TIMEOUT naming a peer within the timeout.
+ *   kill        rank 1 is killed (SIGKILL) just before the forward;
+ *   stall       rank 1 sleeps instead of joining the forward; the others
+ *               must end with MTRAIN_ERR_TIMEOUT naming a peer within the
+ *               timeout;
+ *   kill-bwd    every rank completes the forward, then rank 1 is killed
+ *               just before the backward;
+ *   stall-bwd   the same, rank 1 sleeps instead of joining the backward;
+ *   wrong-size  rank 1 runs a problem of another length, so the chunks it
+ *               sends are of the wrong size: the receivers fail naming the
+ *               sizes and the peer (no silent short message).
  * A rank whose call fails prints the error and aborts the job, as a training
  * job would. */
 #define _POSIX_C_SOURCE 200809L
@@ -32,36 +39,63 @@ int main(int argc, char **argv) {
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = G;
   cfg.num_threads = 1;
+  const int backward_fault = strcmp(mode, "kill-bwd") == 0 || strcmp(mode, "stall-bwd") == 0;
+  /* wrong-size: rank 1's sequence is one ring's worth of blocks shorter */
+  const int64_t n = strcmp(mode, "wrong-size") == 0 && rank == 1 ? N - G * world : N;
   mtrain_status_t st = mtrain_comm_create_mpi(MPI_COMM_WORLD, 3.0, &comm);
   if (!st) st = mtrain_context_create(&cfg, comm, &ctx);
-  if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, N, G, world, NULL, &layout);
-  if (!st) st = mtrain_pattern_create_dense(N, HQ, G, &pattern);
+  if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, n, G, world, NULL, &layout);
+  if (!st) st = mtrain_pattern_create_dense(n, HQ, G, &pattern);
   if (!st) st = mtrain_plan_create_ring(ctx, layout, 0, pattern, &plan);
   const int64_t T = st ? 0 : mtrain_layout_local_tokens(layout, rank);
   float *q = calloc((size_t)(T * HQ * D) + 1, sizeof(float));
   float *k = calloc((size_t)(T * HKV * D) + 1, sizeof(float));
   float *o = calloc((size_t)(T * HQ * D) + 1, sizeof(float));
   float *lse = calloc((size_t)(T * HQ) + 1, sizeof(float));
+  float *dq = calloc((size_t)(T * HQ * D) + 1, sizeof(float));
+  float *dk = calloc((size_t)(T * HKV * D) + 1, sizeof(float));
+  float *dv = calloc((size_t)(T * HKV * D) + 1, sizeof(float));
+  for (int64_t i = 0; i < T * HQ * D; i++) q[i] = (float)((i * 7919) % 13) / 13.0f;
+  for (int64_t i = 0; i < T * HKV * D; i++) k[i] = (float)((i * 104729) % 11) / 11.0f;
   MPI_Barrier(MPI_COMM_WORLD);
-  if (rank == 1) {
+  if (rank == 1 && !backward_fault && strcmp(mode, "wrong-size") != 0) {
     if (strcmp(mode, "kill") == 0) raise(SIGKILL);
     struct timespec nap = {30, 0}; /* stall: never join the ring */
     nanosleep(&nap, NULL);
   }
-  if (!st) {
-    mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, T, HQ, D);
-    mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, T, HKV, D);
-    mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_F32, T, HQ, D);
-    mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, T, HQ);
-    st = mtrain_attention_forward(ctx, plan, &tq, &tk, &tk, &to, &tl);
-  }
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, T, HQ, D);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, T, HKV, D);
+  mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_F32, T, HQ, D);
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, T, HQ);
+  if (!st) st = mtrain_attention_forward(ctx, plan, &tq, &tk, &tk, &to, &tl);
   if (st) {
     fprintf(stderr, "rank %d: forward failed: %s: %s\n", rank, mtrain_status_name(st),
             mtrain_last_error());
     MPI_Abort(MPI_COMM_WORLD, 3);
   }
-  printf("rank %d: forward returned success although rank 1 %s\n", rank,
-         strcmp(mode, "kill") == 0 ? "was killed" : "never joined");
+  if (backward_fault) {
+    printf("rank %d: forward completed\n", rank);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 1) {
+      if (strcmp(mode, "kill-bwd") == 0) raise(SIGKILL);
+      struct timespec nap = {30, 0}; /* stall: never join the backward */
+      nanosleep(&nap, NULL);
+    }
+    mtrain_tensor_t tdq = mtrain_tensor_3d(dq, MTRAIN_F32, T, HQ, D);
+    mtrain_tensor_t tdk = mtrain_tensor_3d(dk, MTRAIN_F32, T, HKV, D);
+    mtrain_tensor_t tdv = mtrain_tensor_3d(dv, MTRAIN_F32, T, HKV, D);
+    st = mtrain_attention_backward(ctx, plan, &tq, &tk, &tk, &to, &tl, &to, &tdq, &tdk, &tdv);
+    if (st) {
+      fprintf(stderr, "rank %d: backward failed: %s: %s\n", rank, mtrain_status_name(st),
+              mtrain_last_error());
+      MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+  }
+  printf("rank %d: %s returned success although rank 1 %s\n", rank,
+         backward_fault ? "backward" : "forward",
+         strcmp(mode, "wrong-size") == 0 ? "ran another length"
+         : strncmp(mode, "kill", 4) == 0 ? "was killed"
+                                         : "never joined");
   MPI_Finalize();
   return 0;
 }

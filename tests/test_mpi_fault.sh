@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # test_mpi_fault.sh: runs test_mpi_fault under mpiexec with 3 ranks in the
-# given mode (kill | stall) and checks that the job ends with an error well
+# given mode (kill | stall | kill-bwd | stall-bwd | wrong-size) and checks that the job ends with an error well
 # within the time limit instead of hanging, and (stall) that the surviving
 # ranks report a timeout naming the silent peer.
 # usage: test_mpi_fault.sh MPIEXEC BINARY MODE
@@ -16,7 +16,16 @@ echo "mode $mode: exit status $rc after ${elapsed}s"
 if [ "$rc" -eq 0 ]; then echo "FAIL: the job reported success"; cat "$log"; exit 1; fi
 if [ "$rc" -eq 124 ]; then echo "FAIL: the job hung (killed by timeout)"; cat "$log"; exit 1; fi
 if grep -q "returned success" "$log"; then echo "FAIL: a rank reported success"; cat "$log"; exit 1; fi
-if [ "$mode" = stall ]; then
+if [ "$mode" = wrong-size ]; then
+  grep -q "expected\|truncat" "$log" || { echo "FAIL: no size error"; cat "$log"; exit 1; }
+  grep -q "rank 1" "$log" || { echo "FAIL: the error does not name rank 1"; cat "$log"; exit 1; }
+  grep -E "expected|truncat" "$log" | head -n 2
+fi
+if [ "$mode" = stall-bwd ] || [ "$mode" = kill-bwd ]; then
+  n=$(grep -c "forward completed" "$log")
+  [ "$n" -eq 3 ] || { echo "FAIL: the forward did not complete on every rank first"; cat "$log"; exit 1; }
+fi
+if [ "$mode" = stall ] || [ "$mode" = stall-bwd ]; then
   grep -q "MTRAIN_ERR_TIMEOUT" "$log" || { echo "FAIL: no timeout error"; cat "$log"; exit 1; }
   grep -q "with rank 1" "$log" || { echo "FAIL: the error does not name rank 1"; cat "$log"; exit 1; }
   grep "MTRAIN_ERR_TIMEOUT" "$log" | head -n 2
