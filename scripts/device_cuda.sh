@@ -14,7 +14,10 @@
 #   run       mtrain-run --backend cuda --check on small problems (variants
 #             auto, 0 and 1; the pattern estimated on the device)
 #   bench     mtrain-bench-cuda (N = $MTRAIN_BENCH_SEQ or 32768): validation,
-#             then timing; writes the pattern and the validation dumps
+#             then timing of variants $MTRAIN_BENCH_VARIANTS (default 1,2); writes
+#             the pattern and the validation dumps; then variant 2 in each tile
+#             configuration ($MTRAIN_BENCH_MMA2_CONFIGS, default 0 1 2), with
+#             MTRAIN_DETERMINISTIC 1 and 0
 #   nccl      (two or more GPUs) the NCCL ring tests (ctest -L nccl: one process
 #             per GPU under mpiexec, and one process with a thread per GPU), then
 #             mtrain-run under mpiexec on 2 GPUs with --check (flat, hierarchical)
@@ -151,12 +154,13 @@ stage_sanitize() {
   fi
   : > "$log"
   for tool in memcheck racecheck; do
-    for v in 0 1; do
+    for v in 0 1 2 2n; do
       local flags=(--tool "$tool" --error-exitcode 99)
       [ "$tool" = memcheck ] && flags+=(--leak-check full)
       echo "== $tool, variant $v" >> "$log"
-      MTRAIN_TEST_QUICK=1 "$cs" "${flags[@]}" "$build/tests/test_cross_backend" cuda "$v" \
-        >> "$log" 2>&1
+      # 2n: variant 2 with the fused, non-deterministic backward
+      MTRAIN_DETERMINISTIC=$([ "$v" = 2n ] && echo 0 || echo 1) MTRAIN_TEST_QUICK=1 \
+        "$cs" "${flags[@]}" "$build/tests/test_cross_backend" cuda "${v%n}" >> "$log" 2>&1
       local rc=$?
       local errs
       errs=$(grep -E "ERROR SUMMARY" "$log" | tail -1 | grep -oE "[0-9]+ errors?" || echo "?")
@@ -206,10 +210,23 @@ stage_bench() {
   ensure_build || { note bench FAILED 0 "no build"; return 1; }
   rm -rf "$work"
   mkdir -p "$work"
-  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --pattern-out "$work/pattern.json" \
-    --dump-dir "$work/dump" --json "$OUT/bench.json" > "$log" 2>&1
+  # the main run (variant 2 in its default configuration, deterministic) feeds the peers
+  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants "${MTRAIN_BENCH_VARIANTS:-1,2}" \
+    --pattern-out "$work/pattern.json" --dump-dir "$work/dump" --json "$OUT/bench.json" > "$log" 2>&1
   local rc=$?
   sed -n '/^mtrain-bench-cuda: .*causal; median/,$p' "$log"
+  # variant 2's other tile configurations, and its fused non-deterministic backward
+  local cfg det
+  for cfg in ${MTRAIN_BENCH_MMA2_CONFIGS:-0 1 2}; do
+    for det in 1 0; do
+      [ "$cfg" = 0 ] && [ "$det" = 1 ] && continue
+      echo "== variant 2, MTRAIN_CUDA_MMA2_CONFIG=$cfg MTRAIN_DETERMINISTIC=$det" | tee -a "$log"
+      MTRAIN_CUDA_MMA2_CONFIG=$cfg MTRAIN_DETERMINISTIC=$det "$build/tools/mtrain-bench-cuda" \
+        --seq-len "$bench_seq" --variants 2 > "$work/extra.log" 2>&1 || rc=$?
+      cat "$work/extra.log" >> "$log"
+      grep -E "^(dense|vertical-slash) " "$work/extra.log"
+    done
+  done
   if [ $rc -eq 0 ]; then
     note bench ok $((SECONDS - t0)) "table in bench.log"
   else
@@ -305,6 +322,23 @@ print(f"{n:<8} {mode:<6} {('dense zigzag' if mode == 'dense' else 'sparse stripe
       f"{js['forward_ring_over_compute']:9.3f} {js['backward_ring_over_compute']:9.3f}")
 PY
     done
+  done
+  # the peer: a dense zigzag ring written with torch (SDPA flash kernels, NCCL send/recv)
+  echo "== torch ring peer: check at N=4096" >> "$log"
+  torchrun --nproc_per_node 2 "$root/tools/bench_ring_torch_peer.py" --seq-len 4096 --check-only \
+    >> "$log" 2>&1 || { bad=1; echo "torch ring peer check FAILED" | tee -a "$OUT/ringbench.txt"; }
+  for n in ${MTRAIN_RING_SEQS:-131072}; do
+    echo "== torch ring peer N=$n" >> "$log"
+    local js
+    js=$(torchrun --nproc_per_node 2 "$root/tools/bench_ring_torch_peer.py" --seq-len "$n" \
+      --reps 3 --warmup 1 --no-check 2>> "$log" | tail -1)
+    echo "$js" >> "$log"
+    python3 - "$n" "$js" 2>> "$log" <<'PY' | tee -a "$OUT/ringbench.txt" || bad=1
+import json, sys
+n, j = sys.argv[1], json.loads(sys.argv[2])
+print(f"{n:<8} torch  {'dense zigzag (peer)':<22} {0.0:9.4f} {j['fwd_seconds']:10.4f} "
+      f"{j['fwdbwd_seconds'] - j['fwd_seconds']:10.4f}")
+PY
   done
   if [ $bad -eq 0 ]; then note ringbench ok $((SECONDS - t0)) "table in ringbench.log"
   else note ringbench FAILED $((SECONDS - t0)) "see ringbench.log"; fi
