@@ -154,7 +154,7 @@ stage_sanitize() {
   fi
   : > "$log"
   for tool in memcheck racecheck; do
-    for v in 0 1 2 2n; do
+    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1 2 2n}; do
       local flags=(--tool "$tool" --error-exitcode 99)
       [ "$tool" = memcheck ] && flags+=(--leak-check full)
       echo "== $tool, variant $v" >> "$log"
