@@ -7,11 +7,14 @@
  *    red.global.add.v2.f32 (the atomic dQ of the fused backward);
  *  - the run-time configurations (MTRAIN_CUDA_MMA2_CONFIG);
  *  - row loaders for CTAs of NT threads and tiles of any multiple of 64 rows;
+ *  - FragC, fragment addressing for warp tiles whose columns start at a
+ *    warp-dependent chunk (mma1::Frag needs compile-time chunks);
  *  - the query-major key walk generalised to query tiles of BM = 64 or 128
  *    rows (KeyWalk2), advanced by one thread in shared memory (TileRing) so
- *    that no walk state occupies registers during the MMAs, and the key-major query walk generalised to key tiles
- *    of BN = 64 or 128 keys (QWalk2), where a 128-key bar item is a pair of
- *    consecutive 64-bar tiles of one head.
+ *    that no walk state occupies registers during the MMAs;
+ *  - the key-major query walk generalised to key items of BN = 64 or 128
+ *    keys (QWalk2), where a 128-key bar item is a pair of consecutive 64-bar
+ *    tiles of one head.
  *
  * Masks use one rule everywhere: a tile pair on the causal diagonal block
  * carries off = (first key position of the key tile in the block) - (first
@@ -51,6 +54,11 @@ using mma1::toff;
 constexpr int kKT = 64; /* rows of a streamed key tile (forward, dQ) and of a
                            streamed query tile (dK/dV); one bar tile */
 
+/* True when `blocks` CTAs of `smem` dynamic bytes fit one SM of sm_90 (228
+ * KB, of which each CTA reserves 1 KB): the occupancy that a kernel's
+ * __launch_bounds__ asks for is checked at compile time against this. */
+constexpr bool fits_sm90(int smem, int blocks) { return blocks * (smem + 1024) <= 228 * 1024; }
+
 /* ---- PTX wrappers of variant 2 ---- */
 
 /* Stores four 8x8 16-bit matrices: lanes 8i..8i+7 give the row addresses of
@@ -79,8 +87,9 @@ __device__ __forceinline__ void red_add_v2(float *p, float a, float b) {
  *  kind 0: 4 warps x 32 rows (BM 128): every K/V fragment read from shared
  *          memory feeds two 16-row MMA tiles; Q fragments re-read from
  *          shared memory per key tile at d = 128 (kept in registers at d = 64);
- *  kind 1: 8 warps x 16 rows (BM 128), Q re-read from shared memory;
- *  kind 2: 4 warps x 16 rows (BM 64), Q in registers (variant 1's tiling). */
+ *  kind 1: 8 warps x 16 rows (BM 128), Q in registers;
+ *  kind 2: 4 warps x 16 rows (BM 64), Q in registers (variant 1's tiling).
+ * Kinds 0 and 1 need G % 128 == 0. */
 enum { kFwd4x32 = 0, kFwd8x16 = 1, kFwd4x16 = 2 };
 
 struct Config {
@@ -90,11 +99,15 @@ struct Config {
   int dq_nw; /* warps of the deterministic dQ kernel (16 query rows each) */
 };
 
-/* MTRAIN_CUDA_MMA2_CONFIG: index into this table. */
+/* MTRAIN_CUDA_MMA2_CONFIG: index into this table. Chosen so that one run
+ * of the three separates the effects: 0 vs 1 compares the forward kinds and
+ * (deterministic backward) the dQ kernel's 128- and 64-row tiles; 1 vs 2
+ * compares the dK/dV (fused or not) kernel's 128- and 64-key items (and
+ * the 64-row forward). */
 constexpr int kNumConfigs = 3;
 static const Config kConfigs[kNumConfigs] = {
     {kFwd4x32, 8, 8}, /* "0" (default) */
-    {kFwd8x16, 8, 8}, /* "1" */
+    {kFwd8x16, 8, 4}, /* "1" */
     {kFwd4x16, 4, 4}, /* "2": 64-row / 64-key tiles everywhere */
 };
 
@@ -111,8 +124,9 @@ inline mtrain_status_t config_from_env(const char *who, int *index) {
   }
   return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                       "%s: environment variable MTRAIN_CUDA_MMA2_CONFIG='%s': expected 0 (4 "
-                      "warps x 32 query rows forward, 128-key backward), 1 (8 warps x 16 query "
-                      "rows forward, 128-key backward) or 2 (64-row and 64-key tiles)",
+                      "warps x 32 query rows forward, 128-row dQ, 128-key dK/dV), 1 (8 warps x "
+                      "16 query rows forward, 64-row dQ, 128-key dK/dV) or 2 (64-row and 64-key "
+                      "tiles everywhere)",
                       who, e);
 }
 
@@ -125,12 +139,37 @@ inline Config effective_config(int index, int G) {
   return c;
 }
 
+/* ---- fragment addressing with a run-time column base ---- */
+
+/* mma1::Frag needs compile-time chunk indices (it selects one of four
+ * per-lane offsets by c2 % 8). A warp tile whose columns start at a
+ * warp-dependent chunk cb (even) uses FragC instead: entry j is the lane's
+ * byte offset of logical chunk cb + 2j (row 0), for the A addressing
+ * (kA = true: ldmatrix rows m0 + (lane & 15), chunk + (lane >> 4)) or the B
+ * addressing (kA = false: rows m0 + (lane & 7) + 8 (lane >> 4), chunk +
+ * ((lane >> 3) & 1)) of mma1::Frag; at(m0, j) adds the row offset. N
+ * entries cost N registers. */
+template <int COLS, int N, bool kA> struct FragC {
+  static constexpr int RB = COLS * 2; /* bytes per tile row */
+  uint32_t e[N];
+  __device__ __forceinline__ FragC(int lane, int cb) {
+    const int x = kA ? ((lane >> 4) ^ (lane & 7)) : (((lane >> 3) & 1) ^ (lane & 7));
+    const int r = kA ? (lane & 15) : ((lane & 7) | ((lane >> 4) << 3));
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int c = cb + 2 * j;
+      e[j] = (uint32_t)(r * RB + ((((c & 7) ^ x)) << 4) + ((c >> 3) << 7));
+    }
+  }
+  __device__ __forceinline__ uint32_t at(int m0, int j) const { return e[j] + (uint32_t)(m0 * RB); }
+};
+
 /* ---- loaders ---- */
 
 /* Rows per thread of an R-row tile loaded by NT threads (8 threads a row). */
 template <int NT, int R> struct LoadShape {
   static_assert(NT % 64 == 0 && R % (NT / 8) == 0, "tile rows must be a multiple of NT / 8");
-  static constexpr int kStep = NT / 8;     /* rows between a thread's rows */
+  static constexpr int kStep = NT / 8;    /* rows between a thread's rows */
   static constexpr int kRows = R / kStep; /* rows per thread */
 };
 
@@ -192,8 +231,8 @@ struct KeyWalk2 {
   int s, s_end, b, bars_left;
   int q0, qlast, gq;
 
-  __device__ __forceinline__ void init(const cuda_step_t &st, int h, int qb, int64_t gq_,
-                                       int q0_, int nq) {
+  __device__ __forceinline__ void init(const cuda_step_t &st, int h, int qb, int64_t gq_, int q0_,
+                                       int nq) {
     const int32_t *m = st.head_meta + (int64_t)h * CUDA_HM_STRIDE;
     const int32_t *run_off = st.idx + m[CUDA_HM_RUN_OFF];
     const int32_t *seg_off = st.idx + m[CUDA_HM_SEG_OFF];
@@ -271,14 +310,27 @@ struct KeyWalk2 {
  * the barrier that opens iteration n. No walk state stays in registers
  * across the MMAs. kind == 0 marks the end of the walk. */
 struct TileRing {
-  KeyWalk2 w;
+  KeyWalk2 w; /* thread 0 only */
   KTile2 d[3];
+  int segs, bars, s_end; /* copies of w's constants for every thread's bar loads */
   /* the item's first query row, valid rows and head, for the epilogue: read
    * back from shared memory, they hold no register across the MMAs */
   int64_t row0;
   int rows, h;
 
-  /* thread 0: tile n of the walk into d[slot] */
+  /* thread 0: the walk of (head h, local query block qb, query rows [q0,
+   * q0 + nq) of the block) and its first two tiles */
+  __device__ __forceinline__ void start(const cuda_step_t &st, int h, int qb, int64_t gq, int q0,
+                                        int nq) {
+    w.init(st, h, qb, gq, q0, nq);
+    segs = w.segs;
+    bars = w.bars;
+    s_end = w.s_end;
+    produce(st, 0);
+    produce(st, 1);
+  }
+
+  /* thread 0: the next tile of the walk into d[slot] */
   __device__ __forceinline__ void produce(const cuda_step_t &st, int slot) {
     KeyWalk2 x = w;
     KTile2 t;
@@ -298,8 +350,8 @@ struct TileRing {
     if (t.kind == 1) {
       contiguous_rows_n<NT, kKT>(rows, t.a, t.nvalid, tid);
     } else {
-      const int i0 = tid >> 3, s_end = w.s_end;
-      const int32_t *sg = st.idx + w.segs, *bl = st.idx + w.bars;
+      const int i0 = tid >> 3;
+      const int32_t *sg = st.idx + segs, *bl = st.idx + bars;
       int cs = t.a, cb = t.b;
       mma1::seg_walk(sg, s_end, cs, cb, i0);
 #pragma unroll

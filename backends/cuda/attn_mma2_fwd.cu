@@ -48,13 +48,26 @@ template <int D> struct FwdKind<D, kFwd4x32> {
   static constexpr bool QREG = D == 64;
 };
 template <int D> struct FwdKind<D, kFwd8x16> {
-  static constexpr int NW = 8, WM = 16, MINB = 1;
+  /* at d = 128 the 128-register cap of two CTAs spills (with Q re-read
+   * from shared memory too): one CTA of 8 warps per SM */
+  static constexpr int NW = 8, WM = 16, MINB = D == 64 ? 2 : 1;
   static constexpr bool QREG = true;
 };
 template <int D> struct FwdKind<D, kFwd4x16> {
   static constexpr int NW = 4, WM = 16, MINB = 3;
   static constexpr bool QREG = true;
 };
+
+template <int D, int KIND> struct FwdKindCheck {
+  using K = FwdKind<D, KIND>;
+  static_assert(fits_sm90(FwdShape<D, K::NW, K::WM, K::QREG>::kSmem, K::MINB),
+                "shared memory per SM");
+  static constexpr bool ok = true;
+};
+static_assert(FwdKindCheck<64, kFwd4x32>::ok && FwdKindCheck<64, kFwd8x16>::ok &&
+                  FwdKindCheck<64, kFwd4x16>::ok && FwdKindCheck<128, kFwd4x32>::ok &&
+                  FwdKindCheck<128, kFwd8x16>::ok && FwdKindCheck<128, kFwd4x16>::ok,
+              "forward kinds");
 
 template <int D, typename T, int NW, int WM, bool QREG, int MINB>
 __global__ void __launch_bounds__(32 * NW, MINB)
@@ -81,12 +94,10 @@ __global__ void __launch_bounds__(32 * NW, MINB)
   if (rows_here <= 0) return;
   TileRing &ring = *reinterpret_cast<TileRing *>(smem + S::kRingOff);
   if (tid == 0) {
-    ring.w.init(st, h, qb, gq, qt * BM, rows_here);
+    ring.start(st, h, qb, gq, qt * BM, rows_here);
     ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
     ring.rows = rows_here;
     ring.h = h;
-    ring.produce(st, 0);
-    ring.produce(st, 1);
   }
   __syncthreads();
   if (ring.d[0].kind == 0) return; /* no key for any row: nothing changes */
@@ -158,8 +169,7 @@ __global__ void __launch_bounds__(32 * NW, MINB)
     /* rows wr0 .. wr0 + WM - 1 all padding, or all before the tile's keys
      * (only with 128-row tiles: a 64-row tile starts at its diagonal key
      * tile, and the test costs variant 1's tiling registers it lacks) */
-    const bool skip =
-        BM > kKT && (wr0 >= rows_here || (c_causal && c_off > wr0 + WM - 1));
+    const bool skip = BM > kKT && (wr0 >= rows_here || (c_causal && c_off > wr0 + WM - 1));
     if (!skip) {
       /* S = Q K^T: s[i][n] = rows of MMA tile i, keys 8n..8n+7 */
       float s[MT][8][4];

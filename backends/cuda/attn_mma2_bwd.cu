@@ -1,0 +1,786 @@
+/* attn_mma2_bwd.cu: the backward step of variant 2: cuda_mma2_bwd.
+ *
+ * Two paths (variant 1's contract for dq_acc, dk_acc, dv_acc and the bar
+ * scratch either way):
+ *  - non-deterministic contexts (s->deterministic == 0): ONE fused key-major
+ *    kernel, mma2_bwd_kv_kernel<FUSED = true>, which also produces dQ and
+ *    adds it into dq_acc with fp32 vector reductions (red.global.add.v2.f32):
+ *    5 matrix products per (query, key) tile pair instead of 7, at the
+ *    price of an order-dependent dQ (last bits);
+ *  - deterministic contexts: mma2_bwd_dq_kernel (query-major, dQ in
+ *    registers, added into rows it owns) and mma2_bwd_kv_kernel<FUSED =
+ *    false> (dK/dV only); no floating-point atomics.
+ *
+ * mma2_bwd_kv_kernel: one CTA of NW warps per key item of BN = 16 NW keys
+ * (one launch: bar items first, then run items) keeps K, V of its keys in
+ * shared memory and dK, dV in registers while it streams 64-row (Q, dO)
+ * tiles through two cp.async stages (their LSE and delta through one
+ * buffer, refilled once phase 1 has read it). Per query tile, in three
+ * phases separated by barriers:
+ *  1. S = Q K^T and dP = dO V^T on a 2 x (NW/2) grid of 32x32 warp tiles;
+ *     P = exp2(S scale log2e - LSE log2e) and dS = P (dP - delta), masked,
+ *     stored to shared memory as 16-bit [query][key] tiles (stmatrix);
+ *  2. dV += P^T dO and dK += dS^T Q on an (NW/2) x 2 grid of (32 keys x d/2)
+ *     warp tiles, P^T and dS^T read back with ldmatrix.trans (the warp's
+ *     accumulators: 2 x 32 x d/2 floats, d floats a thread);
+ *  3. (fused) dQ = dS K on a 2 x (NW/2) grid of (32 queries x 2d/NW) warp
+ *     tiles, added into dq_acc with red.global.add.v2.f32.
+ * With 32x32 warp tiles every fragment read from shared memory feeds two
+ * MMA tiles (variant 1's 16-row warp tiles feed one): phases 1 and 2 read
+ * 56 KB of shared memory per warp and 64x128 tile pair (d = 128, NW = 8)
+ * where variant 1's dK/dV kernel reads 80 KB.
+ * Items: a run item is (kv head hk, key tile kt of BN keys of local block
+ * kb) over the (h, qb) entries that list kb; a bar item is one bar tile
+ * (BN = 64) or two consecutive 64-bar tiles of one head (BN = 128,
+ * bar_tiles_pair; the second tile's CTA exits at once). Bar items WRITE
+ * their rows of dk_bar/dv_bar (zeros where nothing contributes); run items
+ * add into the dk_acc/dv_acc rows they own.
+ *
+ * mma2_bwd_dq_kernel: variant 1's dQ kernel with NW warps of 16 query rows
+ * (128-row query tiles with NW = 8, each K/V tile serving twice the rows)
+ * and the shared-memory walk of the forward (TileRing).
+ *
+ * Per (query i, key j): p = exp(scale q_i.k_j - lse_i), dp = dout_i.v_j,
+ * ds = p (dp - delta_i); dq_i += scale ds k_j, dk_j += scale ds q_i,
+ * dv_j += p dout_i. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "backends/cuda/attn_mma2.h"
+#include "backends/cuda/attn_mma2_common.cuh"
+#include "backends/cuda/cuda_internal.h"
+
+namespace mma2 {
+
+static_assert(CUDA_BAR_TILE == kKT, "a bar tile is one 64-row key tile");
+
+/* ---- deterministic dQ kernel (query-major) ---- */
+
+template <int D, int NW> struct DqShape {
+  static constexpr int NT = 32 * NW, BM = 16 * NW;
+  static constexpr int TBK = kKT * D * 2, TBQ = BM * D * 2;
+  /* Q tile, dO tile, two stages of (K, V), the walk */
+  static constexpr int kRingOff = 2 * TBQ + 4 * TBK;
+  static constexpr int kSmem = kRingOff + kRingBytes;
+  static constexpr int kMinBlocks = NW == 8 ? 1 : 2;
+  static_assert(fits_sm90(kSmem, kMinBlocks), "shared memory per SM");
+};
+
+template <int D, typename T, int NW>
+__global__ void __launch_bounds__(32 * NW, DqShape<D, NW>::kMinBlocks)
+    mma2_bwd_dq_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
+                       const T *__restrict__ v, const T *__restrict__ dout,
+                       const float *__restrict__ lse_acc, const float *__restrict__ delta_acc,
+                       float *__restrict__ dq_acc) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  using S = DqShape<D, NW>;
+  constexpr int NT = S::NT, BM = S::BM, TBK = S::TBK, TBQ = S::TBQ;
+  constexpr int NKS = D / 16, NDT = D / 8;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  /* item, as in the forward */
+  const int tpb = st.G / BM;
+  const int nqt = st.num_q_blocks * tpb;
+  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
+  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
+  const int qb = qtile / tpb, qt = qtile - qb * tpb;
+  const int64_t gq = st.q_block_global[qb];
+  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
+  const int rows_here = min(BM, nr - qt * BM);
+  if (rows_here <= 0) return;
+  TileRing &ring = *reinterpret_cast<TileRing *>(smem + S::kRingOff);
+  if (tid == 0) {
+    ring.start(st, h, qb, gq, qt * BM, rows_here);
+    ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
+    ring.rows = rows_here;
+    ring.h = h;
+  }
+  __syncthreads();
+  if (ring.d[0].kind == 0) return;
+
+  const int hk = h / st.group;
+  const int64_t q_stride = (int64_t)st.Hq * D, kv_stride = (int64_t)st.Hkv * D;
+  const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
+  const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
+  const uint32_t s0 = smem_u32(smem);
+  const uint32_t sQ = s0, sO = s0 + TBQ, sKV = s0 + 2 * TBQ; /* stage x at sKV + 2*TBK*x */
+  const Frag<D> fr(lane);
+
+  {
+    int64_t rows[LoadShape<NT, BM>::kRows];
+    contiguous_rows_n<NT, BM>(rows, qrow0, rows_here, tid);
+    load_rows_n<D, NT, BM>(sQ, q + (int64_t)h * D, q_stride, rows, tid);
+    load_rows_n<D, NT, BM>(sO, dout + (int64_t)h * D, q_stride, rows, tid);
+  }
+  ring.load<D, NT>(st, sKV, sKV + TBK, kbase, vbase, kv_stride, ring.d[0], tid);
+  cp_async_commit();
+
+  /* the thread's two rows (row_a, row_a + 8): LSE in the log2 domain (+inf
+   * on padding rows so that their P is 0) and delta */
+  const int wr0 = warp * 16, row_a = wr0 + g;
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row_a + 8 * i;
+    const int64_t gi = (qrow0 + row) * st.Hq + h;
+    lse2[i] = row < rows_here ? lse_acc[gi] * kLog2e : INFINITY;
+    dl[i] = row < rows_here ? delta_acc[gi] : 0.f;
+  }
+  float dq[NDT][4];
+#pragma unroll
+  for (int n = 0; n < NDT; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+  const float sl2 = st.scale * kLog2e;
+
+  int it = 0;
+  for (;;) {
+    cp_async_wait<0>();
+    __syncthreads();
+    const int slot = it % 3, slot1 = slot == 2 ? 0 : slot + 1;
+    const KTile2 nxt = ring.d[slot1];
+    const bool more = nxt.kind != 0;
+    const int stage = it & 1;
+    if (more) {
+      const uint32_t sn = sKV + (uint32_t)((stage ^ 1) * 2 * TBK);
+      ring.load<D, NT>(st, sn, sn + TBK, kbase, vbase, kv_stride, nxt, tid);
+      cp_async_commit();
+      if (tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
+    }
+    const int c_nvalid = ring.d[slot].nvalid, c_causal = ring.d[slot].causal;
+    const int c_off = ring.d[slot].off;
+    const uint32_t sK = sKV + (uint32_t)(stage * 2 * TBK), sV = sK + TBK;
+    const bool skip = BM > kKT && (wr0 >= rows_here || (c_causal && c_off > wr0 + 15));
+    if (!skip) {
+      /* S = Q K^T, then P (in place) */
+      float p[8][4];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) p[n][0] = p[n][1] = p[n][2] = p[n][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < NKS; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(sQ + fr.A(wr0, 2 * kk), a[0], a[1], a[2], a[3]);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sK + fr.B(np * 16, 2 * kk), b0, b1, b2, b3);
+          mma16816<T>(p[2 * np], a, b0, b1);
+          mma16816<T>(p[2 * np + 1], a, b2, b3);
+        }
+      }
+      const bool need_mask = c_nvalid < kKT || (c_causal && c_off + kKT - 1 > wr0);
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float x = fast_exp2(fmaf(p[n][j], sl2, -lse2[j >> 1]));
+          if (need_mask) {
+            const int col = n * 8 + 2 * t4 + (j & 1), row = row_a + ((j >> 1) << 3);
+            if (col >= c_nvalid || (c_causal && col + c_off > row)) x = 0.f;
+          }
+          p[n][j] = x;
+        }
+
+      /* dP = dO V^T, then dS = P (dP - delta) (in place) */
+      float ds[8][4];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) ds[n][0] = ds[n][1] = ds[n][2] = ds[n][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < NKS; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(sO + fr.A(wr0, 2 * kk), a[0], a[1], a[2], a[3]);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4(sV + fr.B(np * 16, 2 * kk), b0, b1, b2, b3);
+          mma16816<T>(ds[2 * np], a, b0, b1);
+          mma16816<T>(ds[2 * np + 1], a, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ds[n][j] = p[n][j] * (ds[n][j] - dl[j >> 1]);
+
+          /* dQ += dS K: k-slice j = keys 16j..16j+15, K B fragments by .trans */
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t a[4];
+        pack_a<T>(a, ds[2 * j], ds[2 * j + 1]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t b0, b1, b2, b3;
+          ldsm_x4_t(sK + fr.A(16 * j, 2 * dp), b0, b1, b2, b3);
+          mma16816<T>(dq[2 * dp], a, b0, b1);
+          mma16816<T>(dq[2 * dp + 1], a, b2, b3);
+        }
+      }
+    }
+    if (!more) break;
+    ++it;
+  }
+
+  const float sc = st.scale;
+  const int64_t e_row0 = ring.row0;
+  const int e_rows = ring.rows, e_h = ring.h;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row_a + 8 * i;
+    if (row < e_rows) {
+      float *dqr = dq_acc + ((e_row0 + row) * st.Hq + e_h) * D;
+#pragma unroll
+      for (int n = 0; n < NDT; ++n) {
+        float2 *ptr = reinterpret_cast<float2 *>(dqr + n * 8 + 2 * t4);
+        float2 x = *ptr;
+        x.x += sc * dq[n][2 * i];
+        x.y += sc * dq[n][2 * i + 1];
+        *ptr = x;
+      }
+    }
+  }
+}
+
+/* ---- key-major dK/dV kernel (fused dQ optional) ---- */
+
+/* The query walk of a key-major item shared by the CTA, as TileRing for the
+ * query-major kernels: thread 0 advances it in shared memory and publishes
+ * query tile n in d[n % 3] two tiles ahead (h < 0: end of the walk), and
+ * the item's output rows, read back by the epilogue. */
+struct QRing {
+  QWalk2 w;
+  QTile2 d[3];
+  int64_t krow0; /* runs: first local key row; bars: first scratch row */
+  int hk, nk, bars;
+
+  /* thread 0: the next query tile into d[slot] */
+  __device__ __forceinline__ void produce(const cuda_step_t &st, int slot) {
+    QWalk2 x = w;
+    QTile2 t;
+    if (!x.next(st, t)) t.h = -1;
+    d[slot] = t;
+    w = x;
+  }
+};
+
+constexpr int kRingBytesQ = (int)((sizeof(QRing) + 127) / 128 * 128);
+
+template <int D, int NW> struct KvShape {
+  static_assert(NW == 4 || NW == 8, "4 or 8 warps");
+  static constexpr int NT = 32 * NW, BN = 16 * NW;
+  static constexpr int TBK = BN * D * 2;   /* the K (or V) tile */
+  static constexpr int TBQ = kKT * D * 2;  /* a streamed Q (or dO) tile */
+  static constexpr int SB = 2 * TBQ;       /* stage: Q, dO */
+  static constexpr int TBP = kKT * BN * 2; /* the P (or dS) tile */
+  /* K, V, two stages of (Q, dO), one LSE[64] + delta[64] buffer (read by
+   * phase 1 only, refilled after the mid-iteration barrier), P, dS, the
+   * walk: 115456 bytes at d = 128 with 4 warps, so that two CTAs fit an
+   * SM's 228 KB with their 1 KB reserve each */
+  static constexpr int kStageOff = 2 * TBK;
+  static constexpr int kLdOff = kStageOff + 2 * SB;
+  static constexpr int kPOff = kLdOff + 2 * kKT * 4;
+  static constexpr int kRingOff = kPOff + 2 * TBP;
+  static constexpr int kSmem = kRingOff + kRingBytesQ;
+  static constexpr int DQW = 2 * D / NW; /* dQ columns of a warp (phase 3) */
+  /* a thread holds d dK/dV floats and 64 S/dP floats: 8 warps, one CTA */
+  static constexpr int kMinBlocks = NW == 8 ? 1 : 2;
+  static_assert(fits_sm90(kSmem, kMinBlocks), "shared memory per SM");
+};
+
+/* Issues the loads of query tile t: Q and dO into the stage at ss. */
+template <int D, int NT, typename T>
+__device__ __forceinline__ void load_q_tile(uint32_t ss, const cuda_step_t &st, const T *q,
+                                            const T *dout, const QTile2 &t, int tid) {
+  constexpr int TBQ = kKT * D * 2;
+  const int64_t stride = (int64_t)st.Hq * D;
+  int64_t rows[LoadShape<NT, kKT>::kRows];
+  contiguous_rows_n<NT, kKT>(rows, t.row0, t.nvalid, tid);
+  load_rows_n<D, NT, kKT>(ss, q + (int64_t)t.h * D, stride, rows, tid);
+  load_rows_n<D, NT, kKT>(ss + TBQ, dout + (int64_t)t.h * D, stride, rows, tid);
+}
+
+/* ... and its LSE[64], delta[64] into the buffer at sl (zeros past nvalid). */
+__device__ __forceinline__ void load_ld(uint32_t sl, const cuda_step_t &st, const float *lse_acc,
+                                        const float *delta_acc, const QTile2 &t, int tid) {
+  if (tid < 2 * kKT) {
+    const int i = tid & (kKT - 1);
+    const bool ok = i < t.nvalid;
+    const float *src = tid < kKT ? lse_acc : delta_acc;
+    cp_async4(sl + (uint32_t)(tid * 4), ok ? src + (t.row0 + i) * st.Hq + t.h : src, ok);
+  }
+}
+
+template <int D, typename T, int NW, bool FUSED>
+__global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
+    mma2_bwd_kv_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
+                       const T *__restrict__ v, const T *__restrict__ dout,
+                       const float *__restrict__ lse_acc, const float *__restrict__ delta_acc,
+                       float *__restrict__ dq_acc, float *__restrict__ dk_acc,
+                       float *__restrict__ dv_acc, float *__restrict__ dk_bar,
+                       float *__restrict__ dv_bar) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  using S = KvShape<D, NW>;
+  constexpr int NT = S::NT, BN = S::BN, TBK = S::TBK, TBQ = S::TBQ, SB = S::SB;
+  constexpr int NKS = D / 16;
+  constexpr int DH = D / 2;   /* phase 2: d columns of a warp */
+  constexpr int DQW = S::DQW; /* phase 3: d columns of a warp */
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  QRing &ring = *reinterpret_cast<QRing *>(smem + S::kRingOff);
+
+  /* the item (uniform over the CTA) */
+  const bool bars = (int)blockIdx.x < st.num_bar_tiles;
+  {
+    QWalk2 qw;
+    qw.bars = bars;
+    qw.qt = qw.qt_end = 0;
+    qw.kpos = 0;
+    qw.nk = 0;
+    qw.gk = -1;
+    qw.h_bar = qw.b0 = qw.b1 = qw.b_end = 0;
+    qw.h = qw.nr = qw.jlo = qw.jhi = qw.diag = 0;
+    qw.rbase = 0;
+    int hk, nk;
+    int64_t row0;
+    if (bars) {
+      const int t = blockIdx.x;
+      if (BN == 128 && bar_tiles_pair(st, t - 1)) return; /* walked with tile t - 1 */
+      const bool pair = BN == 128 && bar_tiles_pair(st, t);
+      qw.h_bar = st.bt_tile[3 * t];
+      qw.b0 = st.bt_tile[3 * t + 1];
+      qw.b1 = st.bt_tile[3 * t + 2];
+      qw.b_end = pair ? st.bt_tile[3 * t + 5] : qw.b1;
+      nk = min(BN, qw.b_end - qw.b0);
+      if (nk <= 0) return;
+      hk = qw.h_bar / st.group;
+      row0 = st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BAR_BASE] + qw.b0;
+      qw.e = st.bt_off[t] - 1;
+      qw.e_end = st.bt_off[pair ? t + 2 : t + 1];
+      qw.e_mid = pair ? st.bt_off[t + 1] : qw.e_end;
+    } else {
+      const int tpb = st.G / BN;
+      const unsigned item = blockIdx.x - (unsigned)st.num_bar_tiles;
+      const int ktg = (int)(item / (unsigned)st.Hkv);
+      hk = (int)(item % (unsigned)st.Hkv);
+      const int kb = ktg / tpb, kt = ktg - kb * tpb;
+      qw.gk = st.k_block_global[kb];
+      const int nc = block_rows_dev(st.k_tokens, st.G, kb, qw.gk, st.seq_len);
+      nk = min(BN, nc - kt * BN);
+      if (nk <= 0) return;
+      qw.nk = nk;
+      qw.kpos = kt * BN;
+      row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
+      const int x = hk * st.num_k_blocks + kb;
+      qw.e = st.kv_off[x] - 1;
+      qw.e_end = st.kv_off[x + 1];
+      qw.e_mid = qw.e_end;
+    }
+    if (tid == 0) {
+      ring.w = qw;
+      ring.produce(st, 0);
+      ring.produce(st, 1);
+      ring.krow0 = row0;
+      ring.hk = hk;
+      ring.nk = nk;
+      ring.bars = bars;
+    }
+    __syncthreads();
+    /* K and V rows of the item: the bars (bar_list[b0 + i]) or a run tile */
+    if (ring.d[0].h >= 0) {
+      const int64_t kv_stride = (int64_t)st.Hkv * D;
+      int64_t rows[LoadShape<NT, BN>::kRows];
+      if (bars) {
+        const int32_t *bar_list =
+            st.idx + st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BARS];
+#pragma unroll
+        for (int r = 0; r < LoadShape<NT, BN>::kRows; ++r) {
+          const int i = (tid >> 3) + LoadShape<NT, BN>::kStep * r;
+          rows[r] = i < nk ? (int64_t)bar_list[qw.b0 + i] : -1;
+        }
+      } else {
+        contiguous_rows_n<NT, BN>(rows, row0, nk, tid);
+      }
+      const uint32_t s0 = smem_u32(smem);
+      load_rows_n<D, NT, BN>(s0, k + (int64_t)hk * D, kv_stride, rows, tid);
+      load_rows_n<D, NT, BN>(s0 + TBK, v + (int64_t)hk * D, kv_stride, rows, tid);
+    }
+  }
+  if (ring.d[0].h < 0 && !bars) return; /* no query tile sees this key tile */
+
+  /* warp tiles: phase 1 (S, dP) rows qw0 + 16i, keys cw0 + 8n; phase 2 (dK,
+   * dV) keys kw0 + 16i, d columns dw0 + 8n; phase 3 (dQ) rows qw0 + 16i, d
+   * columns qdw0 + 8n */
+  const int qw0 = 32 * (warp & 1), cw0 = 32 * (warp >> 1), qdw0 = DQW * (warp >> 1);
+  const int kw0 = 32 * (warp >> 1), dw0 = DH * (warp & 1);
+  float dk[2][DH / 8][4], dv[2][DH / 8][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int n = 0; n < DH / 8; ++n) {
+      dk[i][n][0] = dk[i][n][1] = dk[i][n][2] = dk[i][n][3] = 0.f;
+      dv[i][n][0] = dv[i][n][1] = dv[i][n][2] = dv[i][n][3] = 0.f;
+    }
+
+  if (ring.d[0].h >= 0) {
+    const uint32_t s0 = smem_u32(smem);
+    const uint32_t sK = s0, sV = s0 + TBK, sS = s0 + S::kStageOff; /* stage x at sS + SB*x */
+    const uint32_t sP = s0 + S::kPOff, sdS = sP + S::TBP;
+    /* fragment addressing: tiles of d columns (K, V, Q, dO), tiles of BN
+     * columns (P, dS), and the warp-dependent column bases (FragC) */
+    const Frag<D> fd(lane);
+    const Frag<BN> fp(lane);
+    const FragC<BN, 2, true> f_pst(lane, cw0 / 8);                      /* P, dS stores */
+    const FragC<BN, 2, false> f_pt(lane, kw0 / 8);                      /* P^T, dS^T */
+    const FragC<D, DH / 16 < 4 ? DH / 16 : 4, true> f_o(lane, dw0 / 8); /* dO, Q (.trans) */
+    const FragC<D, DQW / 16, true> f_k(lane, qdw0 / 8);                 /* K (.trans) */
+    const uint32_t sL = s0 + S::kLdOff;
+    {
+      const QTile2 t0 = ring.d[0];
+      load_q_tile<D, NT>(sS, st, q, dout, t0, tid);
+      load_ld(sL, st, lse_acc, delta_acc, t0, tid);
+    }
+    cp_async_commit();
+    const float sl2 = st.scale * kLog2e;
+
+    int it = 0; /* query tile index: ring slot it % 3, stage it % 2 */
+    for (;;) {
+      cp_async_wait<0>(); /* tile it has landed (this thread's part) */
+      __syncthreads();    /* ... every thread's; the other stage, P and dS are free */
+      const int slot = it % 3, slot1 = slot == 2 ? 0 : slot + 1;
+      const int stage = it & 1;
+      const bool more = ring.d[slot1].h >= 0;
+      if (more) {
+        const QTile2 nx = ring.d[slot1];
+        load_q_tile<D, NT>(sS + (uint32_t)((stage ^ 1) * SB), st, q, dout, nx, tid);
+        cp_async_commit();
+        if (tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
+      }
+      const uint32_t sQ = sS + (uint32_t)(stage * SB), sO = sQ + TBQ;
+      const float *lse_t = reinterpret_cast<const float *>(smem + S::kLdOff);
+      const float *del_t = lse_t + kKT;
+
+      /* ---- phase 1: P and dS of rows qw0.., keys cw0.. ---- */
+      {
+        const int c_nvalid = ring.d[slot].nvalid, c_causal = ring.d[slot].causal;
+        const int c_off = ring.d[slot].off, c_jlo = ring.d[slot].jlo, c_jhi = ring.d[slot].jhi;
+        float sp[2][4][4], dp[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sp[i][n][j] = dp[i][n][j] = 0.f;
+        const bool skip = cw0 >= c_jhi || cw0 + 32 <= c_jlo || qw0 >= c_nvalid ||
+                          (c_causal && cw0 + c_off > qw0 + 31);
+        if (!skip) {
+#pragma unroll
+          for (int kk = 0; kk < NKS; ++kk) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              ldsm_x4(sQ + fd.A(qw0 + 16 * i, 2 * kk), a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4(sK + fd.B(cw0 + 16 * np, 2 * kk), b0, b1, b2, b3);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                mma16816<T>(sp[i][2 * np], a[i], b0, b1);
+                mma16816<T>(sp[i][2 * np + 1], a[i], b2, b3);
+              }
+            }
+          }
+          const bool need_mask = qw0 + 32 > c_nvalid || cw0 < c_jlo || cw0 + 32 > c_jhi ||
+                                 (c_causal && cw0 + 31 + c_off > qw0);
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int row = qw0 + 16 * i + 8 * hh + g;
+              const float L = lse_t[row] * kLog2e;
+#pragma unroll
+              for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                  float x = fast_exp2(fmaf(sp[i][n][2 * hh + jj], sl2, -L));
+                  if (need_mask) {
+                    const int col = cw0 + 8 * n + 2 * t4 + jj;
+                    if (row >= c_nvalid || col < c_jlo || col >= c_jhi ||
+                        (c_causal && col + c_off > row))
+                      x = 0.f;
+                  }
+                  sp[i][n][2 * hh + jj] = x;
+                }
+            }
+#pragma unroll
+          for (int kk = 0; kk < NKS; ++kk) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              ldsm_x4(sO + fd.A(qw0 + 16 * i, 2 * kk), a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4(sV + fd.B(cw0 + 16 * np, 2 * kk), b0, b1, b2, b3);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                mma16816<T>(dp[i][2 * np], a[i], b0, b1);
+                mma16816<T>(dp[i][2 * np + 1], a[i], b2, b3);
+              }
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const float Dl = del_t[qw0 + 16 * i + 8 * hh + g];
+#pragma unroll
+              for (int n = 0; n < 4; ++n)
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj)
+                  dp[i][n][2 * hh + jj] = sp[i][n][2 * hh + jj] * (dp[i][n][2 * hh + jj] - Dl);
+            }
+        }
+        /* P and dS as 16-bit [query][key] tiles (zeros where skipped) */
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            uint32_t r[4];
+            pack_a<T>(r, sp[i][2 * np], sp[i][2 * np + 1]);
+            stsm_x4(sP + f_pst.at(qw0 + 16 * i, np), r[0], r[1], r[2], r[3]);
+            pack_a<T>(r, dp[i][2 * np], dp[i][2 * np + 1]);
+            stsm_x4(sdS + f_pst.at(qw0 + 16 * i, np), r[0], r[1], r[2], r[3]);
+          }
+      }
+      __syncthreads(); /* P and dS complete; LSE and delta read */
+      if (more) {
+        const QTile2 nx = ring.d[slot1];
+        load_ld(sL, st, lse_acc, delta_acc, nx, tid);
+        cp_async_commit();
+      }
+
+      /* ---- phase 2: dV += P^T dO, dK += dS^T Q (keys kw0.., d dw0..) ---- */
+      {
+        const int c_nvalid = ring.d[slot].nvalid, c_jlo = ring.d[slot].jlo;
+        const int c_jhi = ring.d[slot].jhi;
+        /* query rows that can reach the warp's keys: [rlo, nvalid) */
+        const int rlo = ring.d[slot].causal ? max(0, kw0 + ring.d[slot].off) : 0;
+        const bool skip = kw0 >= c_jhi || kw0 + 32 <= c_jlo || rlo >= c_nvalid;
+        if (!skip) {
+#pragma unroll
+          for (int jq = 0; jq < kKT / 16; ++jq) {
+            if (16 * jq + 15 < rlo || 16 * jq >= c_nvalid) continue;
+            uint32_t a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              ldsm_x4_t(sP + f_pt.at(16 * jq, i), a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+            for (int dq2 = 0; dq2 < DH / 16; ++dq2) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4_t(sO + f_o.at(16 * jq, dq2 % 4) + (dq2 / 4) * 128, b0, b1, b2, b3);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                mma16816<T>(dv[i][2 * dq2], a[i], b0, b1);
+                mma16816<T>(dv[i][2 * dq2 + 1], a[i], b2, b3);
+              }
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              ldsm_x4_t(sdS + f_pt.at(16 * jq, i), a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+            for (int dq2 = 0; dq2 < DH / 16; ++dq2) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4_t(sQ + f_o.at(16 * jq, dq2 % 4) + (dq2 / 4) * 128, b0, b1, b2, b3);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                mma16816<T>(dk[i][2 * dq2], a[i], b0, b1);
+                mma16816<T>(dk[i][2 * dq2 + 1], a[i], b2, b3);
+              }
+            }
+          }
+        }
+      }
+
+      /* ---- phase 3 (fused): dQ = dS K for rows qw0.., d columns qdw0.. ---- */
+      if constexpr (FUSED) {
+        const int c_nvalid = ring.d[slot].nvalid, c_jlo = ring.d[slot].jlo;
+        /* keys that can reach the warp's rows: [jlo, khi) */
+        const int khi = ring.d[slot].causal ? min(ring.d[slot].jhi, qw0 + 32 - ring.d[slot].off)
+                                            : ring.d[slot].jhi;
+        const bool skip = qw0 >= c_nvalid || c_jlo >= khi;
+        if (!skip) {
+          float acc[2][DQW / 8][4];
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int n = 0; n < DQW / 8; ++n)
+              acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) {
+            if (16 * kk >= khi || 16 * kk + 16 <= c_jlo) continue;
+            uint32_t a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              ldsm_x4(sdS + fp.A(qw0 + 16 * i, 2 * kk), a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+            for (int dq2 = 0; dq2 < DQW / 16; ++dq2) {
+              uint32_t b0, b1, b2, b3;
+              ldsm_x4_t(sK + f_k.at(16 * kk, dq2), b0, b1, b2, b3);
+#pragma unroll
+              for (int i = 0; i < 2; ++i) {
+                mma16816<T>(acc[i][2 * dq2], a[i], b0, b1);
+                mma16816<T>(acc[i][2 * dq2 + 1], a[i], b2, b3);
+              }
+            }
+          }
+          const float sc = st.scale;
+          const int64_t row0 = ring.d[slot].row0;
+          const int hq = ring.d[slot].h;
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int row = qw0 + 16 * i + 8 * hh + g;
+              if (row < c_nvalid) {
+                float *dqr = dq_acc + ((row0 + row) * st.Hq + hq) * D + qdw0 + 2 * t4;
+#pragma unroll
+                for (int n = 0; n < DQW / 8; ++n)
+                  red_add_v2(dqr + 8 * n, sc * acc[i][n][2 * hh], sc * acc[i][n][2 * hh + 1]);
+              }
+            }
+        }
+      }
+      if (!more) break;
+      ++it;
+    }
+  }
+
+  /* epilogue: scale * dK and dV of the warp's keys; bar items WRITE their
+   * scratch rows (zeros where nothing contributed), run items add into the
+   * dk_acc/dv_acc rows they own */
+  const float sc = st.scale;
+  const int64_t e_row0 = ring.krow0;
+  const int e_hk = ring.hk, e_nk = ring.nk;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int kr = kw0 + 16 * i + 8 * hh + g;
+      if (kr < e_nk) {
+        float *dkr, *dvr;
+        if (bars) {
+          dkr = dk_bar + (e_row0 + kr) * D;
+          dvr = dv_bar + (e_row0 + kr) * D;
+        } else {
+          dkr = dk_acc + ((e_row0 + kr) * st.Hkv + e_hk) * D;
+          dvr = dv_acc + ((e_row0 + kr) * st.Hkv + e_hk) * D;
+        }
+#pragma unroll
+        for (int n = 0; n < DH / 8; ++n) {
+          float2 *pk = reinterpret_cast<float2 *>(dkr + dw0 + n * 8 + 2 * t4);
+          float2 *pv = reinterpret_cast<float2 *>(dvr + dw0 + n * 8 + 2 * t4);
+          float2 xk = make_float2(sc * dk[i][n][2 * hh], sc * dk[i][n][2 * hh + 1]);
+          float2 xv = make_float2(dv[i][n][2 * hh], dv[i][n][2 * hh + 1]);
+          if (!bars) {
+            const float2 ok = *pk, ov = *pv;
+            xk.x += ok.x;
+            xk.y += ok.y;
+            xv.x += ov.x;
+            xv.y += ov.y;
+          }
+          *pk = xk;
+          *pv = xv;
+        }
+      }
+    }
+}
+
+/* ---- host side ---- */
+
+template <typename K>
+static mtrain_status_t prepare(cuda_state_t *s, K kern, int smem,
+                               std::atomic<unsigned long long> &done, const char *name) {
+  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda variant 2 %s: needs %d bytes of shared memory per block, the "
+                        "device allows %zu",
+                        name, smem, s->max_smem_optin);
+  return cuda_check((int)mma1::set_smem_once((const void *)kern, smem, done), name);
+}
+
+template <int D, typename T, int NW>
+static mtrain_status_t launch_dq(cuda_state_t *s, const cuda_step_t *st,
+                                 const mtrain_bwd_step_args_t *a) {
+  using S = DqShape<D, NW>;
+  static std::atomic<unsigned long long> set{0};
+  const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
+  if (items <= 0) return MTRAIN_SUCCESS;
+  if (items > 0x7fffffff)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 backward: too many tiles");
+  auto kern = mma2_bwd_dq_kernel<D, T, NW>;
+  mtrain_status_t rc = prepare(s, kern, S::kSmem, set, "mma2_bwd_dq_kernel");
+  if (rc != MTRAIN_SUCCESS) return rc;
+  kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
+      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
+      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc);
+  return cuda_check_launch("mma2_bwd_dq_kernel");
+}
+
+template <int D, typename T, int NW, bool FUSED>
+static mtrain_status_t launch_kv(cuda_state_t *s, const cuda_step_t *st,
+                                 const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar) {
+  using S = KvShape<D, NW>;
+  static std::atomic<unsigned long long> set{0};
+  /* one launch: the bar items (block indices [0, num_bar_tiles)), then the
+   * run key tiles */
+  const int64_t grid = (int64_t)st->num_k_blocks * (st->G / S::BN) * st->Hkv + st->num_bar_tiles;
+  if (grid <= 0) return MTRAIN_SUCCESS;
+  if (grid > 0x7fffffff)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 backward: too many tiles");
+  auto kern = mma2_bwd_kv_kernel<D, T, NW, FUSED>;
+  const char *name = FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel";
+  mtrain_status_t rc = prepare(s, kern, S::kSmem, set, name);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  kern<<<(unsigned)grid, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
+      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
+      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc,
+      (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
+  return cuda_check_launch(name);
+}
+
+template <int D, typename T>
+static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
+                                  const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar,
+                                  const Config &c) {
+  if (!s->deterministic)
+    return c.kv_nw == 8 ? launch_kv<D, T, 8, true>(s, st, a, dk_bar, dv_bar)
+                        : launch_kv<D, T, 4, true>(s, st, a, dk_bar, dv_bar);
+  mtrain_status_t rc = c.dq_nw == 8 ? launch_dq<D, T, 8>(s, st, a) : launch_dq<D, T, 4>(s, st, a);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  return c.kv_nw == 8 ? launch_kv<D, T, 8, false>(s, st, a, dk_bar, dv_bar)
+                      : launch_kv<D, T, 4, false>(s, st, a, dk_bar, dv_bar);
+}
+
+} /* namespace mma2 */
+
+extern "C" mtrain_status_t cuda_mma2_bwd(cuda_state_t *s, const cuda_step_t *st,
+                                         const mtrain_bwd_step_args_t *a, float *dk_bar,
+                                         float *dv_bar) {
+  const char *why = NULL;
+  if (!cuda_mma2_supports(a->dtype, st->d, st->G, &why))
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 backward: %s", why);
+  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->dout) & 15u) != 0)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda variant 2 backward: q, k, v and dout must be 16-byte aligned");
+  int index = 0;
+  mtrain_status_t rc = mma2::config_from_env("cuda variant 2 backward", &index);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  const mma2::Config c = mma2::effective_config(index, st->G);
+  const bool bf16 = a->dtype == MTRAIN_BF16;
+  if (st->d == 64)
+    return bf16 ? mma2::launch_bwd<64, __nv_bfloat16>(s, st, a, dk_bar, dv_bar, c)
+                : mma2::launch_bwd<64, __half>(s, st, a, dk_bar, dv_bar, c);
+  return bf16 ? mma2::launch_bwd<128, __nv_bfloat16>(s, st, a, dk_bar, dv_bar, c)
+              : mma2::launch_bwd<128, __half>(s, st, a, dk_bar, dv_bar, c);
+}
