@@ -10,14 +10,17 @@
 #             90a, the library's default) and build with -j16 into build-cuda/
 #   test      the CUDA tests under ctest (-R cuda), with their output
 #   sanitize  compute-sanitizer memcheck (with leak check) and racecheck on the
-#             reduced cross-backend run (MTRAIN_TEST_QUICK=1), variants 0 and 1
+#             reduced cross-backend run (MTRAIN_TEST_QUICK=1), variants
+#             $MTRAIN_SANITIZE_VARIANTS (default "0 1 2 2n"; 2n: variant 2 with
+#             the fused, non-deterministic backward)
 #   run       mtrain-run --backend cuda --check on small problems (variants
-#             auto, 0 and 1; the pattern estimated on the device)
+#             auto, 0, 1 and 2; the pattern estimated on the device)
 #   bench     mtrain-bench-cuda (N = $MTRAIN_BENCH_SEQ or 32768): validation,
-#             then timing of variants $MTRAIN_BENCH_VARIANTS (default 0,1); writes
-#             the pattern and the validation dumps; then, for the work-in-progress
-#             variant 2 (not built by default), each tile configuration listed in
-#             $MTRAIN_BENCH_MMA2_CONFIGS (default none) with MTRAIN_DETERMINISTIC 1, 0
+#             then timing of variants $MTRAIN_BENCH_VARIANTS (default 0,1,2); writes
+#             the pattern and the validation dumps; then variant 2's fused
+#             (non-deterministic) backward, and each further tile configuration
+#             listed in $MTRAIN_BENCH_MMA2_CONFIGS (default none) with
+#             MTRAIN_DETERMINISTIC 1, 0
 #   nccl      (two or more GPUs) the NCCL ring tests (ctest -L nccl: one process
 #             per GPU under mpiexec, and one process with a thread per GPU), then
 #             mtrain-run under mpiexec on 2 GPUs with --check (flat, hierarchical)
@@ -154,7 +157,7 @@ stage_sanitize() {
   fi
   : > "$log"
   for tool in memcheck racecheck; do
-    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1}; do
+    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1 2 2n}; do
       local flags=(--tool "$tool" --error-exitcode 99)
       [ "$tool" = memcheck ] && flags+=(--leak-check full)
       echo "== $tool, variant $v" >> "$log"
@@ -183,7 +186,7 @@ stage_run() {
   local src=(--v-size 256 --s-size 128)
   [ -n "$data" ] && src=(--budgets "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" --layer 31)
   : > "$log"
-  for v in auto 0 1; do
+  for v in auto 0 1 2; do
     for spec in "bf16 2048 estimated" "fp16 1000 dense"; do
       set -- $spec
       local args=(--backend cuda --cuda-variant "$v" --dtype "$1" --seq-len "$2" --check --repeat 3)
@@ -211,13 +214,13 @@ stage_bench() {
   rm -rf "$work"
   mkdir -p "$work"
   # the main run feeds the peers
-  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants "${MTRAIN_BENCH_VARIANTS:-0,1}" \
+  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants "${MTRAIN_BENCH_VARIANTS:-0,1,2}" \
     --pattern-out "$work/pattern.json" --dump-dir "$work/dump" --json "$OUT/bench.json" > "$log" 2>&1
   local rc=$?
   sed -n '/^mtrain-bench-cuda: .*causal; median/,$p' "$log"
   # variant 2's tile configurations, and its fused non-deterministic backward
   local cfg det
-  for cfg in ${MTRAIN_BENCH_MMA2_CONFIGS:-}; do
+  for cfg in 0 ${MTRAIN_BENCH_MMA2_CONFIGS:-}; do
     for det in 1 0; do
       [ "$cfg" = 0 ] && [ "$det" = 1 ] && continue
       echo "== variant 2, MTRAIN_CUDA_MMA2_CONFIG=$cfg MTRAIN_DETERMINISTIC=$det" | tee -a "$log"

@@ -2,7 +2,7 @@
  * (SPEC.md section 7), forward and backward, as one table-driven test (one
  * cmocka test per row of the case table, so that an unsupported case counts
  * as skipped). The backend under test is argv[1]: "cpu" (the default) or
- * "cuda", with argv[2] the CUDA kernel variant "0", "1" or "auto" (default).
+ * "cuda", with argv[2] the CUDA kernel variant "0", "1", "2" or "auto" (default).
  * Each case draws q, k, v, dout in the case dtype, runs the backend under
  * test through the public API in that dtype (outputs in guard-byte buffers,
  * fp32 lse), and runs "cpu-ref" through the API on the same dtype-rounded
@@ -617,8 +617,8 @@ static int parse_target(int argc, char **argv) {
   if (argc > 3 || (argc > 1 && strcmp(argv[1], "cpu") != 0 && strcmp(argv[1], "cuda") != 0) ||
       (argc > 2 && strcmp(argv[1], "cuda") != 0) ||
       (argc > 2 && strcmp(argv[2], "0") != 0 && strcmp(argv[2], "1") != 0 &&
-       strcmp(argv[2], "auto") != 0)) {
-    fprintf(stderr, "usage: %s [cpu | cuda [0|1|auto]]\n", argv[0]);
+       strcmp(argv[2], "2") != 0 && strcmp(argv[2], "auto") != 0)) {
+    fprintf(stderr, "usage: %s [cpu | cuda [0|1|2|auto]]\n", argv[0]);
     return 1;
   }
   if (argc < 2 || strcmp(argv[1], "cpu") == 0) return 0;

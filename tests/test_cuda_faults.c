@@ -11,7 +11,15 @@
  *      without writing the host buffers, and the context works after;
  *  (d) contexts destroyed after failed calls release their device memory
  *      (free device memory measured before and after repeated cycles) and
- *      leave no CUDA error behind.
+ *      leave no CUDA error behind;
+ *  (e) a kernel launch that fails (mtrain_cuda_inject_fault LAUNCH, at every
+ *      launch of a forward+backward in turn, each kernel variant): the call
+ *      fails with MTRAIN_ERR_BACKEND naming the kernel, and the same context
+ *      then computes the call bitwise equal to a run that had no fault;
+ *  (f) with the argument "trap" (a separate process, since the error is
+ *      sticky): a kernel that traps on the device makes the forward fail with
+ *      MTRAIN_ERR_BACKEND, later calls fail too (no crash, no hang), and the
+ *      context and plan are destroyed.
  * Every test is skipped without a CUDA device (the program then exits 77,
  * ctest's SKIP_RETURN_CODE). Uses the CUDA runtime only to read the free
  * device memory (cudaMemGetInfo) and to check the device after the
@@ -453,15 +461,156 @@ static void test_destroy_after_errors(void **state) {
   problem_free(&p32);
 }
 
-int main(void) {
+/* Device outputs of a forward+backward, copied to the host. */
+typedef struct outputs {
+  unsigned char *o, *lse, *dq, *dk, *dv;
+} outputs_t;
+
+static void outputs_take(outputs_t *r, const problem_t *p) {
+  r->o = malloc(p->bq), r->lse = malloc(p->bl), r->dq = malloc(p->bq);
+  r->dk = malloc(p->bk), r->dv = malloc(p->bk);
+  assert_true(r->o && r->lse && r->dq && r->dk && r->dv);
+  assert_int_equal(mtrain_cuda_memcpy_to_host(r->o, p->do_, p->bq), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_cuda_memcpy_to_host(r->lse, p->dlse, p->bl), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_cuda_memcpy_to_host(r->dq, p->ddq, p->bq), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_cuda_memcpy_to_host(r->dk, p->ddk, p->bk), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_cuda_memcpy_to_host(r->dv, p->ddv, p->bk), MTRAIN_SUCCESS);
+}
+
+static void outputs_free(outputs_t *r) {
+  free(r->o), free(r->lse), free(r->dq), free(r->dk), free(r->dv);
+}
+
+/* 1 when the two runs' outputs are bitwise equal. */
+static int outputs_equal(const outputs_t *a, const outputs_t *b, const problem_t *p) {
+  return !memcmp(a->o, b->o, p->bq) && !memcmp(a->lse, b->lse, p->bl) &&
+         !memcmp(a->dq, b->dq, p->bq) && !memcmp(a->dk, b->dk, p->bk) &&
+         !memcmp(a->dv, b->dv, p->bk);
+}
+
+static mtrain_status_t forward_backward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                        const problem_t *p) {
+  mtrain_status_t st = device_forward(ctx, plan, p);
+  return st ? st : device_backward(ctx, plan, p);
+}
+
+/* (e) */
+static void test_failing_launch(void **state) {
+  (void)state;
+  require_gpu();
+  problem_t p;
+  /* a pattern with verticals, so the bar kernels run too */
+  problem_init(&p, 1000, 4, 2, 128, 128, MTRAIN_BF16, ts_seed(0x4005));
+  mtrain_pattern_destroy(p.pattern);
+  p.pattern = ts_make_pattern(TS_PATTERN_RANDOM_SPARSE, p.n, p.hq, p.g, ts_seed(0x4006));
+  problem_to_device(&p);
+  mtrain_context_t *ctx = make_context("cuda", p.g);
+  mtrain_plan_t *plan = make_plan(ctx, p.pattern);
+  for (int variant = 0; variant <= 2; variant++) {
+    assert_int_equal(mtrain_cuda_set_variant(ctx, (mtrain_cuda_variant_t)variant), MTRAIN_SUCCESS);
+    mtrain_status_t st = forward_backward(ctx, plan, &p);
+    if (st)
+      fail_msg("variant %d without a fault: %s (%s)", variant, mtrain_status_name(st),
+               mtrain_last_error());
+    outputs_t want;
+    outputs_take(&want, &p);
+    int failed_launches = 0;
+    for (int64_t nth = 1;; nth++) {
+      assert_int_equal(mtrain_cuda_inject_fault(MTRAIN_CUDA_FAULT_LAUNCH, nth), MTRAIN_SUCCESS);
+      st = forward_backward(ctx, plan, &p);
+      const int64_t pending = mtrain_cuda_fault_pending();
+      assert_int_equal(mtrain_cuda_inject_fault(MTRAIN_CUDA_FAULT_NONE, 0), MTRAIN_SUCCESS);
+      if (pending > 0) { /* past the last launch: the call must have succeeded */
+        if (st)
+          fail_msg("variant %d: a call without a fault failed: %s", variant, mtrain_last_error());
+        break;
+      }
+      if (st != MTRAIN_ERR_BACKEND || !strstr(mtrain_last_error(), "cudaErrorInvalidConfiguration"))
+        fail_msg("variant %d, failed launch %lld: status %s (%s), expected MTRAIN_ERR_BACKEND "
+                 "with the CUDA error",
+                 variant, (long long)nth, mtrain_status_name(st), mtrain_last_error());
+      if (nth <= 2 || nth % 16 == 0)
+        print_message("variant %d, launch %lld fails: %s\n", variant, (long long)nth,
+                      mtrain_last_error());
+      failed_launches++;
+      /* the context is still usable and computes the same as before */
+      st = forward_backward(ctx, plan, &p);
+      if (st)
+        fail_msg("variant %d: the call after failed launch %lld: %s (%s)", variant, (long long)nth,
+                 mtrain_status_name(st), mtrain_last_error());
+      outputs_t got;
+      outputs_take(&got, &p);
+      const int same = outputs_equal(&got, &want, &p);
+      outputs_free(&got);
+      if (!same)
+        fail_msg("variant %d: after failed launch %lld the outputs differ from the run without "
+                 "a fault",
+                 variant, (long long)nth);
+    }
+    print_message("variant %d: each of the %d launches of a forward+backward failed in turn; "
+                  "each time the call failed and the context then recomputed the same bits\n",
+                  variant, failed_launches);
+    assert_true(failed_launches >= 4);
+    outputs_free(&want);
+  }
+  assert_int_equal(mtrain_cuda_inject_fault((mtrain_cuda_fault_t)7, 1),
+                   MTRAIN_ERR_INVALID_ARGUMENT);
+  assert_int_equal(mtrain_cuda_inject_fault(MTRAIN_CUDA_FAULT_LAUNCH, 0),
+                   MTRAIN_ERR_INVALID_ARGUMENT);
+  mtrain_plan_destroy(plan);
+  mtrain_context_destroy(ctx);
+  problem_free(&p);
+}
+
+/* (f) a kernel that traps on the device: a sticky error. Run in its own
+ * process (argument "trap"): the process's CUDA context is lost. */
+static void test_trapping_kernel(void **state) {
+  (void)state;
+  require_gpu();
+  problem_t p;
+  problem_init(&p, 1000, 4, 2, 64, 128, MTRAIN_BF16, ts_seed(0x4007));
+  problem_to_device(&p);
+  mtrain_context_t *ctx = make_context("cuda", p.g);
+  mtrain_plan_t *plan = make_plan(ctx, p.pattern);
+  assert_int_equal(device_forward(ctx, plan, &p), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_cuda_inject_fault(MTRAIN_CUDA_FAULT_TRAP, 2), MTRAIN_SUCCESS);
+  mtrain_status_t st = device_forward(ctx, plan, &p);
+  print_message("the forward with a trapping kernel: %s (%s)\n", mtrain_status_name(st),
+                mtrain_last_error());
+  TS_ASSERT_STATUS(st, MTRAIN_ERR_BACKEND, "cuda");
+  st = device_backward(ctx, plan, &p);
+  print_message("the backward after it: %s (%s)\n", mtrain_status_name(st), mtrain_last_error());
+  if (st == MTRAIN_SUCCESS) fail_msg("a backward after a sticky device error succeeded");
+  st = device_forward(ctx, plan, &p);
+  if (st == MTRAIN_SUCCESS) fail_msg("a forward after a sticky device error succeeded");
+  mtrain_plan_destroy(plan);
+  mtrain_context_destroy(ctx);
+  st = mtrain_cuda_device_synchronize();
+  print_message("the device after destroy: %s (%s)\n", mtrain_status_name(st),
+                st ? mtrain_last_error() : "");
+  if (st == MTRAIN_SUCCESS) fail_msg("the sticky error vanished");
+  /* the host memory only: device frees would fail on a lost context */
+  free(p.q), free(p.k), free(p.v), free(p.dout);
+  mtrain_pattern_destroy(p.pattern);
+}
+
+int main(int argc, char **argv) {
   have_gpu = mtrain_cuda_device_count() > 0;
   if (!have_gpu)
     print_message("no CUDA device is visible (or the build has no CUDA backend): every test is "
                   "SKIPPED\n");
+  if (argc > 1 && strcmp(argv[1], "trap") == 0) {
+    const struct CMUnitTest trap[] = {cmocka_unit_test(test_trapping_kernel)};
+    const int rc = cmocka_run_group_tests(trap, NULL, NULL);
+    return rc == 0 && skipped_tests == 1 ? 77 : rc;
+  }
+  if (argc > 1) {
+    fprintf(stderr, "usage: %s [trap]\n", argv[0]);
+    return 2;
+  }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_malloc_absurd_size),
-      cmocka_unit_test(test_host_pointers),
-      cmocka_unit_test(test_destroy_after_errors),
+      cmocka_unit_test(test_malloc_absurd_size),    cmocka_unit_test(test_host_pointers),
+      cmocka_unit_test(test_destroy_after_errors),  cmocka_unit_test(test_failing_launch),
       cmocka_unit_test(test_forward_out_of_memory),
   };
   const int rc = cmocka_run_group_tests(tests, NULL, NULL);

@@ -55,3 +55,9 @@ mtrain_status_t mtrain_cuda_set_device(int device) {
   return absent(__func__);
 }
 mtrain_status_t mtrain_cuda_device_synchronize(void) { return absent(__func__); }
+mtrain_status_t mtrain_cuda_inject_fault(mtrain_cuda_fault_t kind, int64_t nth_launch) {
+  (void)kind;
+  (void)nth_launch;
+  return absent(__func__);
+}
+int64_t mtrain_cuda_fault_pending(void) { return 0; }

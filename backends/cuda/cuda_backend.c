@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_internal.h"
 #include "core/context_internal.h"
@@ -19,6 +20,8 @@
 #endif
 
 #define CUDA_MAX_HEAD_DIM 256
+/* AUTO picks variant 2 over 1 once it has been measured faster on the GPU */
+#define MTRAIN_CUDA_AUTO_PREFERS_MMA2 1
 
 mtrain_status_t cuda_check(int err, const char *what) {
   if (err == cudaSuccess) return MTRAIN_SUCCESS;
@@ -29,10 +32,6 @@ mtrain_status_t cuda_check(int err, const char *what) {
                         what, cudaGetErrorString(e));
   return mtrain_error(MTRAIN_ERR_BACKEND, "cuda: %s failed: %s (%s)", what, cudaGetErrorName(e),
                       cudaGetErrorString(e));
-}
-
-mtrain_status_t cuda_check_launch(const char *kernel) {
-  return cuda_check((int)cudaGetLastError(), kernel);
 }
 
 static mtrain_status_t check_device_ptr(const void *p, const char *name);
@@ -51,9 +50,12 @@ static mtrain_status_t parse_variant_env(int *variant) {
     *variant = MTRAIN_CUDA_VARIANT_SIMT;
   else if (strcmp(e, "1") == 0)
     *variant = MTRAIN_CUDA_VARIANT_MMA;
+  else if (strcmp(e, "2") == 0)
+    *variant = MTRAIN_CUDA_VARIANT_MMA2;
   else
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
-                        "environment variable MTRAIN_CUDA_VARIANT='%s': expected auto, 0 or 1", e);
+                        "environment variable MTRAIN_CUDA_VARIANT='%s': expected auto, 0, 1 or 2",
+                        e);
   return MTRAIN_SUCCESS;
 }
 
@@ -230,19 +232,24 @@ static int aligned16(const void *a, const void *b, const void *c, const void *e)
 
 static mtrain_status_t pick_variant(cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, int32_t G,
                                     int aligned, int *variant) {
-  const char *why = NULL;
-  int mma_ok = cuda_mma_supports(dtype, d, G, &why);
-  if (mma_ok && !aligned) {
-    mma_ok = 0;
-    why = "q, k, v (and dout) must be 16-byte aligned";
+  const char *why1 = NULL, *why2 = NULL;
+  int ok1 = cuda_mma_supports(dtype, d, G, &why1);
+  int ok2 = cuda_mma2_supports(dtype, d, G, &why2);
+  if (!aligned) {
+    if (ok1) why1 = "q, k, v (and dout) must be 16-byte aligned";
+    if (ok2) why2 = "q, k, v (and dout) must be 16-byte aligned";
+    ok1 = ok2 = 0;
   }
-  if (s->variant == MTRAIN_CUDA_VARIANT_MMA && !mma_ok)
+  if (s->variant == MTRAIN_CUDA_VARIANT_MMA && !ok1)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 (mma) cannot compute this: %s",
-                        why ? why : "unsupported");
-  if (s->variant == MTRAIN_CUDA_VARIANT_SIMT)
-    *variant = 0;
-  else
-    *variant = mma_ok ? 1 : 0;
+                        why1 ? why1 : "unsupported");
+  if (s->variant == MTRAIN_CUDA_VARIANT_MMA2 && !ok2)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 (mma2) cannot compute this: %s",
+                        why2 ? why2 : "unsupported");
+  if (s->variant != MTRAIN_CUDA_VARIANT_AUTO)
+    *variant = s->variant;
+  else /* the fastest that applies (measured: docs/PERFORMANCE.md) */
+    *variant = ok2 && MTRAIN_CUDA_AUTO_PREFERS_MMA2 ? 2 : ok1 ? 1 : 0;
   s->last_variant = *variant;
   return MTRAIN_SUCCESS;
 }
@@ -263,7 +270,9 @@ static mtrain_status_t cuda_fwd_step(void *state, const mtrain_fwd_step_args_t *
   MTRAIN_TRY(pick_variant(s, a->dtype, a->head_dim, a->view->granularity,
                           aligned16(a->q, a->k, a->v, a->q), &variant));
   MTRAIN_TRY(cuda_step_upload(s, a->view, a->num_kv_heads, a->head_dim, a->scale, 0, &step, &slot));
-  MTRAIN_TRY(variant == 1 ? cuda_mma_fwd(s, &step, a) : cuda_simt_fwd(s, &step, a));
+  MTRAIN_TRY(variant == 2   ? cuda_mma2_fwd(s, &step, a)
+             : variant == 1 ? cuda_mma_fwd(s, &step, a)
+                            : cuda_simt_fwd(s, &step, a));
 cleanup:
   if (slot >= 0) {
     mtrain_status_t st2 = cuda_step_release(s, slot);
@@ -301,8 +310,9 @@ static mtrain_status_t cuda_bwd_step(void *state, const mtrain_bwd_step_args_t *
     dk_bar = scr;
     dv_bar = dk_bar + n;
   }
-  MTRAIN_TRY(variant == 1 ? cuda_mma_bwd(s, &step, a, dk_bar, dv_bar)
-                          : cuda_simt_bwd(s, &step, a, dk_bar, dv_bar));
+  MTRAIN_TRY(variant == 2   ? cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar)
+             : variant == 1 ? cuda_mma_bwd(s, &step, a, dk_bar, dv_bar)
+                            : cuda_simt_bwd(s, &step, a, dk_bar, dv_bar));
   if (step.total_bars > 0)
     MTRAIN_TRY(cuda_bars_reduce(s, &step, dk_bar, dv_bar, a->dk_acc, a->dv_acc));
 cleanup:
@@ -452,9 +462,9 @@ mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_varia
   mtrain_status_t st = cuda_state_of(ctx, &s);
   if (st) return st;
   if (variant != MTRAIN_CUDA_VARIANT_AUTO && variant != MTRAIN_CUDA_VARIANT_SIMT &&
-      variant != MTRAIN_CUDA_VARIANT_MMA)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "cuda variant %d: expected -1 (auto), 0 or 1",
-                        (int)variant);
+      variant != MTRAIN_CUDA_VARIANT_MMA && variant != MTRAIN_CUDA_VARIANT_MMA2)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "cuda variant %d: expected -1 (auto), 0, 1 or 2", (int)variant);
   s->variant = variant;
   return MTRAIN_SUCCESS;
 }

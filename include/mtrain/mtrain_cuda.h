@@ -30,6 +30,9 @@ typedef enum mtrain_cuda_variant {
   MTRAIN_CUDA_VARIANT_SIMT = 0, /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
   MTRAIN_CUDA_VARIANT_MMA = 1,  /**< tensor cores (mma.sync m16n8k16): bf16/fp16, d 64 or 128,
                                      granularity a multiple of 64 */
+  MTRAIN_CUDA_VARIANT_MMA2 = 2, /**< tensor cores, tuned: 128-row query tiles, and with
+                                     config.deterministic = 0 a fused backward with atomic dQ;
+                                     bf16/fp16, d 64 or 128, granularity a multiple of 128 */
 } mtrain_cuda_variant_t;
 
 /** Number of CUDA devices visible (0 without CUDA, a driver or a GPU). */
@@ -42,7 +45,7 @@ int mtrain_cuda_device_count(void);
 mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream);
 
 /** Selects the kernel variant for later calls on ctx (default AUTO, or the
- *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1 read at context
+ *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1|2 read at context
  *  creation). A forced variant that cannot compute a call makes that call
  *  fail with MTRAIN_ERR_NOT_SUPPORTED naming the reason. */
 mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant);
@@ -62,6 +65,29 @@ mtrain_status_t mtrain_cuda_memset(void *ptr, int value, size_t bytes);
 mtrain_status_t mtrain_cuda_set_device(int device);
 /** Waits for all work on the current device. */
 mtrain_status_t mtrain_cuda_device_synchronize(void);
+
+/** Kinds of injected fault (mtrain_cuda_inject_fault). */
+typedef enum mtrain_cuda_fault {
+  MTRAIN_CUDA_FAULT_NONE = 0,   /**< disarm */
+  MTRAIN_CUDA_FAULT_LAUNCH = 1, /**< a launch that fails at once (invalid configuration): the
+                                     call fails with MTRAIN_ERR_BACKEND naming the kernel; the
+                                     error is not sticky and the context stays usable */
+  MTRAIN_CUDA_FAULT_TRAP = 2,   /**< a kernel that traps on the device: the call (or the next
+                                     one that synchronizes) fails with MTRAIN_ERR_BACKEND; the
+                                     error is sticky: every later CUDA call of the process fails,
+                                     and contexts can only be destroyed */
+} mtrain_cuda_fault_t;
+
+/** Fault injection, for tests of the error paths: after the next
+ *  `nth_launch` - 1 kernel launches of the backend (any context, any thread
+ *  of the process), the nth is followed by a launch that really fails in the
+ *  way `kind` says, and the call that made it returns the error. NONE (any
+ *  nth_launch) disarms. Process-wide; thread-safe. Fails with
+ *  MTRAIN_ERR_INVALID_ARGUMENT for an unknown kind or nth_launch < 1. */
+mtrain_status_t mtrain_cuda_inject_fault(mtrain_cuda_fault_t kind, int64_t nth_launch);
+
+/** Launches left before an armed fault fires (0: none armed, or fired). */
+int64_t mtrain_cuda_fault_pending(void);
 
 #ifdef __cplusplus
 }
