@@ -69,7 +69,7 @@ mtrain_status_t mtrain_cuda_device_synchronize(void);
 /** Kinds of injected fault (mtrain_cuda_inject_fault). */
 typedef enum mtrain_cuda_fault {
   MTRAIN_CUDA_FAULT_NONE = 0,   /**< disarm */
-  MTRAIN_CUDA_FAULT_LAUNCH = 1, /**< a launch that fails at once (invalid configuration): the
+  MTRAIN_CUDA_FAULT_LAUNCH = 1, /**< a launch that fails at once (too large a block): the
                                      call fails with MTRAIN_ERR_BACKEND naming the kernel; the
                                      error is not sticky and the context stays usable */
   MTRAIN_CUDA_FAULT_TRAP = 2,   /**< a kernel that traps on the device: the call (or the next
