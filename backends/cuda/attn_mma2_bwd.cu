@@ -249,8 +249,10 @@ __global__ void __launch_bounds__(32 * NW, DqShape<D, NW>::kMinBlocks)
  * the item's output rows, read back by the epilogue. */
 struct QRing {
   QWalk2 w;
-  QTile2 d[3];
-  int64_t krow0; /* runs: first local key row; bars: first scratch row */
+  /* 16-byte granules of their own, as in TileRing: a widened load of one
+   * group never covers bytes that thread 0 writes meanwhile */
+  alignas(16) QTile2 d[3];
+  alignas(16) int64_t krow0; /* runs: first local key row; bars: first scratch row */
   int hk, nk, bars;
 
   /* thread 0: the next query tile into d[slot] */

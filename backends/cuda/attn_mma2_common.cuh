@@ -311,8 +311,14 @@ struct KeyWalk2 {
  * across the MMAs. kind == 0 marks the end of the walk. */
 struct TileRing {
   KeyWalk2 w; /* thread 0 only */
-  KTile2 d[3];
-  int segs, bars, s_end; /* copies of w's constants for every thread's bar loads */
+  /* d[] and the constants each start a 16-byte granule: the compiler may
+   * read segs, bars and s_end with one 16-byte load, which must not cover
+   * the end of d[2] (written by thread 0 while the others read these; a
+   * read-write race that compute-sanitizer's racecheck reported, harmless
+   * in value but a race all the same) */
+  alignas(16) KTile2 d[3];
+  alignas(16) int segs;        /* copies of w's constants for every thread's bar loads */
+  int bars, s_end, unused_pad; /* (segs, bars, s_end, unused_pad): one 16-byte granule */
   /* the item's first query row, valid rows and head, for the epilogue: read
    * back from shared memory, they hold no register across the MMAs */
   int64_t row0;
