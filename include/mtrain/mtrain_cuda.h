@@ -24,7 +24,7 @@ extern "C" {
 
 /** Kernel variants (numbered, each validated against cpu-ref before timing).
  *  AUTO picks the fastest variant that supports the call's dtype, head_dim
- *  and granularity. */
+ *  and granularity: 2, else 1, else 0 (measured: docs/PERFORMANCE.md). */
 typedef enum mtrain_cuda_variant {
   MTRAIN_CUDA_VARIANT_AUTO = -1,
   MTRAIN_CUDA_VARIANT_SIMT = 0, /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
@@ -32,7 +32,8 @@ typedef enum mtrain_cuda_variant {
                                      granularity a multiple of 64 */
   MTRAIN_CUDA_VARIANT_MMA2 = 2, /**< tensor cores, tuned: 128-row query tiles, and with
                                      config.deterministic = 0 a fused backward with atomic dQ;
-                                     bf16/fp16, d 64 or 128, granularity a multiple of 128 */
+                                     bf16/fp16, d 64 or 128, granularity a multiple of 64
+                                     (128-row tiles where it is a multiple of 128) */
 } mtrain_cuda_variant_t;
 
 /** Number of CUDA devices visible (0 without CUDA, a driver or a GPU). */
