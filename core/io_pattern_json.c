@@ -188,6 +188,12 @@ static mtrain_status_t parse_mask_head(const json_ctx_t *c, const json_t *arr,
     return fail_at(c, MTRAIN_ERR_FORMAT, "block_mask", "expected an array, found %s",
                    mtrain_json_type_name(arr));
   int64_t nb = p->num_blocks;
+  if (nb > MTRAIN_PATTERN_MAX_MASK_BLOCKS)
+    return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, "block_mask",
+                   "a block mask takes memory in proportion to its %lld query blocks (seq_len / "
+                   "granularity), more than the 2^24 supported; use a larger granularity or "
+                   "vertical-slash heads",
+                   (long long)nb);
   size_t n = json_array_size(arr);
   int64_t *off = calloc((size_t)nb + 1, sizeof *off);
   int32_t *idx = malloc((n ? n : 1) * sizeof *idx);

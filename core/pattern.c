@@ -160,9 +160,21 @@ mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *p, int32_t head, const
   return MTRAIN_SUCCESS;
 }
 
+/* Block masks are O(blocks): refuses patterns of too many blocks. */
+static mtrain_status_t check_mask_blocks(const mtrain_pattern_t *p, int32_t head) {
+  if (p->num_blocks <= MTRAIN_PATTERN_MAX_MASK_BLOCKS) return MTRAIN_SUCCESS;
+  return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
+                      "pattern head %d: a block mask takes memory in proportion to its %lld query "
+                      "blocks (seq_len %lld / granularity %d), more than the 2^24 supported; use "
+                      "a larger granularity or a vertical-slash head",
+                      head, (long long)p->num_blocks, (long long)p->seq_len, p->granularity);
+}
+
 mtrain_status_t mtrain_pattern_set_block_csr(mtrain_pattern_t *p, int32_t head,
                                              const int64_t *mask_off, const int32_t *mask_idx) {
   mtrain_status_t st = check_head(p, head, __func__);
+  if (st != MTRAIN_SUCCESS) return st;
+  st = check_mask_blocks(p, head);
   if (st != MTRAIN_SUCCESS) return st;
   MTRAIN_CHECK_NOT_NULL(mask_off);
   int64_t nb = p->num_blocks;
@@ -215,6 +227,8 @@ mtrain_status_t mtrain_pattern_set_block_csr(mtrain_pattern_t *p, int32_t head,
 mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *p, int32_t head,
                                               const uint8_t *mask) {
   mtrain_status_t st = check_head(p, head, __func__);
+  if (st != MTRAIN_SUCCESS) return st;
+  st = check_mask_blocks(p, head);
   if (st != MTRAIN_SUCCESS) return st;
   MTRAIN_CHECK_NOT_NULL(mask);
   int64_t nb = p->num_blocks;

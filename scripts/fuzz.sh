@@ -13,13 +13,21 @@ CC=clang cmake -S "$root" -B "$root/build-fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInf
 cmake --build "$root/build-fuzz" -j "$(nproc)" >> "$root/build-fuzz.log" ||
   { cat "$root/build-fuzz.log"; exit 1; }
 cd "$root/build-fuzz"
+# the inputs that fail (crash-*, leak-*, timeout-*, oom-*) of this run land in
+# artifacts/<target>/; earlier runs' are moved to artifacts.old/
+rm -rf artifacts.old
+[ -d artifacts ] && mv artifacts artifacts.old
 for target in fuzz_npy fuzz_pattern_json fuzz_budgets fuzz_plan; do
   corpus="corpus_$target"
-  mkdir -p "$corpus"
+  mkdir -p "$corpus" "artifacts/$target"
   [ -d "$root/tests/fuzz/corpus/$target" ] && cp -n "$root/tests/fuzz/corpus/$target"/* "$corpus"/ 2>/dev/null || true
   echo "== $target, ${seconds}s"
   ASAN_OPTIONS=detect_leaks=1 "./tests/fuzz/$target" -max_total_time="$seconds" -max_len=4096 \
-    -print_final_stats=1 "$corpus" 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" || true
-  if ls crash-* leak-* timeout-* > /dev/null 2>&1; then echo "fuzz.sh: $target found a failure"; exit 1; fi
+    -artifact_prefix="artifacts/$target/" -print_final_stats=1 "$corpus" 2>&1 |
+    grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" || true
+  if [ -n "$(ls -A "artifacts/$target")" ]; then
+    echo "fuzz.sh: $target found a failure: $(ls "artifacts/$target" | head -3)"
+    exit 1
+  fi
 done
-echo "fuzz.sh: no crash, leak or timeout found"
+echo "fuzz.sh: no crash, leak, timeout or out-of-memory found"

@@ -255,6 +255,10 @@ static void test_top_level_ranges(void **state) {
             "seq_len: -40 out of range", "[1,");
   check_bad("{\"granularity\": 1, \"seq_len\": 4294967296, \"heads\": [{}]}",
             MTRAIN_ERR_INVALID_PATTERN, "bad.json", "2^31 blocks");
+  /* found by the long fuzz run: 888888200 blocks of one token asked for 7 GB */
+  check_bad("{\"granularity\": 1, \"seq_len\": 888888200, \"heads\": [{\"verticals\": [9]}, "
+            "{\"block_mask\": [[0, 0], [3, 1]]}]}",
+            MTRAIN_ERR_INVALID_PATTERN, "888888200 query blocks", "2^24");
 }
 
 static void test_empty_heads(void **state) {

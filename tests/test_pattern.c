@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/pattern_internal.h"
 #include "test_support.h"
 
 static void test_create_rejects_bad_sizes(void **state) {
@@ -84,6 +85,18 @@ static void test_block_mask_validation(void **state) {
   assert_true(mtrain_pattern_allowed(p, 0, 5, 3));
   assert_false(mtrain_pattern_allowed(p, 0, 35, 5));
   assert_false(mtrain_pattern_allowed(p, 0, 5, 6)); /* causal */
+  mtrain_pattern_destroy(p);
+  /* a block mask of more than 2^24 query blocks is refused before its
+   * arrays are read (they would take memory in proportion to the blocks) */
+  assert_int_equal(mtrain_pattern_create(MTRAIN_PATTERN_MAX_MASK_BLOCKS + 1, 1, 1, &p),
+                   MTRAIN_SUCCESS);
+  const int64_t off[1] = {0};
+  const int32_t idx[1] = {0};
+  TS_ASSERT_STATUS(mtrain_pattern_set_block_csr(p, 0, off, idx), MTRAIN_ERR_INVALID_PATTERN,
+                   "more than the 2^24 supported");
+  TS_ASSERT_STATUS(mtrain_pattern_set_block_mask(p, 0, mask), MTRAIN_ERR_INVALID_PATTERN,
+                   "16777217 query blocks");
+  assert_false(mtrain_pattern_head_is_block_mask(p, 0));
   mtrain_pattern_destroy(p);
 }
 

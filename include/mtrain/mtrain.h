@@ -202,8 +202,14 @@ int mtrain_backend_list(const char **names, int cap);
  *  (query block, key block) pairs with key block <= query block). */
 typedef struct mtrain_pattern mtrain_pattern_t;
 
+/** Most query blocks (ceil(seq_len / granularity)) of a pattern with a
+ *  block-mask head: 2^24, i.e. 2^31 tokens at G = 128. A block mask takes
+ *  memory in proportion to its blocks, so the limit keeps a small pattern
+ *  file from asking for gigabytes; vertical-slash heads have no such limit. */
+#define MTRAIN_PATTERN_MAX_MASK_BLOCKS ((int64_t)1 << 24)
+
 /** An empty pattern: every head has only diagonal 0 and no verticals.
- *  seq_len >= 1, num_heads >= 1, granularity >= 1. */
+ *  seq_len >= 1, num_heads >= 1, granularity >= 1, fewer than 2^31 blocks. */
 mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads, int32_t granularity,
                                       mtrain_pattern_t **out);
 /** The dense causal pattern (all block diagonals 0..nb-1, no verticals). */
