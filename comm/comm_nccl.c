@@ -3,13 +3,17 @@
  * in non-blocking mode; receives deferred into the group of the next send of
  * their class; transfers ordered after the data stream through events;
  * host-side collectives staged through a device buffer; every wait polled
- * against a deadline, with ncclCommAbort on timeout or NCCL error. */
+ * against a deadline, with ncclCommAbort on timeout or NCCL error (every
+ * communicator at once, one thread each), the first error kept as the cause
+ * named by every later call. */
 #include <cuda_runtime.h>
 /* nccl.h declares a few functions without prototypes */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wstrict-prototypes"
 #include <nccl.h>
 #pragma GCC diagnostic pop
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -39,6 +43,7 @@ typedef struct nccl_state {
   mtrain_comm_request_t *pending[CH_COUNT];
   void *coll_buf;
   size_t coll_cap;
+  char cause[512]; /* the error that aborted the communicators */
 } nccl_state_t;
 
 static double now(void) {
@@ -52,14 +57,49 @@ static void nap(struct timespec *t) {
   if (t->tv_nsec < 1000000) t->tv_nsec *= 2;
 }
 
+typedef struct abort_job {
+  ncclComm_t comm;
+  int device, started;
+  pthread_t thread;
+} abort_job_t;
+
+static void *abort_one(void *arg) {
+  abort_job_t *j = arg;
+  cudaSetDevice(j->device);
+  ncclCommAbort(j->comm);
+  return NULL;
+}
+
+/* Aborts every communicator at once, one thread each. One after another
+ * would deadlock when a peer died with kernels of several channels in
+ * flight: ncclCommAbort frees device memory, and cudaFree waits for the
+ * whole device, so the first abort would wait for a kernel of a channel not
+ * aborted yet, which spins until the dead peer answers. */
 static void abort_all(nccl_state_t *s) {
   if (s->failed) return;
   s->failed = 1;
+  abort_job_t jobs[CH_COUNT + 1];
+  int n = 0;
   for (int c = 0; c < CH_COUNT; c++)
-    if (s->ch[c]) ncclCommAbort(s->ch[c]);
-  if (s->base && !s->borrowed) ncclCommAbort(s->base);
+    if (s->ch[c]) jobs[n++] = (abort_job_t){.comm = s->ch[c], .device = s->device};
+  if (s->base && !s->borrowed) jobs[n++] = (abort_job_t){.comm = s->base, .device = s->device};
+  for (int i = 0; i < n; i++)
+    jobs[i].started = pthread_create(&jobs[i].thread, NULL, abort_one, &jobs[i]) == 0;
+  for (int i = 0; i < n; i++) {
+    if (jobs[i].started)
+      pthread_join(jobs[i].thread, NULL);
+    else
+      abort_one(&jobs[i]);
+  }
   for (int c = 0; c < CH_COUNT; c++) s->ch[c] = NULL;
   s->base = NULL;
+}
+
+/* Records the message of the error that aborted the communicators (the
+ * first) and returns its status. */
+static mtrain_status_t keep_cause(nccl_state_t *s, mtrain_status_t st) {
+  if (!s->cause[0]) snprintf(s->cause, sizeof s->cause, "%s", mtrain_last_error());
+  return st;
 }
 
 static mtrain_status_t nccl_failed(nccl_state_t *s, ncclResult_t r, const char *what) {
@@ -67,6 +107,7 @@ static mtrain_status_t nccl_failed(nccl_state_t *s, ncclResult_t r, const char *
   mtrain_status_t st =
       mtrain_error(MTRAIN_ERR_COMM, "rank %d: NCCL %s failed: %s%s%s", s->rank, what,
                    ncclGetErrorString(r), last && *last ? ": " : "", last ? last : "");
+  keep_cause(s, st);
   abort_all(s);
   return st;
 }
@@ -80,9 +121,9 @@ static mtrain_status_t cuda_failed(nccl_state_t *s, cudaError_t e, const char *w
 static mtrain_status_t check_usable(nccl_state_t *s) {
   if (s->failed)
     return mtrain_error(MTRAIN_ERR_COMM,
-                        "rank %d: the nccl communicator was aborted after an earlier error; "
+                        "rank %d: the nccl communicator was aborted after an earlier error (%s); "
                         "destroy it",
-                        s->rank);
+                        s->rank, s->cause[0] ? s->cause : "no message");
   return MTRAIN_SUCCESS;
 }
 
@@ -100,11 +141,12 @@ static mtrain_status_t settle(nccl_state_t *s, ncclComm_t comm, ncclResult_t r, 
       break;
     }
     if (now() > deadline) {
+      keep_cause(s, mtrain_error(MTRAIN_ERR_TIMEOUT,
+                                 "rank %d: NCCL %s did not settle within %.1f s (a rank died or "
+                                 "stopped answering)",
+                                 s->rank, what, s->timeout));
       abort_all(s);
-      return mtrain_error(MTRAIN_ERR_TIMEOUT,
-                          "rank %d: NCCL %s did not settle within %.1f s (a rank died or stopped "
-                          "answering)",
-                          s->rank, what, s->timeout);
+      return MTRAIN_ERR_TIMEOUT;
     }
     nap(&t);
   }
@@ -125,16 +167,19 @@ static mtrain_status_t wait_event(nccl_state_t *s, cudaEvent_t ev, int channel, 
         a != ncclSuccess && a != ncclInProgress)
       return nccl_failed(s, a, what);
     if (now() > deadline) {
-      abort_all(s);
       if (peer >= 0)
-        return mtrain_error(MTRAIN_ERR_TIMEOUT,
-                            "rank %d: %s with rank %d did not complete within %.1f s (the peer "
-                            "died or stopped answering)",
-                            s->rank, what, peer, s->timeout);
-      return mtrain_error(MTRAIN_ERR_TIMEOUT,
-                          "rank %d: %s did not complete within %.1f s (a rank died or stopped "
-                          "answering)",
-                          s->rank, what, s->timeout);
+        mtrain_error(MTRAIN_ERR_TIMEOUT,
+                     "rank %d: %s with rank %d did not complete within %.1f s (the peer died or "
+                     "stopped answering)",
+                     s->rank, what, peer, s->timeout);
+      else
+        mtrain_error(MTRAIN_ERR_TIMEOUT,
+                     "rank %d: %s did not complete within %.1f s (a rank died or stopped "
+                     "answering)",
+                     s->rank, what, s->timeout);
+      keep_cause(s, MTRAIN_ERR_TIMEOUT);
+      abort_all(s);
+      return MTRAIN_ERR_TIMEOUT;
     }
     nap(&t);
   }

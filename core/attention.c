@@ -157,13 +157,12 @@ static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *
   return end > begin ? scan_rows(ctx, name, t, begin, end - begin) : MTRAIN_SUCCESS;
 }
 
+/* Backend memory, counted per context (memory_stats.c). */
 static mtrain_status_t backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
-  return ctx->backend->alloc(ctx->backend_state, bytes ? bytes : 1, ptr);
+  return mtrain_backend_alloc(ctx, bytes ? bytes : 1, ptr);
 }
 
-static void backend_free(mtrain_context_t *ctx, void *ptr) {
-  if (ptr) ctx->backend->free(ctx->backend_state, ptr);
-}
+static void backend_free(mtrain_context_t *ctx, void *ptr) { mtrain_backend_free(ctx, ptr); }
 
 /* Pointer to token `row` of a [tokens, heads, dim] buffer. */
 static const void *row_ptr(const void *base, int64_t row, int64_t heads, int64_t dim, size_t elem) {
@@ -208,8 +207,8 @@ static mtrain_status_t gather_bars(mtrain_context_t *ctx, const mtrain_plan_t *p
   if (!st)
     st = ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * n, MTRAIN_F64, MTRAIN_REDUCE_SUM);
   if (!st) st = mtrain_convert(host, MTRAIN_F64, raw, dm->dtype, 2 * n);
-  if (!st) st = be->alloc(ctx->backend_state, (size_t)(n > 0 ? n : 1) * esz, kbar);
-  if (!st) st = be->alloc(ctx->backend_state, (size_t)(n > 0 ? n : 1) * esz, vbar);
+  if (!st) st = mtrain_backend_alloc(ctx, (size_t)(n > 0 ? n : 1) * esz, kbar);
+  if (!st) st = mtrain_backend_alloc(ctx, (size_t)(n > 0 ? n : 1) * esz, vbar);
   if (!st) st = be->copy_from_host(ctx->backend_state, *kbar, raw, (size_t)n * esz);
   if (!st)
     st = be->copy_from_host(ctx->backend_state, *vbar, (const char *)raw + (size_t)n * esz,

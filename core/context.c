@@ -129,6 +129,7 @@ cleanup:
 
 void mtrain_context_destroy(mtrain_context_t *ctx) {
   if (!ctx) return;
+  mtrain_memory_tracker_release(ctx);
   if (ctx->backend && ctx->backend_state) ctx->backend->fini(ctx->backend_state);
   mtrain_comm_destroy(ctx->own_comm);
   free(ctx);

@@ -7,6 +7,8 @@
 #include "mtrain/mtrain_backend.h"
 #include "mtrain/mtrain_comm.h"
 
+#include "memory_stats.h"
+
 struct mtrain_context {
   mtrain_config_t config; /* effective config; config.backend points at backend_name */
   char backend_name[64];
@@ -15,6 +17,7 @@ struct mtrain_context {
   mtrain_comm_t *comm;            /* borrowed, or own_comm */
   mtrain_comm_t *own_comm;        /* the self communicator when the caller gave none */
   mtrain_call_stats_t last_stats; /* timing of the last attention call */
+  mtrain_memory_tracker_t memory; /* backend bytes allocated through it (memory_stats.c) */
 };
 
 /** Applies MTRAIN_* environment overrides to a config (the environment is

@@ -27,8 +27,7 @@ typedef struct estimate_buffers {
 
 static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
   void *backend[] = {b->row, b->col, b->diag};
-  for (int i = 0; i < 3; i++)
-    if (backend[i]) ctx->backend->free(ctx->backend_state, backend[i]);
+  for (int i = 0; i < 3; i++) mtrain_backend_free(ctx, backend[i]);
   free(b->row_host);
   free(b->row_max);
   free(b->row_norm);
@@ -181,9 +180,9 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
                      !b.forced,
                  MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
                  (long long)N, Hq);
-  MTRAIN_TRY(be->alloc(ctx->backend_state, n_row * sizeof(double), &b.row));
-  MTRAIN_TRY(be->alloc(ctx->backend_state, n_col * sizeof(double), &b.col));
-  MTRAIN_TRY(be->alloc(ctx->backend_state, n_diag * sizeof(double), &b.diag));
+  MTRAIN_TRY(mtrain_backend_alloc(ctx, n_row * sizeof(double), &b.row));
+  MTRAIN_TRY(mtrain_backend_alloc(ctx, n_col * sizeof(double), &b.col));
+  MTRAIN_TRY(mtrain_backend_alloc(ctx, n_diag * sizeof(double), &b.diag));
   int any_probs = 0;
   for (int32_t h = 0; h < Hq; h++) any_probs |= b.probs[h] = budgets[h].kind == MTRAIN_BUDGET_TOP_P;
   mtrain_scores_args_t a = {.seq_len = N,
@@ -344,7 +343,7 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
   if (!st)
     st = ctx->comm->ops->allreduce(ctx->comm->state, host, (int64_t)((size_t)L * row), gdt,
                                    MTRAIN_REDUCE_SUM);
-  if (!st) st = be->alloc(ctx->backend_state, (size_t)L * row * gsz, &q_last);
+  if (!st) st = mtrain_backend_alloc(ctx, (size_t)L * row * gsz, &q_last);
   if (!st) st = be->copy_from_host(ctx->backend_state, q_last, host, (size_t)L * row * gsz);
   if (!st) {
     const estimate_input_t in = {.N = N,
@@ -361,7 +360,7 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
                                  .k_block_global = mtrain_layout_rank_blocks(layout, rank)};
     st = estimate_core(ctx, &in, budgets, options, out);
   }
-  if (q_last) be->free(ctx->backend_state, q_last);
+  mtrain_backend_free(ctx, q_last);
   free(host);
   free(q_local_row);
   return st;

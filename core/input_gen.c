@@ -3,7 +3,10 @@
  * a given density. All randomness is counter-based (a splitmix64 hash of
  * seed, stream and element index), so the results are bitwise the same at
  * any thread count and in any storage dtype (values are made in fp64 and
- * rounded once by mtrain_convert).
+ * rounded once by mtrain_convert). A token's values depend only on its
+ * position, so mtrain_generate_structured_rows makes any subset of the
+ * tokens (one rank's slots of a layout) in O(rows) work plus an O(N) pass
+ * over one uniform per key for the outlier positions.
  *
  * The structured generator, per kv head hk (query head h reads hk = h / g):
  * the RoPE pairs (2m, 2m+1), frequency theta_m = base^(-2m/d), are split into
@@ -128,10 +131,9 @@ static mtrain_status_t check_tensor(const mtrain_tensor_t *t, const char *name, 
   return MTRAIN_SUCCESS;
 }
 
-static mtrain_status_t check_structured(const mtrain_structured_options_t *o,
+static mtrain_status_t check_structured(const char *fn, const mtrain_structured_options_t *o,
                                         const mtrain_tensor_t *q, const mtrain_tensor_t *k,
                                         const mtrain_tensor_t *v) {
-  static const char fn[] = "mtrain_generate_structured";
   if (!o) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "%s: argument 'options' is NULL", fn);
   mtrain_status_t st = check_tensor(q, "q", 3, fn);
   if (!st) st = check_tensor(k, "k", 3, fn);
@@ -308,15 +310,39 @@ static void store_row(const double *row, mtrain_tensor_t *t, int64_t i, int64_t 
                        width);
 }
 
-mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *options,
-                                           mtrain_tensor_t *q, mtrain_tensor_t *k,
-                                           mtrain_tensor_t *v) {
-  mtrain_status_t st = check_structured(options, q, k, v);
-  if (st) return st;
-  gen_shape_t s = {q->shape[0], (int32_t)q->shape[1], (int32_t)k->shape[1], (int32_t)q->shape[2],
-                   (int32_t)q->shape[2] / 2};
+/* Writes a zero row (a layout padding slot). */
+static void zero_row(mtrain_tensor_t *t, int64_t r, int64_t width) {
+  const size_t es = mtrain_dtype_size(t->dtype);
+  memset((char *)t->data + (size_t)(r * width) * es, 0, (size_t)width * es);
+}
+
+/* Checks the rows' token indices: none negative; with no index, the rows
+ * must fit in the sequence. */
+static mtrain_status_t check_rows(const char *fn, int64_t seq_len, const int64_t *index,
+                                  int64_t rows) {
+  if (seq_len < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "%s: seq_len must be >= 1, got %lld", fn,
+                        (long long)seq_len);
+  if (!index && rows > seq_len)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "%s: %lld rows without an index exceed seq_len %lld", fn, (long long)rows,
+                        (long long)seq_len);
+  for (int64_t r = 0; index && r < rows; r++)
+    if (index[r] < 0)
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "%s: index[%lld] = %lld is negative", fn,
+                          (long long)r, (long long)index[r]);
+  return MTRAIN_SUCCESS;
+}
+
+/* The generator behind both entry points: row r of q, k, v is token
+ * index[r] (r when index is NULL) of a sequence of s.n tokens. */
+static mtrain_status_t generate_rows(const mtrain_structured_options_t *options,
+                                     const gen_shape_t *shape, const int64_t *index, int64_t rows,
+                                     mtrain_tensor_t *q, mtrain_tensor_t *k, mtrain_tensor_t *v) {
+  const gen_shape_t s = *shape;
   const int32_t d = s.d;
   const double sigma = sqrt(GEN_TEMPERATURE / sqrt((double)d));
+  mtrain_status_t st = MTRAIN_SUCCESS;
   double *theta = malloc(sizeof(double) * (size_t)(s.pairs + 1));
   double *work = malloc(sizeof(double) * (size_t)d * (size_t)(2 * s.hkv + s.hq + 4) +
                         sizeof(double) * (size_t)(3 * s.pairs + 3));
@@ -347,12 +373,19 @@ mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *op
       r.sn = r.cs + s.pairs;
     }
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < s.n; i++) {
+    for (int64_t row = 0; row < rows; row++) {
       if (!r.q) continue;
+      const int64_t i = index ? index[row] : row;
+      if (i >= s.n) {
+        zero_row(q, row, (int64_t)s.hq * d);
+        zero_row(k, row, (int64_t)s.hkv * d);
+        zero_row(v, row, (int64_t)s.hkv * d);
+        continue;
+      }
       make_token(options, &s, theta, sigma, kmean, omean, qmean, outlier, i, &r);
-      store_row(r.q, q, i, (int64_t)s.hq * d);
-      store_row(r.k, k, i, (int64_t)s.hkv * d);
-      store_row(r.v, v, i, (int64_t)s.hkv * d);
+      store_row(r.q, q, row, (int64_t)s.hq * d);
+      store_row(r.k, k, row, (int64_t)s.hkv * d);
+      store_row(r.v, v, row, (int64_t)s.hkv * d);
     }
     free(r.q);
   }
@@ -364,6 +397,29 @@ cleanup:
   free(band);
   free(outlier);
   return st;
+}
+
+mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *options,
+                                           mtrain_tensor_t *q, mtrain_tensor_t *k,
+                                           mtrain_tensor_t *v) {
+  mtrain_status_t st = check_structured("mtrain_generate_structured", options, q, k, v);
+  if (st) return st;
+  const gen_shape_t s = {q->shape[0], (int32_t)q->shape[1], (int32_t)k->shape[1],
+                         (int32_t)q->shape[2], (int32_t)q->shape[2] / 2};
+  return generate_rows(options, &s, NULL, s.n, q, k, v);
+}
+
+mtrain_status_t mtrain_generate_structured_rows(const mtrain_structured_options_t *options,
+                                                int64_t seq_len, const int64_t *index,
+                                                mtrain_tensor_t *q, mtrain_tensor_t *k,
+                                                mtrain_tensor_t *v) {
+  static const char fn[] = "mtrain_generate_structured_rows";
+  mtrain_status_t st = check_structured(fn, options, q, k, v);
+  if (!st) st = check_rows(fn, seq_len, index, q->shape[0]);
+  if (st) return st;
+  const gen_shape_t s = {seq_len, (int32_t)q->shape[1], (int32_t)k->shape[1], (int32_t)q->shape[2],
+                         (int32_t)q->shape[2] / 2};
+  return generate_rows(options, &s, index, q->shape[0], q, k, v);
 }
 
 /* ---- normal noise ---- */

@@ -76,13 +76,12 @@ typedef struct ring_buffers {
 } ring_buffers_t;
 
 static void buffers_free(mtrain_context_t *ctx, ring_buffers_t *b) {
-  for (int i = 0; i < 4; i++)
-    if (b->chunk[i]) ctx->backend->free(ctx->backend_state, b->chunk[i]);
+  for (int i = 0; i < 4; i++) mtrain_backend_free(ctx, b->chunk[i]);
   for (int32_t o = 0; b->partial_in && o < b->n; o++) {
-    if (b->partial_in[o]) ctx->backend->free(ctx->backend_state, b->partial_in[o]);
-    if (b->partial_out[o]) ctx->backend->free(ctx->backend_state, b->partial_out[o]);
+    mtrain_backend_free(ctx, b->partial_in[o]);
+    mtrain_backend_free(ctx, b->partial_out[o]);
   }
-  if (b->inner_partial) ctx->backend->free(ctx->backend_state, b->inner_partial);
+  mtrain_backend_free(ctx, b->inner_partial);
   free(b->partial_in);
   free(b->partial_out);
 }
@@ -102,9 +101,13 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
   comm_pair_t inner = {0}, outer = {0};
   mtrain_comm_request_t **partial_recv = NULL, **partial_send = NULL, *pending_partial = NULL;
   b.n = g.n;
-  for (int i = 0; i < 4; i++) MTRAIN_TRY(be->alloc(bs, chunk_bytes, &b.chunk[i]));
+  /* only the buffers the schedule uses: B when there are several nodes, C
+   * with an inner ring, D with an inner ring of three ranks or more */
+  const int used[4] = {1, g.n > 1, g.L > 1, g.L > 2};
+  for (int i = 0; i < 4; i++)
+    if (used[i]) MTRAIN_TRY(mtrain_backend_alloc(ctx, chunk_bytes, &b.chunk[i]));
   if (backward) {
-    MTRAIN_TRY(be->alloc(bs, 2 * acc_bytes, &b.inner_partial));
+    MTRAIN_TRY(mtrain_backend_alloc(ctx, 2 * acc_bytes, &b.inner_partial));
     b.partial_in = calloc((size_t)g.n, sizeof(void *));
     b.partial_out = calloc((size_t)g.n, sizeof(void *));
     partial_recv = calloc((size_t)g.n, sizeof *partial_recv);
@@ -112,8 +115,8 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
     MTRAIN_FAIL_IF(!b.partial_in || !b.partial_out || !partial_recv || !partial_send,
                    MTRAIN_ERR_OUT_OF_MEMORY, "ring: out of memory");
     for (int32_t o = 0; o < g.n; o++) {
-      MTRAIN_TRY(be->alloc(bs, 2 * acc_bytes, &b.partial_in[o]));
-      MTRAIN_TRY(be->alloc(bs, 2 * acc_bytes, &b.partial_out[o]));
+      MTRAIN_TRY(mtrain_backend_alloc(ctx, 2 * acc_bytes, &b.partial_in[o]));
+      MTRAIN_TRY(mtrain_backend_alloc(ctx, 2 * acc_bytes, &b.partial_out[o]));
       /* the partial of outer step o comes from the node o ahead, local - 1 */
       const int from = ((g.node + o) % g.n) * g.L + (g.local - 1 + g.L) % g.L;
       MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.partial_in[o], 2 * acc_bytes, from,

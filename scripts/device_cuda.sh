@@ -21,23 +21,33 @@
 #             (non-deterministic) backward, and each further tile configuration
 #             listed in $MTRAIN_BENCH_MMA2_CONFIGS (default none) with
 #             MTRAIN_DETERMINISTIC 1, 0
-#   nccl      (two or more GPUs) the NCCL ring tests (ctest -L nccl: one process
-#             per GPU under mpiexec, and one process with a thread per GPU), then
-#             mtrain-run under mpiexec on 2 GPUs with --check (flat, hierarchical)
+#   nccl      (two or more GPUs) the NCCL ring and fault tests (ctest -L nccl: one
+#             process per GPU under mpiexec, one process with a thread per GPU, and
+#             test_nccl_fault_*: a peer killed or stalled mid-forward/backward must
+#             end in a clear error within the timeout), then mtrain-run under
+#             mpiexec on 2 GPUs with --check (flat, hierarchical)
 #   ringbench (two GPUs) mtrain-run under mpiexec -n 2, bf16, 16:2 heads, d 128:
 #             the dense ring (zigzag) against the sparse ring (striped, the
 #             Qwen2.5-3B budgets of layers $MTRAIN_RING_LAYERS, estimated) at
 #             $MTRAIN_RING_SEQS tokens (default 131072), --repeat 3, JSON reports
+#   ringbench2 (two GPUs) mtrain-bench under mpiexec -n 2, bf16, 16:2 heads, d 128:
+#             for each length of $MTRAIN_RING_SEQS (default 131072,524288,1048576)
+#             the dense ring (zigzag; skipped above $MTRAIN_RING_DENSE_MAX, default
+#             524288) and, for each layer of $MTRAIN_RING_LAYERS (default 3,15,31),
+#             the sparse ring (striped, Qwen2.5-3B budgets, estimated on the GPUs):
+#             forward+backward, 1 warm-up, median of ${MTRAIN_RING_REPEAT:-3},
+#             tokens/s, speed-up, ring/compute; ringbench2.log and ringbench2.json
 #   peers     tools/bench_cuda_peers.py (torch SDPA flash/cuDNN, FlexAttention)
 #             on the bench's pattern, and the independent check of its dumps;
 #             runs the bench first when its outputs are missing
 # A stage that needs the build builds first when build-cuda/ has no build.
 # Dependencies missing on the machine (jansson, cmocka, ...) are taken from
 # the .deb files in .device/debs when that folder exists (unpacked with
-# dpkg -x into /tmp/deps). Logs go to $OUT (default build-cuda/device-out), at most 8
-# files: build.log test.log sanitize.log run.log bench.log bench.json
-# peers.log summary.txt; a short summary table is printed last. The exit
-# status is 0 when every stage run passed.
+# dpkg -x into /tmp/deps). Logs go to $OUT (default build-cuda/device-out), one
+# or two files per stage run plus summary.txt (the default six stages: 8 files):
+# build.log test.log sanitize.log run.log bench.log bench.json peers.log
+# nccl.log ringbench.log ringbench.txt ringbench2.log ringbench2.json; a short
+# summary table is printed last. The exit status is 0 when every stage run passed.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$root/build-cuda
@@ -53,9 +63,10 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(build test sanitize run bench peers)
 for s in "${stages[@]}"; do
   case $s in
-  build | test | sanitize | run | bench | peers | nccl | ringbench) ;;
+  build | test | sanitize | run | bench | peers | nccl | ringbench | ringbench2) ;;
   *)
-    echo "device_cuda.sh: unknown stage '$s' (build test sanitize run bench peers nccl)" >&2
+    echo "device_cuda.sh: unknown stage '$s' (build test sanitize run bench peers nccl" \
+      "ringbench ringbench2)" >&2
     exit 2
     ;;
   esac
@@ -271,7 +282,8 @@ stage_nccl() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   (cd "$build" && ctest -L nccl -V --timeout 900) > "$log" 2>&1
   local rc=$?
-  grep -E "^[0-9]+: (passed|FAILED|SKIPPED)|^[0-9]+: +rank|tests passed|tests failed" "$log" | tail -30
+  grep -E "^[0-9]+: (passed|FAILED|SKIPPED|PASS: mode|FAIL)|^[0-9]+: +rank|tests passed|tests failed" \
+    "$log" | tail -40
   res+=("ctest -L nccl: $(grep -E 'tests passed|tests failed' "$log" | tail -1)")
   grep -q "Skipped" "$log" && { res+=("a test SKIPPED"); bad=1; }
   [ $rc -eq 0 ] || bad=1
@@ -347,6 +359,36 @@ PY
   else note ringbench FAILED $((SECONDS - t0)) "see ringbench.log"; fi
 }
 
+stage_ringbench2() {
+  local t0=$SECONDS log=$OUT/ringbench2.log
+  say "mtrain-bench on 2 GPUs -> $log, $OUT/ringbench2.json"
+  ensure_build || { note ringbench2 FAILED 0 "no build"; return 1; }
+  [ -x "$build/tools/mtrain-bench" ] || stage_build || { note ringbench2 FAILED 0 "no build"; return 1; }
+  if [ -z "$data" ]; then
+    note ringbench2 FAILED 0 "no budget files (shared/data/patterns or .device/patterns)"
+    return 1
+  fi
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  # the lists may be given with spaces (as for the ringbench stage) or commas
+  local seqs=${MTRAIN_RING_SEQS:-131072,524288,1048576} layers=${MTRAIN_RING_LAYERS:-3,15,31}
+  seqs=${seqs// /,}
+  layers=${layers// /,}
+  local args=(--backend cuda --dtype bf16 --heads 16 --kv-heads 2 --head-dim 128
+    --budgets "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" --layers "$layers"
+    --tokens-list "$seqs" --skip-dense-above "${MTRAIN_RING_DENSE_MAX:-524288}" --warmup 1
+    --repeat "${MTRAIN_RING_REPEAT:-3}" --json "$OUT/ringbench2.json")
+  echo "== mpiexec -n 2 mtrain-bench ${args[*]}" > "$log"
+  mpiexec -n 2 --bind-to none "$build/tools/mtrain-bench" "${args[@]}" >> "$log" 2>&1
+  local rc=$?
+  sed -n '/^mtrain-bench: backend/,$p' "$log"
+  if [ $rc -eq 0 ]; then
+    note ringbench2 ok $((SECONDS - t0)) "table in ringbench2.log, ringbench2.json"
+  else
+    tail -20 "$log"
+    note ringbench2 FAILED $((SECONDS - t0)) "exit $rc, see ringbench2.log"
+  fi
+}
+
 for s in "${stages[@]}"; do
   "stage_$s"
 done
@@ -362,6 +404,10 @@ done
   if [ -f "$OUT/bench.log" ]; then
     echo "-- mtrain-bench-cuda"
     sed -n '/^pattern .*density/,$p' "$OUT/bench.log"
+  fi
+  if [ -f "$OUT/ringbench2.log" ]; then
+    echo "-- mtrain-bench (ring, 2 GPUs)"
+    sed -n '/^mtrain-bench: backend/,$p' "$OUT/ringbench2.log"
   fi
   if [ -f "$OUT/peers.log" ]; then
     echo "-- peers"

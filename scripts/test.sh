@@ -3,7 +3,9 @@
 # everything (CUDA code too where nvcc is present) and runs the whole test
 # suite under ctest; then builds again with AddressSanitizer and
 # UndefinedBehaviorSanitizer (build-asan/) and runs the suite once more;
-# last, a short libFuzzer run of the readers and the plan builder.
+# then the OpenMP tests, the MPI ring tests and the main job under
+# ThreadSanitizer (scripts/tsan.sh); last, a short libFuzzer run of the
+# readers and the plan builder.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install_deps.sh"
@@ -16,5 +18,7 @@ cmake --build "$root/build-asan" -j "$(nproc)" >> "$root/build-asan.log" ||
   { cat "$root/build-asan.log"; exit 1; }
 cd "$root/build-asan"
 ctest --output-on-failure --timeout 1800 -j 1
+echo "== ThreadSanitizer over the OpenMP path (clang + libomp + Archer; build-tsan/)"
+bash "$root/scripts/tsan.sh"
 echo "== a short fuzz run of the file readers and the plan builder (libFuzzer)"
 bash "$root/scripts/fuzz.sh" 10

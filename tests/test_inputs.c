@@ -1,6 +1,7 @@
 /* test_inputs.c: the input generators and pattern quality (mtrain_inputs.h,
  * mtrain_cpu_pattern_recall): reproducibility from the seed in every dtype,
- * argument errors, and that the structured inputs really have
+ * argument errors, rows of a sequence (one rank's slots) bitwise equal to
+ * the whole sequence's, and that the structured inputs really have
  * vertical-slash structure: sink and outlier columns draw far more attention
  * than an average column, attention falls off with distance, and a
  * vertical-slash pattern keeps clearly more attention mass than a random
@@ -101,6 +102,59 @@ static void test_structured_reproducible(void **state) {
   qkv_free(&w);
   qkv_free(&a);
   qkv_free(&b);
+}
+
+/* Rows of a sequence (one rank's slots): bitwise the same rows as the whole
+ * sequence's, in any order, repeated, with zero rows for padding indices. */
+static void test_structured_rows(void **state) {
+  (void)state;
+  const int64_t n = 700;
+  const int32_t hq = 4, hkv = 2, d = 32;
+  const mtrain_structured_options_t o = options_with_seed(ts_seed(21));
+  qkv_t full = qkv_alloc(MTRAIN_BF16, n, hq, hkv, d);
+  assert_int_equal(mtrain_generate_structured(&o, &full.tq, &full.tk, &full.tv), MTRAIN_SUCCESS);
+  enum { R = 9 };
+  const int64_t index[R] = {699, 0, 3, n, 350, 3, n + 41, 1, 64};
+  qkv_t rows = qkv_alloc(MTRAIN_BF16, R, hq, hkv, d);
+  memset(rows.q.data, 0xFF, rows.q.bytes);
+  memset(rows.k.data, 0xFF, rows.k.bytes);
+  memset(rows.v.data, 0xFF, rows.v.bytes);
+  assert_int_equal(mtrain_generate_structured_rows(&o, n, index, &rows.tq, &rows.tk, &rows.tv),
+                   MTRAIN_SUCCESS);
+  const size_t wq = (size_t)(hq * d) * 2, wk = (size_t)(hkv * d) * 2;
+  const unsigned char zero[4096] = {0};
+  for (int r = 0; r < R; r++) {
+    const unsigned char *q = (const unsigned char *)rows.q.data + (size_t)r * wq;
+    const unsigned char *k = (const unsigned char *)rows.k.data + (size_t)r * wk;
+    const unsigned char *v = (const unsigned char *)rows.v.data + (size_t)r * wk;
+    if (index[r] >= n) {
+      assert_memory_equal(q, zero, wq);
+      assert_memory_equal(k, zero, wk);
+      assert_memory_equal(v, zero, wk);
+      continue;
+    }
+    assert_memory_equal(q, (const unsigned char *)full.q.data + (size_t)index[r] * wq, wq);
+    assert_memory_equal(k, (const unsigned char *)full.k.data + (size_t)index[r] * wk, wk);
+    assert_memory_equal(v, (const unsigned char *)full.v.data + (size_t)index[r] * wk, wk);
+  }
+  /* no index: the first rows */
+  assert_int_equal(mtrain_generate_structured_rows(&o, n, NULL, &rows.tq, &rows.tk, &rows.tv),
+                   MTRAIN_SUCCESS);
+  assert_memory_equal(rows.q.data, full.q.data, rows.q.bytes);
+  assert_memory_equal(rows.k.data, full.k.data, rows.k.bytes);
+  assert_memory_equal(rows.v.data, full.v.data, rows.v.bytes);
+  /* bad arguments */
+  const int64_t negative[R] = {0, 1, -1, 3, 4, 5, 6, 7, 8};
+  TS_ASSERT_STATUS(mtrain_generate_structured_rows(&o, n, negative, &rows.tq, &rows.tk, &rows.tv),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "index[2] = -1 is negative");
+  TS_ASSERT_STATUS(mtrain_generate_structured_rows(&o, 5, NULL, &rows.tq, &rows.tk, &rows.tv),
+                   MTRAIN_ERR_SHAPE_MISMATCH, "9 rows without an index exceed seq_len 5");
+  TS_ASSERT_STATUS(mtrain_generate_structured_rows(&o, 0, index, &rows.tq, &rows.tk, &rows.tv),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "seq_len must be >= 1");
+  TS_ASSERT_STATUS(mtrain_generate_structured_rows(NULL, n, index, &rows.tq, &rows.tk, &rows.tv),
+                   MTRAIN_ERR_NULL_POINTER, "mtrain_generate_structured_rows");
+  qkv_free(&rows);
+  qkv_free(&full);
 }
 
 static void test_normal(void **state) {
@@ -516,6 +570,7 @@ static void test_random_like(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_structured_reproducible),
+      cmocka_unit_test(test_structured_rows),
       cmocka_unit_test(test_normal),
       cmocka_unit_test(test_argument_errors),
       cmocka_unit_test(test_recall_by_hand),

@@ -19,6 +19,7 @@
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_layout.h"
 #include "mtrain/mtrain_mpi.h"
+#include "test_support.h"
 
 typedef struct ring_case {
   const char *backend;
@@ -31,44 +32,6 @@ typedef struct ring_case {
 } ring_case_t;
 
 static int rank_, world_;
-
-static uint64_t mix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-static double uniform(uint64_t *s) { return (double)(mix(s) >> 11) * 0x1.0p-53; }
-
-static void fill(float *x, int64_t n, uint64_t *s) {
-  for (int64_t i = 0; i < n; i++) x[i] = (float)(2.0 * uniform(s) - 1.0);
-}
-
-static mtrain_pattern_t *make_pattern(const ring_case_t *c) {
-  mtrain_pattern_t *p = NULL;
-  const int64_t nb = (c->N + c->G - 1) / c->G;
-  if (c->pattern == 0) {
-    mtrain_pattern_create_dense(c->N, c->hq, c->G, &p);
-    return p;
-  }
-  mtrain_pattern_create(c->N, c->hq, c->G, &p);
-  if (c->pattern == 2) return p;
-  uint64_t s = c->seed * 7 + 1;
-  int32_t *d = malloc(sizeof(int32_t) * (size_t)(nb + 1));
-  int64_t *v = malloc(sizeof(int64_t) * (size_t)(c->N + 1));
-  for (int32_t h = 0; h < c->hq; h++) {
-    int32_t nd = 0, nv = 0;
-    for (int64_t t = 0; t < nb; t++)
-      if (t == 0 || (c->pattern == 3 ? t < 2 : uniform(&s) < 0.3)) d[nd++] = (int32_t)t;
-    for (int64_t j = 0; j < c->N; j++)
-      if (c->pattern == 3 ? (j < 8 || uniform(&s) < 0.02) : uniform(&s) < 0.05) v[nv++] = j;
-    mtrain_pattern_set_head(p, h, d, nd, v, nv);
-  }
-  free(d);
-  free(v);
-  return p;
-}
 
 typedef struct tensors {
   float *q, *k, *v, *dout, *o, *lse, *dq, *dk, *dv;
@@ -110,21 +73,6 @@ static mtrain_status_t run(mtrain_context_t *ctx, mtrain_plan_t *plan, tensors_t
   return st;
 }
 
-/* max |local - global at the same positions| and max |global| of one tensor
- * with `width` values per token (padding slots skipped). */
-static void compare(const float *local, const float *global, const int64_t *index, int64_t T,
-                    int64_t N, int64_t width, double *err, double *ref) {
-  for (int64_t i = 0; i < T; i++) {
-    if (index[i] >= N) continue;
-    for (int64_t x = 0; x < width; x++) {
-      const double g = global[index[i] * width + x], l = local[i * width + x];
-      const double e = fabs(l - g);
-      if (!(e <= *err)) *err = isnan(e) ? INFINITY : e;
-      if (fabs(g) > *ref) *ref = fabs(g);
-    }
-  }
-}
-
 static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   char what[256];
   snprintf(what, sizeof what, "%s %s %s N=%lld %d:%d d=%d G=%d pattern %d seed %llu", c->backend,
@@ -139,15 +87,15 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   cfg.granularity = c->G;
   cfg.num_threads = 1;
   mtrain_context_t *single = NULL, *oracle = NULL, *dist = NULL;
-  mtrain_pattern_t *p = make_pattern(c);
+  mtrain_pattern_t *p = ts_ring_pattern(c->pattern, c->N, c->hq, c->G, c->seed);
   tensors_t g1, g64, loc;
   alloc_tensors(&g1, c->N, c);
   alloc_tensors(&g64, c->N, c);
-  uint64_t s = c->seed;
-  fill(g1.q, c->N * c->hq * c->d, &s);
-  fill(g1.k, c->N * c->hkv * c->d, &s);
-  fill(g1.v, c->N * c->hkv * c->d, &s);
-  fill(g1.dout, c->N * c->hq * c->d, &s);
+  ts_rng_t rng = {c->seed};
+  ts_ring_fill(g1.q, c->N * c->hq * c->d, &rng, 0);
+  ts_ring_fill(g1.k, c->N * c->hkv * c->d, &rng, 0);
+  ts_ring_fill(g1.v, c->N * c->hkv * c->d, &rng, 0);
+  ts_ring_fill(g1.dout, c->N * c->hq * c->d, &rng, 0);
   memcpy(g64.q, g1.q, sizeof(float) * (size_t)(c->N * c->hq * c->d));
   memcpy(g64.k, g1.k, sizeof(float) * (size_t)(c->N * c->hkv * c->d));
   memcpy(g64.v, g1.v, sizeof(float) * (size_t)(c->N * c->hkv * c->d));
@@ -178,20 +126,14 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   }
   if (!st) {
     alloc_tensors(&loc, T, c);
-    for (int64_t i = 0; i < T; i++) {
-      if (index[i] >= c->N) continue; /* padding slots stay zero */
-      memcpy(loc.q + i * c->hq * c->d, g1.q + index[i] * c->hq * c->d,
-             sizeof(float) * (size_t)(c->hq * c->d));
-      memcpy(loc.dout + i * c->hq * c->d, g1.dout + index[i] * c->hq * c->d,
-             sizeof(float) * (size_t)(c->hq * c->d));
-      memcpy(loc.k + i * c->hkv * c->d, g1.k + index[i] * c->hkv * c->d,
-             sizeof(float) * (size_t)(c->hkv * c->d));
-      memcpy(loc.v + i * c->hkv * c->d, g1.v + index[i] * c->hkv * c->d,
-             sizeof(float) * (size_t)(c->hkv * c->d));
-    }
+    /* padding slots stay zero */
+    const int64_t wq = c->hq * c->d, wk = c->hkv * c->d;
+    ts_ring_gather(loc.q, g1.q, index, T, c->N, wq);
+    ts_ring_gather(loc.dout, g1.dout, index, T, c->N, wq);
+    ts_ring_gather(loc.k, g1.k, index, T, c->N, wk);
+    ts_ring_gather(loc.v, g1.v, index, T, c->N, wk);
     st = run(dist, pd, &loc, T, c);
     if (!st) {
-      const int64_t wq = c->hq * c->d, wk = c->hkv * c->d;
       const struct {
         const char *name;
         const float *l, *g, *o;
@@ -203,8 +145,8 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
                 {"dv", loc.dv, g1.dv, g64.dv, wk}};
       for (int x = 0; x < 5; x++) {
         double e1 = 0, r1 = 0, eo = 0, ro = 0;
-        compare(t[x].l, t[x].g, index, T, c->N, t[x].w, &e1, &r1);
-        compare(t[x].l, t[x].o, index, T, c->N, t[x].w, &eo, &ro);
+        ts_ring_compare(t[x].l, t[x].g, index, T, c->N, t[x].w, &e1, &r1);
+        ts_ring_compare(t[x].l, t[x].o, index, T, c->N, t[x].w, &eo, &ro);
         double v[4] = {e1, r1, eo, ro}, m[4];
         MPI_Allreduce(v, m, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         if (!(m[0] <= 1e-5 * m[1]) || !(m[2] <= 1e-4 * m[3])) {
@@ -253,13 +195,11 @@ static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_
   mtrain_pattern_t *p1 = NULL, *pd = NULL;
   float *q = malloc(sizeof(float) * (size_t)(N * hq * d)),
         *k = malloc(sizeof(float) * (size_t)(N * hkv * d));
-  uint64_t s = seed;
-  fill(q, N * hq * d, &s);
-  fill(k, N * hkv * d, &s);
-  mtrain_head_budget_t b[4] = {{MTRAIN_BUDGET_TOP_K, 12, 40, 0, 0, 0, 0},
-                               {MTRAIN_BUDGET_TOP_P, 0, 0, 0.5, 0.4, 30, 60},
-                               {MTRAIN_BUDGET_TOP_K, 40, 8, 0, 0, 0, 0},
-                               {MTRAIN_BUDGET_TOP_P, 0, 0, 0.9, 0.9, 100, 200}};
+  ts_rng_t rng = {seed};
+  ts_ring_fill(q, N * hq * d, &rng, 0);
+  ts_ring_fill(k, N * hkv * d, &rng, 0);
+  mtrain_head_budget_t b[4];
+  ts_ring_estimate_budgets(b);
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = 40;
   mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, hq, d);
@@ -276,10 +216,9 @@ static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_
     lk = calloc((size_t)(T * hkv * d), sizeof(float));
     index = malloc(sizeof(int64_t) * (size_t)T);
     st = mtrain_layout_rank_token_index(layout, rank_, index);
-    for (int64_t i = 0; !st && i < T; i++) {
-      if (index[i] >= N) continue;
-      memcpy(lq + i * hq * d, q + index[i] * hq * d, sizeof(float) * (size_t)(hq * d));
-      memcpy(lk + i * hkv * d, k + index[i] * hkv * d, sizeof(float) * (size_t)(hkv * d));
+    if (!st) {
+      ts_ring_gather(lq, q, index, T, N, hq * d);
+      ts_ring_gather(lk, k, index, T, N, hkv * d);
     }
     mtrain_tensor_t ltq = mtrain_tensor_3d(lq, MTRAIN_F32, T, hq, d);
     mtrain_tensor_t ltk = mtrain_tensor_3d(lk, MTRAIN_F32, T, hkv, d);
@@ -288,19 +227,9 @@ static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_
   int ok = st == MTRAIN_SUCCESS;
   if (st)
     printf("  rank %d: estimate: %s: %s\n", rank_, mtrain_status_name(st), mtrain_last_error());
-  for (int32_t h = 0; ok && h < hq; h++) {
-    const int32_t *d1, *d2;
-    const int64_t *v1, *v2;
-    int32_t nd1, nd2, nv1, nv2;
-    mtrain_pattern_get_head(p1, h, &d1, &nd1, &v1, &nv1);
-    mtrain_pattern_get_head(pd, h, &d2, &nd2, &v2, &nv2);
-    ok = nd1 == nd2 && nv1 == nv2 && !memcmp(d1, d2, sizeof(int32_t) * (size_t)nd1) &&
-         !memcmp(v1, v2, sizeof(int64_t) * (size_t)nv1);
-    if (!ok)
-      printf("  rank %d: head %d: distributed estimate differs (diagonals %d vs %d, verticals "
-             "%d vs %d)\n",
-             rank_, h, nd1, nd2, nv1, nv2);
-  }
+  int32_t head = -1;
+  if (ok && !(ok = ts_patterns_equal(p1, pd, hq, &head)))
+    printf("  rank %d: head %d: distributed estimate differs\n", rank_, head);
   int all = 0;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (rank_ == 0)

@@ -13,9 +13,9 @@
  * ranks-per-node given on the command line (1: W nodes of 1 GPU; W: one node
  * of W GPUs); dense, random sparse, diagonal-only and budget-like patterns;
  * GQA; lengths that are not multiples of G * W; the distributed estimate
- * equal to one GPU's bitwise; and, last, a peer whose process exits before
- * the ring ends up in an error on the survivor (only with "fault" as the first
- * argument). Skips (exit 77) where fewer GPUs than ranks are visible.
+ * equal to one GPU's bitwise. Inputs and patterns: the ring tests' helpers
+ * of tests/support (as test_mpi_ring); faults: test_nccl_fault. Skips (exit
+ * 77) where fewer GPUs than ranks are visible.
  * usage: mpiexec -n W test_nccl_ring [ranks_per_node ...] */
 #include <math.h>
 #include <mpi.h>
@@ -27,6 +27,7 @@
 #include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_layout.h"
 #include "mtrain/mtrain_nccl.h"
+#include "test_support.h"
 
 typedef struct ring_case {
   mtrain_dtype_t dtype;
@@ -39,46 +40,6 @@ typedef struct ring_case {
 } ring_case_t;
 
 static int rank_, world_;
-
-static uint64_t mix(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-static double uniform(uint64_t *s) { return (double)(mix(s) >> 11) * 0x1.0p-53; }
-
-/* Values exactly representable in bf16 (so every run sees the same inputs). */
-static void fill(float *x, int64_t n, uint64_t *s) {
-  for (int64_t i = 0; i < n; i++)
-    x[i] = mtrain_bf16_to_float(mtrain_float_to_bf16((float)(2.0 * uniform(s) - 1.0)));
-}
-
-static mtrain_pattern_t *make_pattern(const ring_case_t *c) {
-  mtrain_pattern_t *p = NULL;
-  const int64_t nb = (c->N + c->G - 1) / c->G;
-  if (c->pattern == 0) {
-    mtrain_pattern_create_dense(c->N, c->hq, c->G, &p);
-    return p;
-  }
-  mtrain_pattern_create(c->N, c->hq, c->G, &p);
-  if (c->pattern == 2) return p;
-  uint64_t s = c->seed * 7 + 1;
-  int32_t *d = malloc(sizeof(int32_t) * (size_t)(nb + 1));
-  int64_t *v = malloc(sizeof(int64_t) * (size_t)(c->N + 1));
-  for (int32_t h = 0; h < c->hq; h++) {
-    int32_t nd = 0, nv = 0;
-    for (int64_t t = 0; t < nb; t++)
-      if (t == 0 || (c->pattern == 3 ? t < 2 : uniform(&s) < 0.3)) d[nd++] = (int32_t)t;
-    for (int64_t j = 0; j < c->N; j++)
-      if (c->pattern == 3 ? (j < 8 || uniform(&s) < 0.02) : uniform(&s) < 0.05) v[nv++] = j;
-    mtrain_pattern_set_head(p, h, d, nd, v, nv);
-  }
-  free(d);
-  free(v);
-  return p;
-}
 
 /* Host tensors (fp32 values) of T tokens. */
 typedef struct tensors {
@@ -152,19 +113,6 @@ static mtrain_status_t run_device(mtrain_context_t *ctx, mtrain_plan_t *plan, te
   return st;
 }
 
-static void compare(const float *local, const float *global, const int64_t *index, int64_t T,
-                    int64_t N, int64_t w, double *err, double *ref) {
-  for (int64_t i = 0; i < T; i++) {
-    if (index[i] >= N) continue;
-    for (int64_t x = 0; x < w; x++) {
-      const double g = global[index[i] * w + x], l = local[i * w + x];
-      const double e = fabs(l - g);
-      if (!(e <= *err)) *err = isnan(e) ? INFINITY : e;
-      if (fabs(g) > *ref) *ref = fabs(g);
-    }
-  }
-}
-
 static int all_ranks(int ok) {
   int all = 0;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
@@ -186,13 +134,14 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   cfg.granularity = c->G;
   cfg.num_threads = 1;
   mtrain_context_t *single = NULL, *oracle = NULL, *dist = NULL;
-  mtrain_pattern_t *p = make_pattern(c);
+  mtrain_pattern_t *p = ts_ring_pattern(c->pattern, c->N, c->hq, c->G, c->seed);
   tensors_t g1, g64, loc;
   alloc_tensors(&g1, c->N, c);
   alloc_tensors(&g64, c->N, c);
-  uint64_t s = c->seed;
+  ts_rng_t rng = {c->seed};
   for (int x = Q; x <= DOUT; x++) {
-    fill(g1.t[x], c->N * width(x, c), &s);
+    /* values exactly representable in bf16 (so every run sees the same inputs) */
+    ts_ring_fill(g1.t[x], c->N * width(x, c), &rng, 1);
     memcpy(g64.t[x], g1.t[x], sizeof(float) * (size_t)(c->N * width(x, c)));
   }
   mtrain_plan_t *p1 = NULL, *pd = NULL, *po = NULL;
@@ -219,20 +168,16 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   }
   if (!st) {
     alloc_tensors(&loc, T, c);
-    for (int64_t i = 0; i < T; i++) {
-      if (index[i] >= c->N) continue; /* padding slots stay zero */
-      for (int x = Q; x <= DOUT; x++)
-        memcpy(loc.t[x] + i * width(x, c), g1.t[x] + index[i] * width(x, c),
-               sizeof(float) * (size_t)width(x, c));
-    }
+    for (int x = Q; x <= DOUT; x++) /* padding slots stay zero */
+      ts_ring_gather(loc.t[x], g1.t[x], index, T, c->N, width(x, c));
     st = run_device(dist, pd, &loc, T, c);
     if (!st) {
       static const char *names[9] = {"q", "k", "v", "dout", "o", "lse", "dq", "dk", "dv"};
       const double single_tol = c->dtype == MTRAIN_F32 ? 1e-5 : 1.0 / 128;
       for (int x = O; x <= DV; x++) {
         double e1 = 0, r1 = 0, eo = 0, ro = 0;
-        compare(loc.t[x], g1.t[x], index, T, c->N, width(x, c), &e1, &r1);
-        compare(loc.t[x], g64.t[x], index, T, c->N, width(x, c), &eo, &ro);
+        ts_ring_compare(loc.t[x], g1.t[x], index, T, c->N, width(x, c), &e1, &r1);
+        ts_ring_compare(loc.t[x], g64.t[x], index, T, c->N, width(x, c), &eo, &ro);
         double v[4] = {e1, r1, eo, ro}, m[4];
         MPI_Allreduce(v, m, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         const int oracle_ok = c->dtype != MTRAIN_F32 || m[2] <= 1e-4 * m[3];
@@ -278,13 +223,11 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
   mtrain_pattern_t *p1 = NULL, *pd = NULL;
   float *q = malloc(sizeof(float) * (size_t)(N * hq * d)),
         *k = malloc(sizeof(float) * (size_t)(N * hkv * d));
-  uint64_t s = seed;
-  fill(q, N * hq * d, &s);
-  fill(k, N * hkv * d, &s);
-  mtrain_head_budget_t b[4] = {{MTRAIN_BUDGET_TOP_K, 12, 40, 0, 0, 0, 0},
-                               {MTRAIN_BUDGET_TOP_P, 0, 0, 0.5, 0.4, 30, 60},
-                               {MTRAIN_BUDGET_TOP_K, 40, 8, 0, 0, 0, 0},
-                               {MTRAIN_BUDGET_TOP_P, 0, 0, 0.9, 0.9, 100, 200}};
+  ts_rng_t rng = {seed};
+  ts_ring_fill(q, N * hq * d, &rng, 1);
+  ts_ring_fill(k, N * hkv * d, &rng, 1);
+  mtrain_head_budget_t b[4];
+  ts_ring_estimate_budgets(b);
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = 40;
   void *dq = NULL, *dk = NULL, *lq = NULL, *lk = NULL;
@@ -306,10 +249,9 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
     hk_loc = calloc((size_t)(T * hkv * d) + 1, sizeof(float));
     index = malloc(sizeof(int64_t) * (size_t)T);
     st = mtrain_layout_rank_token_index(layout, rank_, index);
-    for (int64_t i = 0; !st && i < T; i++) {
-      if (index[i] >= N) continue;
-      memcpy(hq_loc + i * hq * d, q + index[i] * hq * d, sizeof(float) * (size_t)(hq * d));
-      memcpy(hk_loc + i * hkv * d, k + index[i] * hkv * d, sizeof(float) * (size_t)(hkv * d));
+    if (!st) {
+      ts_ring_gather(hq_loc, q, index, T, N, hq * d);
+      ts_ring_gather(hk_loc, k, index, T, N, hkv * d);
     }
     if (!st) st = mtrain_cuda_malloc(sizeof(float) * (size_t)(T * hq * d + 1), &lq);
     if (!st) st = mtrain_cuda_malloc(sizeof(float) * (size_t)(T * hkv * d + 1), &lk);
@@ -322,19 +264,9 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
   int ok = st == MTRAIN_SUCCESS;
   if (st)
     printf("  rank %d: estimate: %s: %s\n", rank_, mtrain_status_name(st), mtrain_last_error());
-  for (int32_t h = 0; ok && h < hq; h++) {
-    const int32_t *d1, *d2;
-    const int64_t *v1, *v2;
-    int32_t nd1, nd2, nv1, nv2;
-    mtrain_pattern_get_head(p1, h, &d1, &nd1, &v1, &nv1);
-    mtrain_pattern_get_head(pd, h, &d2, &nd2, &v2, &nv2);
-    ok = nd1 == nd2 && nv1 == nv2 && !memcmp(d1, d2, sizeof(int32_t) * (size_t)nd1) &&
-         !memcmp(v1, v2, sizeof(int64_t) * (size_t)nv1);
-    if (!ok)
-      printf("  rank %d: head %d: distributed estimate differs (diagonals %d vs %d, verticals "
-             "%d vs %d)\n",
-             rank_, h, nd1, nd2, nv1, nv2);
-  }
+  int32_t head = -1;
+  if (ok && !(ok = ts_patterns_equal(p1, pd, hq, &head)))
+    printf("  rank %d: head %d: distributed estimate differs\n", rank_, head);
   const int all = all_ranks(ok);
   if (rank_ == 0)
     printf("%s: W=%d distributed estimate on GPUs, %s layout, N=%lld: %s\n",

@@ -26,16 +26,6 @@ static const char *prog = "mtrain-run";
 
 static const char *const tensor_names[5] = {"o", "lse", "dq", "dk", "dv"};
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* The pattern: estimated online from q and k, read from a file, or dense;
  * it must agree with the inputs. */
 static int make_pattern(mtrain_context_t *ctx, const run_options_t *o, run_inputs_t *in,
@@ -73,15 +63,6 @@ static int make_pattern(mtrain_context_t *ctx, const run_options_t *o, run_input
   return 1;
 }
 
-static int make_context(const char *backend, const run_options_t *o, mtrain_context_t **ctx) {
-  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
-  cfg.backend = backend;
-  cfg.granularity = o->granularity;
-  cfg.num_threads = o->threads;
-  cfg.check_inputs = 1;
-  return tool_failed(prog, "creating the context", mtrain_context_create(&cfg, NULL, ctx));
-}
-
 /* The "cuda" backend's set-up: the kernel variant asked for, and device
  * copies of the inputs. */
 static int setup_cuda(mtrain_context_t *ctx, const run_options_t *o, const run_inputs_t *in,
@@ -93,35 +74,6 @@ static int setup_cuda(mtrain_context_t *ctx, const run_options_t *o, const run_i
   return run_inputs_to_device(in, dev);
 }
 
-/* Forward (and backward) on one context with tensors of in->dtype. */
-int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_inputs_t *in,
-                  run_outputs_t *out, const run_options_t *o, run_result_t *r) {
-  double *tf = calloc((size_t)o->repeat, sizeof *tf), *tb = calloc((size_t)o->repeat, sizeof *tb);
-  int rc = 0;
-  for (int i = 0; i < o->repeat && !rc; i++) {
-    double t0 = tool_now();
-    rc = tool_failed(
-        prog, "forward",
-        mtrain_attention_forward(ctx, plan, &in->q, &in->k, &in->v, &out->o, &out->lse));
-    tf[i] = tool_now() - t0;
-    if (!rc) mtrain_context_last_stats(ctx, &r->fwd_stats);
-    if (rc || o->forward_only) continue;
-    t0 = tool_now();
-    rc = tool_failed(prog, "backward",
-                     mtrain_attention_backward(ctx, plan, &in->q, &in->k, &in->v, &out->o,
-                                               &out->lse, &in->dout, &out->dq, &out->dk, &out->dv));
-    tb[i] = tool_now() - t0;
-    if (!rc) mtrain_context_last_stats(ctx, &r->bwd_stats);
-  }
-  if (!rc) {
-    r->t_fwd = median(tf, o->repeat);
-    r->t_bwd = o->forward_only ? 0.0 : median(tb, o->repeat);
-  }
-  free(tf);
-  free(tb);
-  return rc;
-}
-
 /* Runs cpu-ref in fp64 on the same (rounded) inputs and compares. */
 static int check_against_reference(const run_options_t *o, const mtrain_pattern_t *pattern,
                                    run_inputs_t *in, run_outputs_t *out, run_result_t *r) {
@@ -130,7 +82,7 @@ static int check_against_reference(const run_options_t *o, const mtrain_pattern_
   mtrain_plan_t *plan = NULL;
   run_inputs_t in64 = {0};
   run_outputs_t out64 = {0};
-  int rc = make_context("cpu-ref", o, &ref);
+  int rc = run_make_context(prog, o, "cpu-ref", NULL, &ref);
   const mtrain_pattern_t *pats[1] = {pattern};
   if (!rc) rc = tool_failed(prog, "reference plan", mtrain_plan_create(ref, NULL, pats, &plan));
   if (!rc) rc = run_inputs_widen(in, &in64);
@@ -138,7 +90,7 @@ static int check_against_reference(const run_options_t *o, const mtrain_pattern_
   run_options_t once = *o;
   once.repeat = 1;
   run_result_t scratch = {0};
-  if (!rc) rc = run_attention(ref, plan, &in64, &out64, &once, &scratch);
+  if (!rc) rc = run_attention(prog, ref, plan, &in64, &out64, &once, &scratch);
   if (!rc) {
     /* fp32: SPEC.md 1e-4 of max|ref|; bf16/fp16: 4 unit roundoffs of the
      * storage type (docs/USAGE.md; the unit tests apply the stricter
@@ -178,22 +130,6 @@ static int write_outputs(const run_options_t *o, const run_outputs_t *out,
   }
   snprintf(path, sizeof path, "%s/pattern.json", o->out_dir);
   return tool_failed(prog, path, mtrain_pattern_write_json(path, pattern));
-}
-
-/* What the pattern came from, for the report. */
-const char *run_pattern_source(const run_options_t *o) {
-  static char text[512];
-  if (o->pattern_path) return o->pattern_path;
-  if (o->budgets_path)
-    snprintf(text, sizeof text, "estimated, budgets %s layer %d", o->budgets_path, o->layer);
-  else if (o->top_p > 0)
-    snprintf(text, sizeof text, "estimated, top-p %g cap %lld", o->top_p, (long long)o->top_p_cap);
-  else if (o->v_size >= 0)
-    snprintf(text, sizeof text, "estimated, top-k v_size %lld s_size %lld", (long long)o->v_size,
-             (long long)o->s_size);
-  else
-    return "dense causal";
-  return text;
 }
 
 static void report_text(const run_options_t *o, const run_inputs_t *in, const run_result_t *r) {
@@ -293,7 +229,7 @@ static int run_single(const run_options_t *o_in) {
   run_inputs_t *work_in = device ? &dev_in : &in;
   run_outputs_t *work_out = device ? &dev_out : &out;
   rc = run_inputs_load_or_generate(&o, &in);
-  if (!rc) rc = make_context(o.backend, &o, &ctx);
+  if (!rc) rc = run_make_context(prog, &o, o.backend, NULL, &ctx);
   if (!rc && device) rc = setup_cuda(ctx, &o, &in, &dev_in);
   if (!rc) rc = make_pattern(ctx, &o, work_in, &pattern, &r);
   if (!rc) {
@@ -309,7 +245,7 @@ static int run_single(const run_options_t *o_in) {
     rc = run_outputs_alloc(&in, in.q.dtype, &out);
     if (!rc && device) rc = run_outputs_alloc_device(&in, in.q.dtype, &dev_out);
   }
-  if (!rc) rc = run_attention(ctx, plan, work_in, work_out, &o, &r);
+  if (!rc) rc = run_attention(prog, ctx, plan, work_in, work_out, &o, &r);
   if (!rc && device) {
     r.cuda_variant = mtrain_cuda_last_variant(ctx);
     if (o.check || o.out_dir) rc = run_outputs_download(&dev_out, &out, o.forward_only ? 2 : 5);

@@ -1,6 +1,7 @@
 /* run_budgets.c: the per-head budgets of the online estimate from the
- * command line (--v-size/--s-size, --top-p, --budgets/--layer), shared by
- * mtrain-run (single rank and ring) and mtrain-bench-cuda. */
+ * command line (--v-size/--s-size, --top-p, --budgets/--layer) and the
+ * description of the pattern source for reports, shared by mtrain-run
+ * (single rank and ring), mtrain-bench and mtrain-bench-cuda. */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -44,4 +45,20 @@ int run_make_budgets(const char *prog, const run_options_t *o, int32_t heads,
   }
   *out = b;
   return 0;
+}
+
+/* What the pattern came from, for the report. */
+const char *run_pattern_source(const run_options_t *o) {
+  static char text[512];
+  if (o->pattern_path) return o->pattern_path;
+  if (o->budgets_path)
+    snprintf(text, sizeof text, "estimated, budgets %s layer %d", o->budgets_path, o->layer);
+  else if (o->top_p > 0)
+    snprintf(text, sizeof text, "estimated, top-p %g cap %lld", o->top_p, (long long)o->top_p_cap);
+  else if (o->v_size >= 0)
+    snprintf(text, sizeof text, "estimated, top-k v_size %lld s_size %lld", (long long)o->v_size,
+             (long long)o->s_size);
+  else
+    return "dense causal";
+  return text;
 }

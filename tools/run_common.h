@@ -1,6 +1,6 @@
 /* run_common.h: what the single-rank and the ring forms of mtrain-run
- * share: the timing record, budgets from the options, the timed attention
- * run and the description of the pattern source. */
+ * share: the timing record, budgets from the options, the context and the
+ * timed attention run, and the description of the pattern source. */
 #ifndef MTRAIN_RUN_COMMON_H
 #define MTRAIN_RUN_COMMON_H
 
@@ -23,10 +23,17 @@ typedef struct run_result {
  *  In run_budgets.c. */
 int run_make_budgets(const char *prog, const run_options_t *o, int32_t heads,
                      mtrain_head_budget_t **out);
-/** Forward (and backward) --repeat times, medians into r->t_fwd, r->t_bwd. */
-int run_attention(mtrain_context_t *ctx, const mtrain_plan_t *plan, run_inputs_t *in,
-                  run_outputs_t *out, const run_options_t *o, run_result_t *r);
-/** What the pattern came from, for reports (static buffer). */
+/** A context of `backend` with the options' granularity and threads, input
+ *  checks on, over `comm` (NULL: one rank; else collective). Returns 0 or 1
+ *  (message printed, starting with `prog`). In run_attention.c. */
+int run_make_context(const char *prog, const run_options_t *o, const char *backend,
+                     mtrain_comm_t *comm, mtrain_context_t **ctx);
+/** Forward (and backward) --repeat times, medians into r->t_fwd, r->t_bwd,
+ *  ring statistics of the last run into r->fwd_stats, r->bwd_stats; messages
+ *  start with `prog`. In run_attention.c. */
+int run_attention(const char *prog, mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                  run_inputs_t *in, run_outputs_t *out, const run_options_t *o, run_result_t *r);
+/** What the pattern came from, for reports (static buffer). In run_budgets.c. */
 const char *run_pattern_source(const run_options_t *o);
 
 #endif /* MTRAIN_RUN_COMMON_H */

@@ -13,17 +13,23 @@
 
 static const char *prog = "mtrain-run";
 
-/* splitmix64 and Box-Muller: reproducible normal numbers from a seed. */
-static uint64_t next_u64(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+/* The normal numbers of mtrain-run's generated inputs: number g of the
+ * seed's stream is Box-Muller (cosine only) on the splitmix64 outputs
+ * 2g+1 and 2g+2 (splitmix64 is a counter: output c is the mix of seed + c *
+ * golden ratio), so any element can be made on its own, by any thread. The
+ * stream holds, in this order, q, k, v (normal inputs) or nothing
+ * (structured inputs, from the library), then dout, each [N, heads, d] in
+ * token order. */
+static uint64_t splitmix_at(uint64_t seed, uint64_t c) {
+  uint64_t z = seed + c * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
-static double next_normal(uint64_t *s) {
-  double u1 = ((double)(next_u64(s) >> 11) + 0.5) * 0x1.0p-53;
-  double u2 = (double)(next_u64(s) >> 11) * 0x1.0p-53;
+static double normal_at(uint64_t seed, uint64_t g) {
+  double u1 = ((double)(splitmix_at(seed, 2 * g + 1) >> 11) + 0.5) * 0x1.0p-53;
+  double u2 = (double)(splitmix_at(seed, 2 * g + 2) >> 11) * 0x1.0p-53;
   return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
@@ -39,18 +45,33 @@ static int alloc_tensor(mtrain_tensor_t *t, mtrain_dtype_t dtype, int32_t ndim, 
   return 0;
 }
 
-static int generate(mtrain_tensor_t *t, uint64_t *state) {
-  const int64_t n = mtrain_tensor_numel(t);
-  double *tmp = malloc(sizeof(double) * 4096);
-  if (!tmp) return 1;
-  for (int64_t i = 0; i < n; i += 4096) {
-    const int64_t m = n - i < 4096 ? n - i : 4096;
-    for (int64_t j = 0; j < m; j++) tmp[j] = next_normal(state);
-    mtrain_convert(tmp, MTRAIN_F64, (char *)t->data + i * (int64_t)mtrain_dtype_size(t->dtype),
-                   t->dtype, m);
+/* Row r of t (width w) gets token index[r] (r when index is NULL) of a
+ * tensor of n tokens that starts at number `first` of the seed's stream;
+ * tokens >= n (padding) give zero rows. */
+static int normal_rows(uint64_t seed, uint64_t first, const int64_t *index, int64_t n,
+                       mtrain_tensor_t *t) {
+  const int64_t rows = t->shape[0], w = mtrain_tensor_numel(t) / (rows > 0 ? rows : 1);
+  const size_t es = mtrain_dtype_size(t->dtype);
+  int failed = 0;
+#pragma omp parallel
+  {
+    double *row = malloc(sizeof(double) * (size_t)(w + 1));
+    if (!row) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+      if (!row) continue;
+      const int64_t i = index ? index[r] : r;
+      for (int64_t c = 0; c < w; c++)
+        row[c] = i < n ? normal_at(seed, first + (uint64_t)(i * w + c)) : 0.0;
+      mtrain_convert(row, MTRAIN_F64, (char *)t->data + (size_t)(r * w) * es, t->dtype, w);
+    }
+    free(row);
   }
-  free(tmp);
-  return 0;
+  if (failed) fprintf(stderr, "%s: out of memory generating inputs\n", prog);
+  return failed;
 }
 
 static int read_npy(const char *path, mtrain_dtype_t dtype, const int64_t *shape,
@@ -61,45 +82,55 @@ static int read_npy(const char *path, mtrain_dtype_t dtype, const int64_t *shape
   return 0;
 }
 
-int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
+int run_inputs_generate_rows(const run_options_t *o, const int64_t *index, int64_t count,
+                             run_inputs_t *in) {
   *in = (run_inputs_t){0};
-  uint64_t state = o->seed;
-  if (o->q_path) {
-    if (read_npy(o->q_path, o->dtype, NULL, &in->q)) return 1;
-    in->tokens = in->q.shape[0];
-    in->heads = (int32_t)in->q.shape[1];
-    in->head_dim = (int32_t)in->q.shape[2];
-    const int64_t kshape[3] = {in->tokens, -1, in->head_dim};
-    if (read_npy(o->k_path, o->dtype, kshape, &in->k)) return 1;
-    in->kv_heads = (int32_t)in->k.shape[1];
-    const int64_t vshape[3] = {in->tokens, in->kv_heads, in->head_dim};
-    if (read_npy(o->v_path, o->dtype, vshape, &in->v)) return 1;
-    const int64_t qshape[3] = {in->tokens, in->heads, in->head_dim};
-    if (o->do_path) return read_npy(o->do_path, o->dtype, qshape, &in->dout);
-    return alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
-           generate(&in->dout, &state);
-  }
-  in->tokens = o->seq_len;
+  const int64_t N = o->seq_len;
+  in->tokens = count;
   in->heads = o->heads;
   in->kv_heads = o->kv_heads;
   in->head_dim = o->head_dim;
-  if (alloc_tensor(&in->q, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
-      alloc_tensor(&in->k, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
-      alloc_tensor(&in->v, o->dtype, 3, in->tokens, in->kv_heads, in->head_dim) ||
-      alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim))
+  if (alloc_tensor(&in->q, o->dtype, 3, count, in->heads, in->head_dim) ||
+      alloc_tensor(&in->k, o->dtype, 3, count, in->kv_heads, in->head_dim) ||
+      alloc_tensor(&in->v, o->dtype, 3, count, in->kv_heads, in->head_dim) ||
+      alloc_tensor(&in->dout, o->dtype, 3, count, in->heads, in->head_dim))
     return 1;
+  const uint64_t nq = (uint64_t)(N * in->heads * in->head_dim);
+  const uint64_t nk = (uint64_t)(N * in->kv_heads * in->head_dim);
+  uint64_t dout_first = 0; /* where dout starts in the stream */
   if (strcmp(o->input, "structured") == 0) {
     mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
     so.seed = o->seed;
     /* sinks fade beyond about rope_base / 2 tokens (mtrain_inputs.h): scale it */
-    if (so.rope_base < 4.0 * (double)in->tokens) so.rope_base = 4.0 * (double)in->tokens;
+    if (so.rope_base < 4.0 * (double)N) so.rope_base = 4.0 * (double)N;
     if (tool_failed(prog, "generating structured inputs",
-                    mtrain_generate_structured(&so, &in->q, &in->k, &in->v)))
+                    mtrain_generate_structured_rows(&so, N, index, &in->q, &in->k, &in->v)))
       return 1;
-  } else if (generate(&in->q, &state) || generate(&in->k, &state) || generate(&in->v, &state)) {
-    return 1;
+  } else {
+    if (normal_rows(o->seed, 0, index, N, &in->q) || normal_rows(o->seed, nq, index, N, &in->k) ||
+        normal_rows(o->seed, nq + nk, index, N, &in->v))
+      return 1;
+    dout_first = nq + 2 * nk;
   }
-  return generate(&in->dout, &state);
+  return normal_rows(o->seed, dout_first, index, N, &in->dout);
+}
+
+int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
+  if (!o->q_path) return run_inputs_generate_rows(o, NULL, o->seq_len, in);
+  *in = (run_inputs_t){0};
+  if (read_npy(o->q_path, o->dtype, NULL, &in->q)) return 1;
+  in->tokens = in->q.shape[0];
+  in->heads = (int32_t)in->q.shape[1];
+  in->head_dim = (int32_t)in->q.shape[2];
+  const int64_t kshape[3] = {in->tokens, -1, in->head_dim};
+  if (read_npy(o->k_path, o->dtype, kshape, &in->k)) return 1;
+  in->kv_heads = (int32_t)in->k.shape[1];
+  const int64_t vshape[3] = {in->tokens, in->kv_heads, in->head_dim};
+  if (read_npy(o->v_path, o->dtype, vshape, &in->v)) return 1;
+  const int64_t qshape[3] = {in->tokens, in->heads, in->head_dim};
+  if (o->do_path) return read_npy(o->do_path, o->dtype, qshape, &in->dout);
+  return alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
+         normal_rows(o->seed, 0, NULL, in->tokens, &in->dout);
 }
 
 static int widen_one(const mtrain_tensor_t *src, mtrain_tensor_t *dst) {

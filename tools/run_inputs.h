@@ -17,10 +17,18 @@ typedef struct run_outputs {
   mtrain_tensor_t o, lse, dq, dk, dv; /* malloc'ed data, owned */
 } run_outputs_t;
 
-/** Reads --q/--k/--v/--do (converted to --dtype) or generates normal inputs
- *  from --seed. dout is generated when no --do is given. Returns 0 or 1
- *  (message printed). */
+/** Reads --q/--k/--v/--do (converted to --dtype) or generates the inputs
+ *  (--input structured|normal, --seq-len tokens from --seed). dout is
+ *  generated when no --do is given. Returns 0 or 1 (message printed). */
 int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in);
+/** Generated inputs (not files) for `count` tokens of the --seq-len sequence:
+ *  row r of every tensor is token index[r] (r when index is NULL),
+ *  bitwise what run_inputs_load_or_generate makes for that token; an index
+ *  >= --seq-len gives a zero row (a layout's padding slot). Work O(count),
+ *  OpenMP over the rows: a rank makes only its own slots. in->tokens =
+ *  count. Returns 0 or 1 (message printed). */
+int run_inputs_generate_rows(const run_options_t *o, const int64_t *index, int64_t count,
+                             run_inputs_t *in);
 /** fp64 copies of the inputs (the values the run used, widened exactly). */
 int run_inputs_widen(const run_inputs_t *in, run_inputs_t *out);
 void run_inputs_free(run_inputs_t *in);

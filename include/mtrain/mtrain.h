@@ -188,6 +188,33 @@ typedef struct mtrain_call_stats {
 /** The statistics of the last mtrain_attention_forward/backward on ctx. */
 mtrain_status_t mtrain_context_last_stats(const mtrain_context_t *ctx, mtrain_call_stats_t *out);
 
+/** Memory of a context and of the process (docs/MEMORY.md). Backend bytes
+ *  are the sizes requested from the context's backend (host memory for the
+ *  CPU backends, device memory for "cuda") by the library's own buffers:
+ *  the accumulators and bars of the attention calls, the ring's chunk and
+ *  partial buffers, and the estimation's score buffers. Not counted: the
+ *  caller's tensors, host memory of plans and patterns (see
+ *  mtrain_plan_bytes), host staging inside core, and a backend's internal
+ *  scratch (per-thread tiles, widened copies of non-fp32 inputs). The
+ *  process figures cover everything the process holds, every context and
+ *  the caller's own memory included. */
+typedef struct mtrain_memory_stats {
+  size_t backend_current_bytes;  /**< live now (0 between calls) */
+  size_t backend_peak_bytes;     /**< the most live at once since creation or the last reset */
+  int64_t backend_live_blocks;   /**< live allocations now */
+  int64_t backend_allocations;   /**< allocations since the context was created */
+  size_t process_peak_rss_bytes; /**< the process's peak resident set (getrusage ru_maxrss); 0
+                                      where unavailable */
+  size_t process_rss_bytes;      /**< its resident set now (/proc/self/statm; 0 elsewhere) */
+} mtrain_memory_stats_t;
+
+/** The memory figures of ctx and of the process. Local (not collective);
+ *  not to be called while another thread uses ctx. */
+mtrain_status_t mtrain_context_memory(const mtrain_context_t *ctx, mtrain_memory_stats_t *out);
+/** Starts a new peak: backend_peak_bytes becomes backend_current_bytes (the
+ *  process peak RSS cannot be reset). Same threading as mtrain_context_memory. */
+mtrain_status_t mtrain_context_reset_peak_memory(mtrain_context_t *ctx);
+
 /** Names of the compiled-in backends ("cpu-ref", "cpu", ...). Writes at most
  *  `cap` pointers to static strings into names; returns the total count. */
 int mtrain_backend_list(const char **names, int cap);
@@ -306,6 +333,29 @@ int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan);
 int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan);
 /** Plan memory in bytes. */
 size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
+
+/** The backend memory of the calls on one plan, derived from the shapes
+ *  (docs/MEMORY.md gives the formula). All in bytes, requested sizes as
+ *  counted by mtrain_context_memory. */
+typedef struct mtrain_memory_bound {
+  size_t estimate_bytes; /**< one mtrain_pattern_estimate_ring of a sequence of the plan (the
+                              single-rank estimate takes L x Hq x d x 4 less); 0 if last_q 0 */
+  size_t forward_bytes;  /**< one mtrain_attention_forward */
+  size_t backward_bytes; /**< one mtrain_attention_backward */
+  size_t backend_bytes;  /**< the largest of the three: the bound on backend_peak_bytes of a
+                              context that runs these calls one after another */
+  size_t plan_bytes;     /**< host memory of the plan (mtrain_plan_bytes), not backend memory */
+} mtrain_memory_bound_t;
+
+/** The memory bound of estimating, running forward and backward on `plan`
+ *  with ctx's backend, for k/v of `kv_heads` heads, `head_dim` and inputs of
+ *  `dtype`; last_q is the estimation's L (0: no estimation). For T local
+ *  tokens it is O(T (Hq + Hkv) d) per rank plus the estimation's
+ *  O(Hq N) score vectors, which do not shrink with the world size.
+ *  Local; pure (reads the plan and the backend's accumulator dtype). */
+mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    int32_t kv_heads, int32_t head_dim, mtrain_dtype_t dtype,
+                                    int32_t last_q, mtrain_memory_bound_t *out);
 
 /* ------------------------------------------------------------------------ */
 /* Budgets and online pattern estimation (SPEC.md section 2)                 */

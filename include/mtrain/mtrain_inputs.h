@@ -34,6 +34,19 @@ mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *op
                                            mtrain_tensor_t *q, mtrain_tensor_t *k,
                                            mtrain_tensor_t *v);
 
+/** The same inputs for some of the tokens of a sequence of `seq_len` tokens:
+ *  row r of q [R, Hq, d], k and v [R, Hkv, d] is token index[r] of the
+ *  sequence, bitwise equal to that token's row of mtrain_generate_structured
+ *  on [seq_len, ...] tensors with the same options; an index >= seq_len gives
+ *  a zero row (a layout's padding slot, see mtrain_layout_rank_token_index).
+ *  index NULL: rows 0 .. R-1 (R <= seq_len). Work O(R) (OpenMP over the
+ *  rows) plus O(seq_len) for the outlier positions: each rank of a ring makes
+ *  only its own slots. Negative indices: MTRAIN_ERR_INVALID_ARGUMENT. */
+mtrain_status_t mtrain_generate_structured_rows(const mtrain_structured_options_t *options,
+                                                int64_t seq_len, const int64_t *index,
+                                                mtrain_tensor_t *q, mtrain_tensor_t *k,
+                                                mtrain_tensor_t *v);
+
 /** Fills a tensor with normal noise of standard deviation `stddev` (seeded). */
 mtrain_status_t mtrain_generate_normal(uint64_t seed, double stddev, mtrain_tensor_t *t);
 

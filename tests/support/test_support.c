@@ -1,4 +1,5 @@
 /* test_support.c: shared test helpers (see test_support.h). */
+#define _POSIX_C_SOURCE 200809L /* popen */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "test_support.h"
 
@@ -266,6 +268,104 @@ mtrain_pattern_t *ts_make_pattern(ts_pattern_kind_t kind, int64_t seq_len, int32
   }
   fail_msg("unknown pattern kind %d", (int)kind);
   return NULL;
+}
+
+void ts_ring_fill(float *x, int64_t n, ts_rng_t *rng, int bf16_exact) {
+  for (int64_t i = 0; i < n; i++) {
+    const float u = (float)(2.0 * ts_rng_uniform(rng) - 1.0);
+    x[i] = bf16_exact ? mtrain_bf16_to_float(mtrain_float_to_bf16(u)) : u;
+  }
+}
+
+mtrain_pattern_t *ts_ring_pattern(int kind, int64_t N, int32_t heads, int32_t G, uint64_t seed) {
+  mtrain_pattern_t *p = NULL;
+  const int64_t nb = (N + G - 1) / G;
+  if (kind == 0) return mtrain_pattern_create_dense(N, heads, G, &p) ? NULL : p;
+  if (mtrain_pattern_create(N, heads, G, &p)) return NULL;
+  if (kind == 2) return p;
+  ts_rng_t rng = {seed * 7 + 1};
+  int32_t *d = malloc(sizeof(int32_t) * (size_t)(nb + 1));
+  int64_t *v = malloc(sizeof(int64_t) * (size_t)(N + 1));
+  int ok = d && v;
+  for (int32_t h = 0; ok && h < heads; h++) {
+    int32_t nd = 0, nv = 0;
+    for (int64_t t = 0; t < nb; t++)
+      if (t == 0 || (kind == 3 ? t < 2 : ts_rng_uniform(&rng) < 0.3)) d[nd++] = (int32_t)t;
+    for (int64_t j = 0; j < N; j++)
+      if (kind == 3 ? (j < 8 || ts_rng_uniform(&rng) < 0.02) : ts_rng_uniform(&rng) < 0.05)
+        v[nv++] = j;
+    ok = mtrain_pattern_set_head(p, h, d, nd, v, nv) == MTRAIN_SUCCESS;
+  }
+  free(d);
+  free(v);
+  if (ok) return p;
+  mtrain_pattern_destroy(p);
+  return NULL;
+}
+
+void ts_ring_gather(float *local, const float *global, const int64_t *index, int64_t T, int64_t N,
+                    int64_t width) {
+  for (int64_t i = 0; i < T; i++)
+    if (index[i] < N)
+      memcpy(local + i * width, global + index[i] * width, sizeof(float) * (size_t)width);
+}
+
+void ts_ring_compare(const float *local, const float *global, const int64_t *index, int64_t T,
+                     int64_t N, int64_t width, double *err, double *ref) {
+  for (int64_t i = 0; i < T; i++) {
+    if (index[i] >= N) continue;
+    for (int64_t x = 0; x < width; x++) {
+      const double g = global[index[i] * width + x], l = local[i * width + x];
+      const double e = fabs(l - g);
+      if (!(e <= *err)) *err = isnan(e) ? INFINITY : e;
+      if (fabs(g) > *ref) *ref = fabs(g);
+    }
+  }
+}
+
+void ts_ring_estimate_budgets(mtrain_head_budget_t budgets[4]) {
+  const mtrain_head_budget_t b[4] = {{MTRAIN_BUDGET_TOP_K, 12, 40, 0, 0, 0, 0},
+                                     {MTRAIN_BUDGET_TOP_P, 0, 0, 0.5, 0.4, 30, 60},
+                                     {MTRAIN_BUDGET_TOP_K, 40, 8, 0, 0, 0, 0},
+                                     {MTRAIN_BUDGET_TOP_P, 0, 0, 0.9, 0.9, 100, 200}};
+  memcpy(budgets, b, sizeof b);
+}
+
+int ts_patterns_equal(const mtrain_pattern_t *a, const mtrain_pattern_t *b, int32_t heads,
+                      int32_t *head) {
+  for (int32_t h = 0; h < heads; h++) {
+    const int32_t *d1 = NULL, *d2 = NULL;
+    const int64_t *v1 = NULL, *v2 = NULL;
+    int32_t nd1 = -1, nd2 = -2, nv1 = -1, nv2 = -2;
+    mtrain_pattern_get_head(a, h, &d1, &nd1, &v1, &nv1);
+    mtrain_pattern_get_head(b, h, &d2, &nd2, &v2, &nv2);
+    if (nd1 != nd2 || nv1 != nv2 || (nd1 > 0 && memcmp(d1, d2, sizeof(int32_t) * (size_t)nd1)) ||
+        (nv1 > 0 && memcmp(v1, v2, sizeof(int64_t) * (size_t)nv1))) {
+      *head = h;
+      return 0;
+    }
+  }
+  return 1;
+}
+
+int ts_run_capture(const char *command, char **out) {
+  FILE *p = popen(command, "r");
+  assert_non_null(p);
+  size_t n = 0, cap = 1 << 16;
+  char *buf = malloc(cap);
+  assert_non_null(buf);
+  size_t got;
+  while ((got = fread(buf + n, 1, cap - n - 1, p)) > 0) {
+    n += got;
+    if (cap - n < 1024) {
+      buf = realloc(buf, cap *= 2);
+      assert_non_null(buf);
+    }
+  }
+  buf[n] = '\0';
+  const int status = pclose(p);
+  *out = buf;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 void ts_assert_status(mtrain_status_t st, mtrain_status_t want, const char *needle,

@@ -85,6 +85,52 @@ mtrain_pattern_t *ts_pattern_from_budgets(const char *path, int32_t layer, int64
 /** Path of a file in the budget-data folder (static buffer). */
 const char *ts_data_path(const char *file);
 
+/* ---- the distributed ring tests (test_mpi_ring, test_nccl_ring, test_nccl_fault) ----
+ * They start a ts_rng_t at the bare seed (ts_rng_t r = {seed}), not through
+ * ts_rng_seed, and draw from it in a fixed order on every rank. */
+
+/** x[i] = uniform in [-1, 1) for n values from rng; with bf16_exact the
+ *  values are rounded to bf16 (still stored as fp32), so that a bf16 copy
+ *  holds them exactly. */
+void ts_ring_fill(float *x, int64_t n, ts_rng_t *rng, int bf16_exact);
+
+/** The ring tests' patterns of N tokens, `heads` heads, block size G:
+ *  kind 0 dense causal; 1 random sparse (each block diagonal with
+ *  probability 0.3, each key a vertical with probability 0.05); 2 the main
+ *  block diagonal only (most query blocks see no key in most ring steps);
+ *  3 budget-like (block diagonals 0 and 1, the first 8 keys and 2% of the
+ *  others as verticals). Seeded (the same on every rank). NULL on failure. */
+mtrain_pattern_t *ts_ring_pattern(int kind, int64_t N, int32_t heads, int32_t G, uint64_t seed);
+
+/** Copies global row index[i] (of `width` floats) into local row i for the
+ *  T slots of a rank; slots with index[i] >= N (padding) are left as they
+ *  are. */
+void ts_ring_gather(float *local, const float *global, const int64_t *index, int64_t T, int64_t N,
+                    int64_t width);
+
+/** Raises *err to max |local[i] - global[index[i]]| and *ref to max
+ *  |global[index[i]]| over the slots that hold tokens (rows of `width`
+ *  floats; padding skipped); NaN makes *err infinite. */
+void ts_ring_compare(const float *local, const float *global, const int64_t *index, int64_t T,
+                     int64_t N, int64_t width, double *err, double *ref);
+
+/** The per-head budgets of the distributed-estimate cases (4 heads: top-k
+ *  and top-p, small and large). */
+void ts_ring_estimate_budgets(mtrain_head_budget_t budgets[4]);
+
+/** 1 when a and b have the same block diagonals and verticals in every one
+ *  of their first `heads` heads; else 0 and the first head that differs in
+ *  *head. */
+int ts_patterns_equal(const mtrain_pattern_t *a, const mtrain_pattern_t *b, int32_t heads,
+                      int32_t *head);
+
+/* ---- running the tools ---- */
+
+/** Runs a shell command, returns its exit status (-1 when it did not exit)
+ *  and its standard output in *out (malloc'ed, NUL-terminated; join stderr
+ *  with 2>&1 in the command to get both). */
+int ts_run_capture(const char *command, char **out);
+
 /* ---- assertions ---- */
 /** Fails the cmocka test unless `st` == `want` and the last error message
  *  contains `needle` (when not NULL); prints both on failure. */

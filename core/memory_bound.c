@@ -1,0 +1,83 @@
+/* memory_bound.c: the backend memory the estimation, the forward and the
+ * backward of one plan allocate at their peak, computed from the shapes the
+ * way attention.c, ring.c and estimate.c allocate (docs/MEMORY.md derives
+ * each term). Each term is exact for the requested sizes (the estimation's
+ * counts the ring form's gathered queries, which the single-rank form does
+ * not allocate): a change to those allocations must change this file and
+ * docs/MEMORY.md with it (tests/test_memory.c checks that the measured
+ * peaks equal the terms). */
+#include <stdint.h>
+
+#include "context_internal.h"
+#include "error.h"
+#include "pattern_internal.h"
+#include "plan_internal.h"
+
+/* Bytes of an allocation that attention.c rounds up from 0 to 1. */
+static size_t at_least_1(size_t bytes) { return bytes ? bytes : 1; }
+
+/* estimate.c: the scores' backend buffers of one sequence of N tokens
+ * (row, col, diag of estimate_core) plus the gathered last-L queries of the
+ * ring form (q_last). */
+static size_t estimate_bytes(int64_t N, int32_t Hq, int32_t d, int32_t G, int32_t last_q,
+                             mtrain_dtype_t dtype) {
+  const int32_t L = last_q < N ? last_q : (int32_t)N;
+  const size_t slots = (size_t)mtrain_scores_slots(L, G), nb = (size_t)((N + G - 1) / G);
+  const size_t hl = (size_t)Hq * (size_t)L, n_row_sums = hl * nb;
+  const size_t n_row = n_row_sums > 2 * hl ? n_row_sums : 2 * hl;
+  const size_t n_col = (size_t)Hq * (size_t)N, n_diag = n_col * slots;
+  const size_t q_last = hl * (size_t)d * (dtype == MTRAIN_F64 ? 8 : 4);
+  return sizeof(double) * (n_row + n_col + n_diag) + q_last;
+}
+
+mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    int32_t kv_heads, int32_t head_dim, mtrain_dtype_t dtype,
+                                    int32_t last_q, mtrain_memory_bound_t *out) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(plan);
+  MTRAIN_CHECK_NOT_NULL(out);
+  const size_t e = mtrain_dtype_size(dtype), a = mtrain_dtype_size(ctx->backend->acc_dtype);
+  if (e == 0) return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "memory bound: unknown dtype");
+  if (kv_heads < 1 || plan->num_heads % kv_heads != 0 || head_dim < 1 || last_q < 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "memory bound: kv_heads %d (must divide the plan's %d heads), head_dim %d "
+                        "(>= 1), last_q %d (>= 0)",
+                        kv_heads, plan->num_heads, head_dim, last_q);
+  const size_t T = (size_t)plan->local_tokens, Hq = (size_t)plan->num_heads;
+  const size_t Hkv = (size_t)kv_heads, d = (size_t)head_dim;
+  const size_t q_acc = T * Hq * d * a, row_acc = T * Hq * a;   /* [T, Hq, d] and [T, Hq] */
+  const size_t kv = T * Hkv * d * e, kv_acc = T * Hkv * d * a; /* one of K, V; dK, dV */
+  mtrain_memory_bound_t b = {0};
+  /* attention.c: forward o_acc, lse_acc; backward lse_acc, delta_acc, dq_acc, dk_acc, dv_acc */
+  b.forward_bytes = at_least_1(q_acc) + at_least_1(row_acc);
+  b.backward_bytes = 2 * at_least_1(row_acc) + at_least_1(q_acc) + 2 * at_least_1(kv_acc);
+  if (plan->world > 1) {
+    /* attention.c, bars gathered: K/V rows of the verticals (kbar, vbar, input dtype) and,
+     * backward, their dK/dV (dkbar, dvbar, acc dtype) */
+    if (plan->gathered) {
+      const size_t rows = (size_t)plan->gathered->count * Hkv * d;
+      b.forward_bytes += 2 * (rows ? rows : 1) * e;
+      b.backward_bytes += 2 * (rows ? rows : 1) * e + 2 * at_least_1(rows * a);
+    }
+    /* ring.c: the chunk buffers [K | V] (+ [dK | dV] backward) the schedule uses (A; B with
+     * several nodes; C, D with an inner ring of 2 or 3+ ranks); backward also the inner
+     * partial and, per node, a partial in and out */
+    const size_t L = plan->ranks_per_node > 0 ? (size_t)plan->ranks_per_node : (size_t)plan->world;
+    const size_t nodes = (size_t)plan->world / L;
+    const size_t chunks = 1 + (nodes > 1) + (L > 1) + (L > 2);
+    b.forward_bytes += chunks * (2 * kv);
+    b.backward_bytes += chunks * (2 * kv + 2 * kv_acc) + 2 * kv_acc + nodes * 2 * (2 * kv_acc);
+  }
+  if (last_q > 0) {
+    int64_t N = 0; /* the longest sequence: the estimation runs once per sequence */
+    for (int32_t s = 0; s < plan->num_seqs; s++)
+      if (plan->seqs[s].pattern->seq_len > N) N = plan->seqs[s].pattern->seq_len;
+    b.estimate_bytes =
+        estimate_bytes(N, plan->num_heads, head_dim, plan->granularity, last_q, dtype);
+  }
+  b.backend_bytes = b.forward_bytes > b.backward_bytes ? b.forward_bytes : b.backward_bytes;
+  if (b.estimate_bytes > b.backend_bytes) b.backend_bytes = b.estimate_bytes;
+  b.plan_bytes = plan->bytes;
+  *out = b;
+  return MTRAIN_SUCCESS;
+}

@@ -1,0 +1,97 @@
+/* memory_stats.c: the per-context accounting of backend memory (the
+ * wrappers every backend allocation of core/ goes through) and the public
+ * queries: current and peak backend bytes, the peak reset, and the process
+ * figures (peak RSS from getrusage, current RSS from /proc/self/statm).
+ * What is and is not counted: docs/MEMORY.md. */
+#include "memory_stats.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "context_internal.h"
+#include "error.h"
+
+/* Makes room for one more live block; 0 on success. */
+static int reserve(mtrain_memory_tracker_t *t) {
+  if (t->num_live < t->cap) return 0;
+  const size_t cap = t->cap ? 2 * t->cap : 16;
+  mtrain_memory_block_t *grown = realloc(t->live, cap * sizeof *grown);
+  if (!grown) return 1;
+  t->live = grown;
+  t->cap = cap;
+  return 0;
+}
+
+mtrain_status_t mtrain_backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
+  mtrain_memory_tracker_t *t = &ctx->memory;
+  if (reserve(t))
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "memory accounting: out of host memory");
+  void *p = NULL;
+  mtrain_status_t st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
+  if (st) return st;
+  t->live[t->num_live].ptr = p;
+  t->live[t->num_live].bytes = bytes;
+  t->num_live++;
+  t->current += bytes;
+  if (t->current > t->peak) t->peak = t->current;
+  t->allocations++;
+  *ptr = p;
+  return MTRAIN_SUCCESS;
+}
+
+void mtrain_backend_free(mtrain_context_t *ctx, void *ptr) {
+  if (!ptr) return;
+  mtrain_memory_tracker_t *t = &ctx->memory;
+  /* blocks are mostly freed in reverse order of allocation: search from the end */
+  for (size_t i = t->num_live; i-- > 0;) {
+    if (t->live[i].ptr != ptr) continue;
+    t->current -= t->live[i].bytes;
+    t->live[i] = t->live[--t->num_live];
+    break;
+  }
+  ctx->backend->free(ctx->backend_state, ptr);
+}
+
+void mtrain_memory_tracker_release(mtrain_context_t *ctx) {
+  mtrain_memory_tracker_t *t = &ctx->memory;
+  if (ctx->backend && ctx->backend_state)
+    for (size_t i = 0; i < t->num_live; i++) ctx->backend->free(ctx->backend_state, t->live[i].ptr);
+  free(t->live);
+  t->live = NULL;
+  t->num_live = t->cap = t->current = 0;
+}
+
+/* Resident set of the process now, from /proc/self/statm (0 elsewhere). */
+static size_t current_rss(void) {
+  FILE *f = fopen("/proc/self/statm", "r");
+  if (!f) return 0;
+  unsigned long long size = 0, resident = 0;
+  const int n = fscanf(f, "%llu %llu", &size, &resident);
+  fclose(f);
+  const long page = sysconf(_SC_PAGESIZE);
+  return n == 2 && page > 0 ? (size_t)resident * (size_t)page : 0;
+}
+
+mtrain_status_t mtrain_context_memory(const mtrain_context_t *ctx, mtrain_memory_stats_t *out) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(out);
+  mtrain_memory_stats_t s = {0};
+  s.backend_current_bytes = ctx->memory.current;
+  s.backend_peak_bytes = ctx->memory.peak;
+  s.backend_live_blocks = (int64_t)ctx->memory.num_live;
+  s.backend_allocations = ctx->memory.allocations;
+  struct rusage ru;
+  if (getrusage(RUSAGE_SELF, &ru) == 0 && ru.ru_maxrss > 0)
+    s.process_peak_rss_bytes = (size_t)ru.ru_maxrss * 1024; /* Linux: kilobytes */
+  s.process_rss_bytes = current_rss();
+  *out = s;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_context_reset_peak_memory(mtrain_context_t *ctx) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  ctx->memory.peak = ctx->memory.current;
+  return MTRAIN_SUCCESS;
+}

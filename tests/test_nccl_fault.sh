@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# test_nccl_fault.sh: runs test_nccl_fault under mpiexec with 2 ranks (one
+# GPU each) in the given mode (kill | kill-fwd | kill-bwd | stall-fwd |
+# stall-bwd) and passes when the surviving rank reported PASS: its call
+# failed with a clear error within the timeout and its destroys returned.
+# mpiexec runs with --enable-recovery where it has it, so that a killed rank
+# does not take the survivor down before it reports. Exit 77 (skipped) where
+# fewer than 2 GPUs are visible; a hang (killed by timeout) fails.
+# usage: test_nccl_fault.sh MPIEXEC BINARY MODE
+set -u
+mpiexec=$1 bin=$2 mode=$3
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+export NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+flags=(-n 2 --oversubscribe --bind-to none)
+if timeout 30 "$mpiexec" --enable-recovery -n 1 true > /dev/null 2>&1; then
+  flags+=(--enable-recovery)
+else
+  echo "note: $mpiexec has no --enable-recovery: a killed rank may end the job before the survivor reports"
+fi
+log=$(mktemp)
+start=$(date +%s)
+timeout 180 "$mpiexec" "${flags[@]}" "$bin" "$mode" > "$log" 2>&1
+rc=$?
+elapsed=$(( $(date +%s) - start ))
+echo "mode $mode: mpiexec exit status $rc after ${elapsed}s"
+grep -E "^rank [01]: " "$log"
+if grep -q "^SKIPPED" "$log"; then grep "^SKIPPED" "$log"; rm -f "$log"; exit 77; fi
+fail() { echo "FAIL: $*"; echo "---- log"; cat "$log"; rm -f "$log"; exit 1; }
+[ "$rc" -eq 124 ] && fail "the job hung (killed by timeout after ${elapsed}s)"
+grep -q "FAIL" "$log" && fail "a rank reported a failure"
+grep -q "^rank 0: PASS" "$log" || fail "the surviving rank did not report PASS"
+rm -f "$log"
+echo "PASS: mode $mode"

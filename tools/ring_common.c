@@ -1,0 +1,172 @@
+/* ring_common.c: the pieces of a W-rank run that mtrain-run's ring form and
+ * mtrain-bench share (see ring_common.h): set-up of the communicators and
+ * the context, each rank's inputs in a layout, the distributed estimate and
+ * the timings combined over the ranks. Reports and tables are the callers'. */
+#include "ring_common.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mtrain/mtrain_cuda.h"
+#include "mtrain/mtrain_mpi.h"
+#ifdef MTRAIN_HAVE_NCCL
+#include "mtrain/mtrain_nccl.h"
+#endif
+#include "tool_common.h"
+
+/* Ranks per node: the option, or the ranks sharing memory with this one;
+ * 0 for the flat ring. */
+static int ranks_per_node(const run_options_t *o, int world) {
+  if (!o->hierarchical) return 0;
+  int n = o->ranks_per_node;
+  if (n == 0) {
+    MPI_Comm shared;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared);
+    MPI_Comm_size(shared, &n);
+    MPI_Comm_free(&shared);
+  }
+  return n == world ? 0 : n;
+}
+
+int ring_env_open(const char *prog, const run_options_t *o, int rank, int world, ring_env_t *env) {
+  memset(env, 0, sizeof *env);
+  env->rank = rank;
+  env->world = world;
+  env->ranks_per_node = ranks_per_node(o, world);
+  env->device = strcmp(o->backend, "cuda") == 0;
+  if (o->hierarchical && o->ranks_per_node && world % o->ranks_per_node != 0) {
+    if (rank == 0)
+      fprintf(stderr, "%s: --ranks-per-node %d does not divide the %d ranks\n", prog,
+              o->ranks_per_node, world);
+    return 1;
+  }
+  if (tool_failed(prog, "MPI communicator", mtrain_comm_create_mpi(MPI_COMM_WORLD, 0, &env->comm)))
+    return 1;
+  if (env->device) {
+#ifdef MTRAIN_HAVE_NCCL
+    /* one GPU per rank: the rank's index on its host picks the device */
+    if (tool_failed(prog, "NCCL communicator",
+                    mtrain_comm_create_nccl_mpi(MPI_COMM_WORLD, -1, 0, &env->dev_comm)))
+      return 1;
+#else
+    if (rank == 0)
+      fprintf(stderr, "%s: --backend cuda on several ranks needs a build with NCCL\n", prog);
+    return 1;
+#endif
+  }
+  if (run_make_context(prog, o, o->backend, env->device ? env->dev_comm : env->comm, &env->ctx))
+    return 1;
+  if (env->device && o->cuda_variant != RUN_CUDA_VARIANT_UNSET)
+    return tool_failed(prog, "--cuda-variant",
+                       mtrain_cuda_set_variant(env->ctx, (mtrain_cuda_variant_t)o->cuda_variant));
+  return 0;
+}
+
+void ring_env_close(ring_env_t *env) {
+  mtrain_context_destroy(env->ctx);
+  mtrain_comm_destroy(env->dev_comm);
+  mtrain_comm_destroy(env->comm);
+  memset(env, 0, sizeof *env);
+}
+
+/* The rank's slots of a whole [N, heads, dim] tensor (padding slots zero),
+ * by the library's permutation on a single-rank host context. */
+static int slice(const char *prog, mtrain_context_t *ctx, const mtrain_layout_t *layout, int rank,
+                 const mtrain_tensor_t *full, mtrain_tensor_t *local) {
+  const int64_t T = mtrain_layout_local_tokens(layout, rank);
+  const size_t row = (size_t)(full->shape[1] * full->shape[2]) * mtrain_dtype_size(full->dtype);
+  *local =
+      mtrain_tensor_3d(malloc((size_t)T * row + 1), full->dtype, T, full->shape[1], full->shape[2]);
+  if (!local->data) {
+    fprintf(stderr, "%s: out of memory for %lld local tokens\n", prog, (long long)T);
+    return 1;
+  }
+  return tool_failed(prog, "permuting the inputs",
+                     mtrain_layout_permute(ctx, layout, rank, full, local));
+}
+
+static int slice_inputs(const char *prog, const run_options_t *o, const mtrain_layout_t *layout,
+                        int rank, const run_inputs_t *full, run_inputs_t *local) {
+  mtrain_context_t *host = NULL;
+  *local = *full;
+  local->tokens = mtrain_layout_local_tokens(layout, rank);
+  local->q.data = local->k.data = local->v.data = local->dout.data = NULL;
+  int rc = run_make_context(prog, o, "cpu", NULL, &host) ||
+           slice(prog, host, layout, rank, &full->q, &local->q) ||
+           slice(prog, host, layout, rank, &full->k, &local->k) ||
+           slice(prog, host, layout, rank, &full->v, &local->v) ||
+           slice(prog, host, layout, rank, &full->dout, &local->dout);
+  mtrain_context_destroy(host);
+  return rc;
+}
+
+int ring_inputs_make(const char *prog, const ring_env_t *env, const run_options_t *o,
+                     const mtrain_layout_t *layout, const run_inputs_t *full, ring_inputs_t *in) {
+  memset(in, 0, sizeof *in);
+  const double t0 = tool_now();
+  in->N = mtrain_layout_seq_len(layout);
+  in->T = mtrain_layout_local_tokens(layout, env->rank);
+  in->index = malloc(sizeof(int64_t) * (size_t)(in->T + 1));
+  if (!in->index) {
+    fprintf(stderr, "%s: out of memory for the layout index\n", prog);
+    return 1;
+  }
+  int rc =
+      tool_failed(prog, "layout", mtrain_layout_rank_token_index(layout, env->rank, in->index));
+  if (!rc)
+    rc = full ? slice_inputs(prog, o, layout, env->rank, full, &in->host)
+              : run_inputs_generate_rows(o, in->index, in->T, &in->host);
+  in->seconds = tool_now() - t0;
+  if (!rc && env->device) rc = run_inputs_to_device(&in->host, &in->dev);
+  return rc;
+}
+
+run_inputs_t *ring_inputs_work(const ring_env_t *env, ring_inputs_t *in) {
+  return env->device ? &in->dev : &in->host;
+}
+
+void ring_inputs_free(ring_inputs_t *in) {
+  run_inputs_free_device(&in->dev);
+  run_inputs_free(&in->host);
+  free(in->index);
+  memset(in, 0, sizeof *in);
+}
+
+int ring_estimate(const char *prog, const ring_env_t *env, const run_options_t *o,
+                  const mtrain_layout_t *layout, ring_inputs_t *in, mtrain_pattern_t **pattern,
+                  double *seconds) {
+  mtrain_head_budget_t *budgets = NULL;
+  if (run_make_budgets(prog, o, in->host.heads, &budgets)) return 1;
+  mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+  eo.last_q = o->last_q;
+  run_inputs_t *work = ring_inputs_work(env, in);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double t0 = tool_now();
+  int rc = tool_failed(
+      prog, "estimating the pattern",
+      mtrain_pattern_estimate_ring(env->ctx, layout, &work->q, &work->k, budgets, &eo, pattern));
+  *seconds = tool_now() - t0;
+  free(budgets);
+  return rc;
+}
+
+void ring_totals_compute(const mtrain_plan_t *plan, const run_result_t *r, int forward_only,
+                         ring_totals_t *t) {
+  const double pairs = (double)mtrain_plan_computed_pairs(plan);
+  const mtrain_call_stats_t *fs = &r->fwd_stats, *bs = &r->bwd_stats;
+  double sums[3] = {pairs, r->t_fwd, r->t_bwd}, all_sums[3];
+  double maxes[5] = {pairs, r->t_fwd, r->t_bwd, fs->ring_seconds / fs->compute_seconds,
+                     forward_only ? 0.0 : bs->ring_seconds / bs->compute_seconds};
+  double all_max[5];
+  MPI_Allreduce(sums, all_sums, 3, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Allreduce(maxes, all_max, 5, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  t->pairs = all_sums[0];
+  t->fwd_sum = all_sums[1];
+  t->bwd_sum = all_sums[2];
+  t->max_pairs = all_max[0];
+  t->fwd = all_max[1];
+  t->bwd = all_max[2];
+  t->fwd_ratio = all_max[3];
+  t->bwd_ratio = all_max[4];
+}

@@ -1,0 +1,73 @@
+/* ring_common.h: what mtrain-run's ring form (run_ring.c) and mtrain-bench
+ * share on W ranks under mpiexec: the communicators and the context, each
+ * rank's inputs in a layout (generated directly in the rank's slots, or read
+ * and permuted), the distributed estimate, and the timings combined over
+ * the ranks. In ring_common.c. */
+#ifndef MTRAIN_RING_COMMON_H
+#define MTRAIN_RING_COMMON_H
+
+#include <mpi.h>
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_layout.h"
+#include "run_common.h"
+
+/** One rank's ring: communicators and the context of --backend. */
+typedef struct ring_env {
+  int rank, world;
+  int device;              /**< --backend cuda: device tensors, the NCCL communicator */
+  int ranks_per_node;      /**< 0: flat ring */
+  mtrain_comm_t *comm;     /**< MPI, for host contexts */
+  mtrain_comm_t *dev_comm; /**< NCCL with --backend cuda; else NULL */
+  mtrain_context_t *ctx;   /**< the --backend context over the ring */
+} ring_env_t;
+
+/** Creates the communicators (NCCL too with --backend cuda: one GPU per
+ *  rank, picked by the rank's index on its host) and the context, with
+ *  --cuda-variant applied. Collective over MPI_COMM_WORLD. Returns 0, or 1
+ *  with a message starting with `prog` (the env is then to be closed). */
+int ring_env_open(const char *prog, const run_options_t *o, int rank, int world, ring_env_t *env);
+/** Destroys what ring_env_open made (also after a failed open). */
+void ring_env_close(ring_env_t *env);
+/** One rank's inputs in a layout. */
+typedef struct ring_inputs {
+  int64_t N;      /**< sequence length */
+  int64_t T;      /**< this rank's token slots */
+  int64_t *index; /**< [T] the global token of each slot (>= N: padding) */
+  run_inputs_t host;
+  run_inputs_t dev; /**< the device copy (--backend cuda), else empty */
+  double seconds;   /**< generating (or reading and permuting) them */
+} ring_inputs_t;
+
+/** This rank's inputs of the layout: with `full` NULL generated directly in
+ *  its slots (only its own tokens, run_inputs_generate_rows), else permuted
+ *  from the whole tensors `full` (read from files); with --backend cuda also
+ *  copied to the device. Returns 0 or 1 (message printed). Not collective. */
+int ring_inputs_make(const char *prog, const ring_env_t *env, const run_options_t *o,
+                     const mtrain_layout_t *layout, const run_inputs_t *full, ring_inputs_t *in);
+/** The tensors the context computes on: the device copy with cuda. */
+run_inputs_t *ring_inputs_work(const ring_env_t *env, ring_inputs_t *in);
+void ring_inputs_free(ring_inputs_t *in);
+
+/** The pattern estimated online, distributed, from the budgets the options
+ *  ask for (run_make_budgets) and this rank's q and k; the time of the
+ *  estimate (after a barrier) into *seconds. Collective. */
+int ring_estimate(const char *prog, const ring_env_t *env, const run_options_t *o,
+                  const mtrain_layout_t *layout, ring_inputs_t *in, mtrain_pattern_t **pattern,
+                  double *seconds);
+
+/** The figures of a timed run combined over the ranks (every rank gets
+ *  them). */
+typedef struct ring_totals {
+  double fwd, bwd;             /**< the slowest rank's median times */
+  double fwd_sum, bwd_sum;     /**< summed over the ranks */
+  double pairs, max_pairs;     /**< computed pairs: summed, and the largest rank's */
+  double fwd_ratio, bwd_ratio; /**< ring time / summed step compute, worst rank */
+} ring_totals_t;
+
+/** Combines this rank's run (its plan and run_attention's result) with the
+ *  others'. Collective over MPI_COMM_WORLD. */
+void ring_totals_compute(const mtrain_plan_t *plan, const run_result_t *r, int forward_only,
+                         ring_totals_t *t);
+
+#endif /* MTRAIN_RING_COMMON_H */
