@@ -9,7 +9,14 @@
  *   stall-bwd   the same, rank 1 sleeps instead of joining the backward;
  *   wrong-size  rank 1 runs a problem of another length, so the chunks it
  *               sends are of the wrong size: the receivers fail naming the
- *               sizes and the peer (no silent short message).
+ *               sizes and the peer (no silent short message);
+ *   kill-mid-fwd  rank 1 is killed inside the forward, when it posts its
+ *               second K/V send (after the first ring step's exchange);
+ *   kill-mid-bwd  every rank completes the forward; rank 1 is killed inside
+ *               the backward, at its second send there.
+ * The mid-ring kills wrap rank 1's MPI communicator in a communicator table
+ * of this file that counts the sends (mtrain_comm.h: the table is public for
+ * communicators brought by the caller).
  * A rank whose call fails prints the error and aborts the job, as a training
  * job would. */
 #define _POSIX_C_SOURCE 200809L
@@ -19,10 +26,65 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "mtrain/mtrain.h"
+#include "mtrain/mtrain_comm.h"
 #include "mtrain/mtrain_layout.h"
 #include "mtrain/mtrain_mpi.h"
+
+/* ---- a communicator that delegates to another and kills the process at
+ * its kill_at-th send ---- */
+static mtrain_comm_t *g_inner;
+static long g_sends, g_kill_at = -1;
+
+static int k_rank(void *s) { return (void)s, g_inner->ops->rank(g_inner->state); }
+static int k_size(void *s) { return (void)s, g_inner->ops->size(g_inner->state); }
+static mtrain_status_t k_isend(void *s, const void *buf, size_t bytes, int peer, int tag,
+                               mtrain_comm_request_t **req) {
+  (void)s;
+  if (++g_sends == g_kill_at) {
+    fprintf(stderr, "rank %d: killed at its send %ld (to rank %d)\n", k_rank(NULL), g_sends, peer);
+    fflush(stderr);
+    raise(SIGKILL);
+  }
+  return g_inner->ops->isend(g_inner->state, buf, bytes, peer, tag, req);
+}
+static mtrain_status_t k_irecv(void *s, void *buf, size_t bytes, int peer, int tag,
+                               mtrain_comm_request_t **req) {
+  return (void)s, g_inner->ops->irecv(g_inner->state, buf, bytes, peer, tag, req);
+}
+static mtrain_status_t k_wait(void *s, mtrain_comm_request_t *req) {
+  return (void)s, g_inner->ops->wait(g_inner->state, req);
+}
+static mtrain_status_t k_allreduce(void *s, void *buf, int64_t count, mtrain_dtype_t dtype,
+                                   mtrain_reduce_op_t op) {
+  return (void)s, g_inner->ops->allreduce(g_inner->state, buf, count, dtype, op);
+}
+static mtrain_status_t k_allgather(void *s, const void *send, void *recv, size_t bytes) {
+  return (void)s, g_inner->ops->allgather(g_inner->state, send, recv, bytes);
+}
+static mtrain_status_t k_barrier(void *s) { return (void)s, g_inner->ops->barrier(g_inner->state); }
+static mtrain_status_t k_split(void *s, int color, int key, mtrain_comm_t **out) {
+  return (void)s, g_inner->ops->split(g_inner->state, color, key, out);
+}
+static void k_abort(void *s, int code) { (void)s, g_inner->ops->abort(g_inner->state, code); }
+static void k_destroy(void *s) { (void)s; }
+
+/* A rank whose call failed ends the job, as a training job would
+ * (MPI_Abort); in the mid-ring modes it only ends itself, so that the other
+ * survivor lives to report its own error (mpiexec --enable-recovery). */
+static void end_failed(int alone) {
+  fflush(stdout);
+  fflush(stderr);
+  if (alone) _exit(3);
+  MPI_Abort(MPI_COMM_WORLD, 3);
+}
+
+static const mtrain_comm_ops_t killer_ops = {
+    MTRAIN_API_VERSION, "mpi",       k_rank,    k_size,  k_isend, k_irecv,  k_wait,
+    k_allreduce,        k_allgather, k_barrier, k_split, k_abort, k_destroy};
+static mtrain_comm_t killer_comm = {&killer_ops, NULL};
 
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
@@ -39,11 +101,18 @@ int main(int argc, char **argv) {
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = G;
   cfg.num_threads = 1;
-  const int backward_fault = strcmp(mode, "kill-bwd") == 0 || strcmp(mode, "stall-bwd") == 0;
+  const int mid_fwd = strcmp(mode, "kill-mid-fwd") == 0,
+            mid_bwd = strcmp(mode, "kill-mid-bwd") == 0;
+  const int backward_fault =
+      strcmp(mode, "kill-bwd") == 0 || strcmp(mode, "stall-bwd") == 0 || mid_bwd;
   /* wrong-size: rank 1's sequence is one ring's worth of blocks shorter */
   const int64_t n = strcmp(mode, "wrong-size") == 0 && rank == 1 ? N - G * world : N;
   mtrain_status_t st = mtrain_comm_create_mpi(MPI_COMM_WORLD, 3.0, &comm);
-  if (!st) st = mtrain_context_create(&cfg, comm, &ctx);
+  g_inner = comm;
+  if (rank == 1 && mid_fwd) g_kill_at = 2;
+  /* rank 1 talks through the counting communicator in the mid-ring modes */
+  if (!st)
+    st = mtrain_context_create(&cfg, rank == 1 && (mid_fwd || mid_bwd) ? &killer_comm : comm, &ctx);
   if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, n, G, world, NULL, &layout);
   if (!st) st = mtrain_pattern_create_dense(n, HQ, G, &pattern);
   if (!st) st = mtrain_plan_create_ring(ctx, layout, 0, pattern, &plan);
@@ -58,7 +127,7 @@ int main(int argc, char **argv) {
   for (int64_t i = 0; i < T * HQ * D; i++) q[i] = (float)((i * 7919) % 13) / 13.0f;
   for (int64_t i = 0; i < T * HKV * D; i++) k[i] = (float)((i * 104729) % 11) / 11.0f;
   MPI_Barrier(MPI_COMM_WORLD);
-  if (rank == 1 && !backward_fault && strcmp(mode, "wrong-size") != 0) {
+  if (rank == 1 && !backward_fault && !mid_fwd && strcmp(mode, "wrong-size") != 0) {
     if (strcmp(mode, "kill") == 0) raise(SIGKILL);
     struct timespec nap = {30, 0}; /* stall: never join the ring */
     nanosleep(&nap, NULL);
@@ -71,12 +140,14 @@ int main(int argc, char **argv) {
   if (st) {
     fprintf(stderr, "rank %d: forward failed: %s: %s\n", rank, mtrain_status_name(st),
             mtrain_last_error());
-    MPI_Abort(MPI_COMM_WORLD, 3);
+    end_failed(mid_fwd || mid_bwd);
   }
   if (backward_fault) {
     printf("rank %d: forward completed\n", rank);
     MPI_Barrier(MPI_COMM_WORLD);
-    if (rank == 1) {
+    if (rank == 1 && mid_bwd) {
+      g_kill_at = g_sends + 2;
+    } else if (rank == 1) {
       if (strcmp(mode, "kill-bwd") == 0) raise(SIGKILL);
       struct timespec nap = {30, 0}; /* stall: never join the backward */
       nanosleep(&nap, NULL);
@@ -88,7 +159,20 @@ int main(int argc, char **argv) {
     if (st) {
       fprintf(stderr, "rank %d: backward failed: %s: %s\n", rank, mtrain_status_name(st),
               mtrain_last_error());
-      MPI_Abort(MPI_COMM_WORLD, 3);
+      end_failed(mid_fwd || mid_bwd);
+    }
+  }
+  if (mid_fwd || mid_bwd) {
+    /* a survivor whose call had every transfer it needed (its sends to the
+     * dead rank were buffered by MPI) succeeds, truthfully; the next
+     * training step needs rank 1 and must fail */
+    printf("rank %d: its %s completed (every transfer it needed arrived); next step\n", rank,
+           mid_bwd ? "backward" : "forward");
+    st = mtrain_attention_forward(ctx, plan, &tq, &tk, &tk, &to, &tl);
+    if (st) {
+      fprintf(stderr, "rank %d: forward failed: %s: %s (the next step)\n", rank,
+              mtrain_status_name(st), mtrain_last_error());
+      end_failed(mid_fwd || mid_bwd);
     }
   }
   printf("rank %d: %s returned success although rank 1 %s\n", rank,
