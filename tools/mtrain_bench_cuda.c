@@ -82,17 +82,6 @@ typedef struct bench_pattern {
   double density;
 } bench_pattern_t;
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-/* Median of n values (sorts them). */
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* Reports a failed CUDA runtime call; returns 1 when err is an error. */
 static int cuda_failed(const char *what, cudaError_t err) {
   if (err == cudaSuccess) return 0;
@@ -617,7 +606,7 @@ static int time_runs(const bench_opts_t *o, mtrain_context_t *ctx, const mtrain_
          cuda_failed("cudaEventElapsedTime", cudaEventElapsedTime(&elapsed, ev[0], ev[1]));
     if (!rc) t[r] = elapsed;
   }
-  if (!rc) *ms = median(t, o->reps);
+  if (!rc) *ms = tool_median(t, o->reps);
   free(t);
   cudaEventDestroy(ev[0]);
   cudaEventDestroy(ev[1]);

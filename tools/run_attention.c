@@ -7,16 +7,6 @@
 #include "run_common.h"
 #include "tool_common.h"
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 int run_make_context(const char *prog, const run_options_t *o, const char *backend,
                      mtrain_comm_t *comm, mtrain_context_t **ctx) {
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
@@ -48,8 +38,8 @@ int run_attention(const char *prog, mtrain_context_t *ctx, const mtrain_plan_t *
     if (!rc) mtrain_context_last_stats(ctx, &r->bwd_stats);
   }
   if (!rc) {
-    r->t_fwd = median(tf, o->repeat);
-    r->t_bwd = o->forward_only ? 0.0 : median(tb, o->repeat);
+    r->t_fwd = tool_median(tf, o->repeat);
+    r->t_bwd = o->forward_only ? 0.0 : tool_median(tb, o->repeat);
   }
   free(tf);
   free(tb);
