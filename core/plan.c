@@ -477,6 +477,34 @@ static mtrain_status_t build_gathered(mtrain_plan_t *plan, mtrain_plan_seq_t *ps
   return MTRAIN_SUCCESS;
 }
 
+/* Collective: every rank must plan the same problem. A rank that planned
+ * another sequence length (or head count, or schedule) would send K/V
+ * chunks of another size, and a message longer than the posted receive is
+ * not reliably refused by the transport: Open MPI's single-copy path (CMA)
+ * was seen writing past the receive buffer (AddressSanitizer, 2026-11-22).
+ * So the plans are compared before any transfer, and all ranks fail,
+ * naming two ranks and their values. */
+static mtrain_status_t check_ring_plan_agrees(mtrain_context_t *ctx, int64_t seq_len, int32_t heads,
+                                              int32_t ranks_per_node) {
+  const int size = mtrain_comm_size(ctx->comm);
+  if (size <= 1) return MTRAIN_SUCCESS;
+  const int64_t mine[3] = {seq_len, heads, ranks_per_node};
+  int64_t *all = calloc((size_t)size * 3, sizeof *all);
+  if (!all) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  mtrain_status_t st = ctx->comm->ops->allgather(ctx->comm->state, mine, all, sizeof mine);
+  for (int r = 1; st == MTRAIN_SUCCESS && r < size; r++)
+    if (memcmp(all, all + 3 * r, sizeof mine) != 0)
+      st =
+          mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                       "plan: rank 0 plans the ring for %lld tokens, %lld heads, ranks per node "
+                       "%lld; rank %d for %lld tokens, %lld heads, ranks per node %lld: every "
+                       "rank must plan the same problem (expected the same on every rank)",
+                       (long long)all[0], (long long)all[1], (long long)all[2], r,
+                       (long long)all[3 * r], (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
+  free(all);
+  return st;
+}
+
 mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
                                         int32_t ranks_per_node, const mtrain_pattern_t *pattern,
                                         mtrain_plan_t **out) {
@@ -504,7 +532,9 @@ mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtra
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "plan: ranks_per_node %d does not divide the world size %d", ranks_per_node,
                         world);
-  mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_status_t st =
+      check_ring_plan_agrees(ctx, pattern->seq_len, pattern->num_heads, ranks_per_node);
+  if (st != MTRAIN_SUCCESS) return st;
   mtrain_plan_t *plan = calloc(1, sizeof *plan);
   if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   plan->num_seqs = 1;

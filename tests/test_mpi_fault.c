@@ -7,9 +7,10 @@
  *   kill-bwd    every rank completes the forward, then rank 1 is killed
  *               just before the backward;
  *   stall-bwd   the same, rank 1 sleeps instead of joining the backward;
- *   wrong-size  rank 1 runs a problem of another length, so the chunks it
- *               sends are of the wrong size: the receivers fail naming the
- *               sizes and the peer (no silent short message);
+ *   wrong-size  rank 1 plans a problem of another length (its chunks would
+ *               be of another size): every rank fails at the collective
+ *               check of mtrain_plan_create_ring, naming rank 1, before any
+ *               transfer;
  *   kill-mid-fwd  rank 1 is killed inside the forward, when it posts its
  *               second K/V send (after the first ring step's exchange);
  *   kill-mid-bwd  every rank completes the forward; rank 1 is killed inside

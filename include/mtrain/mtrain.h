@@ -312,8 +312,11 @@ mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *s
  *  included: see mtrain_layout_rank_token_index). Bars follow the layout's
  *  bars mode: computed in the ring step where their key passes, or (bars
  *  gathered, the balanced layout) against the vertical K/V rows gathered
- *  before the ring, a share per step (docs/BALANCE.md). Local; not
- *  collective. */
+ *  before the ring, a share per step (docs/BALANCE.md). Collective on
+ *  ctx's communicator: the ranks compare their sequence length, head count
+ *  and ranks_per_node, and all fail with MTRAIN_ERR_SHAPE_MISMATCH naming
+ *  two ranks when any differs (a peer planning another problem would send
+ *  chunks of another size). */
 struct mtrain_layout; /* mtrain_layout.h */
 mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
                                         int32_t ranks_per_node, const mtrain_pattern_t *pattern,
