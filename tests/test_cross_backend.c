@@ -617,8 +617,8 @@ static int parse_target(int argc, char **argv) {
   if (argc > 3 || (argc > 1 && strcmp(argv[1], "cpu") != 0 && strcmp(argv[1], "cuda") != 0) ||
       (argc > 2 && strcmp(argv[1], "cuda") != 0) ||
       (argc > 2 && strcmp(argv[2], "0") != 0 && strcmp(argv[2], "1") != 0 &&
-       strcmp(argv[2], "2") != 0 && strcmp(argv[2], "auto") != 0)) {
-    fprintf(stderr, "usage: %s [cpu | cuda [0|1|2|auto]]\n", argv[0]);
+       strcmp(argv[2], "2") != 0 && strcmp(argv[2], "3") != 0 && strcmp(argv[2], "auto") != 0)) {
+    fprintf(stderr, "usage: %s [cpu | cuda [0|1|2|3|auto]]\n", argv[0]);
     return 1;
   }
   if (argc < 2 || strcmp(argv[1], "cpu") == 0) return 0;

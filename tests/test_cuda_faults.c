@@ -507,7 +507,7 @@ static void test_failing_launch(void **state) {
   problem_to_device(&p);
   mtrain_context_t *ctx = make_context("cuda", p.g);
   mtrain_plan_t *plan = make_plan(ctx, p.pattern);
-  for (int variant = 0; variant <= 2; variant++) {
+  for (int variant = 0; variant <= 3; variant++) {
     assert_int_equal(mtrain_cuda_set_variant(ctx, (mtrain_cuda_variant_t)variant), MTRAIN_SUCCESS);
     mtrain_status_t st = forward_backward(ctx, plan, &p);
     if (st)

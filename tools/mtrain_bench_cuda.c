@@ -53,7 +53,7 @@ static const char *prog = "mtrain-bench-cuda";
 enum { PAT_DENSE, PAT_VS, NUM_PATTERNS };
 static const char *const pattern_names[NUM_PATTERNS] = {"dense", "vertical-slash"};
 static const char *const pattern_dirs[NUM_PATTERNS] = {"dense", "vs"};
-enum { NUM_VARIANTS = 3 };
+enum { NUM_VARIANTS = 4 };
 static const char *const out_names[5] = {"o", "lse", "dq", "dk", "dv"};
 
 typedef struct bench_opts {
@@ -102,7 +102,7 @@ static const char usage[] =
     "  --budgets FILE --layer L   or the per-head budgets of a MInference budget file\n"
     "  --last-q L            queries that score the keys in the estimate (default 64)\n"
     "  --patterns LIST       dense,vs (default both)\n"
-    "  --variants LIST       0,1,2 (default all)\n"
+    "  --variants LIST       0,1,2,3 (default all)\n"
     "  --reps R --warmup W   timed runs (median) and warm-up runs (default 10, 3)\n"
     "  --validate-len N      tokens of the validation against the cpu backend (default 2048)\n"
     "  --seed S              seed of the inputs (default 1)\n"
@@ -151,7 +151,7 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
   o->reps = 10, o->warmup = 3;
   o->dtype = MTRAIN_BF16;
   o->seed = 1;
-  o->variant_on[0] = o->variant_on[1] = o->variant_on[2] = 1;
+  o->variant_on[0] = o->variant_on[1] = o->variant_on[2] = o->variant_on[3] = 1;
   o->pattern_on[PAT_DENSE] = o->pattern_on[PAT_VS] = 1;
   o->src.v_size = o->src.s_size = -1;
   o->src.layer = -1;
@@ -179,7 +179,7 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
                                         {"json", required_argument, 0, 'j'},
                                         {"help", no_argument, 0, 'h'},
                                         {0, 0, 0, 0}};
-  static const char *const variant_names[NUM_VARIANTS] = {"0", "1", "2"};
+  static const char *const variant_names[NUM_VARIANTS] = {"0", "1", "2", "3"};
   static const char *const pattern_opts[NUM_PATTERNS] = {"dense", "vs"};
   int c, bad = 0;
   long long x = 0;

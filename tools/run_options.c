@@ -34,8 +34,9 @@ static const char usage[] =
     "                        ranks that share memory, from MPI)\n"
     "Computation:\n"
     "  --backend cpu|cpu-ref|cuda (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
-    "  --cuda-variant auto|0|1|2  CUDA kernel variant: 0 SIMT, 1 and 2 tensor cores (bf16/fp16,\n"
-    "                        d 64/128); default: MTRAIN_CUDA_VARIANT or auto. Under mpiexec\n"
+    "  --cuda-variant auto|0|1|2|3  CUDA kernel variant: 0 SIMT, 1 and 2 tensor cores, 3 the\n"
+    "                        Hopper (wgmma) forward (bf16/fp16, d 64/128); default:\n"
+    "                        MTRAIN_CUDA_VARIANT or auto. Under mpiexec\n"
     "                        cuda runs one GPU per rank through the NCCL communicator\n"
     "  --threads T           OpenMP threads (default: OpenMP's)\n"
     "  --forward-only        skip the backward\n"
@@ -234,10 +235,10 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
     case 'u':
       if (strcmp(optarg, "auto") == 0) {
         o->cuda_variant = -1;
-      } else if (strcmp(optarg, "0") == 0 || strcmp(optarg, "1") == 0 || strcmp(optarg, "2") == 0) {
+      } else if (optarg[0] >= '0' && optarg[0] <= '3' && optarg[1] == '\0') {
         o->cuda_variant = optarg[0] - '0';
       } else {
-        fprintf(stderr, "mtrain-run: --cuda-variant '%s': expected auto, 0, 1 or 2\n", optarg);
+        fprintf(stderr, "mtrain-run: --cuda-variant '%s': expected auto, 0, 1, 2 or 3\n", optarg);
         bad = 1;
       }
       break;

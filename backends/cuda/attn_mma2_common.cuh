@@ -351,8 +351,19 @@ struct TileRing {
   __device__ __forceinline__ void load(const cuda_step_t &st, uint32_t sK, uint32_t sV,
                                        const T *kbase, const T *vbase, int64_t stride,
                                        const KTile2 &t, int tid) const {
+    int64_t rows[LoadShape<NT, kKT>::kRows];
+    tile_rows<NT>(st, t, tid, rows);
+    load_rows_n<D, NT, kKT>(sK, kbase, stride, rows, tid);
+    load_rows_n<D, NT, kKT>(sV, vbase, stride, rows, tid);
+  }
+
+  /* The key rows of tile t that thread tid loads (tile rows tid/8 + NT/8 *
+   * r), -1 past the tile's valid keys: consecutive rows of a run block, or
+   * the bars gathered through the cursor (segment t.a, bar index t.b). */
+  template <int NT>
+  __device__ __forceinline__ void tile_rows(const cuda_step_t &st, const KTile2 &t, int tid,
+                                            int64_t (&rows)[LoadShape<NT, kKT>::kRows]) const {
     using LS = LoadShape<NT, kKT>;
-    int64_t rows[LS::kRows];
     if (t.kind == 1) {
       contiguous_rows_n<NT, kKT>(rows, t.a, t.nvalid, tid);
     } else {
@@ -366,8 +377,6 @@ struct TileRing {
         if (r + 1 < LS::kRows) mma1::seg_walk(sg, s_end, cs, cb, LS::kStep);
       }
     }
-    load_rows_n<D, NT, kKT>(sK, kbase, stride, rows, tid);
-    load_rows_n<D, NT, kKT>(sV, vbase, stride, rows, tid);
   }
 };
 

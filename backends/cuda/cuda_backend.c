@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backends/cuda/attn_mma2.h"
+#include "backends/cuda/attn_wgmma.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_internal.h"
 #include "core/context_internal.h"
@@ -22,6 +23,8 @@
 #define CUDA_MAX_HEAD_DIM 256
 /* AUTO picks variant 2 over 1 once it has been measured faster on the GPU */
 #define MTRAIN_CUDA_AUTO_PREFERS_MMA2 1
+/* ... and variant 3 (wgmma forward, variant 2's backward) over 2 likewise */
+#define MTRAIN_CUDA_AUTO_PREFERS_WGMMA 0
 
 mtrain_status_t cuda_check(int err, const char *what) {
   if (err == cudaSuccess) return MTRAIN_SUCCESS;
@@ -52,10 +55,12 @@ static mtrain_status_t parse_variant_env(int *variant) {
     *variant = MTRAIN_CUDA_VARIANT_MMA;
   else if (strcmp(e, "2") == 0)
     *variant = MTRAIN_CUDA_VARIANT_MMA2;
+  else if (strcmp(e, "3") == 0)
+    *variant = MTRAIN_CUDA_VARIANT_WGMMA;
   else
-    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
-                        "environment variable MTRAIN_CUDA_VARIANT='%s': expected auto, 0, 1 or 2",
-                        e);
+    return mtrain_error(
+        MTRAIN_ERR_INVALID_CONFIG,
+        "environment variable MTRAIN_CUDA_VARIANT='%s': expected auto, 0, 1, 2 or 3", e);
   return MTRAIN_SUCCESS;
 }
 
@@ -95,6 +100,8 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   struct cudaDeviceProp prop;
   MTRAIN_TRY(cuda_check(cudaGetDeviceProperties(&prop, s->device), "cudaGetDeviceProperties"));
   s->num_sms = prop.multiProcessorCount;
+  s->cc_major = prop.major;
+  s->cc_minor = prop.minor;
   s->max_smem_optin = prop.sharedMemPerBlockOptin;
   cudaStream_t own = NULL;
   MTRAIN_TRY(cuda_check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking),
@@ -232,13 +239,17 @@ static int aligned16(const void *a, const void *b, const void *c, const void *e)
 
 static mtrain_status_t pick_variant(cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, int32_t G,
                                     int aligned, int *variant) {
-  const char *why1 = NULL, *why2 = NULL;
+  const char *why1 = NULL, *why2 = NULL, *why3 = NULL;
   int ok1 = cuda_mma_supports(dtype, d, G, &why1);
   int ok2 = cuda_mma2_supports(dtype, d, G, &why2);
+  /* variant 3 = the wgmma forward and variant 2's backward */
+  int ok3 = cuda_wgmma_supports(s, dtype, d, G, &why3) && ok2;
+  if (!ok3 && !why3) why3 = why2;
   if (!aligned) {
     if (ok1) why1 = "q, k, v (and dout) must be 16-byte aligned";
     if (ok2) why2 = "q, k, v (and dout) must be 16-byte aligned";
-    ok1 = ok2 = 0;
+    if (ok3) why3 = "q, k, v (and dout) must be 16-byte aligned";
+    ok1 = ok2 = ok3 = 0;
   }
   if (s->variant == MTRAIN_CUDA_VARIANT_MMA && !ok1)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 (mma) cannot compute this: %s",
@@ -246,10 +257,16 @@ static mtrain_status_t pick_variant(cuda_state_t *s, mtrain_dtype_t dtype, int32
   if (s->variant == MTRAIN_CUDA_VARIANT_MMA2 && !ok2)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 (mma2) cannot compute this: %s",
                         why2 ? why2 : "unsupported");
+  if (s->variant == MTRAIN_CUDA_VARIANT_WGMMA && !ok3)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 (wgmma) cannot compute this: %s",
+                        why3 ? why3 : "unsupported");
   if (s->variant != MTRAIN_CUDA_VARIANT_AUTO)
     *variant = s->variant;
   else /* the fastest that applies (measured: docs/PERFORMANCE.md) */
-    *variant = ok2 && MTRAIN_CUDA_AUTO_PREFERS_MMA2 ? 2 : ok1 ? 1 : 0;
+    *variant = ok3 && MTRAIN_CUDA_AUTO_PREFERS_WGMMA  ? 3
+               : ok2 && MTRAIN_CUDA_AUTO_PREFERS_MMA2 ? 2
+               : ok1                                  ? 1
+                                                      : 0;
   s->last_variant = *variant;
   return MTRAIN_SUCCESS;
 }
@@ -270,7 +287,8 @@ static mtrain_status_t cuda_fwd_step(void *state, const mtrain_fwd_step_args_t *
   MTRAIN_TRY(pick_variant(s, a->dtype, a->head_dim, a->view->granularity,
                           aligned16(a->q, a->k, a->v, a->q), &variant));
   MTRAIN_TRY(cuda_step_upload(s, a->view, a->num_kv_heads, a->head_dim, a->scale, 0, &step, &slot));
-  MTRAIN_TRY(variant == 2   ? cuda_mma2_fwd(s, &step, a)
+  MTRAIN_TRY(variant == 3   ? cuda_wgmma_fwd(s, &step, a)
+             : variant == 2 ? cuda_mma2_fwd(s, &step, a)
              : variant == 1 ? cuda_mma_fwd(s, &step, a)
                             : cuda_simt_fwd(s, &step, a));
 cleanup:
@@ -310,7 +328,7 @@ static mtrain_status_t cuda_bwd_step(void *state, const mtrain_bwd_step_args_t *
     dk_bar = scr;
     dv_bar = dk_bar + n;
   }
-  MTRAIN_TRY(variant == 2   ? cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar)
+  MTRAIN_TRY(variant >= 2   ? cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar)
              : variant == 1 ? cuda_mma_bwd(s, &step, a, dk_bar, dv_bar)
                             : cuda_simt_bwd(s, &step, a, dk_bar, dv_bar));
   if (step.total_bars > 0)
@@ -462,9 +480,10 @@ mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_varia
   mtrain_status_t st = cuda_state_of(ctx, &s);
   if (st) return st;
   if (variant != MTRAIN_CUDA_VARIANT_AUTO && variant != MTRAIN_CUDA_VARIANT_SIMT &&
-      variant != MTRAIN_CUDA_VARIANT_MMA && variant != MTRAIN_CUDA_VARIANT_MMA2)
+      variant != MTRAIN_CUDA_VARIANT_MMA && variant != MTRAIN_CUDA_VARIANT_MMA2 &&
+      variant != MTRAIN_CUDA_VARIANT_WGMMA)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                        "cuda variant %d: expected -1 (auto), 0, 1 or 2", (int)variant);
+                        "cuda variant %d: expected -1 (auto), 0, 1, 2 or 3", (int)variant);
   s->variant = variant;
   return MTRAIN_SUCCESS;
 }

@@ -85,6 +85,7 @@ typedef struct cuda_state {
   int last_variant; /* the variant the last step ran */
   int deterministic;
   int num_sms;
+  int cc_major, cc_minor; /* compute capability of the device */
   size_t max_smem_optin;
   cuda_stage_slot_t slots[CUDA_STAGE_SLOTS];
   int next_slot;

@@ -34,6 +34,9 @@ typedef enum mtrain_cuda_variant {
                                      config.deterministic = 0 a fused backward with atomic dQ;
                                      bf16/fp16, d 64 or 128, granularity a multiple of 64
                                      (128-row tiles where it is a multiple of 128) */
+  MTRAIN_CUDA_VARIANT_WGMMA = 3, /**< Hopper: the forward on warpgroup MMA (wgmma, compute
+                                      capability 9.0 only), the backward of variant 2; same
+                                      dtypes, head_dims and granularities as variant 2 */
 } mtrain_cuda_variant_t;
 
 /** Number of CUDA devices visible (0 without CUDA, a driver or a GPU). */
@@ -46,7 +49,7 @@ int mtrain_cuda_device_count(void);
 mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream);
 
 /** Selects the kernel variant for later calls on ctx (default AUTO, or the
- *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1|2 read at context
+ *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1|2|3 read at context
  *  creation). A forced variant that cannot compute a call makes that call
  *  fail with MTRAIN_ERR_NOT_SUPPORTED naming the reason. */
 mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant);

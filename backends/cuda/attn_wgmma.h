@@ -1,0 +1,29 @@
+/* attn_wgmma.h (private): entry points of variant 3 of the CUDA attention
+ * kernels: the forward step on Hopper's warpgroup MMA (wgmma, sm_90a;
+ * attn_wgmma_fwd.cu). Same inputs, outputs and accumulator contract as
+ * variants 1 and 2 (cuda_internal.h): the step is merged into o_acc and
+ * lse_acc. Variant 3's backward is variant 2's (attn_mma2.h). q, k and v
+ * must be 16-byte aligned. */
+#ifndef MTRAIN_ATTN_WGMMA_H
+#define MTRAIN_ATTN_WGMMA_H
+
+#include <stdint.h>
+
+#include "backends/cuda/cuda_internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when variant 3's forward can compute (dtype, d, G) on the context's
+ * device (compute capability 9.0); else 0 and *why (static). */
+int cuda_wgmma_supports(const cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, int32_t G,
+                        const char **why);
+mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,
+                               const mtrain_fwd_step_args_t *a);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTRAIN_ATTN_WGMMA_H */

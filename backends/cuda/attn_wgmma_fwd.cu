@@ -1,0 +1,377 @@
+/* attn_wgmma_fwd.cu: the forward step of variant 3 (Hopper tensor cores,
+ * sm_90a): cuda_wgmma_supports and cuda_wgmma_fwd. Variant 2's forward
+ * (attn_mma2_fwd.cu) with the matrix products moved from mma.sync to
+ * warpgroup MMA (wgmma.mma_async, attn_wgmma_ptx.cuh):
+ *  - one CTA per (query head, query tile of BM = 64 * NWG rows): NWG
+ *    warpgroups of 4 warps, each owning 64 query rows (NWG = 2 when G is a
+ *    multiple of 128, else 1);
+ *  - Q stays in registers as A fragments (loaded once with ldmatrix);
+ *  - K and V tiles stream through two cp.async stages stored in the
+ *    128-byte-swizzle panel layout that wgmma reads through descriptors:
+ *    S = Q K^T is 8 (d 128) or 4 (d 64) wgmma m64n64k16 reading K
+ *    K-major, O += P V is 4 wgmma m64n{d}k16 with P from registers and V
+ *    read N-major; no ldmatrix in the key loop;
+ *  - the key walk (runs then bars, TileRing in shared memory), the masks,
+ *    the online softmax in the log2 domain, the skipped O rescale and the
+ *    epilogue's merge into o_acc / lse_acc are variant 2's, per warp.
+ * The backward of variant 3 is variant 2's (attn_mma2_bwd.cu). */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "backends/cuda/attn_mma2_common.cuh"
+#include "backends/cuda/attn_wgmma.h"
+#include "backends/cuda/attn_wgmma_ptx.cuh"
+#include "backends/cuda/cuda_internal.h"
+
+namespace wg {
+
+using mma1::cp_async16;
+using mma1::cp_async_commit;
+using mma1::cp_async_wait;
+using mma1::fast_exp2;
+using mma1::kLn2;
+using mma1::kLog2e;
+using mma1::ldsm_x4;
+using mma1::pack2;
+using mma1::smem_u32;
+using mma2::contiguous_rows_n;
+using mma2::kKT;
+using mma2::KTile2;
+using mma2::load_rows_n;
+using mma2::LoadShape;
+using mma2::TileRing;
+
+/* Loads R rows into an R-row tile of the 128-byte-swizzle panel layout at
+ * sdst (1024-byte aligned): tile row i = tid/8 + (NT/8) r comes from g +
+ * rows[r] * stride (elements), zero-filled where rows[r] < 0. Thread tid
+ * copies logical chunk tid % 8 of each panel of its rows; 8 threads write
+ * one panel row's 128 bytes per instruction (no bank conflicts). */
+template <int D, int NT, int R, typename T>
+__device__ __forceinline__ void load_rows_sw128(uint32_t sdst, const T *g, int64_t stride,
+                                                const int64_t (&rows)[LoadShape<NT, R>::kRows],
+                                                int tid) {
+  using LS = LoadShape<NT, R>;
+  const int i0 = tid >> 3, c0 = tid & 7, cx = c0 ^ (i0 & 7);
+#pragma unroll
+  for (int r = 0; r < LS::kRows; ++r) {
+    const int i = i0 + LS::kStep * r;
+    const bool ok = rows[r] >= 0;
+    const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p)
+      cp_async16(sdst + (uint32_t)(p * R * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
+  }
+}
+
+/* Shared memory of the forward kernel: stage x holds K at 2 * TBK * x and
+ * V at + TBK (each a 64-row panel tile); Q is staged in stage 1 (mma1's
+ * tile layout, read once with ldmatrix); the TileRing follows. 1024 bytes
+ * of slack align the base to the 128-byte swizzle's 1024-byte period. */
+template <int D, int NWG> struct FwdShape {
+  static constexpr int NT = 128 * NWG, BM = 64 * NWG;
+  static constexpr int TBK = kKT * D * 2;
+  static constexpr int TBQ = BM * D * 2;
+  static constexpr int kRingOff = 4 * TBK;
+  static constexpr int kSmem = kRingOff + mma2::kRingBytes + 1024;
+  static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
+  static_assert(TBQ <= 2 * TBK, "Q is staged in the second K/V stage");
+  static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
+};
+
+template <int D, typename T, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 1)
+    wgmma_fwd_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
+                     const T *__restrict__ v, float *__restrict__ o_acc,
+                     float *__restrict__ lse_acc) {
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __trap(); /* wgmma exists on sm_90a only; the host side refuses other devices */
+#else
+  extern __shared__ __align__(1024) unsigned char smem[];
+  using S = FwdShape<D, NWG>;
+  constexpr int NT = S::NT, BM = S::BM, TBK = S::TBK;
+  constexpr int NKS = D / 16; /* k-slices of Q K^T */
+  constexpr int NO = D / 2;   /* O accumulators per thread (64 rows x D per warpgroup) */
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wgr0 = (warp >> 2) * 64; /* the warpgroup's first tile row */
+  const int wr0 = warp * 16;         /* the warp's first tile row */
+
+  /* item: heaviest (last) query tiles first, the heads of one tile together */
+  const int tpb = st.G / BM;
+  const int nqt = st.num_q_blocks * tpb;
+  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
+  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
+  const int qb = qtile / tpb, qt = qtile - qb * tpb;
+  const int64_t gq = st.q_block_global[qb];
+  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
+  const int rows_here = min(BM, nr - qt * BM);
+  if (rows_here <= 0) return;
+  const uint32_t sraw = smem_u32(smem);
+  const uint32_t s0 = (sraw + 1023u) & ~1023u;
+  unsigned char *base = smem + (s0 - sraw);
+  TileRing &ring = *reinterpret_cast<TileRing *>(base + S::kRingOff);
+  if (tid == 0) {
+    ring.start(st, h, qb, gq, qt * BM, rows_here);
+    ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
+    ring.rows = rows_here;
+    ring.h = h;
+  }
+  __syncthreads();
+  if (ring.d[0].kind == 0) return; /* no key for any row: nothing changes */
+
+  const int hk = h / st.group;
+  const int64_t q_stride = (int64_t)st.Hq * D, kv_stride = (int64_t)st.Hkv * D;
+  const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
+  const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
+  const uint32_t sKV = s0, sQ = s0 + 2 * TBK;
+  const mma1::Frag<D> fr(lane);
+
+  {
+    int64_t rows[LoadShape<NT, BM>::kRows];
+    contiguous_rows_n<NT, BM>(rows, qrow0, rows_here, tid);
+    load_rows_n<D, NT, BM>(sQ, q + (int64_t)h * D, q_stride, rows, tid);
+  }
+  {
+    int64_t rows[LoadShape<NT, kKT>::kRows];
+    ring.tile_rows<NT>(st, ring.d[0], tid, rows);
+    load_rows_sw128<D, NT, kKT>(sKV, kbase, kv_stride, rows, tid);
+    load_rows_sw128<D, NT, kKT>(sKV + TBK, vbase, kv_stride, rows, tid);
+  }
+  cp_async_commit();
+
+  uint32_t qf[NKS][4];
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int kk = 0; kk < NKS; ++kk)
+    ldsm_x4(sQ + fr.A(wr0, 2 * kk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+  __syncthreads(); /* stage 1 is refilled below */
+
+  /* o[4n + e]: C fragment of the warp's rows (e < 2: row g, else g + 8),
+   * output columns 8n + 2 t4 + (e & 1). m[hh], l[hh]: running max (log2
+   * domain, scale folded in) and the thread's partial sum of row
+   * wr0 + 8 hh + g. */
+  float o[NO];
+#pragma unroll
+  for (int x = 0; x < NO; ++x) o[x] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float sl2 = st.scale * kLog2e;
+
+  int it = 0; /* tile index: ring slot it % 3, stage it % 2 */
+  for (;;) {
+    cp_async_wait<0>();  /* tile it has landed (this thread's part) */
+    fence_proxy_async(); /* ... visible to wgmma's reads */
+    __syncthreads();     /* ... every thread's; the other stage is free */
+    const int slot = it % 3, slot1 = slot == 2 ? 0 : slot + 1;
+    const KTile2 nxt = ring.d[slot1];
+    const bool more = nxt.kind != 0;
+    const int stage = it & 1;
+    if (more) {
+      const uint32_t sn = sKV + (uint32_t)((stage ^ 1) * 2 * TBK);
+      int64_t rows[LoadShape<NT, kKT>::kRows];
+      ring.tile_rows<NT>(st, nxt, tid, rows);
+      load_rows_sw128<D, NT, kKT>(sn, kbase, kv_stride, rows, tid);
+      load_rows_sw128<D, NT, kKT>(sn + TBK, vbase, kv_stride, rows, tid);
+      cp_async_commit();
+      if (tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
+    }
+    const int c_nvalid = ring.d[slot].nvalid, c_causal = ring.d[slot].causal;
+    const int c_off = ring.d[slot].off;
+    const uint32_t sK = sKV + (uint32_t)(stage * 2 * TBK), sV = sK + TBK;
+    /* the warpgroup's 64 rows all padding, or all before the tile's keys
+     * (uniform over the warpgroup, as wgmma requires) */
+    const bool skip = wgr0 >= rows_here || (c_causal && c_off > wgr0 + 63);
+    if (!skip) {
+      /* S = Q K^T: s[4n + e] = key column 8n + 2 t4 + (e & 1) */
+      float s[32];
+#pragma unroll
+      for (int x = 0; x < 32; ++x) s[x] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < NKS; ++kk)
+        wgmma_m64n64k16<T, 0>(
+            s, qf[kk],
+            sw128_desc(sK + (uint32_t)((kk >> 2) * kKT * 128 + (kk & 3) * 32), 16, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+
+      /* masked scores -inf (raw scores; the scale is applied below) */
+      if (c_nvalid < kKT || (c_causal && c_off + kKT - 1 > wr0)) {
+#pragma unroll
+        for (int x = 0; x < 32; ++x) {
+          const int col = (x >> 2) * 8 + 2 * t4 + (x & 1);
+          const int row = wr0 + g + (((x >> 1) & 1) << 3);
+          if (col >= c_nvalid || (c_causal && col + c_off > row)) s[x] = -INFINITY;
+        }
+      }
+
+      /* online softmax, row hh: s[4n + 2hh], s[4n + 2hh + 1] */
+      bool changed = false;
+      float alpha[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * hh], s[4 * n + 2 * hh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(m[hh], mx * sl2);
+        changed |= mnew != m[hh];
+        const float mu = mnew == -INFINITY ? 0.f : mnew; /* no key yet: exp2(-inf) = 0 */
+        alpha[hh] = fast_exp2(m[hh] - mu);
+        m[hh] = mnew;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          s[4 * n + 2 * hh] = fast_exp2(fmaf(s[4 * n + 2 * hh], sl2, -mu));
+          s[4 * n + 2 * hh + 1] = fast_exp2(fmaf(s[4 * n + 2 * hh + 1], sl2, -mu));
+          sum += s[4 * n + 2 * hh] + s[4 * n + 2 * hh + 1];
+        }
+        l[hh] = l[hh] * alpha[hh] + sum;
+      }
+      if (__any_sync(0xffffffffu, changed)) {
+#pragma unroll
+        for (int n = 0; n < NO / 4; ++n) {
+          o[4 * n] *= alpha[0];
+          o[4 * n + 1] *= alpha[0];
+          o[4 * n + 2] *= alpha[1];
+          o[4 * n + 3] *= alpha[1];
+        }
+      }
+
+      /* O += P V: k-slice j = keys 16j .. 16j + 15, P's A fragment packed
+       * from the C fragments of key columns 16j.. and 16j + 8.. */
+      uint32_t pa[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
+        pa[j][1] = pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+        pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+        pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint64_t vd = sw128_desc(sV + (uint32_t)(j * 16 * 128), kKT * 128, 1024);
+        if constexpr (D == 128)
+          wgmma_m64n128k16<T, 1>(o, pa[j], vd);
+        else
+          wgmma_m64n64k16<T, 1>(o, pa[j], vd);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+    }
+    if (!more) break;
+    ++it;
+  }
+
+  /* merge the step's (lse_s, O / l) into the running values, row by row */
+  const int64_t e_row0 = ring.row0;
+  const int e_rows = ring.rows, e_h = ring.h;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float li = l[hh];
+    li += __shfl_xor_sync(0xffffffffu, li, 1);
+    li += __shfl_xor_sync(0xffffffffu, li, 2);
+    const int row = wr0 + 8 * hh + g;
+    const bool valid = row < e_rows;
+    const int64_t gi = (e_row0 + row) * st.Hq + e_h;
+    /* one read of the old LSE per row, broadcast over the row's 4 lanes,
+     * so that lane t4 == 0's store below cannot race with a read */
+    float lse_old = (valid && t4 == 0) ? lse_acc[gi] : 0.f;
+    lse_old = __shfl_sync(0xffffffffu, lse_old, lane & ~3);
+    if (valid && li > 0.f) {
+      const float lse_s = (m[hh] + log2f(li)) * kLn2;
+      const float inv = 1.f / li;
+      float w_old, w_new;
+      const float lse_new = merge_weights(lse_old, lse_s, &w_old, &w_new);
+      const float a_new = w_new * inv;
+      float *orow = o_acc + gi * D;
+#pragma unroll
+      for (int n = 0; n < NO / 4; ++n) {
+        float2 *p = reinterpret_cast<float2 *>(orow + n * 8 + 2 * t4);
+        float2 x = *p;
+        x.x = w_old * x.x + a_new * o[4 * n + 2 * hh];
+        x.y = w_old * x.y + a_new * o[4 * n + 2 * hh + 1];
+        *p = x;
+      }
+      if (t4 == 0) lse_acc[gi] = lse_new;
+    }
+  }
+#endif
+}
+
+/* ---- host side ---- */
+
+template <int D, typename T, int NWG>
+static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
+                                  const mtrain_fwd_step_args_t *a) {
+  using S = FwdShape<D, NWG>;
+  static std::atomic<unsigned long long> smem_set{0};
+  constexpr int smem = S::kSmem;
+  const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
+  if (items <= 0) return MTRAIN_SUCCESS;
+  if (items > 0x7fffffff)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 forward: %lld query tiles",
+                        (long long)items);
+  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda variant 3 forward: needs %d bytes of shared memory per block, the "
+                        "device allows %zu",
+                        smem, s->max_smem_optin);
+  auto kern = wgmma_fwd_kernel<D, T, NWG>;
+  mtrain_status_t rc = cuda_check((int)mma1::set_smem_once((const void *)kern, smem, smem_set),
+                                  "cudaFuncSetAttribute(wgmma_fwd_kernel)");
+  if (rc != MTRAIN_SUCCESS) return rc;
+  kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
+      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
+      (float *)a->lse_acc);
+  return cuda_check_launch("wgmma_fwd_kernel");
+}
+
+template <int D, typename T>
+static mtrain_status_t fwd_g(cuda_state_t *s, const cuda_step_t *st,
+                             const mtrain_fwd_step_args_t *a) {
+  /* 128-row tiles need G % 128 == 0: a tile never spans two blocks */
+  return st->G % 128 == 0 ? launch_fwd<D, T, 2>(s, st, a) : launch_fwd<D, T, 1>(s, st, a);
+}
+
+} /* namespace wg */
+
+extern "C" int cuda_wgmma_supports(const cuda_state_t *s, mtrain_dtype_t dtype, int32_t d,
+                                   int32_t G, const char **why) {
+  const char *reason = NULL;
+  if (s->cc_major != 9 || s->cc_minor != 0)
+    reason = "variant 3 uses Hopper instructions (wgmma): it needs a compute capability 9.0 GPU";
+  else if (dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
+    reason = "variant 3 computes bf16 and fp16 inputs only";
+  else if (d != 64 && d != 128)
+    reason = "variant 3 computes head_dim 64 and 128 only";
+  else if (G <= 0 || G % 64 != 0)
+    reason = "variant 3 needs a granularity that is a multiple of 64";
+  if (reason) {
+    if (why) *why = reason;
+    return 0;
+  }
+  return 1;
+}
+
+extern "C" mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,
+                                          const mtrain_fwd_step_args_t *a) {
+  const char *why = NULL;
+  if (!cuda_wgmma_supports(s, a->dtype, st->d, st->G, &why))
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 forward: %s", why);
+  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15u) != 0)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda variant 3 forward: q, k and v must be 16-byte aligned");
+  const bool bf16 = a->dtype == MTRAIN_BF16;
+  if (st->d == 64)
+    return bf16 ? wg::fwd_g<64, __nv_bfloat16>(s, st, a) : wg::fwd_g<64, __half>(s, st, a);
+  return bf16 ? wg::fwd_g<128, __nv_bfloat16>(s, st, a) : wg::fwd_g<128, __half>(s, st, a);
+}
