@@ -2,7 +2,8 @@
  * register fragments that variant 3 feeds to wgmma (attn_wgmma_ptx.cuh) on
  * one tile, against a host computation: S = Q K^T (64 x 64, d = 128, K read
  * K-major from two 64-column panels) and O = P V (64 x 128, P = S rounded to
- * the storage type, from registers; V read N-major, two panels), for bf16
+ * the storage type, from registers; V read N-major, two panels), and the
+ * same with d = 64 (one panel), for bf16
  * and fp16 inputs with random values (fixed seed, printed). Exits 77 (ctest:
  * skipped) without a compute capability 9.0 GPU. */
 #include <cuda_runtime.h>
@@ -17,11 +18,11 @@
 
 namespace {
 
-constexpr int kD = 128, kRows = 64;
+constexpr int kRows = 64;
 
 /* The 64-row panel-layout loader of attn_wgmma_fwd.cu, restated for one
  * tile of contiguous rows (128 threads). */
-template <typename T> __device__ void load_panels(uint32_t sdst, const T *g, int tid) {
+template <int kD, typename T> __device__ void load_panels(uint32_t sdst, const T *g, int tid) {
   const int i0 = tid >> 3, c0 = tid & 7, cx = c0 ^ (i0 & 7);
   for (int r = 0; r < kRows / 16; ++r) {
     const int i = i0 + 16 * r;
@@ -31,7 +32,7 @@ template <typename T> __device__ void load_panels(uint32_t sdst, const T *g, int
   }
 }
 
-template <typename T>
+template <int kD, typename T>
 __global__ void __launch_bounds__(128)
     probe(const T *q, const T *k, const T *v, float *s_out, float *o_out) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -39,10 +40,10 @@ __global__ void __launch_bounds__(128)
 #else
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t s0 = (mma1::smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sK = s0, sV = s0 + 16384, sQ = s0 + 32768;
+  const uint32_t sK = s0, sV = s0 + kRows * kD * 2, sQ = s0 + 2 * kRows * kD * 2;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-  load_panels(sK, k, tid);
-  load_panels(sV, v, tid);
+  load_panels<kD>(sK, k, tid);
+  load_panels<kD>(sV, v, tid);
   {
     int64_t rows[mma2::LoadShape<128, kRows>::kRows];
     mma2::contiguous_rows_n<128, kRows>(rows, 0, kRows, tid);
@@ -74,17 +75,21 @@ __global__ void __launch_bounds__(128)
   uint32_t pa[4][4];
   for (int j = 0; j < 4; ++j)
     for (int r = 0; r < 4; ++r) pa[j][r] = mma1::pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
-  float o[64];
-  for (int x = 0; x < 64; ++x) o[x] = 0.f;
+  float o[kD / 2];
+  for (int x = 0; x < kD / 2; ++x) o[x] = 0.f;
   wg::wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    wg::wgmma_m64n128k16<T, 1>(o, pa[j],
-                               wg::sw128_desc(sV + (uint32_t)(j * 2048), kRows * 128, 1024));
+  for (int j = 0; j < 4; ++j) {
+    const uint64_t vd = wg::sw128_desc(sV + (uint32_t)(j * 2048), kRows * 128, 1024);
+    if constexpr (kD == 128)
+      wg::wgmma_m64n128k16<T, 1>(o, pa[j], vd);
+    else
+      wg::wgmma_m64n64k16<T, 1>(o, pa[j], vd);
+  }
   wg::wgmma_commit();
   wg::wgmma_wait<0>();
-  for (int x = 0; x < 64; ++x) wg::reg_fence(o[x]);
-  for (int x = 0; x < 64; ++x) {
+  for (int x = 0; x < kD / 2; ++x) wg::reg_fence(o[x]);
+  for (int x = 0; x < kD / 2; ++x) {
     const int row = 16 * warp + g + 8 * ((x >> 1) & 1), col = 8 * (x >> 2) + 2 * t4 + (x & 1);
     o_out[row * kD + col] = o[x];
   }
@@ -108,7 +113,7 @@ template <> __half from_float(float x) { return __float2half_rn(x); }
   } while (0)
 
 /* Returns 0 when S and O match the host within tolerance, 1 otherwise. */
-template <typename T> int run(const char *name, unsigned seed) {
+template <int kD, typename T> int run(const char *name, unsigned seed) {
   srand(seed);
   const int nq = kRows * kD;
   std::vector<T> hq(nq), hk(nq), hv(nq);
@@ -129,8 +134,8 @@ template <typename T> int run(const char *name, unsigned seed) {
   CK(cudaMemcpy(dk, hk.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dv, hv.data(), nq * sizeof(T), cudaMemcpyHostToDevice));
   const int smem = 48 * 1024 + 1024;
-  CK(cudaFuncSetAttribute(probe<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  probe<T><<<1, 128, smem>>>(dq, dk, dv, ds, dO);
+  CK(cudaFuncSetAttribute(probe<kD, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  probe<kD, T><<<1, 128, smem>>>(dq, dk, dv, ds, dO);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   std::vector<float> s(kRows * 64), o(nq);
@@ -160,9 +165,9 @@ template <typename T> int run(const char *name, unsigned seed) {
       if (!(e <= eo)) eo = e;
     }
   const int ok = es < 1e-3 && eo < 1e-2;
-  printf("%s (seed %u): S = Q K^T max |err| %.3e (worst row %d column %d), O = P V max |err| "
+  printf("%s d%d (seed %u): S = Q K^T max |err| %.3e (worst row %d column %d), O = P V max |err| "
          "%.3e: %s\n",
-         name, seed, es, bad_r, bad_c, eo, ok ? "ok" : "FAILED");
+         name, kD, seed, es, bad_r, bad_c, eo, ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
 }
 
@@ -179,7 +184,9 @@ int main(void) {
     printf("not a compute capability 9.0 GPU: skipped\n");
     return 77;
   }
-  int fails = run<__nv_bfloat16>("bf16", 1234u);
-  fails += run<__half>("fp16", 4321u);
+  int fails = run<128, __nv_bfloat16>("bf16", 1234u);
+  fails += run<128, __half>("fp16", 4321u);
+  fails += run<64, __nv_bfloat16>("bf16", 1234u);
+  fails += run<64, __half>("fp16", 4321u);
   return fails ? 1 : 0;
 }

@@ -314,7 +314,8 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a) {
   using S = FwdShape<D, NWG>;
   static std::atomic<unsigned long long> smem_set{0};
-  constexpr int smem = S::kSmem;
+  int smem = S::kSmem;
+  if (getenv("MTRAIN_DEBUG_WGMMA_PAD")) smem = smem < 120 * 1024 ? 120 * 1024 : smem; /* DEBUG */
   const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
   if (items <= 0) return MTRAIN_SUCCESS;
   if (items > 0x7fffffff)
