@@ -74,7 +74,7 @@ template <int D, int NWG> struct FwdShape {
   static constexpr int TBK = kKT * D * 2;
   static constexpr int TBQ = BM * D * 2;
   static constexpr int kRingOff = 4 * TBK;
-  static constexpr int kSmem = kRingOff + mma2::kRingBytes + 1024;
+  static constexpr int kSmem = kRingOff + TBQ + mma2::kRingBytes + 1024;
   static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
   static_assert(TBQ <= 2 * TBK, "Q is staged in the second K/V stage");
   static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
@@ -84,7 +84,7 @@ template <int D, typename T, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1)
     wgmma_fwd_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
                      const T *__restrict__ v, float *__restrict__ o_acc,
-                     float *__restrict__ lse_acc) {
+                     float *__restrict__ lse_acc, const int dbg) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap(); /* wgmma exists on sm_90a only; the host side refuses other devices */
 #else
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const uint32_t sraw = smem_u32(smem);
   const uint32_t s0 = (sraw + 1023u) & ~1023u;
   unsigned char *base = smem + (s0 - sraw);
-  TileRing &ring = *reinterpret_cast<TileRing *>(base + S::kRingOff);
+  TileRing &ring = *reinterpret_cast<TileRing *>(base + S::kRingOff + ((dbg & 1) ? S::TBQ : 0));
   if (tid == 0) {
     ring.start(st, h, qb, gq, qt * BM, rows_here);
     ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
@@ -125,7 +125,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const int64_t q_stride = (int64_t)st.Hq * D, kv_stride = (int64_t)st.Hkv * D;
   const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
   const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-  const uint32_t sKV = s0, sQ = s0 + 2 * TBK;
+  const uint32_t sKV = s0, sQ = (dbg & 1) ? s0 + 4 * TBK : (dbg & 2) ? s0 : s0 + 2 * TBK;
+  const int st0 = (dbg >> 1) & 1;
   const mma1::Frag<D> fr(lane);
 
   {
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   {
     int64_t rows[LoadShape<NT, kKT>::kRows];
     ring.tile_rows<NT>(st, ring.d[0], tid, rows);
-    load_rows_sw128<D, NT, kKT>(sKV, kbase, kv_stride, rows, tid);
-    load_rows_sw128<D, NT, kKT>(sKV + TBK, vbase, kv_stride, rows, tid);
+    load_rows_sw128<D, NT, kKT>(sKV + st0 * 2 * TBK, kbase, kv_stride, rows, tid);
+    load_rows_sw128<D, NT, kKT>(sKV + st0 * 2 * TBK + TBK, vbase, kv_stride, rows, tid);
   }
   cp_async_commit();
 
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     const int slot = it % 3, slot1 = slot == 2 ? 0 : slot + 1;
     const KTile2 nxt = ring.d[slot1];
     const bool more = nxt.kind != 0;
-    const int stage = it & 1;
+    const int stage = (it + st0) & 1;
     if (more) {
       const uint32_t sn = sKV + (uint32_t)((stage ^ 1) * 2 * TBK);
       int64_t rows[LoadShape<NT, kKT>::kRows];
@@ -332,7 +333,7 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
-      (float *)a->lse_acc);
+      (float *)a->lse_acc, getenv("MTRAIN_DEBUG_WGMMA") ? atoi(getenv("MTRAIN_DEBUG_WGMMA")) : 0);
   return cuda_check_launch("wgmma_fwd_kernel");
 }
 
