@@ -65,26 +65,68 @@ __device__ __forceinline__ void load_rows_sw128(uint32_t sdst, const T *g, int64
   }
 }
 
-/* Shared memory of the forward kernel: stage x holds K at 2 * TBK * x and
- * V at + TBK (each a 64-row panel tile); Q is staged in stage 1 (mma1's
- * tile layout, read once with ldmatrix); the TileRing follows. 1024 bytes
- * of slack align the base to the 128-byte swizzle's 1024-byte period. */
+/* Shared memory of the forward kernel: kStages stages, stage x holding K
+ * at 2 * TBK * x and V at + TBK (each a 64-row panel tile); Q is staged in
+ * stage 1 (mma1's tile layout, read once with ldmatrix); the TileRing
+ * follows. 1024 bytes of slack align the base to the 128-byte swizzle's
+ * 1024-byte period. Three stages: while tile n's K is read (S = Q K^T),
+ * tile n - 1's V is still read (O += P V) and tile n + 1 is loading. */
 template <int D, int NWG> struct FwdShape {
   static constexpr int NT = 128 * NWG, BM = 64 * NWG;
   static constexpr int TBK = kKT * D * 2;
   static constexpr int TBQ = BM * D * 2;
-  static constexpr int kRingOff = 4 * TBK;
-  static constexpr int kSmem = kRingOff + TBQ + mma2::kRingBytes + 1024;
+  static constexpr int kStages = 3;
+  static constexpr int kRingOff = kStages * 2 * TBK;
+  static constexpr int kSmem = kRingOff + mma2::kRingBytes + 1024;
   static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
   static_assert(TBQ <= 2 * TBK, "Q is staged in the second K/V stage");
   static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
 };
 
+/* Issues S += Q K^T for a 64-key tile: NKS wgmma k-slices, Q's A
+ * fragments from registers, K read K-major from the panel tile at sK. At
+ * d = 64 each k-slice is two m64n32k16 (keys 0-31, 32-63), so that S and
+ * O = P V (m64n64k16 there) are never products of the same shape: with
+ * both m64n64k16, the H200 computed the second and later key tiles wrong
+ * (deterministically; one tile was right), which a one-tile test with the
+ * same instructions does not show; the cause was not found. */
+template <int D, typename T>
+__device__ __forceinline__ void qk_product(float (&s)[32], const uint32_t (&qf)[D / 16][4],
+                                           uint32_t sK) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t kaddr = sK + (uint32_t)((kk >> 2) * kKT * 128 + (kk & 3) * 32);
+    if constexpr (D == 128) {
+      wgmma_m64n64k16<T, 0>(s, qf[kk], sw128_desc(kaddr, 16, 1024));
+    } else {
+      float(&lo)[16] = *reinterpret_cast<float(*)[16]>(&s[0]);
+      float(&hi)[16] = *reinterpret_cast<float(*)[16]>(&s[16]);
+      wgmma_m64n32k16<T, 0>(lo, qf[kk], sw128_desc(kaddr, 16, 1024));
+      wgmma_m64n32k16<T, 0>(hi, qf[kk], sw128_desc(kaddr + 32 * 128, 16, 1024));
+    }
+  }
+}
+
+/* Issues O += P V for a 64-key tile: 4 wgmma k-slices, P's A fragments
+ * pa[j] from registers, V read N-major from the panel tile at sV. */
+template <int D, typename T>
+__device__ __forceinline__ void pv_product(float (&o)[D / 2], const uint32_t (&pa)[4][4],
+                                           uint32_t sV) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint64_t vd = sw128_desc(sV + (uint32_t)(j * 16 * 128), kKT * 128, 1024);
+    if constexpr (D == 128)
+      wgmma_m64n128k16<T, 1>(o, pa[j], vd);
+    else
+      wgmma_m64n64k16<T, 1>(o, pa[j], vd);
+  }
+}
+
 template <int D, typename T, int NWG>
 __global__ void __launch_bounds__(128 * NWG, 1)
     wgmma_fwd_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
                      const T *__restrict__ v, float *__restrict__ o_acc,
-                     float *__restrict__ lse_acc, const int dbg) {
+                     float *__restrict__ lse_acc) {
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __trap(); /* wgmma exists on sm_90a only; the host side refuses other devices */
 #else
@@ -111,7 +153,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const uint32_t sraw = smem_u32(smem);
   const uint32_t s0 = (sraw + 1023u) & ~1023u;
   unsigned char *base = smem + (s0 - sraw);
-  TileRing &ring = *reinterpret_cast<TileRing *>(base + S::kRingOff + ((dbg & 1) ? S::TBQ : 0));
+  TileRing &ring = *reinterpret_cast<TileRing *>(base + S::kRingOff);
   if (tid == 0) {
     ring.start(st, h, qb, gq, qt * BM, rows_here);
     ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
@@ -125,8 +167,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const int64_t q_stride = (int64_t)st.Hq * D, kv_stride = (int64_t)st.Hkv * D;
   const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
   const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-  const uint32_t sKV = s0, sQ = (dbg & 1) ? s0 + 4 * TBK : (dbg & 2) ? s0 : s0 + 2 * TBK;
-  const int st0 = (dbg >> 1) & 1;
+  const uint32_t sKV = s0, sQ = s0 + 2 * TBK;
   const mma1::Frag<D> fr(lane);
 
   {
@@ -137,8 +178,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   {
     int64_t rows[LoadShape<NT, kKT>::kRows];
     ring.tile_rows<NT>(st, ring.d[0], tid, rows);
-    load_rows_sw128<D, NT, kKT>(sKV + st0 * 2 * TBK, kbase, kv_stride, rows, tid);
-    load_rows_sw128<D, NT, kKT>(sKV + st0 * 2 * TBK + TBK, vbase, kv_stride, rows, tid);
+    load_rows_sw128<D, NT, kKT>(sKV, kbase, kv_stride, rows, tid);
+    load_rows_sw128<D, NT, kKT>(sKV + TBK, vbase, kv_stride, rows, tid);
   }
   cp_async_commit();
 
@@ -160,17 +201,28 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float sl2 = st.scale * kLog2e;
 
-  int it = 0; /* tile index: ring slot it % 3, stage it % 2 */
+  /* Software pipeline per warpgroup (the product of tile n - 1's P and V
+   * runs on the tensor cores while the warps compute tile n's softmax):
+   *   issue S_n = Q K_n^T; issue O += P_{n-1} V_{n-1}; wait for S_n;
+   *   softmax of S_n (new max, alpha, P_n); wait for O; O *= alpha;
+   *   P_n packed into A fragments, pending for the next iteration.
+   * pend: a P is pending, with its V in stage pv. A warpgroup that skips a
+   * tile (causal diagonal, padding rows) first flushes its pending P. */
+  uint32_t pa[4][4];
+  bool pend = false;
+  uint32_t pv = 0;
+  int it = 0; /* tile index: ring slot it % 3, stage it % kStages */
+  int stage = 0;
   for (;;) {
     cp_async_wait<0>();  /* tile it has landed (this thread's part) */
     fence_proxy_async(); /* ... visible to wgmma's reads */
-    __syncthreads();     /* ... every thread's; the other stage is free */
+    __syncthreads();     /* ... every thread's; stage it + 1 is free */
     const int slot = it % 3, slot1 = slot == 2 ? 0 : slot + 1;
     const KTile2 nxt = ring.d[slot1];
     const bool more = nxt.kind != 0;
-    const int stage = (it + st0) & 1;
+    const int stage1 = stage == S::kStages - 1 ? 0 : stage + 1;
     if (more) {
-      const uint32_t sn = sKV + (uint32_t)((stage ^ 1) * 2 * TBK);
+      const uint32_t sn = sKV + (uint32_t)(stage1 * 2 * TBK);
       int64_t rows[LoadShape<NT, kKT>::kRows];
       ring.tile_rows<NT>(st, nxt, tid, rows);
       load_rows_sw128<D, NT, kKT>(sn, kbase, kv_stride, rows, tid);
@@ -190,13 +242,15 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 #pragma unroll
       for (int x = 0; x < 32; ++x) s[x] = 0.f;
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < NKS; ++kk)
-        wgmma_m64n64k16<T, 0>(
-            s, qf[kk],
-            sw128_desc(sK + (uint32_t)((kk >> 2) * kKT * 128 + (kk & 3) * 32), 16, 1024));
+      qk_product<D, T>(s, qf, sK);
       wgmma_commit();
-      wgmma_wait<0>();
+      if (pend) {
+        pv_product<D, T>(o, pa, pv);
+        wgmma_commit();
+        wgmma_wait<1>(); /* S_n done; the P V product may still run */
+      } else {
+        wgmma_wait<0>();
+      }
 #pragma unroll
       for (int x = 0; x < 32; ++x) reg_fence(s[x]);
 
@@ -234,6 +288,11 @@ __global__ void __launch_bounds__(128 * NWG, 1)
         }
         l[hh] = l[hh] * alpha[hh] + sum;
       }
+      if (pend) {
+        wgmma_wait<0>(); /* O += P_{n-1} V_{n-1} done */
+#pragma unroll
+        for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+      }
       if (__any_sync(0xffffffffu, changed)) {
 #pragma unroll
         for (int n = 0; n < NO / 4; ++n) {
@@ -244,9 +303,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
         }
       }
 
-      /* O += P V: k-slice j = keys 16j .. 16j + 15, P's A fragment packed
-       * from the C fragments of key columns 16j.. and 16j + 8.. */
-      uint32_t pa[4][4];
+      /* P_n's A fragments for k-slice j = keys 16j .. 16j + 15, packed from
+       * the C fragments of key columns 16j.. and 16j + 8.. */
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
@@ -254,22 +312,29 @@ __global__ void __launch_bounds__(128 * NWG, 1)
         pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
         pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
       }
+      pend = true;
+      pv = sV;
+    } else if (pend) {
+      /* flush before this stage's V can be refilled */
       wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint64_t vd = sw128_desc(sV + (uint32_t)(j * 16 * 128), kKT * 128, 1024);
-        if constexpr (D == 128)
-          wgmma_m64n128k16<T, 1>(o, pa[j], vd);
-        else
-          wgmma_m64n64k16<T, 1>(o, pa[j], vd);
-      }
+      pv_product<D, T>(o, pa, pv);
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
       for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+      pend = false;
     }
     if (!more) break;
     ++it;
+    stage = stage1;
+  }
+  if (pend) {
+    wgmma_fence();
+    pv_product<D, T>(o, pa, pv);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int x = 0; x < NO; ++x) reg_fence(o[x]);
   }
 
   /* merge the step's (lse_s, O / l) into the running values, row by row */
@@ -315,8 +380,7 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a) {
   using S = FwdShape<D, NWG>;
   static std::atomic<unsigned long long> smem_set{0};
-  int smem = S::kSmem;
-  if (getenv("MTRAIN_DEBUG_WGMMA_PAD")) smem = smem < 120 * 1024 ? 120 * 1024 : smem; /* DEBUG */
+  constexpr int smem = S::kSmem;
   const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
   if (items <= 0) return MTRAIN_SUCCESS;
   if (items > 0x7fffffff)
@@ -333,7 +397,7 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
-      (float *)a->lse_acc, getenv("MTRAIN_DEBUG_WGMMA") ? atoi(getenv("MTRAIN_DEBUG_WGMMA")) : 0);
+      (float *)a->lse_acc);
   return cuda_check_launch("wgmma_fwd_kernel");
 }
 
