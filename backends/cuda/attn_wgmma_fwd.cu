@@ -1,19 +1,22 @@
 /* attn_wgmma_fwd.cu: the forward step of variant 3 (Hopper tensor cores,
  * sm_90a): cuda_wgmma_supports and cuda_wgmma_fwd. Variant 2's forward
- * (attn_mma2_fwd.cu) with the matrix products moved from mma.sync to
- * warpgroup MMA (wgmma.mma_async, attn_wgmma_ptx.cuh):
+ * (attn_mma2_fwd.cu) with the matrix products on warpgroup MMA
+ * (wgmma.mma_async, attn_wgmma_ptx.cuh) and warp-specialised loads:
  *  - one CTA per (query head, query tile of BM = 64 * NWG rows): NWG
- *    warpgroups of 4 warps, each owning 64 query rows (NWG = 2 when G is a
- *    multiple of 128, else 1);
- *  - Q stays in registers as A fragments (loaded once with ldmatrix);
- *  - K and V tiles stream through two cp.async stages stored in the
- *    128-byte-swizzle panel layout that wgmma reads through descriptors:
- *    S = Q K^T is 8 (d 128) or 4 (d 64) wgmma m64n64k16 reading K
- *    K-major, O += P V is 4 wgmma m64n{d}k16 with P from registers and V
- *    read N-major; no ldmatrix in the key loop;
- *  - the key walk (runs then bars, TileRing in shared memory), the masks,
- *    the online softmax in the log2 domain, the skipped O rescale and the
- *    epilogue's merge into o_acc / lse_acc are variant 2's, per warp.
+ *    consumer warpgroups of 4 warps, each owning 64 query rows (NWG = 2
+ *    when G is a multiple of 128, else 1), and one producer warp;
+ *  - the producer walks the item's key tiles (runs, then bars 64 at a
+ *    time) and copies each tile's K and V rows with cp.async into a stage
+ *    of three, in the 128-byte-swizzle panel layout that wgmma reads
+ *    through descriptors; mbarriers hand stages over (full: copies landed
+ *    and the tile's descriptor published; empty: every consumer done), so
+ *    the two warpgroups run at their own pace, without CTA barriers;
+ *  - Q stays in registers as A fragments (loaded once with ldmatrix); per
+ *    key tile S = Q K^T is 8 (d 128) or 8 half-width (d 64) wgmma reading
+ *    K K-major, O += P V is 4 wgmma m64n{d}k16 with P from registers and V
+ *    read N-major;
+ *  - the masks, the online softmax in the log2 domain, the skipped O
+ *    rescale and the epilogue's merge into o_acc / lse_acc are variant 2's.
  * The backward of variant 3 is variant 2's (attn_mma2_bwd.cu). */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -37,51 +40,82 @@ using mma1::ldsm_x4;
 using mma1::pack2;
 using mma1::smem_u32;
 using mma2::contiguous_rows_n;
+using mma2::KeyWalk2;
 using mma2::kKT;
 using mma2::KTile2;
 using mma2::load_rows_n;
 using mma2::LoadShape;
-using mma2::TileRing;
 
-/* Loads R rows into an R-row tile of the 128-byte-swizzle panel layout at
- * sdst (1024-byte aligned): tile row i = tid/8 + (NT/8) r comes from g +
- * rows[r] * stride (elements), zero-filled where rows[r] < 0. Thread tid
- * copies logical chunk tid % 8 of each panel of its rows; 8 threads write
- * one panel row's 128 bytes per instruction (no bank conflicts). */
-template <int D, int NT, int R, typename T>
-__device__ __forceinline__ void load_rows_sw128(uint32_t sdst, const T *g, int64_t stride,
-                                                const int64_t (&rows)[LoadShape<NT, R>::kRows],
-                                                int tid) {
-  using LS = LoadShape<NT, R>;
-  const int i0 = tid >> 3, c0 = tid & 7, cx = c0 ^ (i0 & 7);
+/* The forward kernel's CTA: NWG consumer warpgroups (64 query rows each)
+ * and one producer warp. Shared memory: kStages stages of (K, V) panel
+ * tiles (stage x: K at 2 * TBK * x, V at + TBK); the Q tile (mma1's layout,
+ * read once with ldmatrix); the control block (per stage: the tile's
+ * descriptor and the full / empty mbarriers). 1024 bytes of slack align
+ * the base to the 128-byte swizzle's 1024-byte period. */
+template <int D, int NWG> struct FwdShape {
+  static constexpr int NC = 128 * NWG; /* consumer threads */
+  static constexpr int NT = NC + 32;   /* and the producer warp */
+  static constexpr int BM = 64 * NWG;
+  static constexpr int TBK = kKT * D * 2;
+  static constexpr int TBQ = BM * D * 2;
+  static constexpr int kStages = 3;
+  static constexpr int kQOff = kStages * 2 * TBK;
+  static constexpr int kCtlOff = kQOff + TBQ;
+  static constexpr int kSmem = kCtlOff + 256 + 1024;
+  static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
+  static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
+};
+
+/* The control block: tile n of the walk sits in stage n % kStages; the
+ * producer publishes its descriptor in tile[] and completes full[] (32
+ * arrivals, one per producer lane, after its copies have landed); the
+ * consumers complete empty[] (NC arrivals) once their products have read
+ * the stage. kind == 0 in a published descriptor ends the walk. */
+struct FwdCtl {
+  KTile2 tile[3];
+  uint64_t full[3], empty[3];
+};
+static_assert(sizeof(FwdCtl) <= 256, "control block");
+
+/* The producer warp's rows of a 64-key tile: lane handles chunk lane % 8
+ * of tile rows lane / 8 + 4 r (r < 16); -1 past the valid keys. */
+__device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile2 &t,
+                                              const KeyWalk2 &w, int lane, int64_t (&rows)[16]) {
+  const int i0 = lane >> 3;
+  if (t.kind == 1) {
 #pragma unroll
-  for (int r = 0; r < LS::kRows; ++r) {
-    const int i = i0 + LS::kStep * r;
+    for (int r = 0; r < 16; ++r) {
+      const int i = i0 + 4 * r;
+      rows[r] = i < t.nvalid ? (int64_t)t.a + i : -1;
+    }
+  } else {
+    const int32_t *sg = st.idx + w.segs, *bl = st.idx + w.bars;
+    int cs = t.a, cb = t.b;
+    mma1::seg_walk(sg, w.s_end, cs, cb, i0);
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      rows[r] = i0 + 4 * r < t.nvalid ? (int64_t)bl[cb] : -1;
+      if (r + 1 < 16) mma1::seg_walk(sg, w.s_end, cs, cb, 4);
+    }
+  }
+}
+
+/* The producer warp loads the 64 rows into the panel tile at sdst. */
+template <int D, typename T>
+__device__ __forceinline__ void producer_load(uint32_t sdst, const T *g, int64_t stride,
+                                              const int64_t (&rows)[16], int lane) {
+  const int i0 = lane >> 3, c0 = lane & 7;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const int i = i0 + 4 * r;
+    const int cx = c0 ^ (i & 7);
     const bool ok = rows[r] >= 0;
     const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
 #pragma unroll
     for (int p = 0; p < D / 64; ++p)
-      cp_async16(sdst + (uint32_t)(p * R * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
+      cp_async16(sdst + (uint32_t)(p * kKT * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
   }
 }
-
-/* Shared memory of the forward kernel: kStages stages, stage x holding K
- * at 2 * TBK * x and V at + TBK (each a 64-row panel tile); Q is staged in
- * stage 1 (mma1's tile layout, read once with ldmatrix); the TileRing
- * follows. 1024 bytes of slack align the base to the 128-byte swizzle's
- * 1024-byte period. Three stages: while tile n's K is read (S = Q K^T),
- * tile n - 1's V is still read (O += P V) and tile n + 1 is loading. */
-template <int D, int NWG> struct FwdShape {
-  static constexpr int NT = 128 * NWG, BM = 64 * NWG;
-  static constexpr int TBK = kKT * D * 2;
-  static constexpr int TBQ = BM * D * 2;
-  static constexpr int kStages = 3;
-  static constexpr int kRingOff = kStages * 2 * TBK;
-  static constexpr int kSmem = kRingOff + mma2::kRingBytes + 1024;
-  static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
-  static_assert(TBQ <= 2 * TBK, "Q is staged in the second K/V stage");
-  static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
-};
 
 /* Issues S += Q K^T for a 64-key tile: NKS wgmma k-slices, Q's A
  * fragments from registers, K read K-major from the panel tile at sK. At
@@ -123,7 +157,7 @@ __device__ __forceinline__ void pv_product(float (&o)[D / 2], const uint32_t (&p
 }
 
 template <int D, typename T, int NWG>
-__global__ void __launch_bounds__(128 * NWG, 1)
+__global__ void __launch_bounds__(128 * NWG + 32, 1)
     wgmma_fwd_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
                      const T *__restrict__ v, float *__restrict__ o_acc,
                      float *__restrict__ lse_acc) {
@@ -132,13 +166,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 #else
   extern __shared__ __align__(1024) unsigned char smem[];
   using S = FwdShape<D, NWG>;
-  constexpr int NT = S::NT, BM = S::BM, TBK = S::TBK;
+  constexpr int NC = S::NC, BM = S::BM, TBK = S::TBK, NST = S::kStages;
   constexpr int NKS = D / 16; /* k-slices of Q K^T */
   constexpr int NO = D / 2;   /* O accumulators per thread (64 rows x D per warpgroup) */
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int wgr0 = (warp >> 2) * 64; /* the warpgroup's first tile row */
-  const int wr0 = warp * 16;         /* the warp's first tile row */
 
   /* item: heaviest (last) query tiles first, the heads of one tile together */
   const int tpb = st.G / BM;
@@ -152,44 +183,80 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   if (rows_here <= 0) return;
   const uint32_t sraw = smem_u32(smem);
   const uint32_t s0 = (sraw + 1023u) & ~1023u;
-  unsigned char *base = smem + (s0 - sraw);
-  TileRing &ring = *reinterpret_cast<TileRing *>(base + S::kRingOff);
+  FwdCtl &ctl = *reinterpret_cast<FwdCtl *>(smem + (s0 - sraw) + S::kCtlOff);
+  const uint32_t sKV = s0, sQ = s0 + S::kQOff;
+  const uint32_t full0 = smem_u32(&ctl.full[0]), empty0 = smem_u32(&ctl.empty[0]);
   if (tid == 0) {
-    ring.start(st, h, qb, gq, qt * BM, rows_here);
-    ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-    ring.rows = rows_here;
-    ring.h = h;
+    for (int x = 0; x < NST; ++x) {
+      mbar_init(full0 + 8 * x, 32);
+      mbar_init(empty0 + 8 * x, NC);
+    }
   }
   __syncthreads();
-  if (ring.d[0].kind == 0) return; /* no key for any row: nothing changes */
 
   const int hk = h / st.group;
-  const int64_t q_stride = (int64_t)st.Hq * D, kv_stride = (int64_t)st.Hkv * D;
+  const int64_t kv_stride = (int64_t)st.Hkv * D;
   const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
+
+  if (warp == 4 * NWG) {
+    /* ---- producer warp: walks the key tiles (every lane alike), loads
+     * tile n into stage n % NST once the consumers released it, publishes
+     * tile n - 1 when its copies have landed (two tiles in flight) ---- */
+    KeyWalk2 w;
+    w.init(st, h, qb, gq, qt * BM, rows_here);
+    KTile2 prev;
+    prev.kind = 0;
+    for (int n = 0;; ++n) {
+      KTile2 t;
+      const bool have = w.next(st, t);
+      const int sn = n % NST;
+      if (n >= NST)
+        while (!mbar_try_wait(empty0 + 8 * sn, (uint32_t)((n / NST - 1) & 1))) {
+        }
+      if (have) {
+        int64_t rows[16];
+        producer_rows(st, t, w, lane, rows);
+        const uint32_t sk = sKV + (uint32_t)(sn * 2 * TBK);
+        producer_load<D>(sk, kbase, kv_stride, rows, lane);
+        producer_load<D>(sk + TBK, vbase, kv_stride, rows, lane);
+      }
+      cp_async_commit();
+      if (n > 0) {
+        const int sp = (n - 1) % NST;
+        cp_async_wait<1>();  /* tile n - 1 has landed (this lane's copies) */
+        fence_proxy_async(); /* ... visible to wgmma's reads */
+        if (lane == 0) ctl.tile[sp] = prev;
+        mbar_arrive(full0 + 8 * sp); /* release: the copies and the descriptor */
+      }
+      if (!have) {
+        if (lane == 0) ctl.tile[sn].kind = 0;
+        mbar_arrive(full0 + 8 * sn);
+        break;
+      }
+      prev = t;
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  /* ---- consumer warpgroups ---- */
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wgr0 = (warp >> 2) * 64; /* the warpgroup's first tile row */
+  const int wr0 = warp * 16;         /* the warp's first tile row */
   const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-  const uint32_t sKV = s0, sQ = s0 + 2 * TBK;
-  const mma1::Frag<D> fr(lane);
-
   {
-    int64_t rows[LoadShape<NT, BM>::kRows];
-    contiguous_rows_n<NT, BM>(rows, qrow0, rows_here, tid);
-    load_rows_n<D, NT, BM>(sQ, q + (int64_t)h * D, q_stride, rows, tid);
+    int64_t rows[LoadShape<NC, BM>::kRows];
+    contiguous_rows_n<NC, BM>(rows, qrow0, rows_here, tid);
+    load_rows_n<D, NC, BM>(sQ, q + (int64_t)h * D, (int64_t)st.Hq * D, rows, tid);
+    cp_async_commit();
   }
-  {
-    int64_t rows[LoadShape<NT, kKT>::kRows];
-    ring.tile_rows<NT>(st, ring.d[0], tid, rows);
-    load_rows_sw128<D, NT, kKT>(sKV, kbase, kv_stride, rows, tid);
-    load_rows_sw128<D, NT, kKT>(sKV + TBK, vbase, kv_stride, rows, tid);
-  }
-  cp_async_commit();
-
-  uint32_t qf[NKS][4];
   cp_async_wait<0>();
-  __syncthreads();
+  named_barrier(1, NC);
+  const mma1::Frag<D> fr(lane);
+  uint32_t qf[NKS][4];
 #pragma unroll
   for (int kk = 0; kk < NKS; ++kk)
     ldsm_x4(sQ + fr.A(wr0, 2 * kk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
-  __syncthreads(); /* stage 1 is refilled below */
 
   /* o[4n + e]: C fragment of the warp's rows (e < 2: row g, else g + 8),
    * output columns 8n + 2 t4 + (e & 1). m[hh], l[hh]: running max (log2
@@ -201,41 +268,16 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float sl2 = st.scale * kLog2e;
 
-  /* Software pipeline per warpgroup (the product of tile n - 1's P and V
-   * runs on the tensor cores while the warps compute tile n's softmax):
-   *   issue S_n = Q K_n^T; issue O += P_{n-1} V_{n-1}; wait for S_n;
-   *   softmax of S_n (new max, alpha, P_n); wait for O; O *= alpha;
-   *   P_n packed into A fragments, pending for the next iteration.
-   * pend: a P is pending, with its V in stage pv. A warpgroup that skips a
-   * tile (causal diagonal, padding rows) first flushes its pending P. */
-  uint32_t pa[4][4];
-  bool pend = false;
-  uint32_t pv = 0;
-  int it = 0; /* tile index: ring slot it % 3, stage it % kStages */
-  int stage = 0;
-  for (;;) {
-    cp_async_wait<0>();  /* tile it has landed (this thread's part) */
-    fence_proxy_async(); /* ... visible to wgmma's reads */
-    __syncthreads();     /* ... every thread's; stage it + 1 is free */
-    const int slot = it % 3, slot1 = slot == 2 ? 0 : slot + 1;
-    const KTile2 nxt = ring.d[slot1];
-    const bool more = nxt.kind != 0;
-    const int stage1 = stage == S::kStages - 1 ? 0 : stage + 1;
-    if (more) {
-      const uint32_t sn = sKV + (uint32_t)(stage1 * 2 * TBK);
-      int64_t rows[LoadShape<NT, kKT>::kRows];
-      ring.tile_rows<NT>(st, nxt, tid, rows);
-      load_rows_sw128<D, NT, kKT>(sn, kbase, kv_stride, rows, tid);
-      load_rows_sw128<D, NT, kKT>(sn + TBK, vbase, kv_stride, rows, tid);
-      cp_async_commit();
-      if (tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
+  for (int n = 0;; ++n) {
+    const int sn = n % NST;
+    while (!mbar_try_wait(full0 + 8 * sn, (uint32_t)((n / NST) & 1))) {
     }
-    const int c_nvalid = ring.d[slot].nvalid, c_causal = ring.d[slot].causal;
-    const int c_off = ring.d[slot].off;
-    const uint32_t sK = sKV + (uint32_t)(stage * 2 * TBK), sV = sK + TBK;
+    const KTile2 t = ctl.tile[sn];
+    if (t.kind == 0) break;
+    const uint32_t sK = sKV + (uint32_t)(sn * 2 * TBK), sV = sK + TBK;
     /* the warpgroup's 64 rows all padding, or all before the tile's keys
      * (uniform over the warpgroup, as wgmma requires) */
-    const bool skip = wgr0 >= rows_here || (c_causal && c_off > wgr0 + 63);
+    const bool skip = wgr0 >= rows_here || (t.causal && t.off > wgr0 + 63);
     if (!skip) {
       /* S = Q K^T: s[4n + e] = key column 8n + 2 t4 + (e & 1) */
       float s[32];
@@ -244,23 +286,17 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       wgmma_fence();
       qk_product<D, T>(s, qf, sK);
       wgmma_commit();
-      if (pend) {
-        pv_product<D, T>(o, pa, pv);
-        wgmma_commit();
-        wgmma_wait<1>(); /* S_n done; the P V product may still run */
-      } else {
-        wgmma_wait<0>();
-      }
+      wgmma_wait<0>();
 #pragma unroll
       for (int x = 0; x < 32; ++x) reg_fence(s[x]);
 
       /* masked scores -inf (raw scores; the scale is applied below) */
-      if (c_nvalid < kKT || (c_causal && c_off + kKT - 1 > wr0)) {
+      if (t.nvalid < kKT || (t.causal && t.off + kKT - 1 > wr0)) {
 #pragma unroll
         for (int x = 0; x < 32; ++x) {
           const int col = (x >> 2) * 8 + 2 * t4 + (x & 1);
           const int row = wr0 + g + (((x >> 1) & 1) << 3);
-          if (col >= c_nvalid || (c_causal && col + c_off > row)) s[x] = -INFINITY;
+          if (col >= t.nvalid || (t.causal && col + t.off > row)) s[x] = -INFINITY;
         }
       }
 
@@ -271,7 +307,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       for (int hh = 0; hh < 2; ++hh) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * hh], s[4 * n + 2 * hh + 1]));
+        for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hh], s[4 * c + 2 * hh + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mnew = fmaxf(m[hh], mx * sl2);
@@ -281,30 +317,26 @@ __global__ void __launch_bounds__(128 * NWG, 1)
         m[hh] = mnew;
         float sum = 0.f;
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          s[4 * n + 2 * hh] = fast_exp2(fmaf(s[4 * n + 2 * hh], sl2, -mu));
-          s[4 * n + 2 * hh + 1] = fast_exp2(fmaf(s[4 * n + 2 * hh + 1], sl2, -mu));
-          sum += s[4 * n + 2 * hh] + s[4 * n + 2 * hh + 1];
+        for (int c = 0; c < 8; ++c) {
+          s[4 * c + 2 * hh] = fast_exp2(fmaf(s[4 * c + 2 * hh], sl2, -mu));
+          s[4 * c + 2 * hh + 1] = fast_exp2(fmaf(s[4 * c + 2 * hh + 1], sl2, -mu));
+          sum += s[4 * c + 2 * hh] + s[4 * c + 2 * hh + 1];
         }
         l[hh] = l[hh] * alpha[hh] + sum;
       }
-      if (pend) {
-        wgmma_wait<0>(); /* O += P_{n-1} V_{n-1} done */
-#pragma unroll
-        for (int x = 0; x < NO; ++x) reg_fence(o[x]);
-      }
       if (__any_sync(0xffffffffu, changed)) {
 #pragma unroll
-        for (int n = 0; n < NO / 4; ++n) {
-          o[4 * n] *= alpha[0];
-          o[4 * n + 1] *= alpha[0];
-          o[4 * n + 2] *= alpha[1];
-          o[4 * n + 3] *= alpha[1];
+        for (int c = 0; c < NO / 4; ++c) {
+          o[4 * c] *= alpha[0];
+          o[4 * c + 1] *= alpha[0];
+          o[4 * c + 2] *= alpha[1];
+          o[4 * c + 3] *= alpha[1];
         }
       }
 
-      /* P_n's A fragments for k-slice j = keys 16j .. 16j + 15, packed from
-       * the C fragments of key columns 16j.. and 16j + 8.. */
+      /* O += P V: P's A fragment of k-slice j (keys 16j .. 16j + 15) packed
+       * from the C fragments of key columns 16j.. and 16j + 8.. */
+      uint32_t pa[4][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
@@ -312,42 +344,25 @@ __global__ void __launch_bounds__(128 * NWG, 1)
         pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
         pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
       }
-      pend = true;
-      pv = sV;
-    } else if (pend) {
-      /* flush before this stage's V can be refilled */
       wgmma_fence();
-      pv_product<D, T>(o, pa, pv);
+      pv_product<D, T>(o, pa, sV);
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
       for (int x = 0; x < NO; ++x) reg_fence(o[x]);
-      pend = false;
     }
-    if (!more) break;
-    ++it;
-    stage = stage1;
-  }
-  if (pend) {
-    wgmma_fence();
-    pv_product<D, T>(o, pa, pv);
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+    mbar_arrive(empty0 + 8 * sn); /* this thread's reads of the stage are done */
   }
 
   /* merge the step's (lse_s, O / l) into the running values, row by row */
-  const int64_t e_row0 = ring.row0;
-  const int e_rows = ring.rows, e_h = ring.h;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float li = l[hh];
     li += __shfl_xor_sync(0xffffffffu, li, 1);
     li += __shfl_xor_sync(0xffffffffu, li, 2);
     const int row = wr0 + 8 * hh + g;
-    const bool valid = row < e_rows;
-    const int64_t gi = (e_row0 + row) * st.Hq + e_h;
+    const bool valid = row < rows_here;
+    const int64_t gi = (qrow0 + row) * st.Hq + h;
     /* one read of the old LSE per row, broadcast over the row's 4 lanes,
      * so that lane t4 == 0's store below cannot race with a read */
     float lse_old = (valid && t4 == 0) ? lse_acc[gi] : 0.f;
@@ -360,11 +375,11 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       const float a_new = w_new * inv;
       float *orow = o_acc + gi * D;
 #pragma unroll
-      for (int n = 0; n < NO / 4; ++n) {
-        float2 *p = reinterpret_cast<float2 *>(orow + n * 8 + 2 * t4);
+      for (int c = 0; c < NO / 4; ++c) {
+        float2 *p = reinterpret_cast<float2 *>(orow + c * 8 + 2 * t4);
         float2 x = *p;
-        x.x = w_old * x.x + a_new * o[4 * n + 2 * hh];
-        x.y = w_old * x.y + a_new * o[4 * n + 2 * hh + 1];
+        x.x = w_old * x.x + a_new * o[4 * c + 2 * hh];
+        x.y = w_old * x.y + a_new * o[4 * c + 2 * hh + 1];
         *p = x;
       }
       if (t4 == 0) lse_acc[gi] = lse_new;

@@ -205,6 +205,30 @@ __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], const uint32_t (
   }
 }
 
+/* mbarrier (shared memory, CTA scope): init with the expected arrivals;
+ * arrive (release); try_wait on the phase of the given parity (acquire):
+ * true once that phase has completed. */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+               "selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(ok)
+               : "r"(bar), "r"(parity)
+               : "memory");
+  return ok != 0;
+}
+
+/* Barrier `id` (1..15) over `count` threads (a multiple of 32). */
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 /* ---- end of PTX wrappers of variant 3 ---- */
 
 } /* namespace wg */
