@@ -4,7 +4,7 @@
  * (wgmma.mma_async, attn_wgmma_ptx.cuh) and warp-specialised loads:
  *  - one CTA per (query head, query tile of BM = 64 * NWG rows): NWG
  *    consumer warpgroups of 4 warps, each owning 64 query rows (NWG = 2
- *    when G is a multiple of 128, else 1), and one producer warp;
+ *    when G is a multiple of 128, else 1), and one producer warpgroup;
  *  - the producer walks the item's key tiles (runs, then bars 64 at a
  *    time) and copies each tile's K and V rows with cp.async into a stage
  *    of three, in the 128-byte-swizzle panel layout that wgmma reads
@@ -47,14 +47,19 @@ using mma2::load_rows_n;
 using mma2::LoadShape;
 
 /* The forward kernel's CTA: NWG consumer warpgroups (64 query rows each)
- * and one producer warp. Shared memory: kStages stages of (K, V) panel
+ * and one producer warpgroup. Shared memory: kStages stages of (K, V) panel
  * tiles (stage x: K at 2 * TBK * x, V at + TBK); the Q tile (mma1's layout,
  * read once with ldmatrix); the control block (per stage: the tile's
  * descriptor and the full / empty mbarriers). 1024 bytes of slack align
  * the base to the 128-byte swizzle's 1024-byte period. */
+/* Producer threads: one warpgroup, so that 4 warps keep the copies of
+ * up to two tiles in flight (a single warp could not feed the consumers). */
+constexpr int kProducers = 128;
+
 template <int D, int NWG> struct FwdShape {
-  static constexpr int NC = 128 * NWG; /* consumer threads */
-  static constexpr int NT = NC + 32;   /* and the producer warp */
+  static constexpr int NC = 128 * NWG;  /* consumer threads */
+  static constexpr int NP = kProducers; /* producer threads */
+  static constexpr int NT = NC + NP;
   static constexpr int BM = 64 * NWG;
   static constexpr int TBK = kKT * D * 2;
   static constexpr int TBQ = BM * D * 2;
@@ -67,8 +72,8 @@ template <int D, int NWG> struct FwdShape {
 };
 
 /* The control block: tile n of the walk sits in stage n % kStages; the
- * producer publishes its descriptor in tile[] and completes full[] (32
- * arrivals, one per producer lane, after its copies have landed); the
+ * producer publishes its descriptor in tile[] and completes full[] (one
+ * arrival per producer thread, after its copies have landed); the
  * consumers complete empty[] (NC arrivals) once their products have read
  * the stage. kind == 0 in a published descriptor ends the walk. */
 struct FwdCtl {
@@ -77,15 +82,18 @@ struct FwdCtl {
 };
 static_assert(sizeof(FwdCtl) <= 256, "control block");
 
-/* The producer warp's rows of a 64-key tile: lane handles chunk lane % 8
- * of tile rows lane / 8 + 4 r (r < 16); -1 past the valid keys. */
+/* Rows per producer thread of a 64-key tile: producer thread p handles
+ * chunk p % 8 of tile rows p / 8 + (NP / 8) r (r < kPRows). */
+constexpr int kPStep = kProducers / 8, kPRows = kKT / kPStep;
+
+/* The producer thread's rows of tile t; -1 past the valid keys. */
 __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile2 &t,
-                                              const KeyWalk2 &w, int lane, int64_t (&rows)[16]) {
-  const int i0 = lane >> 3;
+                                              const KeyWalk2 &w, int p, int64_t (&rows)[kPRows]) {
+  const int i0 = p >> 3;
   if (t.kind == 1) {
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int i = i0 + 4 * r;
+    for (int r = 0; r < kPRows; ++r) {
+      const int i = i0 + kPStep * r;
       rows[r] = i < t.nvalid ? (int64_t)t.a + i : -1;
     }
   } else {
@@ -93,21 +101,21 @@ __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile
     int cs = t.a, cb = t.b;
     mma1::seg_walk(sg, w.s_end, cs, cb, i0);
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      rows[r] = i0 + 4 * r < t.nvalid ? (int64_t)bl[cb] : -1;
-      if (r + 1 < 16) mma1::seg_walk(sg, w.s_end, cs, cb, 4);
+    for (int r = 0; r < kPRows; ++r) {
+      rows[r] = i0 + kPStep * r < t.nvalid ? (int64_t)bl[cb] : -1;
+      if (r + 1 < kPRows) mma1::seg_walk(sg, w.s_end, cs, cb, kPStep);
     }
   }
 }
 
-/* The producer warp loads the 64 rows into the panel tile at sdst. */
+/* The producer threads load the 64 rows into the panel tile at sdst. */
 template <int D, typename T>
 __device__ __forceinline__ void producer_load(uint32_t sdst, const T *g, int64_t stride,
-                                              const int64_t (&rows)[16], int lane) {
-  const int i0 = lane >> 3, c0 = lane & 7;
+                                              const int64_t (&rows)[kPRows], int p) {
+  const int i0 = p >> 3, c0 = p & 7;
 #pragma unroll
-  for (int r = 0; r < 16; ++r) {
-    const int i = i0 + 4 * r;
+  for (int r = 0; r < kPRows; ++r) {
+    const int i = i0 + kPStep * r;
     const int cx = c0 ^ (i & 7);
     const bool ok = rows[r] >= 0;
     const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
@@ -157,7 +165,7 @@ __device__ __forceinline__ void pv_product(float (&o)[D / 2], const uint32_t (&p
 }
 
 template <int D, typename T, int NWG>
-__global__ void __launch_bounds__(128 * NWG + 32, 1)
+__global__ void __launch_bounds__(128 * NWG + kProducers, 1)
     wgmma_fwd_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
                      const T *__restrict__ v, float *__restrict__ o_acc,
                      float *__restrict__ lse_acc) {
@@ -188,7 +196,7 @@ __global__ void __launch_bounds__(128 * NWG + 32, 1)
   const uint32_t full0 = smem_u32(&ctl.full[0]), empty0 = smem_u32(&ctl.empty[0]);
   if (tid == 0) {
     for (int x = 0; x < NST; ++x) {
-      mbar_init(full0 + 8 * x, 32);
+      mbar_init(full0 + 8 * x, S::NP);
       mbar_init(empty0 + 8 * x, NC);
     }
   }
@@ -198,8 +206,9 @@ __global__ void __launch_bounds__(128 * NWG + 32, 1)
   const int64_t kv_stride = (int64_t)st.Hkv * D;
   const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
 
-  if (warp == 4 * NWG) {
-    /* ---- producer warp: walks the key tiles (every lane alike), loads
+  if (tid >= NC) {
+    const int p = tid - NC; /* producer thread */
+    /* ---- producer warpgroup: walks the key tiles (every thread alike), loads
      * tile n into stage n % NST once the consumers released it, publishes
      * tile n - 1 when its copies have landed (two tiles in flight) ---- */
     KeyWalk2 w;
@@ -214,22 +223,22 @@ __global__ void __launch_bounds__(128 * NWG + 32, 1)
         while (!mbar_try_wait(empty0 + 8 * sn, (uint32_t)((n / NST - 1) & 1))) {
         }
       if (have) {
-        int64_t rows[16];
-        producer_rows(st, t, w, lane, rows);
+        int64_t rows[kPRows];
+        producer_rows(st, t, w, p, rows);
         const uint32_t sk = sKV + (uint32_t)(sn * 2 * TBK);
-        producer_load<D>(sk, kbase, kv_stride, rows, lane);
-        producer_load<D>(sk + TBK, vbase, kv_stride, rows, lane);
+        producer_load<D>(sk, kbase, kv_stride, rows, p);
+        producer_load<D>(sk + TBK, vbase, kv_stride, rows, p);
       }
       cp_async_commit();
       if (n > 0) {
         const int sp = (n - 1) % NST;
-        cp_async_wait<1>();  /* tile n - 1 has landed (this lane's copies) */
+        cp_async_wait<1>();  /* tile n - 1 has landed (this thread's copies) */
         fence_proxy_async(); /* ... visible to wgmma's reads */
-        if (lane == 0) ctl.tile[sp] = prev;
+        if (p == 0) ctl.tile[sp] = prev;
         mbar_arrive(full0 + 8 * sp); /* release: the copies and the descriptor */
       }
       if (!have) {
-        if (lane == 0) ctl.tile[sn].kind = 0;
+        if (p == 0) ctl.tile[sn].kind = 0;
         mbar_arrive(full0 + 8 * sn);
         break;
       }
