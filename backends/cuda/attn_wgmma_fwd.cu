@@ -63,7 +63,7 @@ template <int D, int NWG> struct FwdShape {
   static constexpr int BM = 64 * NWG;
   static constexpr int TBK = kKT * D * 2;
   static constexpr int TBQ = BM * D * 2;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 4;
   static constexpr int kQOff = kStages * 2 * TBK;
   static constexpr int kCtlOff = kQOff + TBQ;
   static constexpr int kSmem = kCtlOff + 256 + 1024;
@@ -77,8 +77,8 @@ template <int D, int NWG> struct FwdShape {
  * consumers complete empty[] (NC arrivals) once their products have read
  * the stage. kind == 0 in a published descriptor ends the walk. */
 struct FwdCtl {
-  KTile2 tile[3];
-  uint64_t full[3], empty[3];
+  KTile2 tile[4];
+  uint64_t full[4], empty[4];
 };
 static_assert(sizeof(FwdCtl) <= 256, "control block");
 
@@ -210,11 +210,17 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
     const int p = tid - NC; /* producer thread */
     /* ---- producer warpgroup: walks the key tiles (every thread alike), loads
      * tile n into stage n % NST once the consumers released it, publishes
-     * tile n - 1 when its copies have landed (two tiles in flight) ---- */
+     * tile n - 2 when its copies have landed (three tiles in flight) ---- */
     KeyWalk2 w;
     w.init(st, h, qb, gq, qt * BM, rows_here);
-    KTile2 prev;
-    prev.kind = 0;
+    /* tile x's descriptor into the control block, then this thread's
+     * arrival on full (release: its copies, and thread 0's descriptor) */
+    auto publish = [&](int x, const KTile2 &d) {
+      if (p == 0) ctl.tile[x % NST] = d;
+      mbar_arrive(full0 + 8 * (x % NST));
+    };
+    KTile2 prev2, prev1; /* tiles n - 2 and n - 1, loaded, not yet published */
+    prev2.kind = prev1.kind = 0;
     for (int n = 0;; ++n) {
       KTile2 t;
       const bool have = w.next(st, t);
@@ -230,19 +236,23 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
         producer_load<D>(sk + TBK, vbase, kv_stride, rows, p);
       }
       cp_async_commit();
-      if (n > 0) {
-        const int sp = (n - 1) % NST;
-        cp_async_wait<1>();  /* tile n - 1 has landed (this thread's copies) */
-        fence_proxy_async(); /* ... visible to wgmma's reads */
-        if (p == 0) ctl.tile[sp] = prev;
-        mbar_arrive(full0 + 8 * sp); /* release: the copies and the descriptor */
-      }
       if (!have) {
-        if (p == 0) ctl.tile[sn].kind = 0;
-        mbar_arrive(full0 + 8 * sn);
+        cp_async_wait<0>();  /* every tile has landed (this thread's copies) */
+        fence_proxy_async(); /* ... visible to wgmma's reads */
+        if (n >= 2) publish(n - 2, prev2);
+        if (n >= 1) publish(n - 1, prev1);
+        KTile2 end;
+        end.kind = 0;
+        publish(n, end);
         break;
       }
-      prev = t;
+      if (n >= 2) {
+        cp_async_wait<2>();  /* tile n - 2 has landed (this thread's copies) */
+        fence_proxy_async(); /* ... visible to wgmma's reads */
+        publish(n - 2, prev2);
+      }
+      prev2 = prev1;
+      prev1 = t;
     }
     cp_async_wait<0>();
     return;
