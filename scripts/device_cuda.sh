@@ -11,14 +11,14 @@
 #   test      the CUDA tests under ctest (-R ${MTRAIN_TEST_FILTER:-cuda}), with their output
 #   sanitize  compute-sanitizer memcheck (with leak check) and racecheck on the
 #             reduced cross-backend run (MTRAIN_TEST_QUICK=1), variants
-#             $MTRAIN_SANITIZE_VARIANTS (default "0 1 2 2n"; 2n: variant 2 with
+#             $MTRAIN_SANITIZE_VARIANTS (default "0 1 2 2n 3"; 2n: variant 2 with
 #             the fused, non-deterministic backward)
 #   run       mtrain-run --backend cuda --check on small problems (variants
-#             auto, 0, 1 and 2; the pattern estimated on the device)
+#             auto, 0, 1, 2 and 3; the pattern estimated on the device)
 #   bench     mtrain-bench-cuda (N = $MTRAIN_BENCH_SEQ or 32768): validation,
-#             then timing of variants $MTRAIN_BENCH_VARIANTS (default 0,1,2); writes
-#             the pattern and the validation dumps; then variant 2's fused
-#             (non-deterministic) backward, and each further tile configuration
+#             then timing of variants $MTRAIN_BENCH_VARIANTS (default 0,1,2,3); writes
+#             the pattern and the validation dumps; then variants 2 and 3 with the
+#             fused (non-deterministic) backward, and each further tile configuration
 #             listed in $MTRAIN_BENCH_MMA2_CONFIGS (default none) with
 #             MTRAIN_DETERMINISTIC 1, 0
 #   nccl      (two or more GPUs) the NCCL ring and fault tests (ctest -L nccl: one
@@ -168,7 +168,7 @@ stage_sanitize() {
   fi
   : > "$log"
   for tool in memcheck racecheck; do
-    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1 2 2n}; do
+    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1 2 2n 3}; do
       local flags=(--tool "$tool" --error-exitcode 99)
       [ "$tool" = memcheck ] && flags+=(--leak-check full)
       echo "== $tool, variant $v" >> "$log"
@@ -197,7 +197,7 @@ stage_run() {
   local src=(--v-size 256 --s-size 128)
   [ -n "$data" ] && src=(--budgets "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" --layer 31)
   : > "$log"
-  for v in auto 0 1 2; do
+  for v in auto 0 1 2 3; do
     for spec in "bf16 2048 estimated" "fp16 1000 dense"; do
       set -- $spec
       local args=(--backend cuda --cuda-variant "$v" --dtype "$1" --seq-len "$2" --check --repeat 3)
@@ -225,7 +225,7 @@ stage_bench() {
   rm -rf "$work"
   mkdir -p "$work"
   # the main run feeds the peers
-  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants "${MTRAIN_BENCH_VARIANTS:-0,1,2}" \
+  "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants "${MTRAIN_BENCH_VARIANTS:-0,1,2,3}" \
     --pattern-out "$work/pattern.json" --dump-dir "$work/dump" --json "$OUT/bench.json" > "$log" 2>&1
   local rc=$?
   sed -n '/^mtrain-bench-cuda: .*causal; median/,$p' "$log"
@@ -241,6 +241,12 @@ stage_bench() {
       grep -E "^(dense|vertical-slash) " "$work/extra.log"
     done
   done
+  # variant 3 (wgmma forward) with the fused backward
+  echo "== variant 3, MTRAIN_DETERMINISTIC=0" | tee -a "$log"
+  MTRAIN_DETERMINISTIC=0 "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants 3 \
+    > "$work/extra.log" 2>&1 || rc=$?
+  cat "$work/extra.log" >> "$log"
+  grep -E "^(dense|vertical-slash) " "$work/extra.log"
   if [ $rc -eq 0 ]; then
     note bench ok $((SECONDS - t0)) "table in bench.log"
   else

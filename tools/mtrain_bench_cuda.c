@@ -9,7 +9,7 @@
  * mtrain_pattern_estimate on a "cpu" context. The density printed is
  * mtrain_plan_computed_pairs over the causal pairs.
  *
- * Each kernel variant (--variants, default 0,1) is first validated on a
+ * Each kernel variant (--variants, default 0,1,2,3) is first validated on a
  * small problem (--validate-len, default 2048; the budgets' top-k sizes
  * scaled by the length ratio) against the "cpu" backend on the host: every
  * output of the forward and backward within 8 unit roundoffs of the storage

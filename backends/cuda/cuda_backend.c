@@ -24,7 +24,7 @@
 /* AUTO picks variant 2 over 1 once it has been measured faster on the GPU */
 #define MTRAIN_CUDA_AUTO_PREFERS_MMA2 1
 /* ... and variant 3 (wgmma forward, variant 2's backward) over 2 likewise */
-#define MTRAIN_CUDA_AUTO_PREFERS_WGMMA 0
+#define MTRAIN_CUDA_AUTO_PREFERS_WGMMA 1
 
 mtrain_status_t cuda_check(int err, const char *what) {
   if (err == cudaSuccess) return MTRAIN_SUCCESS;

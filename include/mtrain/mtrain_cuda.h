@@ -24,7 +24,8 @@ extern "C" {
 
 /** Kernel variants (numbered, each validated against cpu-ref before timing).
  *  AUTO picks the fastest variant that supports the call's dtype, head_dim
- *  and granularity: 2, else 1, else 0 (measured: docs/PERFORMANCE.md). */
+ *  and granularity: 3 (compute capability 9.0), else 2, else 1, else 0
+ *  (measured: docs/PERFORMANCE.md). */
 typedef enum mtrain_cuda_variant {
   MTRAIN_CUDA_VARIANT_AUTO = -1,
   MTRAIN_CUDA_VARIANT_SIMT = 0, /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
