@@ -700,17 +700,6 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
 
 /* ---- host side ---- */
 
-template <typename K>
-static mtrain_status_t prepare(cuda_state_t *s, K kern, int smem,
-                               std::atomic<unsigned long long> &done, const char *name) {
-  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 2 %s: needs %d bytes of shared memory per block, the "
-                        "device allows %zu",
-                        name, smem, s->max_smem_optin);
-  return cuda_check((int)mma1::set_smem_once((const void *)kern, smem, done), name);
-}
-
 template <int D, typename T, int NW>
 static mtrain_status_t launch_dq(cuda_state_t *s, const cuda_step_t *st,
                                  const mtrain_bwd_step_args_t *a) {
@@ -718,10 +707,9 @@ static mtrain_status_t launch_dq(cuda_state_t *s, const cuda_step_t *st,
   static std::atomic<unsigned long long> set{0};
   const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
   if (items <= 0) return MTRAIN_SUCCESS;
-  if (items > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 backward: too many tiles");
   auto kern = mma2_bwd_dq_kernel<D, T, NW>;
-  mtrain_status_t rc = prepare(s, kern, S::kSmem, set, "mma2_bwd_dq_kernel");
+  mtrain_status_t rc = mma1::prepare_launch(s, (const void *)kern, S::kSmem, items, set,
+                                            "variant 2", "mma2_bwd_dq_kernel");
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
@@ -738,11 +726,10 @@ static mtrain_status_t launch_kv(cuda_state_t *s, const cuda_step_t *st,
    * run key tiles */
   const int64_t grid = (int64_t)st->num_k_blocks * (st->G / S::BN) * st->Hkv + st->num_bar_tiles;
   if (grid <= 0) return MTRAIN_SUCCESS;
-  if (grid > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 backward: too many tiles");
   auto kern = mma2_bwd_kv_kernel<D, T, NW, FUSED>;
   const char *name = FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel";
-  mtrain_status_t rc = prepare(s, kern, S::kSmem, set, name);
+  mtrain_status_t rc =
+      mma1::prepare_launch(s, (const void *)kern, S::kSmem, grid, set, "variant 2", name);
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)grid, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,

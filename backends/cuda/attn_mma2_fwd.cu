@@ -326,17 +326,9 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
   constexpr int smem = S::kSmem;
   const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
   if (items <= 0) return MTRAIN_SUCCESS;
-  if (items > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 forward: %lld query tiles",
-                        (long long)items);
-  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 2 forward: needs %d bytes of shared memory per block, the "
-                        "device allows %zu",
-                        smem, s->max_smem_optin);
   auto kern = mma2_fwd_kernel<D, T, K::NW, K::WM, K::QREG, K::MINB>;
-  mtrain_status_t rc = cuda_check((int)mma1::set_smem_once((const void *)kern, smem, smem_set),
-                                  "cudaFuncSetAttribute(mma2_fwd_kernel)");
+  mtrain_status_t rc = mma1::prepare_launch(s, (const void *)kern, smem, items, smem_set,
+                                            "variant 2", "mma2_fwd_kernel");
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
@@ -359,19 +351,9 @@ static mtrain_status_t fwd_kind(cuda_state_t *s, const cuda_step_t *st,
 
 } /* namespace mma2 */
 
+/* Variant 2 computes the calls that variant 1 does (cuda_mma_supports). */
 extern "C" int cuda_mma2_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why) {
-  const char *reason = NULL;
-  if (dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
-    reason = "variant 2 computes bf16 and fp16 inputs only";
-  else if (d != 64 && d != 128)
-    reason = "variant 2 computes head_dim 64 and 128 only";
-  else if (G <= 0 || G % 64 != 0)
-    reason = "variant 2 needs a granularity that is a multiple of 64";
-  if (reason) {
-    if (why) *why = reason;
-    return 0;
-  }
-  return 1;
+  return cuda_mma_supports(dtype, d, G, why);
 }
 
 extern "C" mtrain_status_t cuda_mma2_fwd(cuda_state_t *s, const cuda_step_t *st,

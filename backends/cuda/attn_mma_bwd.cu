@@ -526,17 +526,6 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
 
 /* ---- host side ---- */
 
-template <typename K>
-static mtrain_status_t prepare(cuda_state_t *s, K kern, int smem,
-                               std::atomic<unsigned long long> &done, const char *name) {
-  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 1 %s: needs %d bytes of shared memory per block, the "
-                        "device allows %zu",
-                        name, smem, s->max_smem_optin);
-  return cuda_check((int)set_smem_once((const void *)kern, smem, done), name);
-}
-
 template <int D, typename T>
 static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar) {
@@ -550,11 +539,10 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
 
   const int64_t dq_items = (int64_t)st->num_q_blocks * tpb * st->Hq;
   const int64_t kv_items = (int64_t)st->num_k_blocks * tpb * st->Hkv;
-  if (dq_items > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 backward: too many tiles");
   if (dq_items > 0) {
     constexpr int smem = dq_smem_bytes<D>();
-    rc = prepare(s, mma_bwd_dq_kernel<D, T>, smem, set_dq, "mma_bwd_dq_kernel");
+    rc = prepare_launch(s, (const void *)mma_bwd_dq_kernel<D, T>, smem, dq_items, set_dq,
+                        "variant 1", "mma_bwd_dq_kernel");
     if (rc != MTRAIN_SUCCESS) return rc;
     mma_bwd_dq_kernel<D, T><<<(unsigned)dq_items, kThreads, smem, stream>>>(
         *st, q, k, v, dout, lse, delta, (float *)a->dq_acc);
@@ -564,11 +552,10 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
   /* one launch: the bar tiles (block indices [0, num_bar_tiles)), then the
    * run key tiles */
   const int64_t kv_grid = kv_items + st->num_bar_tiles;
-  if (kv_grid > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 backward: too many tiles");
   if (kv_grid > 0) {
     constexpr int smem = dkdv_smem_bytes<D>();
-    rc = prepare(s, mma_bwd_dkdv_kernel<D, T>, smem, set_kv, "mma_bwd_dkdv_kernel");
+    rc = prepare_launch(s, (const void *)mma_bwd_dkdv_kernel<D, T>, smem, kv_grid, set_kv,
+                        "variant 1", "mma_bwd_dkdv_kernel");
     if (rc != MTRAIN_SUCCESS) return rc;
     mma_bwd_dkdv_kernel<D, T><<<(unsigned)kv_grid, kThreads, smem, stream>>>(
         *st, q, k, v, dout, lse, delta, (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);

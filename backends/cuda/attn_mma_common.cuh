@@ -46,6 +46,10 @@
 
 #include "backends/cuda/cuda_device.cuh"
 
+extern "C" {
+#include "core/error.h"
+}
+
 namespace mma1 {
 
 constexpr int kThreads = 128; /* 4 warps per CTA */
@@ -364,6 +368,26 @@ inline cudaError_t set_smem_once(const void *kernel, int bytes,
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
   return err;
+}
+
+/* The checks before launching `kernel` (every tensor-core variant): `blocks`
+ * thread blocks must fit a grid and `smem` bytes of dynamic shared memory
+ * the device's opt-in limit, which is then raised for the kernel once per
+ * device (set_smem_once). Errors are MTRAIN_ERR_NOT_SUPPORTED (the grid,
+ * the shared memory) or the CUDA error, naming the variant and kernel. */
+inline mtrain_status_t prepare_launch(const cuda_state_t *s, const void *kernel, int smem,
+                                      int64_t blocks, std::atomic<unsigned long long> &done,
+                                      const char *variant, const char *name) {
+  if (blocks > 0x7fffffff)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda %s %s: %lld thread blocks, more than a grid holds", variant, name,
+                        (long long)blocks);
+  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda %s %s: needs %d bytes of shared memory per block, the device "
+                        "allows %zu",
+                        variant, name, smem, s->max_smem_optin);
+  return cuda_check((int)set_smem_once(kernel, smem, done), name);
 }
 
 } /* namespace mma1 */

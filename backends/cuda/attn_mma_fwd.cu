@@ -218,14 +218,8 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a, int64_t items) {
   static std::atomic<unsigned long long> smem_set{0};
   constexpr int smem = fwd_smem_bytes<D>();
-  const void *kern = (const void *)mma_fwd_kernel<D, T>;
-  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 1 forward: needs %d bytes of shared memory per block, the "
-                        "device allows %zu",
-                        smem, s->max_smem_optin);
-  mtrain_status_t rc =
-      cuda_check((int)set_smem_once(kern, smem, smem_set), "cudaFuncSetAttribute(mma_fwd_kernel)");
+  mtrain_status_t rc = prepare_launch(s, (const void *)mma_fwd_kernel<D, T>, smem, items, smem_set,
+                                      "variant 1", "mma_fwd_kernel");
   if (rc != MTRAIN_SUCCESS) return rc;
   mma_fwd_kernel<D, T><<<(unsigned)items, kThreads, smem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
@@ -238,11 +232,11 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
 extern "C" int cuda_mma_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why) {
   const char *reason = NULL;
   if (dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
-    reason = "the mma variant computes bf16 and fp16 inputs only";
+    reason = "the tensor-core variants compute bf16 and fp16 inputs only";
   else if (d != 64 && d != 128)
-    reason = "the mma variant computes head_dim 64 and 128 only";
+    reason = "the tensor-core variants compute head_dim 64 and 128 only";
   else if (G <= 0 || G % 64 != 0)
-    reason = "the mma variant needs a granularity that is a multiple of 64";
+    reason = "the tensor-core variants need a granularity that is a multiple of 64";
   if (reason) {
     if (why) *why = reason;
     return 0;
@@ -260,9 +254,6 @@ extern "C" mtrain_status_t cuda_mma_fwd(cuda_state_t *s, const cuda_step_t *st,
                         "cuda variant 1 forward: q, k and v must be 16-byte aligned");
   const int64_t items = (int64_t)st->num_q_blocks * (st->G / mma1::kTile) * st->Hq;
   if (items <= 0) return MTRAIN_SUCCESS;
-  if (items > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 forward: %lld query tiles",
-                        (long long)items);
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
     return bf16 ? mma1::launch_fwd<64, __nv_bfloat16>(s, st, a, items)

@@ -132,11 +132,10 @@ __global__ void __launch_bounds__(32 * kWarps)
 /* Accumulates the contributions of the valid rows r >= r0 of query block qb
  * (head h) to key row j's dK/dV held in registers. */
 template <int DPL, typename T>
-__device__ __forceinline__ void key_rows(const cuda_step_t &st, int h, int qb, int r0,
-                                         const float (&kr)[DPL], const float (&vr)[DPL],
-                                         const T *q, const T *dout, const float *lse_acc,
-                                         const float *delta_acc, float (&dk)[DPL],
-                                         float (&dv)[DPL], int lane) {
+__device__ __forceinline__ void
+key_rows(const cuda_step_t &st, int h, int qb, int r0, const float (&kr)[DPL],
+         const float (&vr)[DPL], const T *q, const T *dout, const float *lse_acc,
+         const float *delta_acc, float (&dk)[DPL], float (&dv)[DPL], int lane) {
   const int nr = block_rows_dev(st.q_tokens, st.G, qb, st.q_block_global[qb], st.seq_len);
   const int d = st.d;
   for (int r = r0; r < nr; r++) {
@@ -207,7 +206,8 @@ __global__ void __launch_bounds__(32 * kWarps)
     if (b < lo || b >= hi) continue;
     key_rows<DPL>(st, h, qb, 0, kr, vr, q, dout, lse_acc, delta_acc, dk, dv, lane);
   }
-  float *dkb = dk_bar + ((int64_t)hv.bar_base + b) * d, *dvb = dv_bar + ((int64_t)hv.bar_base + b) * d;
+  float *dkb = dk_bar + ((int64_t)hv.bar_base + b) * d,
+        *dvb = dv_bar + ((int64_t)hv.bar_base + b) * d;
 #pragma unroll
   for (int t = 0; t < DPL; t++) {
     dkb[lane + 32 * t] = dk[t];
@@ -236,8 +236,8 @@ mtrain_status_t bwd_launch(cuda_state_t *s, const cuda_step_t *st, const mtrain_
   mtrain_status_t e;
   if (st->q_tokens > 0) {
     dim3 grid((unsigned)((st->q_tokens + kWarps - 1) / kWarps), (unsigned)st->Hq);
-    dq_kernel<DPL, T><<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta,
-                                                     (float *)a->dq_acc);
+    dq_kernel<DPL, T>
+        <<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta, (float *)a->dq_acc);
     if ((e = cuda_check_launch("simt dq_kernel"))) return e;
   }
   if (st->k_tokens > 0) {
@@ -248,8 +248,8 @@ mtrain_status_t bwd_launch(cuda_state_t *s, const cuda_step_t *st, const mtrain_
   }
   if (st->num_bar_tiles > 0) {
     dim3 grid((unsigned)st->num_bar_tiles, CUDA_BAR_TILE / kWarps);
-    bars_kernel<DPL, T><<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta, dk_bar,
-                                                       dv_bar);
+    bars_kernel<DPL, T>
+        <<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta, dk_bar, dv_bar);
     if ((e = cuda_check_launch("simt bars_kernel"))) return e;
   }
   return MTRAIN_SUCCESS;
@@ -259,14 +259,22 @@ template <typename T>
 mtrain_status_t fwd_by_dim(cuda_state_t *s, const cuda_step_t *st,
                            const mtrain_fwd_step_args_t *a) {
   switch (st->d / 32) {
-  case 1: return fwd_launch<1, T>(s, st, a);
-  case 2: return fwd_launch<2, T>(s, st, a);
-  case 3: return fwd_launch<3, T>(s, st, a);
-  case 4: return fwd_launch<4, T>(s, st, a);
-  case 5: return fwd_launch<5, T>(s, st, a);
-  case 6: return fwd_launch<6, T>(s, st, a);
-  case 7: return fwd_launch<7, T>(s, st, a);
-  case 8: return fwd_launch<8, T>(s, st, a);
+  case 1:
+    return fwd_launch<1, T>(s, st, a);
+  case 2:
+    return fwd_launch<2, T>(s, st, a);
+  case 3:
+    return fwd_launch<3, T>(s, st, a);
+  case 4:
+    return fwd_launch<4, T>(s, st, a);
+  case 5:
+    return fwd_launch<5, T>(s, st, a);
+  case 6:
+    return fwd_launch<6, T>(s, st, a);
+  case 7:
+    return fwd_launch<7, T>(s, st, a);
+  case 8:
+    return fwd_launch<8, T>(s, st, a);
   }
   return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
 }
@@ -275,14 +283,22 @@ template <typename T>
 mtrain_status_t bwd_by_dim(cuda_state_t *s, const cuda_step_t *st, const mtrain_bwd_step_args_t *a,
                            float *dk_bar, float *dv_bar) {
   switch (st->d / 32) {
-  case 1: return bwd_launch<1, T>(s, st, a, dk_bar, dv_bar);
-  case 2: return bwd_launch<2, T>(s, st, a, dk_bar, dv_bar);
-  case 3: return bwd_launch<3, T>(s, st, a, dk_bar, dv_bar);
-  case 4: return bwd_launch<4, T>(s, st, a, dk_bar, dv_bar);
-  case 5: return bwd_launch<5, T>(s, st, a, dk_bar, dv_bar);
-  case 6: return bwd_launch<6, T>(s, st, a, dk_bar, dv_bar);
-  case 7: return bwd_launch<7, T>(s, st, a, dk_bar, dv_bar);
-  case 8: return bwd_launch<8, T>(s, st, a, dk_bar, dv_bar);
+  case 1:
+    return bwd_launch<1, T>(s, st, a, dk_bar, dv_bar);
+  case 2:
+    return bwd_launch<2, T>(s, st, a, dk_bar, dv_bar);
+  case 3:
+    return bwd_launch<3, T>(s, st, a, dk_bar, dv_bar);
+  case 4:
+    return bwd_launch<4, T>(s, st, a, dk_bar, dv_bar);
+  case 5:
+    return bwd_launch<5, T>(s, st, a, dk_bar, dv_bar);
+  case 6:
+    return bwd_launch<6, T>(s, st, a, dk_bar, dv_bar);
+  case 7:
+    return bwd_launch<7, T>(s, st, a, dk_bar, dv_bar);
+  case 8:
+    return bwd_launch<8, T>(s, st, a, dk_bar, dv_bar);
   }
   return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
 }
@@ -294,10 +310,14 @@ extern "C" mtrain_status_t cuda_simt_fwd(cuda_state_t *s, const cuda_step_t *st,
   if (st->d % 32 != 0 || st->d > 256)
     return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
   switch (a->dtype) {
-  case MTRAIN_F32: return fwd_by_dim<float>(s, st, a);
-  case MTRAIN_BF16: return fwd_by_dim<__nv_bfloat16>(s, st, a);
-  case MTRAIN_F16: return fwd_by_dim<__half>(s, st, a);
-  default: break;
+  case MTRAIN_F32:
+    return fwd_by_dim<float>(s, st, a);
+  case MTRAIN_BF16:
+    return fwd_by_dim<__nv_bfloat16>(s, st, a);
+  case MTRAIN_F16:
+    return fwd_by_dim<__half>(s, st, a);
+  default:
+    break;
   }
   return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "cuda simt: dtype %s",
                       mtrain_dtype_name(a->dtype));
@@ -309,10 +329,14 @@ extern "C" mtrain_status_t cuda_simt_bwd(cuda_state_t *s, const cuda_step_t *st,
   if (st->d % 32 != 0 || st->d > 256)
     return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
   switch (a->dtype) {
-  case MTRAIN_F32: return bwd_by_dim<float>(s, st, a, dk_bar, dv_bar);
-  case MTRAIN_BF16: return bwd_by_dim<__nv_bfloat16>(s, st, a, dk_bar, dv_bar);
-  case MTRAIN_F16: return bwd_by_dim<__half>(s, st, a, dk_bar, dv_bar);
-  default: break;
+  case MTRAIN_F32:
+    return bwd_by_dim<float>(s, st, a, dk_bar, dv_bar);
+  case MTRAIN_BF16:
+    return bwd_by_dim<__nv_bfloat16>(s, st, a, dk_bar, dv_bar);
+  case MTRAIN_F16:
+    return bwd_by_dim<__half>(s, st, a, dk_bar, dv_bar);
+  default:
+    break;
   }
   return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "cuda simt: dtype %s",
                       mtrain_dtype_name(a->dtype));

@@ -417,17 +417,9 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
   constexpr int smem = S::kSmem;
   const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
   if (items <= 0) return MTRAIN_SUCCESS;
-  if (items > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 forward: %lld query tiles",
-                        (long long)items);
-  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 3 forward: needs %d bytes of shared memory per block, the "
-                        "device allows %zu",
-                        smem, s->max_smem_optin);
   auto kern = wgmma_fwd_kernel<D, T, NWG>;
-  mtrain_status_t rc = cuda_check((int)mma1::set_smem_once((const void *)kern, smem, smem_set),
-                                  "cudaFuncSetAttribute(wgmma_fwd_kernel)");
+  mtrain_status_t rc = mma1::prepare_launch(s, (const void *)kern, smem, items, smem_set,
+                                            "variant 3", "wgmma_fwd_kernel");
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
@@ -446,20 +438,12 @@ static mtrain_status_t fwd_g(cuda_state_t *s, const cuda_step_t *st,
 
 extern "C" int cuda_wgmma_supports(const cuda_state_t *s, mtrain_dtype_t dtype, int32_t d,
                                    int32_t G, const char **why) {
-  const char *reason = NULL;
-  if (s->cc_major != 9 || s->cc_minor != 0)
-    reason = "variant 3 uses Hopper instructions (wgmma): it needs a compute capability 9.0 GPU";
-  else if (dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
-    reason = "variant 3 computes bf16 and fp16 inputs only";
-  else if (d != 64 && d != 128)
-    reason = "variant 3 computes head_dim 64 and 128 only";
-  else if (G <= 0 || G % 64 != 0)
-    reason = "variant 3 needs a granularity that is a multiple of 64";
-  if (reason) {
-    if (why) *why = reason;
+  if (s->cc_major != 9 || s->cc_minor != 0) {
+    if (why)
+      *why = "variant 3 uses Hopper instructions (wgmma): it needs a compute capability 9.0 GPU";
     return 0;
   }
-  return 1;
+  return cuda_mma_supports(dtype, d, G, why); /* the shapes of variants 1 and 2 */
 }
 
 extern "C" mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,

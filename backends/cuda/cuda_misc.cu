@@ -36,20 +36,32 @@ template <typename T> __global__ void add_kernel(T *dst, const T *src, int64_t n
 
 __device__ __forceinline__ double load_any(const void *p, mtrain_dtype_t t, int64_t i) {
   switch (t) {
-  case MTRAIN_F32: return ((const float *)p)[i];
-  case MTRAIN_F64: return ((const double *)p)[i];
-  case MTRAIN_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-  default: return __half2float(((const __half *)p)[i]);
+  case MTRAIN_F32:
+    return ((const float *)p)[i];
+  case MTRAIN_F64:
+    return ((const double *)p)[i];
+  case MTRAIN_BF16:
+    return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+  default:
+    return __half2float(((const __half *)p)[i]);
   }
 }
 
 __device__ __forceinline__ void store_any(void *p, mtrain_dtype_t t, int64_t i, double x) {
   switch (t) {
-  case MTRAIN_F32: ((float *)p)[i] = (float)x; break;
-  case MTRAIN_F64: ((double *)p)[i] = x; break;
+  case MTRAIN_F32:
+    ((float *)p)[i] = (float)x;
+    break;
+  case MTRAIN_F64:
+    ((double *)p)[i] = x;
+    break;
   /* round once from the source value (fp32 sources are exact in double) */
-  case MTRAIN_BF16: ((__nv_bfloat16 *)p)[i] = __double2bfloat16(x); break;
-  default: ((__half *)p)[i] = __double2half(x); break;
+  case MTRAIN_BF16:
+    ((__nv_bfloat16 *)p)[i] = __double2bfloat16(x);
+    break;
+  default:
+    ((__half *)p)[i] = __double2half(x);
+    break;
   }
 }
 
@@ -77,8 +89,10 @@ __global__ void permute_kernel(W *dst, const W *src, int64_t row_words, const in
   for (int64_t x = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; x < total;
        x += (int64_t)gridDim.x * blockDim.x) {
     const int64_t i = x / row_words, c = x % row_words, j = index[i];
-    if (!scatter) dst[x] = j < other_rows ? src[j * row_words + c] : W(0);
-    else if (j < other_rows) dst[j * row_words + c] = src[x];
+    if (!scatter)
+      dst[x] = j < other_rows ? src[j * row_words + c] : W(0);
+    else if (j < other_rows)
+      dst[j * row_words + c] = src[x];
   }
 }
 
@@ -135,7 +149,7 @@ extern "C" mtrain_status_t cuda_convert(cuda_state_t *s, const void *src, mtrain
                                         void *dst, mtrain_dtype_t dst_dtype, int64_t count) {
   if (count <= 0) return MTRAIN_SUCCESS;
   convert_kernel<<<grid_for(count), kThreads, 0, (cudaStream_t)s->stream>>>(src, src_dtype, dst,
-                                                                           dst_dtype, count);
+                                                                            dst_dtype, count);
   return cuda_check_launch("convert_kernel");
 }
 
@@ -180,8 +194,8 @@ extern "C" mtrain_status_t cuda_permute(cuda_state_t *s, void *dst, const void *
         other_rows, scatter);
   } else {
     permute_kernel<<<grid_for(count * (int64_t)row_bytes), kThreads, 0, str>>>(
-        (uint8_t *)dst, (const uint8_t *)src, (int64_t)row_bytes, (const int64_t *)dev_index,
-        count, other_rows, scatter);
+        (uint8_t *)dst, (const uint8_t *)src, (int64_t)row_bytes, (const int64_t *)dev_index, count,
+        other_rows, scatter);
   }
   st = cuda_check_launch("permute_kernel");
   mtrain_status_t st2 = cuda_step_release(s, slot);
@@ -201,8 +215,8 @@ extern "C" mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const 
     delta_kernel<<<grid, kThreads, 0, str>>>((const float *)o, (const float *)dout, delta, n, d);
     break;
   case MTRAIN_BF16:
-    delta_kernel<<<grid, kThreads, 0, str>>>((const __nv_bfloat16 *)o,
-                                             (const __nv_bfloat16 *)dout, delta, n, d);
+    delta_kernel<<<grid, kThreads, 0, str>>>((const __nv_bfloat16 *)o, (const __nv_bfloat16 *)dout,
+                                             delta, n, d);
     break;
   case MTRAIN_F16:
     delta_kernel<<<grid, kThreads, 0, str>>>((const __half *)o, (const __half *)dout, delta, n, d);
@@ -215,8 +229,8 @@ extern "C" mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const 
 }
 
 extern "C" mtrain_status_t cuda_bars_reduce(cuda_state_t *s, const cuda_step_t *st,
-                                            const float *dk_bar, const float *dv_bar,
-                                            float *dk_acc, float *dv_acc) {
+                                            const float *dk_bar, const float *dv_bar, float *dk_acc,
+                                            float *dv_acc) {
   for (int g = 0; g < st->group; g++) {
     dim3 grid(64, st->Hkv);
     bars_reduce_kernel<<<grid, kThreads, 0, (cudaStream_t)s->stream>>>(*st, g, dk_bar, dv_bar,

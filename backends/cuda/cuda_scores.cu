@@ -21,10 +21,14 @@ constexpr int kMaxRows = 32; /* rows of a chunk (register array bound) */
 
 __device__ __forceinline__ float ld_any(const void *p, mtrain_dtype_t t, int64_t i) {
   switch (t) {
-  case MTRAIN_F32: return ((const float *)p)[i];
-  case MTRAIN_BF16: return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-  case MTRAIN_F16: return __half2float(((const __half *)p)[i]);
-  default: return (float)((const double *)p)[i]; /* not reached: fp64 is refused */
+  case MTRAIN_F32:
+    return ((const float *)p)[i];
+  case MTRAIN_BF16:
+    return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+  case MTRAIN_F16:
+    return __half2float(((const __half *)p)[i]);
+  default:
+    return (float)((const double *)p)[i]; /* not reached: fp64 is refused */
   }
 }
 
@@ -54,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(scores_params p) {
   extern __shared__ double smem[];
   const int lb = blockIdx.x, h = blockIdx.y, hk = h / (p.Hq / p.Hkv), tid = threadIdx.x;
   const int R = p.rows_per_chunk, G = p.G, d = p.d, L = p.L;
-  double *logit = smem;                   /* [R][G] */
+  double *logit = smem;                        /* [R][G] */
   float *qs = (float *)(smem + (size_t)R * G); /* [R][d] */
   const int64_t gb = p.k_block_global[lb], N = p.N;
   const int cols = block_rows_dev(p.k_tokens, G, lb, gb, N);
@@ -199,9 +203,9 @@ extern "C" mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_sco
                         "memory (device limit %zu)",
                         p.G, p.d, smem, s->max_smem_optin);
   }
-  st = cuda_check(cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem),
-                  "cudaFuncSetAttribute (scores)");
+  st = cuda_check(
+      cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+      "cudaFuncSetAttribute (scores)");
   if (!st) {
     dim3 grid((unsigned)a->num_k_blocks, (unsigned)a->num_heads);
     scores_kernel<<<grid, kThreads, smem, (cudaStream_t)s->stream>>>(p);
