@@ -6,8 +6,8 @@
  *    consumer warpgroups of 4 warps, each owning 64 query rows (NWG = 2
  *    when G is a multiple of 128, else 1), and one producer warpgroup;
  *  - the producer walks the item's key tiles (runs, then bars 64 at a
- *    time) and copies each tile's K and V rows with cp.async into a stage
- *    of three, in the 128-byte-swizzle panel layout that wgmma reads
+ *    time) and copies each tile's K and V rows with cp.async into one of
+ *    four stages, in the 128-byte-swizzle panel layout that wgmma reads
  *    through descriptors; mbarriers hand stages over (full: copies landed
  *    and the tile's descriptor published; empty: every consumer done), so
  *    the two warpgroups run at their own pace, without CTA barriers;
