@@ -1,0 +1,404 @@
+// cuda_emu_rt.cpp: the emulator behind cuda_emu.h. A CTA is run as cooperative fibers, one per
+// thread, switched at every barrier and collective (x86-64 only); blocks run one at a time in
+// random order; shared memory starts as NaN bytes; warp collectives (shuffles, ldmatrix,
+// stmatrix, mma.sync) and warpgroup wgmma (descriptor decoded, 128-byte swizzle applied to the
+// address bits, products in fp64) meet all their threads first; cp.async copies land at
+// wait_group and are checked against the registered input buffers; mbarriers keep phases.
+#include "cuda_emu.h"
+#include <cstdarg>
+#include <functional>
+#include <map>
+#include <random>
+#include <vector>
+
+extern "C" void emu_switch(void **save_sp, void *new_sp);
+asm(R"(
+.text
+.globl emu_switch
+.type emu_switch,@function
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+)");
+
+namespace emu {
+struct Barrier {
+  int count = 0;
+  long gen = 0;
+};
+struct Copy {
+  uint32_t dst;
+  const void *src;
+  int bytes;
+  bool valid;
+};
+struct Fiber {
+  int tid;
+  void *sp;
+  bool done;
+  Barrier *wait_on;
+  long wait_gen;
+  std::vector<std::vector<Copy>> groups;
+  std::vector<Copy> open;
+  Dim3 t3;
+  char *stack;
+};
+struct Warp {
+  Barrier bar;
+  uint32_t addr[32];
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+  float c[32][4];
+  float f[32];
+};
+struct Buf {
+  const char *p;
+  size_t n;
+};
+
+static const int kStack = 256 * 1024;
+static Fiber fibers[512];
+static Fiber *g_cur;
+static void *sched_sp;
+static Barrier cta_bar;
+static Warp warps[16];
+struct WGrp {
+  Barrier bar;
+  uint32_t a[128][4];
+  float c[128][64];
+  uint64_t desc[128];
+  int n[128];
+};
+static WGrp wgrps[2];
+static std::vector<unsigned char> g_smem;
+static uint32_t g_smem_size;
+Dim3 g_grid, g_block;
+static Dim3 g_bid;
+static std::mt19937_64 rng(12345);
+static std::function<void()> g_kernel;
+static std::vector<Buf> g_bufs;
+long g_switches = 0;
+long g_spins = 0;
+
+void fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "EMU FAIL (block %u thread %d): ", g_bid.x, g_cur ? g_cur->tid : -1);
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n");
+  va_end(ap);
+  fflush(stderr);
+  abort();
+}
+Fiber *cur() { return g_cur; }
+const Dim3 &tid3() { return g_cur->t3; }
+const Dim3 &bid3() { return g_bid; }
+unsigned char *smem_base() { return g_smem.data(); }
+uint32_t smem_size() { return g_smem_size; }
+void register_buffer(const void *p, size_t n) { g_bufs.push_back({(const char *)p, n}); }
+void clear_buffers() { g_bufs.clear(); }
+
+static void yield() {
+  ++g_switches;
+  emu_switch(&g_cur->sp, sched_sp);
+}
+static void barrier_wait(Barrier &b, int n) {
+  long g = b.gen;
+  if (++b.count == n) {
+    b.count = 0;
+    b.gen++;
+    if (rng() & 1) yield();
+  } else {
+    g_cur->wait_on = &b;
+    g_cur->wait_gen = g;
+    yield();
+    g_cur->wait_on = nullptr;
+  }
+}
+static int g_nt = 128;
+void syncthreads() { barrier_wait(cta_bar, g_nt); }
+static Warp &mywarp() { return warps[g_cur->tid >> 5]; }
+float shfl(float v, int s, bool x) {
+  Warp &w = mywarp();
+  int lane = g_cur->tid & 31;
+  w.f[lane] = v;
+  barrier_wait(w.bar, 32);
+  float r = w.f[(x ? (lane ^ s) : s) & 31];
+  barrier_wait(w.bar, 32);
+  return r;
+}
+void ldsm(uint32_t addr, uint32_t *r, bool trans) {
+  Warp &w = mywarp();
+  int lane = g_cur->tid & 31;
+  if (addr % 16 || addr + 16 > g_smem_size)
+    fail("ldmatrix address %u (smem %u)", addr, g_smem_size);
+  w.addr[lane] = addr;
+  barrier_wait(w.bar, 32);
+  const unsigned char *s = g_smem.data();
+  for (int i = 0; i < 4; ++i) {
+    if (!trans) {
+      memcpy(&r[i], s + w.addr[8 * i + lane / 4] + 4 * (lane % 4), 4);
+    } else {
+      uint16_t lo, hi;
+      int r0 = 2 * (lane % 4), col = lane / 4;
+      memcpy(&lo, s + w.addr[8 * i + r0] + 2 * col, 2);
+      memcpy(&hi, s + w.addr[8 * i + r0 + 1] + 2 * col, 2);
+      r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+    }
+  }
+  barrier_wait(w.bar, 32);
+}
+void stsm(uint32_t addr, const uint32_t *r) {
+  Warp &w = mywarp();
+  int lane = g_cur->tid & 31;
+  if (addr % 16 || addr + 16 > g_smem_size)
+    fail("stmatrix address %u (smem %u)", addr, g_smem_size);
+  w.addr[lane] = addr;
+  for (int i = 0; i < 4; ++i) w.a[lane][i] = r[i];
+  barrier_wait(w.bar, 32);
+  if (lane == 0) {
+    unsigned char *s = g_smem.data();
+    for (int i = 0; i < 4; ++i)
+      for (int l = 0; l < 32; ++l) memcpy(s + w.addr[8 * i + l / 4] + 4 * (l % 4), &w.a[l][i], 4);
+  }
+  barrier_wait(w.bar, 32);
+}
+int any(int pred) {
+  Warp &w = mywarp();
+  int lane = g_cur->tid & 31;
+  w.f[lane] = pred ? 1.f : 0.f;
+  barrier_wait(w.bar, 32);
+  int r = 0;
+  for (int l = 0; l < 32; ++l) r |= w.f[l] != 0.f;
+  barrier_wait(w.bar, 32);
+  return r;
+}
+static std::vector<std::pair<float *, size_t>> g_red_bufs;
+void red_region(float *p, size_t n) { g_red_bufs.push_back({p, n}); }
+void red_add(float *p, float v) {
+  bool in = g_red_bufs.empty();
+  for (auto &b : g_red_bufs)
+    if (p >= b.first && p < b.first + b.second) in = true;
+  if (!in) fail("red.global.add outside the dQ buffer");
+  *p += v;
+}
+static float h2f(uint32_t reg, int half, bool bf16);
+static float h2f_(uint32_t reg, int half, bool bf16) {
+  uint16_t u = (uint16_t)(reg >> (16 * half));
+  if (bf16) {
+    uint32_t x = (uint32_t)u << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+  }
+  __half_raw hr;
+  hr.x = u;
+  return __half2float(__half(hr));
+}
+void mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1, bool bf16) {
+  Warp &w = mywarp();
+  int lane = g_cur->tid & 31;
+  for (int i = 0; i < 4; ++i) {
+    w.a[lane][i] = a[i];
+    w.c[lane][i] = c[i];
+  }
+  w.b[lane][0] = b0;
+  w.b[lane][1] = b1;
+  barrier_wait(w.bar, 32);
+  const int g = lane / 4, t = lane % 4;
+  float out[4];
+  for (int j = 0; j < 4; ++j) {
+    const int row = g + 8 * (j >> 1), col = 2 * t + (j & 1);
+    double sum = w.c[lane][j];
+    for (int k = 0; k < 16; ++k) {
+      const int la = (row % 8) * 4 + (k % 8) / 2, ra = (row / 8) + 2 * (k / 8);
+      const int lb = col * 4 + (k % 8) / 2, rb = k / 8;
+      sum += (double)h2f(w.a[la][ra], k % 2, bf16) * (double)h2f(w.b[lb][rb], k % 2, bf16);
+    }
+    out[j] = (float)sum;
+  }
+  barrier_wait(w.bar, 32);
+  for (int j = 0; j < 4; ++j) c[j] = out[j];
+}
+
+static float h2f(uint32_t reg, int half, bool bf16) { return h2f_(reg, half, bf16); }
+static float smem16(uint32_t addr, bool bf16) {
+  addr ^= ((addr >> 7) & 7u) << 4; /* 128-byte swizzle on the address bits */
+  if (addr + 2 > g_smem_size) fail("wgmma reads shared byte %u (smem %u)", addr, g_smem_size);
+  uint16_t u;
+  memcpy(&u, g_smem.data() + addr, 2);
+  return h2f(u, 0, bf16);
+}
+void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16) {
+  const int t = g_cur->tid, lt = t & 127;
+  if ((t >> 7) >= 2 || (t | 127) >= g_nt) fail("wgmma by thread %d of a CTA of %d", t, g_nt);
+  WGrp &w = wgrps[t >> 7];
+  for (int i = 0; i < 4; ++i) w.a[lt][i] = a[i];
+  for (int x = 0; x < N / 2; ++x) w.c[lt][x] = d[x];
+  w.desc[lt] = desc;
+  w.n[lt] = N * 2 + tnsp;
+  barrier_wait(w.bar, 128);
+  for (int i = 0; i < 128; ++i)
+    if (w.desc[i] != desc || w.n[i] != N * 2 + tnsp)
+      fail("wgmma operands differ across the warpgroup");
+  if ((desc >> 62) != 1) fail("wgmma descriptor without the 128-byte swizzle");
+  if (((desc >> 46) & 0xFFFF) & ~0u && ((desc >> 49) & 7)) fail("wgmma base offset");
+  const uint32_t start = (uint32_t)(desc & 0x3FFF) << 4,
+                 lbo = (uint32_t)((desc >> 16) & 0x3FFF) << 4,
+                 sbo = (uint32_t)((desc >> 32) & 0x3FFF) << 4;
+  const int wq = lt >> 5, lane = lt & 31, g = lane >> 2, t4 = lane & 3;
+  float out[64];
+  for (int x = 0; x < N / 2; ++x) {
+    const int j = x >> 2, e = x & 3;
+    const int row = 16 * wq + g + 8 * (e >> 1), col = 8 * j + 2 * t4 + (e & 1);
+    double sum = w.c[lt][x];
+    for (int k = 0; k < 16; ++k) {
+      const int r16 = row & 15;
+      const int la = (r16 % 8) * 4 + (k % 8) / 2, ra = (r16 / 8) + 2 * (k / 8);
+      const double av = h2f(w.a[wq * 32 + la][ra], k % 2, bf16);
+      uint32_t addr;
+      if (tnsp == 0) {
+        if ((start & 127) + 32 > 128) fail("K-major slice crosses a 128-byte row");
+        addr = start + (col / 8) * sbo + (col % 8) * 128 + k * 2;
+      } else {
+        addr = start + (col / 64) * lbo + (col % 64) * 2 + (k / 8) * sbo + (k % 8) * 128;
+      }
+      sum += av * (double)smem16(addr, bf16);
+    }
+    out[x] = (float)sum;
+  }
+  barrier_wait(w.bar, 128);
+  for (int x = 0; x < N / 2; ++x) d[x] = out[x];
+}
+
+struct MBar {
+  int count, pending, phase;
+};
+static std::map<uint32_t, MBar> g_mbars;
+static Barrier named_bars[16];
+void mbar_init(uint32_t bar, int count) {
+  if (bar % 8 || bar + 8 > g_smem_size) fail("mbarrier address %u", bar);
+  g_mbars[bar] = {count, count, 0};
+}
+void mbar_arrive(uint32_t bar) {
+  auto it = g_mbars.find(bar);
+  if (it == g_mbars.end()) fail("arrive on an uninitialised mbarrier %u", bar);
+  if (--it->second.pending == 0) {
+    it->second.phase ^= 1;
+    it->second.pending = it->second.count;
+  }
+  if (rng() & 1) yield();
+}
+bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  auto it = g_mbars.find(bar);
+  if (it == g_mbars.end()) fail("wait on an uninitialised mbarrier %u", bar);
+  /* phase `parity` has completed once the current phase parity differs */
+  if ((uint32_t)it->second.phase != (parity & 1)) return true;
+  if (++g_spins > 200000000L) fail("mbarrier wait spins without end (deadlock?)");
+  yield();
+  return false;
+}
+void named_barrier(int id, int count) { barrier_wait(named_bars[id], count); }
+void cp_async(uint32_t dst, const void *src, int bytes, bool valid) {
+  if (dst % bytes || dst + bytes > g_smem_size)
+    fail("cp.async dst %u (%d bytes, smem %u)", dst, bytes, g_smem_size);
+  if (valid) {
+    if ((uintptr_t)src % bytes) fail("cp.async misaligned src");
+    bool in = false;
+    for (auto &b : g_bufs)
+      if ((const char *)src >= b.p && (const char *)src + bytes <= b.p + b.n) in = true;
+    if (!in) fail("cp.async reads outside every registered buffer (%p, %d bytes)", src, bytes);
+  }
+  g_cur->open.push_back({dst, src, bytes, valid});
+}
+void cp_commit() {
+  g_cur->groups.push_back(std::move(g_cur->open));
+  g_cur->open.clear();
+}
+void cp_wait(int n) {
+  while ((int)g_cur->groups.size() > n) {
+    for (auto &c : g_cur->groups.front()) {
+      if (c.valid)
+        memcpy(g_smem.data() + c.dst, c.src, c.bytes);
+      else
+        memset(g_smem.data() + c.dst, 0, c.bytes);
+    }
+    g_cur->groups.erase(g_cur->groups.begin());
+  }
+}
+static void fiber_main() {
+  g_kernel();
+  g_cur->done = true;
+  emu_switch(&g_cur->sp, sched_sp);
+  abort();
+}
+void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_blocks, int nt) {
+  if (nt % 32 || nt > 512) fail("block size %d", nt);
+  g_nt = nt;
+  g_kernel = std::move(k);
+  g_grid = {(unsigned)grid, 1, 1};
+  g_block = {(unsigned)nt, 1, 1};
+  g_smem_size = smem_bytes;
+  g_smem.assign(smem_bytes + 16, 0xFF);
+  std::vector<int> order(grid);
+  for (int i = 0; i < grid; ++i) order[i] = i;
+  if (shuffle_blocks) std::shuffle(order.begin(), order.end(), rng);
+  for (int bi : order) {
+    g_bid = {(unsigned)bi, 0, 0};
+    memset(g_smem.data(), 0xFF, g_smem.size()); // NaN garbage
+    cta_bar = Barrier();
+    for (auto &w : warps) w.bar = Barrier();
+    for (auto &w : wgrps) w.bar = Barrier();
+    for (auto &b : named_bars) b = Barrier();
+    g_mbars.clear();
+    for (int t = 0; t < g_nt; ++t) {
+      Fiber &f = fibers[t];
+      if (!f.stack) f.stack = (char *)aligned_alloc(64, kStack);
+      f.tid = t;
+      f.done = false;
+      f.wait_on = nullptr;
+      f.groups.clear();
+      f.open.clear();
+      f.t3 = {(unsigned)t, 0, 0};
+      uintptr_t top = ((uintptr_t)(f.stack + kStack)) & ~(uintptr_t)15;
+      void **sp = (void **)top;
+      *--sp = nullptr;
+      *--sp = (void *)&fiber_main;
+      for (int i = 0; i < 6; ++i) *--sp = nullptr;
+      f.sp = sp;
+    }
+    std::vector<int> run;
+    for (;;) {
+      run.clear();
+      bool all_done = true;
+      for (int t = 0; t < g_nt; ++t) {
+        Fiber &f = fibers[t];
+        if (f.done) continue;
+        all_done = false;
+        if (!f.wait_on || f.wait_on->gen != f.wait_gen) run.push_back(t);
+      }
+      if (all_done) break;
+      if (run.empty()) {
+        g_cur = nullptr;
+        fail("deadlock: live threads all wait at barriers (divergent exit or sync?)");
+      }
+      g_cur = &fibers[run[rng() % run.size()]];
+      emu_switch(&sched_sp, g_cur->sp);
+    }
+    g_cur = nullptr;
+  }
+}
+} // namespace emu
