@@ -56,6 +56,10 @@ using mma2::LoadShape;
  * up to two tiles in flight (a single warp could not feed the consumers). */
 constexpr int kProducers = 128;
 
+/* Stages of (K, V) tiles: the producer keeps three tiles in flight while
+ * the consumers read a fourth. */
+constexpr int kFwdStages = 4;
+
 template <int D, int NWG> struct FwdShape {
   static constexpr int NC = 128 * NWG;  /* consumer threads */
   static constexpr int NP = kProducers; /* producer threads */
@@ -63,7 +67,7 @@ template <int D, int NWG> struct FwdShape {
   static constexpr int BM = 64 * NWG;
   static constexpr int TBK = kKT * D * 2;
   static constexpr int TBQ = BM * D * 2;
-  static constexpr int kStages = 4;
+  static constexpr int kStages = kFwdStages;
   static constexpr int kQOff = kStages * 2 * TBK;
   static constexpr int kCtlOff = kQOff + TBQ;
   static constexpr int kSmem = kCtlOff + 256 + 1024;
@@ -77,8 +81,8 @@ template <int D, int NWG> struct FwdShape {
  * consumers complete empty[] (NC arrivals) once their products have read
  * the stage. kind == 0 in a published descriptor ends the walk. */
 struct FwdCtl {
-  KTile2 tile[4];
-  uint64_t full[4], empty[4];
+  KTile2 tile[kFwdStages];
+  uint64_t full[kFwdStages], empty[kFwdStages];
 };
 static_assert(sizeof(FwdCtl) <= 256, "control block");
 
