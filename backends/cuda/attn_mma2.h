@@ -31,6 +31,11 @@ mtrain_status_t cuda_mma2_fwd(cuda_state_t *s, const cuda_step_t *st,
  * ones run a query-major dQ kernel and a key-major dK/dV kernel. */
 mtrain_status_t cuda_mma2_bwd(cuda_state_t *s, const cuda_step_t *st,
                               const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
+/* The query-major dQ kernel of the deterministic path alone (added into
+ * dq_acc, no atomics): variant 3's deterministic backward pairs it with its
+ * own dK/dV kernel. Same requirements as cuda_mma2_bwd. */
+mtrain_status_t cuda_mma2_bwd_dq(cuda_state_t *s, const cuda_step_t *st,
+                                 const mtrain_bwd_step_args_t *a);
 
 #ifdef __cplusplus
 }

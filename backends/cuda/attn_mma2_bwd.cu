@@ -243,30 +243,6 @@ __global__ void __launch_bounds__(32 * NW, DqShape<D, NW>::kMinBlocks)
 
 /* ---- key-major dK/dV kernel (fused dQ optional) ---- */
 
-/* The query walk of a key-major item shared by the CTA, as TileRing for the
- * query-major kernels: thread 0 advances it in shared memory and publishes
- * query tile n in d[n % 3] two tiles ahead (h < 0: end of the walk), and
- * the item's output rows, read back by the epilogue. */
-struct QRing {
-  QWalk2 w;
-  /* 16-byte granules of their own, as in TileRing: a widened load of one
-   * group never covers bytes that thread 0 writes meanwhile */
-  alignas(16) QTile2 d[3];
-  alignas(16) int64_t krow0; /* runs: first local key row; bars: first scratch row */
-  int hk, nk, bars;
-
-  /* thread 0: the next query tile into d[slot] */
-  __device__ __forceinline__ void produce(const cuda_step_t &st, int slot) {
-    QWalk2 x = w;
-    QTile2 t;
-    if (!x.next(st, t)) t.h = -1;
-    d[slot] = t;
-    w = x;
-  }
-};
-
-constexpr int kRingBytesQ = (int)((sizeof(QRing) + 127) / 128 * 128);
-
 template <int D, int NW> struct KvShape {
   static_assert(NW == 4 || NW == 8, "4 or 8 warps");
   static constexpr int NT = 32 * NW, BN = 16 * NW;
@@ -301,17 +277,6 @@ __device__ __forceinline__ void load_q_tile(uint32_t ss, const cuda_step_t &st, 
   load_rows_n<D, NT, kKT>(ss + TBQ, dout + (int64_t)t.h * D, stride, rows, tid);
 }
 
-/* ... and its LSE[64], delta[64] into the buffer at sl (zeros past nvalid). */
-__device__ __forceinline__ void load_ld(uint32_t sl, const cuda_step_t &st, const float *lse_acc,
-                                        const float *delta_acc, const QTile2 &t, int tid) {
-  if (tid < 2 * kKT) {
-    const int i = tid & (kKT - 1);
-    const bool ok = i < t.nvalid;
-    const float *src = tid < kKT ? lse_acc : delta_acc;
-    cp_async4(sl + (uint32_t)(tid * 4), ok ? src + (t.row0 + i) * st.Hq + t.h : src, ok);
-  }
-}
-
 template <int D, typename T, int NW, bool FUSED>
 __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
     mma2_bwd_kv_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
@@ -334,49 +299,9 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
   const bool bars = (int)blockIdx.x < st.num_bar_tiles;
   {
     QWalk2 qw;
-    qw.bars = bars;
-    qw.qt = qw.qt_end = 0;
-    qw.kpos = 0;
-    qw.nk = 0;
-    qw.gk = -1;
-    qw.h_bar = qw.b0 = qw.b1 = qw.b_end = 0;
-    qw.h = qw.nr = qw.jlo = qw.jhi = qw.diag = 0;
-    qw.rbase = 0;
     int hk, nk;
     int64_t row0;
-    if (bars) {
-      const int t = blockIdx.x;
-      if (BN == 128 && bar_tiles_pair(st, t - 1)) return; /* walked with tile t - 1 */
-      const bool pair = BN == 128 && bar_tiles_pair(st, t);
-      qw.h_bar = st.bt_tile[3 * t];
-      qw.b0 = st.bt_tile[3 * t + 1];
-      qw.b1 = st.bt_tile[3 * t + 2];
-      qw.b_end = pair ? st.bt_tile[3 * t + 5] : qw.b1;
-      nk = min(BN, qw.b_end - qw.b0);
-      if (nk <= 0) return;
-      hk = qw.h_bar / st.group;
-      row0 = st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BAR_BASE] + qw.b0;
-      qw.e = st.bt_off[t] - 1;
-      qw.e_end = st.bt_off[pair ? t + 2 : t + 1];
-      qw.e_mid = pair ? st.bt_off[t + 1] : qw.e_end;
-    } else {
-      const int tpb = st.G / BN;
-      const unsigned item = blockIdx.x - (unsigned)st.num_bar_tiles;
-      const int ktg = (int)(item / (unsigned)st.Hkv);
-      hk = (int)(item % (unsigned)st.Hkv);
-      const int kb = ktg / tpb, kt = ktg - kb * tpb;
-      qw.gk = st.k_block_global[kb];
-      const int nc = block_rows_dev(st.k_tokens, st.G, kb, qw.gk, st.seq_len);
-      nk = min(BN, nc - kt * BN);
-      if (nk <= 0) return;
-      qw.nk = nk;
-      qw.kpos = kt * BN;
-      row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
-      const int x = hk * st.num_k_blocks + kb;
-      qw.e = st.kv_off[x] - 1;
-      qw.e_end = st.kv_off[x + 1];
-      qw.e_mid = qw.e_end;
-    }
+    if (!kv_item_begin(st, BN, qw, hk, nk, row0)) return;
     if (tid == 0) {
       ring.w = qw;
       ring.produce(st, 0);
@@ -772,4 +697,28 @@ extern "C" mtrain_status_t cuda_mma2_bwd(cuda_state_t *s, const cuda_step_t *st,
                 : mma2::launch_bwd<64, __half>(s, st, a, dk_bar, dv_bar, c);
   return bf16 ? mma2::launch_bwd<128, __nv_bfloat16>(s, st, a, dk_bar, dv_bar, c)
               : mma2::launch_bwd<128, __half>(s, st, a, dk_bar, dv_bar, c);
+}
+
+extern "C" mtrain_status_t cuda_mma2_bwd_dq(cuda_state_t *s, const cuda_step_t *st,
+                                            const mtrain_bwd_step_args_t *a) {
+  const char *why = NULL;
+  if (!cuda_mma2_supports(a->dtype, st->d, st->G, &why))
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 dQ: %s", why);
+  int index = 0;
+  mtrain_status_t rc = mma2::config_from_env("cuda variant 2 dQ", &index);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  const mma2::Config c = mma2::effective_config(index, st->G);
+  const bool bf16 = a->dtype == MTRAIN_BF16;
+  if (st->d == 64) {
+    if (bf16)
+      return c.dq_nw == 8 ? mma2::launch_dq<64, __nv_bfloat16, 8>(s, st, a)
+                          : mma2::launch_dq<64, __nv_bfloat16, 4>(s, st, a);
+    return c.dq_nw == 8 ? mma2::launch_dq<64, __half, 8>(s, st, a)
+                        : mma2::launch_dq<64, __half, 4>(s, st, a);
+  }
+  if (bf16)
+    return c.dq_nw == 8 ? mma2::launch_dq<128, __nv_bfloat16, 8>(s, st, a)
+                        : mma2::launch_dq<128, __nv_bfloat16, 4>(s, st, a);
+  return c.dq_nw == 8 ? mma2::launch_dq<128, __half, 8>(s, st, a)
+                      : mma2::launch_dq<128, __half, 4>(s, st, a);
 }

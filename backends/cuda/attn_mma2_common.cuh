@@ -456,6 +456,96 @@ struct QWalk2 {
   }
 };
 
+/* The key-major item of CTA blockIdx.x with BN keys (64 or 128): bar items
+ * first (block indices [0, num_bar_tiles): one bar tile, or with BN = 128 a
+ * pair of them), then the run key tiles (kv head, key tile of BN keys).
+ * Sets the query walk qw, the kv head hk, the item's keys nk and row0 (runs:
+ * first local key row; bars: first bar scratch row). False: the CTA has
+ * nothing to do (the second tile of a bar pair, or a key tile past the
+ * block's rows). Uniform over the CTA. */
+__device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWalk2 &qw, int &hk,
+                                              int &nk, int64_t &row0) {
+  const bool bars = (int)blockIdx.x < st.num_bar_tiles;
+  qw.bars = bars;
+  qw.qt = qw.qt_end = 0;
+  qw.kpos = 0;
+  qw.nk = 0;
+  qw.gk = -1;
+  qw.h_bar = qw.b0 = qw.b1 = qw.b_end = 0;
+  qw.h = qw.nr = qw.jlo = qw.jhi = qw.diag = 0;
+  qw.rbase = 0;
+  if (bars) {
+    const int t = blockIdx.x;
+    if (BN == 128 && bar_tiles_pair(st, t - 1)) return false; /* walked with tile t - 1 */
+    const bool pair = BN == 128 && bar_tiles_pair(st, t);
+    qw.h_bar = st.bt_tile[3 * t];
+    qw.b0 = st.bt_tile[3 * t + 1];
+    qw.b1 = st.bt_tile[3 * t + 2];
+    qw.b_end = pair ? st.bt_tile[3 * t + 5] : qw.b1;
+    nk = min(BN, qw.b_end - qw.b0);
+    if (nk <= 0) return false;
+    hk = qw.h_bar / st.group;
+    row0 = st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BAR_BASE] + qw.b0;
+    qw.e = st.bt_off[t] - 1;
+    qw.e_end = st.bt_off[pair ? t + 2 : t + 1];
+    qw.e_mid = pair ? st.bt_off[t + 1] : qw.e_end;
+  } else {
+    const int tpb = st.G / BN;
+    const unsigned item = blockIdx.x - (unsigned)st.num_bar_tiles;
+    const int ktg = (int)(item / (unsigned)st.Hkv);
+    hk = (int)(item % (unsigned)st.Hkv);
+    const int kb = ktg / tpb, kt = ktg - kb * tpb;
+    qw.gk = st.k_block_global[kb];
+    const int nc = block_rows_dev(st.k_tokens, st.G, kb, qw.gk, st.seq_len);
+    nk = min(BN, nc - kt * BN);
+    if (nk <= 0) return false;
+    qw.nk = nk;
+    qw.kpos = kt * BN;
+    row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
+    const int x = hk * st.num_k_blocks + kb;
+    qw.e = st.kv_off[x] - 1;
+    qw.e_end = st.kv_off[x + 1];
+    qw.e_mid = qw.e_end;
+  }
+  return true;
+}
+
+/* The query walk of a key-major item shared by the CTA, as TileRing for the
+ * query-major kernels: thread 0 advances it in shared memory and publishes
+ * query tile n in d[n % 3] two tiles ahead (h < 0: end of the walk), and
+ * the item's output rows, read back by the epilogue. */
+struct QRing {
+  QWalk2 w;
+  /* 16-byte granules of their own, as in TileRing: a widened load of one
+   * group never covers bytes that thread 0 writes meanwhile */
+  alignas(16) QTile2 d[3];
+  alignas(16) int64_t krow0; /* runs: first local key row; bars: first scratch row */
+  int hk, nk, bars;
+
+  /* thread 0: the next query tile into d[slot] */
+  __device__ __forceinline__ void produce(const cuda_step_t &st, int slot) {
+    QWalk2 x = w;
+    QTile2 t;
+    if (!x.next(st, t)) t.h = -1;
+    d[slot] = t;
+    w = x;
+  }
+};
+
+constexpr int kRingBytesQ = (int)((sizeof(QRing) + 127) / 128 * 128);
+
+/* Issues the loads of query tile t's LSE[64] and delta[64] into the buffer
+ * at sl (zeros past nvalid), by threads 0..127. */
+__device__ __forceinline__ void load_ld(uint32_t sl, const cuda_step_t &st, const float *lse_acc,
+                                        const float *delta_acc, const QTile2 &t, int tid) {
+  if (tid < 2 * kKT) {
+    const int i = tid & (kKT - 1);
+    const bool ok = i < t.nvalid;
+    const float *src = tid < kKT ? lse_acc : delta_acc;
+    cp_async4(sl + (uint32_t)(tid * 4), ok ? src + (t.row0 + i) * st.Hq + t.h : src, ok);
+  }
+}
+
 } /* namespace mma2 */
 
 #endif /* MTRAIN_ATTN_MMA2_COMMON_CUH */

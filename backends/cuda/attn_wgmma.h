@@ -1,9 +1,10 @@
 /* attn_wgmma.h (private): entry points of variant 3 of the CUDA attention
- * kernels: the forward step on Hopper's warpgroup MMA (wgmma, sm_90a;
- * attn_wgmma_fwd.cu). Same inputs, outputs and accumulator contract as
- * variants 1 and 2 (cuda_internal.h): the step is merged into o_acc and
- * lse_acc. Variant 3's backward is variant 2's (attn_mma2.h). q, k and v
- * must be 16-byte aligned. */
+ * kernels: the forward and backward steps on Hopper's warpgroup MMA (wgmma,
+ * sm_90a; attn_wgmma_fwd.cu, attn_wgmma_bwd.cu). Same inputs, outputs and
+ * accumulator contract as variants 1 and 2 (cuda_internal.h): the forward
+ * step is merged into o_acc and lse_acc, the backward adds into dq_acc,
+ * dk_acc, dv_acc and writes the bar scratch. q, k and v (and dout) must be
+ * 16-byte aligned. */
 #ifndef MTRAIN_ATTN_WGMMA_H
 #define MTRAIN_ATTN_WGMMA_H
 
@@ -21,6 +22,13 @@ int cuda_wgmma_supports(const cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, 
                         const char **why);
 mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,
                                const mtrain_fwd_step_args_t *a);
+/* The backward step on wgmma (attn_wgmma_bwd.cu): non-deterministic contexts
+ * run one fused kernel (dQ by fp32 reductions, order-dependent in the last
+ * bits); deterministic ones run variant 2's dQ kernel and the dK/dV kernel
+ * of variant 3 without its dQ product. q, k, v and dout must be 16-byte
+ * aligned; the bar scratch rows are written as by cuda_mma2_bwd. */
+mtrain_status_t cuda_wgmma_bwd(cuda_state_t *s, const cuda_step_t *st,
+                               const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
 
 #ifdef __cplusplus
 }

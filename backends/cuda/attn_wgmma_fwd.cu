@@ -305,7 +305,11 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
       /* S = Q K^T: s[4n + e] = key column 8n + 2 t4 + (e & 1) */
       float s[32];
 #pragma unroll
-      for (int x = 0; x < 32; ++x) s[x] = 0.f;
+      for (int x = 0; x < 32; ++x) {
+        s[x] = 0.f;
+        reg_fence(s[x]); /* zeroed before the fence: zeroing sunk past it makes
+                            ptxas serialize every wgmma of the kernel */
+      }
       wgmma_fence();
       qk_product<D, T>(s, qf, sK);
       wgmma_commit();

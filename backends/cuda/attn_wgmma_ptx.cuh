@@ -62,6 +62,10 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
  * the wgmma wait (or issue) next to it. */
 __device__ __forceinline__ void reg_fence(float &x) { asm volatile("" : "+f"(x)::"memory"); }
 
+/* ... and an A fragment register, so that it stays allocated (and
+ * unchanged) until the wait that ends the wgmma reading it. */
+__device__ __forceinline__ void reg_fence_u(uint32_t &x) { asm volatile("" : "+r"(x)::"memory"); }
+
 /* Makes this thread's completed generic-proxy writes to shared memory (its
  * cp.async copies, once waited for) visible to the async proxy that wgmma
  * reads through; then a barrier publishes them to the warpgroup. */
@@ -124,6 +128,33 @@ MTRAIN_WG_WRAPPER(32, 16, "%16, %17, %18, %19", "%20", "%21", "%22")
 MTRAIN_WG_WRAPPER(64, 32, "%32, %33, %34, %35", "%36", "%37", "%38")
 MTRAIN_WG_WRAPPER(128, 64, "%64, %65, %66, %67", "%68", "%69", "%70")
 
+/* wgmma.mma_async ... with A from shared memory too (SS): D[64 x N] += A[64
+ * x 16] x B[16 x N], A through the descriptor adesc (TA = 0: stored K-major,
+ * element (m, k) at row m, column k; 1: M-major, row k, column m), B as
+ * above. MTRAIN_WG_MMA_SS writes one such instruction. */
+#define MTRAIN_WG_MMA_SS(N, TY, REGS, ADESC, BDESC, SC, TA, TB, OUTS)                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SC ", 0;\n"                                     \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}, " ADESC   \
+               ", " BDESC ", p, 1, 1, " TA ", " TB ";\n}\n"                                        \
+               : OUTS                                                                              \
+               : "l"(adesc), "l"(bdesc), "n"(1), "n"(TNSPA), "n"(TNSPB))
+
+#define MTRAIN_WG_WRAPPER_SS(N, NR, ADESC, BDESC, SC, TA, TB)                                      \
+  template <typename T, int TNSPA, int TNSPB>                                                      \
+  __device__ __forceinline__ void wgmma_ss_m64n##N##k16(float(&d)[NR], uint64_t adesc,             \
+                                                        uint64_t bdesc) {                          \
+    static_assert((TNSPA == 0 || TNSPA == 1) && (TNSPB == 0 || TNSPB == 1), "transpose flags");    \
+    if constexpr (std::is_same<T, __nv_bfloat16>::value)                                           \
+      MTRAIN_WG_MMA_SS(N, "bf16", MTRAIN_WG_REG##NR, ADESC, BDESC, SC, TA, TB, MTRAIN_WG_OUT##NR); \
+    else                                                                                           \
+      MTRAIN_WG_MMA_SS(N, "f16", MTRAIN_WG_REG##NR, ADESC, BDESC, SC, TA, TB, MTRAIN_WG_OUT##NR);  \
+  }
+
+MTRAIN_WG_WRAPPER_SS(64, 32, "%32", "%33", "%34", "%35", "%36")
+MTRAIN_WG_WRAPPER_SS(128, 64, "%64", "%65", "%66", "%67", "%68")
+
+#undef MTRAIN_WG_WRAPPER_SS
+#undef MTRAIN_WG_MMA_SS
 #undef MTRAIN_WG_WRAPPER
 #undef MTRAIN_WG_MMA
 #undef MTRAIN_WG_OUT16

@@ -23,7 +23,7 @@
 #define CUDA_MAX_HEAD_DIM 256
 /* AUTO picks variant 2 over 1 once it has been measured faster on the GPU */
 #define MTRAIN_CUDA_AUTO_PREFERS_MMA2 1
-/* ... and variant 3 (wgmma forward, variant 2's backward) over 2 likewise */
+/* ... and variant 3 (wgmma forward and backward) over 2 likewise */
 #define MTRAIN_CUDA_AUTO_PREFERS_WGMMA 1
 
 mtrain_status_t cuda_check(int err, const char *what) {
@@ -242,7 +242,7 @@ static mtrain_status_t pick_variant(cuda_state_t *s, mtrain_dtype_t dtype, int32
   const char *why1 = NULL, *why2 = NULL, *why3 = NULL;
   int ok1 = cuda_mma_supports(dtype, d, G, &why1);
   int ok2 = cuda_mma2_supports(dtype, d, G, &why2);
-  /* variant 3 = the wgmma forward and variant 2's backward */
+  /* variant 3's deterministic backward uses variant 2's dQ kernel */
   int ok3 = cuda_wgmma_supports(s, dtype, d, G, &why3) && ok2;
   if (!ok3 && !why3) why3 = why2;
   if (!aligned) {
@@ -328,7 +328,8 @@ static mtrain_status_t cuda_bwd_step(void *state, const mtrain_bwd_step_args_t *
     dk_bar = scr;
     dv_bar = dk_bar + n;
   }
-  MTRAIN_TRY(variant >= 2   ? cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar)
+  MTRAIN_TRY(variant == 3   ? cuda_wgmma_bwd(s, &step, a, dk_bar, dv_bar)
+             : variant == 2 ? cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar)
              : variant == 1 ? cuda_mma_bwd(s, &step, a, dk_bar, dv_bar)
                             : cuda_simt_bwd(s, &step, a, dk_bar, dv_bar));
   if (step.total_bars > 0)

@@ -41,6 +41,7 @@ void mbar_arrive(uint32_t bar);
 bool mbar_try_wait(uint32_t bar, uint32_t parity);
 void named_barrier(int id, int count);
 void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16);
+void wgmma_ss(float *d, uint64_t adesc, int tnsp_a, uint64_t desc, int N, int tnsp, bool bf16);
 void red_add(float *p, float v);
 [[noreturn]] void fail(const char *fmt, ...);
 } // namespace emu

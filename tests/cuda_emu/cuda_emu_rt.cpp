@@ -79,7 +79,7 @@ struct WGrp {
   Barrier bar;
   uint32_t a[128][4];
   float c[128][64];
-  uint64_t desc[128];
+  uint64_t desc[128], adesc[128];
   int n[128];
 };
 static WGrp wgrps[2];
@@ -242,23 +242,39 @@ static float smem16(uint32_t addr, bool bf16) {
   memcpy(&u, g_smem.data() + addr, 2);
   return h2f(u, 0, bf16);
 }
-void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16) {
-  const int t = g_cur->tid, lt = t & 127;
-  if ((t >> 7) >= 2 || (t | 127) >= g_nt) fail("wgmma by thread %d of a CTA of %d", t, g_nt);
-  WGrp &w = wgrps[t >> 7];
-  for (int i = 0; i < 4; ++i) w.a[lt][i] = a[i];
-  for (int x = 0; x < N / 2; ++x) w.c[lt][x] = d[x];
-  w.desc[lt] = desc;
-  w.n[lt] = N * 2 + tnsp;
-  barrier_wait(w.bar, 128);
-  for (int i = 0; i < 128; ++i)
-    if (w.desc[i] != desc || w.n[i] != N * 2 + tnsp)
-      fail("wgmma operands differ across the warpgroup");
+/* The element (m, k) or (k, n) of an operand in shared memory through a 128-byte-swizzle
+ * descriptor: K-major (tnsp 0): row m (or n), 8-row groups SBO apart, k contiguous; MN-major
+ * (tnsp 1): row k, 8-row groups SBO apart, 64-column panels LBO apart. */
+static uint32_t desc_addr(uint64_t desc, int mn, int k, int tnsp) {
   if ((desc >> 62) != 1) fail("wgmma descriptor without the 128-byte swizzle");
-  if (((desc >> 46) & 0xFFFF) & ~0u && ((desc >> 49) & 7)) fail("wgmma base offset");
+  if ((desc >> 49) & 7) fail("wgmma base offset");
   const uint32_t start = (uint32_t)(desc & 0x3FFF) << 4,
                  lbo = (uint32_t)((desc >> 16) & 0x3FFF) << 4,
                  sbo = (uint32_t)((desc >> 32) & 0x3FFF) << 4;
+  if (tnsp == 0) {
+    if ((start & 127) + 32 > 128) fail("K-major slice crosses a 128-byte row");
+    return start + (mn / 8) * sbo + (mn % 8) * 128 + k * 2;
+  }
+  if (start & 127) fail("MN-major operand not at the start of a 128-byte row");
+  return start + (mn / 64) * lbo + (mn % 64) * 2 + (k / 8) * sbo + (k % 8) * 128;
+}
+/* D[64 x N] += A[64 x 16] B[16 x N] for the calling thread's warpgroup: A from the threads'
+ * registers (adesc_or_0 == 0, a != nullptr) or through the descriptor adesc (M-major when
+ * tnsp_a). Every thread of the warpgroup must pass the same descriptors and shape. */
+static void wgmma_any(float *d, const uint32_t *a, uint64_t adesc, int tnsp_a, uint64_t desc, int N,
+                      int tnsp, bool bf16) {
+  const int t = g_cur->tid, lt = t & 127;
+  if ((t >> 7) >= 2 || (t | 127) >= g_nt) fail("wgmma by thread %d of a CTA of %d", t, g_nt);
+  WGrp &w = wgrps[t >> 7];
+  for (int i = 0; i < 4; ++i) w.a[lt][i] = a ? a[i] : 0u;
+  for (int x = 0; x < N / 2; ++x) w.c[lt][x] = d[x];
+  w.desc[lt] = desc;
+  w.adesc[lt] = a ? 0 : adesc;
+  w.n[lt] = N * 4 + tnsp * 2 + tnsp_a;
+  barrier_wait(w.bar, 128);
+  for (int i = 0; i < 128; ++i)
+    if (w.desc[i] != desc || w.n[i] != w.n[lt] || w.adesc[i] != w.adesc[lt])
+      fail("wgmma operands differ across the warpgroup");
   const int wq = lt >> 5, lane = lt & 31, g = lane >> 2, t4 = lane & 3;
   float out[64];
   for (int x = 0; x < N / 2; ++x) {
@@ -266,22 +282,26 @@ void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf1
     const int row = 16 * wq + g + 8 * (e >> 1), col = 8 * j + 2 * t4 + (e & 1);
     double sum = w.c[lt][x];
     for (int k = 0; k < 16; ++k) {
-      const int r16 = row & 15;
-      const int la = (r16 % 8) * 4 + (k % 8) / 2, ra = (r16 / 8) + 2 * (k / 8);
-      const double av = h2f(w.a[wq * 32 + la][ra], k % 2, bf16);
-      uint32_t addr;
-      if (tnsp == 0) {
-        if ((start & 127) + 32 > 128) fail("K-major slice crosses a 128-byte row");
-        addr = start + (col / 8) * sbo + (col % 8) * 128 + k * 2;
+      double av;
+      if (a) {
+        const int r16 = row & 15;
+        const int la = (r16 % 8) * 4 + (k % 8) / 2, ra = (r16 / 8) + 2 * (k / 8);
+        av = h2f(w.a[wq * 32 + la][ra], k % 2, bf16);
       } else {
-        addr = start + (col / 64) * lbo + (col % 64) * 2 + (k / 8) * sbo + (k % 8) * 128;
+        av = smem16(desc_addr(adesc, row, k, tnsp_a), bf16);
       }
-      sum += av * (double)smem16(addr, bf16);
+      sum += av * (double)smem16(desc_addr(desc, col, k, tnsp), bf16);
     }
     out[x] = (float)sum;
   }
   barrier_wait(w.bar, 128);
   for (int x = 0; x < N / 2; ++x) d[x] = out[x];
+}
+void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16) {
+  wgmma_any(d, a, 0, 0, desc, N, tnsp, bf16);
+}
+void wgmma_ss(float *d, uint64_t adesc, int tnsp_a, uint64_t desc, int N, int tnsp, bool bf16) {
+  wgmma_any(d, nullptr, adesc, tnsp_a, desc, N, tnsp, bf16);
 }
 
 struct MBar {

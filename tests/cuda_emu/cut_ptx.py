@@ -46,7 +46,7 @@ def main():
     write('attn_wgmma_ptx.cuh', pre + '#include "emu_ptx_wgmma.h"\n' + post)
 
     for f, ns in (('attn_mma2_fwd.cu', 'mma2'), ('attn_mma2_bwd.cu', 'mma2'),
-                  ('attn_wgmma_fwd.cu', 'wg')):
+                  ('attn_wgmma_fwd.cu', 'wg'), ('attn_wgmma_bwd.cu', 'wg')):
         s = read(f)
         if '/* ---- host side ---- */' not in s:
             sys.exit(f"cut_ptx.py: no host-side marker in {f}")

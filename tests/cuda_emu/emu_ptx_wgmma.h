@@ -7,6 +7,7 @@ __device__ __forceinline__ void wgmma_fence() {}
 __device__ __forceinline__ void wgmma_commit() {}
 template <int N> __device__ __forceinline__ void wgmma_wait() {}
 __device__ __forceinline__ void reg_fence(float &) {}
+__device__ __forceinline__ void reg_fence_u(uint32_t &) {}
 __device__ __forceinline__ void fence_proxy_async() {}
 template <typename T, int TNSP>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4],
@@ -22,6 +23,14 @@ template <typename T, int TNSP>
 __device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], const uint32_t (&a)[4],
                                                 uint64_t b) {
   emu::wgmma(d, a, b, 32, TNSP, std::is_same<T, __nv_bfloat16>::value);
+}
+template <typename T, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
+  emu::wgmma_ss(d, a, TA, b, 64, TB, std::is_same<T, __nv_bfloat16>::value);
+}
+template <typename T, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[64], uint64_t a, uint64_t b) {
+  emu::wgmma_ss(d, a, TA, b, 128, TB, std::is_same<T, __nv_bfloat16>::value);
 }
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) { emu::mbar_init(bar, count); }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) { emu::mbar_arrive(bar); }

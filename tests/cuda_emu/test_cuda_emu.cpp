@@ -2,10 +2,11 @@
 // cuda_emu.h, sources cut by cut_ptx.py) against the fp64 cpu-ref oracle of libmtrain, on random
 // attention steps (single-rank and ring-like, bars anywhere, padded tokens, GQA, d 64 and 128,
 // bf16 and fp16): every forward tiling of variant 2 and variant 3's forward, and variant 2's
-// deterministic and fused backward. Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]];
+// deterministic and fused backward, and variant 3's (kv0: the wgmma dK/dV kernel). Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]];
 // without arguments the configurations of kQuick with seed 7.
 #include "backends/cuda/attn_mma2_bwd.cu"
 #include "backends/cuda/attn_mma2_fwd.cu"
+#include "backends/cuda/attn_wgmma_bwd.cu"
 #include "backends/cuda/attn_wgmma_fwd.cu"
 #include "cuda_emu.h"
 #include <functional>
@@ -456,12 +457,14 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
             *dp = (const T *)dout.data();
     const float *lp = lse.data(), *dlp = delta.data();
     // variants: (fused, kv_nw, dq_nw)
+    // kv_nw 0: variant 3's wgmma kernel (two warpgroups when G % 128 == 0, else one)
     struct BV {
       int fused, kv_nw, dq_nw;
     };
     vector<BV> bvs;
-    const BV all[4] = {{0, 4, 4}, {0, 8, 8}, {1, 4, 0}, {1, 8, 0}};
-    for (int x = 0; x < 4; ++x) {
+    const int wide = G % 128 == 0 ? 8 : 4;
+    const BV all[6] = {{0, 4, 4}, {0, 8, 8}, {1, 4, 0}, {1, 8, 0}, {0, 0, wide}, {1, 0, 0}};
+    for (int x = 0; x < 6; ++x) {
       if (all[x].kv_nw == 8 && G % 128 != 0) continue;
       if (only_bwd >= 0 && x != only_bwd) continue;
       bvs.push_back(all[x]);
@@ -500,7 +503,24 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
         },                                                                                         \
         true, S::NT);                                                                              \
   }
-      if (bv.kv_nw == 8) {
+#define WG_LAUNCH(NWG, FU)                                                                         \
+  {                                                                                                \
+    using S = wg::BwdShape<D, NWG>;                                                                \
+    emu::launch(                                                                                   \
+        nkb *(G / S::BN) * Hkv + num_bar_tiles, S::kSmem,                                          \
+        [&]() {                                                                                    \
+          wg::wgmma_bwd_kernel<D, T, NWG, FU>(st, qp, kp, vp, dp, lp, dlp, dqp, dkp, dvp, dkbp,    \
+                                              dvbp);                                               \
+        },                                                                                         \
+        true, S::NC);                                                                              \
+  }
+      if (bv.kv_nw == 0) {
+        if (G % 128 == 0) {
+          if (bv.fused) WG_LAUNCH(2, true) else WG_LAUNCH(2, false)
+        } else {
+          if (bv.fused) WG_LAUNCH(1, true) else WG_LAUNCH(1, false)
+        }
+      } else if (bv.kv_nw == 8) {
         if (bv.fused) KV_LAUNCH(8, true) else KV_LAUNCH(8, false)
       } else {
         if (bv.fused) KV_LAUNCH(4, true) else KV_LAUNCH(4, false)
