@@ -265,136 +265,128 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       const uint32_t sQ = sS + (uint32_t)(stage * SB), sO = sQ + TBQ;
       const float *ld = reinterpret_cast<const float *>(sbase + S::kLdOff + stage * 512);
 
-      /* keys that reach a valid query of the tile: [jlo, khi) (uniform) */
-      const int khi = t.causal ? min(t.jhi, t.nvalid - t.off) : t.jhi;
-      const bool skip = kw0 >= khi || kw0 + 64 <= t.jlo;
-      if (!skip) {
-        float sT[32], dpT[32];
+      /* Every product is issued whether or not the warpgroup's keys reach
+       * the tile (masked entries are zeros): a wgmma under a branch between
+       * its fence and its wait makes ptxas serialize every wgmma of the
+       * kernel, and tiles that no key of a warpgroup reaches are rare. */
+      float sT[32], dpT[32];
 #pragma unroll
-        for (int x = 0; x < 32; ++x) {
-          sT[x] = dpT[x] = 0.f;
-          reg_fence(sT[x]);  /* zeroed before the fence (not sunk past it: */
-          reg_fence(dpT[x]); /* ptxas would then serialize every wgmma) */
-        }
-        wgmma_fence();
-        keys_by_queries<D, BN, T>(sT, sK + (uint32_t)(kw0 * 128), sQ);
-        wgmma_commit();
-        keys_by_queries<D, BN, T>(dpT, sV + (uint32_t)(kw0 * 128), sO);
-        wgmma_commit();
-        wgmma_wait<1>();
-#pragma unroll
-        for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
-
-        /* P^T: sT[4n + e] = key kr, query c */
-        const bool need_mask =
-            t.nvalid < kKT || kw0 < t.jlo || kw0 + 64 > t.jhi || (t.causal && kw0 + 63 + t.off > 0);
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          const float2 L = *reinterpret_cast<const float2 *>(ld + 8 * n + 2 * t4);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = fast_exp2(fmaf(sT[4 * n + e], sl2, -((e & 1) ? L.y : L.x) * kLog2e));
-            if (need_mask) {
-              const int c = 8 * n + 2 * t4 + (e & 1), kr = kw0 + wr + g + 8 * (e >> 1);
-              if (c >= t.nvalid || kr < t.jlo || kr >= t.jhi || (t.causal && kr + t.off > c))
-                x = 0.f;
-            }
-            sT[4 * n + e] = x;
-          }
-        }
-        wgmma_wait<0>();
-#pragma unroll
-        for (int x = 0; x < 32; ++x) reg_fence(dpT[x]);
-          /* dS^T = P^T (dP^T - delta) */
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          const float2 Dl = *reinterpret_cast<const float2 *>(ld + kKT + 8 * n + 2 * t4);
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - ((e & 1) ? Dl.y : Dl.x));
-        }
-        /* A fragments of P^T and dS^T, k-slice j = queries 16 j .. 16 j + 15 */
-        uint32_t pa[4][4], dsa[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            pa[j][r] = pack2<T>(sT[8 * j + 2 * r], sT[8 * j + 2 * r + 1]);
-            dsa[j][r] = pack2<T>(dpT[8 * j + 2 * r], dpT[8 * j + 2 * r + 1]);
-          }
-        wgmma_fence();
-        keys_by_d<D, T>(dv, pa, sO);
-        keys_by_d<D, T>(dk, dsa, sQ);
-        wgmma_commit();
-        if constexpr (FUSED) {
-          /* dS^T into the [key][query] tile while dK, dV run: stmatrix
-           * k-slice j = query chunks 2j, 2j + 1 of the warp's 16 key rows */
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            stsm_x4(ds_addr(sDS, kw0 + wr, j, lane), dsa[j][0], dsa[j][1], dsa[j][2], dsa[j][3]);
-        }
-        wgmma_wait<0>(); /* dK, dV products done: the stage and pa, dsa free */
-#pragma unroll
-        for (int x = 0; x < D / 2; ++x) {
-          reg_fence(dk[x]);
-          reg_fence(dv[x]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            reg_fence_u(pa[j][r]);
-            reg_fence_u(dsa[j][r]);
-          }
-      } else if (FUSED) {
-        /* no key of the warpgroup reaches the tile: zeros for dQ */
-#pragma unroll
-        for (int j = 0; j < 4; ++j) stsm_x4(ds_addr(sDS, kw0 + wr, j, lane), 0u, 0u, 0u, 0u);
+      for (int x = 0; x < 32; ++x) {
+        sT[x] = dpT[x] = 0.f;
+        reg_fence(sT[x]);  /* zeroed before the fence (not sunk past it: */
+        reg_fence(dpT[x]); /* ptxas would then serialize every wgmma) */
       }
+      wgmma_fence();
+      keys_by_queries<D, BN, T>(sT, sK + (uint32_t)(kw0 * 128), sQ);
+      wgmma_commit();
+      keys_by_queries<D, BN, T>(dpT, sV + (uint32_t)(kw0 * 128), sO);
+      wgmma_commit();
+      wgmma_wait<1>();
+#pragma unroll
+      for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
+
+      /* P^T: sT[4n + e] = key kr, query c */
+      const bool need_mask =
+          t.nvalid < kKT || kw0 < t.jlo || kw0 + 64 > t.jhi || (t.causal && kw0 + 63 + t.off > 0);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const float2 L = *reinterpret_cast<const float2 *>(ld + 8 * n + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = fast_exp2(fmaf(sT[4 * n + e], sl2, -((e & 1) ? L.y : L.x) * kLog2e));
+          if (need_mask) {
+            const int c = 8 * n + 2 * t4 + (e & 1), kr = kw0 + wr + g + 8 * (e >> 1);
+            if (c >= t.nvalid || kr < t.jlo || kr >= t.jhi || (t.causal && kr + t.off > c)) x = 0.f;
+          }
+          sT[4 * n + e] = x;
+        }
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int x = 0; x < 32; ++x) reg_fence(dpT[x]);
+        /* dS^T = P^T (dP^T - delta) */
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const float2 Dl = *reinterpret_cast<const float2 *>(ld + kKT + 8 * n + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dpT[4 * n + e] = sT[4 * n + e] * (dpT[4 * n + e] - ((e & 1) ? Dl.y : Dl.x));
+      }
+      /* A fragments of P^T and dS^T, k-slice j = queries 16 j .. 16 j + 15 */
+      uint32_t pa[4][4], dsa[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          pa[j][r] = pack2<T>(sT[8 * j + 2 * r], sT[8 * j + 2 * r + 1]);
+          dsa[j][r] = pack2<T>(dpT[8 * j + 2 * r], dpT[8 * j + 2 * r + 1]);
+        }
+      wgmma_fence();
+      keys_by_d<D, T>(dv, pa, sO);
+      keys_by_d<D, T>(dk, dsa, sQ);
+      wgmma_commit();
       if constexpr (FUSED) {
+        /* dS^T into the [key][query] tile while dK, dV run: stmatrix
+         * k-slice j = query chunks 2j, 2j + 1 of the warp's 16 key rows */
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          stsm_x4(ds_addr(sDS, kw0 + wr, j, lane), dsa[j][0], dsa[j][1], dsa[j][2], dsa[j][3]);
         fence_proxy_async(); /* the stmatrix writes, visible to wgmma */
         named_barrier(1, NC);
         /* dQ = dS K, columns c0 .. c0 + DQN - 1 over the key k-slices [k0,
          * k0 + NKQ): all BN keys, or the warpgroup's own 64 (d = 64, two
-         * warpgroups); issued when a key of that range reaches the tile */
+         * warpgroups); queued behind dK, dV */
         constexpr int NKQ = S::kDqOwnKeys ? 4 : BN / 16;
         const int k0 = S::kDqOwnKeys ? 4 * wgi : 0, c0 = S::kDqOwnKeys ? 0 : DQN * wgi;
-        if (16 * k0 < khi && 16 * (k0 + NKQ) > t.jlo) {
-          float acc[DQN / 2];
+        float acc[DQN / 2];
 #pragma unroll
-          for (int x = 0; x < DQN / 2; ++x) {
-            acc[x] = 0.f;
-            reg_fence(acc[x]);
-          }
-          wgmma_fence();
+        for (int x = 0; x < DQN / 2; ++x) {
+          acc[x] = 0.f;
+          reg_fence(acc[x]);
+        }
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < NKQ; ++kk) {
-            const uint32_t krow = (uint32_t)((k0 + kk) * 16 * 128);
-            const uint64_t ad = sw128_desc(sDS + krow, BN * 128, 1024);
-            const uint64_t bd =
-                sw128_desc(sK + (uint32_t)((c0 / 64) * BN * 128) + krow, BN * 128, 1024);
-            if constexpr (DQN == 128)
-              wgmma_ss_m64n128k16<T, 1, 1>(acc, ad, bd);
-            else
-              wgmma_ss_m64n64k16<T, 1, 1>(acc, ad, bd);
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
+        for (int kk = 0; kk < NKQ; ++kk) {
+          const uint32_t krow = (uint32_t)((k0 + kk) * 16 * 128);
+          const uint64_t ad = sw128_desc(sDS + krow, BN * 128, 1024);
+          const uint64_t bd =
+              sw128_desc(sK + (uint32_t)((c0 / 64) * BN * 128) + krow, BN * 128, 1024);
+          if constexpr (DQN == 128)
+            wgmma_ss_m64n128k16<T, 1, 1>(acc, ad, bd);
+          else
+            wgmma_ss_m64n64k16<T, 1, 1>(acc, ad, bd);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
 #pragma unroll
-          for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
-          const float sc = st.scale;
+        for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
+        const float sc = st.scale;
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int row = wr + g + 8 * hh;
-            if (row < t.nvalid) {
-              float *dqr = dq_acc + ((t.row0 + row) * st.Hq + t.h) * D + c0 + 2 * t4;
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = wr + g + 8 * hh;
+          if (row < t.nvalid) {
+            float *dqr = dq_acc + ((t.row0 + row) * st.Hq + t.h) * D + c0 + 2 * t4;
 #pragma unroll
-              for (int n = 0; n < DQN / 8; ++n)
-                red_add_v2(dqr + 8 * n, sc * acc[4 * n + 2 * hh], sc * acc[4 * n + 2 * hh + 1]);
-            }
+            for (int n = 0; n < DQN / 8; ++n)
+              red_add_v2(dqr + 8 * n, sc * acc[4 * n + 2 * hh], sc * acc[4 * n + 2 * hh + 1]);
           }
         }
+      } else {
+        wgmma_wait<0>(); /* dK, dV products done */
       }
+      /* the stage, pa and dsa are free once the products have read them */
+#pragma unroll
+      for (int x = 0; x < D / 2; ++x) {
+        reg_fence(dk[x]);
+        reg_fence(dv[x]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          reg_fence_u(pa[j][r]);
+          reg_fence_u(dsa[j][r]);
+        }
       if (!more) break;
     }
   }
