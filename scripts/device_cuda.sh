@@ -12,8 +12,8 @@
 #             -E ${MTRAIN_TEST_EXCLUDE:-emu}: the CPU emulator test), with their output
 #   sanitize  compute-sanitizer memcheck (with leak check) and racecheck on the
 #             reduced cross-backend run (MTRAIN_TEST_QUICK=1), variants
-#             $MTRAIN_SANITIZE_VARIANTS (default "0 1 2 2n 3"; 2n: variant 2 with
-#             the fused, non-deterministic backward)
+#             $MTRAIN_SANITIZE_VARIANTS (default "0 1 2 2n 3 3n"; 2n, 3n: variant 2
+#             or 3 with the fused, non-deterministic backward)
 #   run       mtrain-run --backend cuda --check on small problems (variants
 #             auto, 0, 1, 2 and 3; the pattern estimated on the device)
 #   bench     mtrain-bench-cuda (N = $MTRAIN_BENCH_SEQ or 32768): validation,
@@ -171,12 +171,12 @@ stage_sanitize() {
   fi
   : > "$log"
   for tool in memcheck racecheck; do
-    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1 2 2n 3}; do
+    for v in ${MTRAIN_SANITIZE_VARIANTS:-0 1 2 2n 3 3n}; do
       local flags=(--tool "$tool" --error-exitcode 99)
       [ "$tool" = memcheck ] && flags+=(--leak-check full)
       echo "== $tool, variant $v" >> "$log"
-      # 2n: variant 2 with the fused, non-deterministic backward
-      MTRAIN_DETERMINISTIC=$([ "$v" = 2n ] && echo 0 || echo 1) MTRAIN_TEST_QUICK=1 \
+      # 2n, 3n: variant 2 or 3 with the fused, non-deterministic backward
+      MTRAIN_DETERMINISTIC=$([ "${v%n}" != "$v" ] && echo 0 || echo 1) MTRAIN_TEST_QUICK=1 \
         "$cs" "${flags[@]}" "$build/tests/test_cross_backend" cuda "${v%n}" >> "$log" 2>&1
       local rc=$?
       local errs
@@ -244,7 +244,7 @@ stage_bench() {
       grep -E "^(dense|vertical-slash) " "$work/extra.log"
     done
   done
-  # variant 3 (wgmma forward) with the fused backward
+  # variant 3 with the fused backward
   echo "== variant 3, MTRAIN_DETERMINISTIC=0" | tee -a "$log"
   MTRAIN_DETERMINISTIC=0 "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants 3 \
     > "$work/extra.log" 2>&1 || rc=$?

@@ -260,7 +260,6 @@ __global__ void __launch_bounds__(128 * NWG, 1)
         load_q_stage<D, NC>(sS + (uint32_t)((stage ^ 1) * SB), sL + (uint32_t)((stage ^ 1) * 512),
                             st, q, dout, lse_acc, delta_acc, ring.d[slot1], tid);
         cp_async_commit();
-        if (tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
       }
       const uint32_t sQ = sS + (uint32_t)(stage * SB), sO = sQ + TBQ;
       const float *ld = reinterpret_cast<const float *>(sbase + S::kLdOff + stage * 512);
@@ -281,6 +280,9 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       wgmma_commit();
       keys_by_queries<D, BN, T>(dpT, sV + (uint32_t)(kw0 * 128), sO);
       wgmma_commit();
+      /* thread 0 advances the walk while the products run (its dependent
+       * global reads would otherwise hold back its warpgroup's wgmma) */
+      if (more && tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
       wgmma_wait<1>();
 #pragma unroll
       for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
