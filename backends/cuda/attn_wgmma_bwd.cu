@@ -261,6 +261,12 @@ __global__ void __launch_bounds__(128 * NWG, 1)
                             st, q, dout, lse_acc, delta_acc, ring.d[slot1], tid);
         cp_async_commit();
       }
+      /* thread 0 advances the walk (tile it + 3) while the warpgroup waits
+       * for its last products: its dependent global reads would otherwise
+       * hold back the warpgroup's next wgmma */
+      auto advance_walk = [&]() {
+        if (more && tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
+      };
       const uint32_t sQ = sS + (uint32_t)(stage * SB), sO = sQ + TBQ;
       const float *ld = reinterpret_cast<const float *>(sbase + S::kLdOff + stage * 512);
 
@@ -280,9 +286,6 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       wgmma_commit();
       keys_by_queries<D, BN, T>(dpT, sV + (uint32_t)(kw0 * 128), sO);
       wgmma_commit();
-      /* thread 0 advances the walk while the products run (its dependent
-       * global reads would otherwise hold back its warpgroup's wgmma) */
-      if (more && tid == 0) ring.produce(st, slot1 == 2 ? 0 : slot1 + 1);
       wgmma_wait<1>();
 #pragma unroll
       for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
@@ -359,6 +362,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
             wgmma_ss_m64n64k16<T, 1, 1>(acc, ad, bd);
         }
         wgmma_commit();
+        advance_walk();
         wgmma_wait<0>();
 #pragma unroll
         for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
@@ -374,6 +378,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
           }
         }
       } else {
+        advance_walk();
         wgmma_wait<0>(); /* dK, dV products done */
       }
       /* the stage, pa and dsa are free once the products have read them */
