@@ -147,7 +147,7 @@ static void report_text(const run_options_t *o, const run_inputs_t *in, const ru
   if (r->cuda_variant >= 0)
     printf("  cuda       kernel variant %d (%s)\n", r->cuda_variant,
            r->cuda_variant == MTRAIN_CUDA_VARIANT_SIMT    ? "SIMT"
-           : r->cuda_variant == MTRAIN_CUDA_VARIANT_WGMMA ? "wgmma forward, tensor-core backward"
+           : r->cuda_variant == MTRAIN_CUDA_VARIANT_WGMMA ? "wgmma forward and backward"
                                                           : "tensor cores");
   printf("  forward    %.3f ms, %.2f effective GFLOP/s\n", 1e3 * r->t_fwd,
          fwd_flops / r->t_fwd * 1e-9);

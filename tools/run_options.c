@@ -35,7 +35,7 @@ static const char usage[] =
     "Computation:\n"
     "  --backend cpu|cpu-ref|cuda (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
     "  --cuda-variant auto|0|1|2|3  CUDA kernel variant: 0 SIMT, 1 and 2 tensor cores, 3 the\n"
-    "                        Hopper (wgmma) forward (bf16/fp16, d 64/128); default:\n"
+    "                        Hopper (wgmma) kernels (bf16/fp16, d 64/128); default:\n"
     "                        MTRAIN_CUDA_VARIANT or auto. Under mpiexec\n"
     "                        cuda runs one GPU per rank through the NCCL communicator\n"
     "  --threads T           OpenMP threads (default: OpenMP's)\n"

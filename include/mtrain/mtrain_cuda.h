@@ -35,8 +35,9 @@ typedef enum mtrain_cuda_variant {
                                      config.deterministic = 0 a fused backward with atomic dQ;
                                      bf16/fp16, d 64 or 128, granularity a multiple of 64
                                      (128-row tiles where it is a multiple of 128) */
-  MTRAIN_CUDA_VARIANT_WGMMA = 3, /**< Hopper: the forward on warpgroup MMA (wgmma, compute
-                                      capability 9.0 only), the backward of variant 2; same
+  MTRAIN_CUDA_VARIANT_WGMMA = 3, /**< Hopper: the forward and backward on warpgroup MMA
+                                      (wgmma, compute capability 9.0 only; the deterministic
+                                      backward takes its dQ from variant 2's kernel); same
                                       dtypes, head_dims and granularities as variant 2 */
 } mtrain_cuda_variant_t;
 
