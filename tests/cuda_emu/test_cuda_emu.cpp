@@ -1,9 +1,10 @@
 // test_cuda_emu.cpp: runs the CUDA kernels of variants 2 and 3 on the CPU (the emulator of
 // cuda_emu.h, sources cut by cut_ptx.py) against the fp64 cpu-ref oracle of libmtrain, on random
 // attention steps (single-rank and ring-like, bars anywhere, padded tokens, GQA, d 64 and 128,
-// bf16 and fp16): every forward tiling of variant 2 and variant 3's forward, and variant 2's
-// deterministic and fused backward, and variant 3's (kv0: the wgmma dK/dV kernel). Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]];
-// without arguments the configurations of kQuick with seed 7.
+// bf16 and fp16): every forward tiling of variant 2 and variant 3's forward, variant 2's
+// deterministic and fused backward, and variant 3's (kv0: the wgmma dK/dV kernel).
+// Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
+// configurations of kQuick with seed 7.
 #include "backends/cuda/attn_mma2_bwd.cu"
 #include "backends/cuda/attn_mma2_fwd.cu"
 #include "backends/cuda/attn_wgmma_bwd.cu"
