@@ -149,8 +149,8 @@ __device__ __forceinline__ void keys_by_queries(float (&x)[32], uint32_t sA, uin
 /* Issues acc += X^T B over the tile's 64 queries: X^T's A fragments xa[j]
  * (k-slice j = queries 16 j ..) from registers, B = dO or Q read N-major
  * from the 64-row panel tile at sB. Every k-slice is issued (masked
- * queries hold zeros in X^T): a wgmma under a branch between the fence and
- * the wait makes ptxas serialize every wgmma of the kernel. */
+ * queries hold zeros in X^T), so the sequence from fence to wait has no
+ * branch. */
 template <int D, typename T>
 __device__ __forceinline__ void keys_by_d(float (&acc)[D / 2], const uint32_t (&xa)[4][4],
                                           uint32_t sB) {
@@ -271,9 +271,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       const float *ld = reinterpret_cast<const float *>(sbase + S::kLdOff + stage * 512);
 
       /* Every product is issued whether or not the warpgroup's keys reach
-       * the tile (masked entries are zeros): a wgmma under a branch between
-       * its fence and its wait makes ptxas serialize every wgmma of the
-       * kernel, and tiles that no key of a warpgroup reaches are rare. */
+       * the tile (masked entries are zeros; tiles that no key of a
+       * warpgroup reaches are rare): the iteration's products are one
+       * branch-free sequence, and dQ queues behind dK and dV without a
+       * wait. */
       float sT[32], dpT[32];
 #pragma unroll
       for (int x = 0; x < 32; ++x) {
