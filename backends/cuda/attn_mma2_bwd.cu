@@ -302,31 +302,13 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
     int hk, nk;
     int64_t row0;
     if (!kv_item_begin(st, BN, qw, hk, nk, row0)) return;
-    if (tid == 0) {
-      ring.w = qw;
-      ring.produce(st, 0);
-      ring.produce(st, 1);
-      ring.krow0 = row0;
-      ring.hk = hk;
-      ring.nk = nk;
-      ring.bars = bars;
-    }
+    if (tid == 0) ring.start(st, qw, row0, hk, nk, bars);
     __syncthreads();
     /* K and V rows of the item: the bars (bar_list[b0 + i]) or a run tile */
     if (ring.d[0].h >= 0) {
       const int64_t kv_stride = (int64_t)st.Hkv * D;
       int64_t rows[LoadShape<NT, BN>::kRows];
-      if (bars) {
-        const int32_t *bar_list =
-            st.idx + st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BARS];
-#pragma unroll
-        for (int r = 0; r < LoadShape<NT, BN>::kRows; ++r) {
-          const int i = (tid >> 3) + LoadShape<NT, BN>::kStep * r;
-          rows[r] = i < nk ? (int64_t)bar_list[qw.b0 + i] : -1;
-        }
-      } else {
-        contiguous_rows_n<NT, BN>(rows, row0, nk, tid);
-      }
+      kv_item_rows<NT, BN>(rows, st, qw, row0, nk, tid);
       const uint32_t s0 = smem_u32(smem);
       load_rows_n<D, NT, BN>(s0, k + (int64_t)hk * D, kv_stride, rows, tid);
       load_rows_n<D, NT, BN>(s0 + TBK, v + (int64_t)hk * D, kv_stride, rows, tid);
@@ -587,37 +569,19 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
    * scratch rows (zeros where nothing contributed), run items add into the
    * dk_acc/dv_acc rows they own */
   const float sc = st.scale;
-  const int64_t e_row0 = ring.krow0;
-  const int e_hk = ring.hk, e_nk = ring.nk;
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int kr = kw0 + 16 * i + 8 * hh + g;
-      if (kr < e_nk) {
+      if (kr < ring.nk) {
         float *dkr, *dvr;
-        if (bars) {
-          dkr = dk_bar + (e_row0 + kr) * D;
-          dvr = dv_bar + (e_row0 + kr) * D;
-        } else {
-          dkr = dk_acc + ((e_row0 + kr) * st.Hkv + e_hk) * D;
-          dvr = dv_acc + ((e_row0 + kr) * st.Hkv + e_hk) * D;
-        }
+        kv_out_rows(st, ring, kr, D, dk_acc, dv_acc, dk_bar, dv_bar, dkr, dvr);
 #pragma unroll
         for (int n = 0; n < DH / 8; ++n) {
-          float2 *pk = reinterpret_cast<float2 *>(dkr + dw0 + n * 8 + 2 * t4);
-          float2 *pv = reinterpret_cast<float2 *>(dvr + dw0 + n * 8 + 2 * t4);
-          float2 xk = make_float2(sc * dk[i][n][2 * hh], sc * dk[i][n][2 * hh + 1]);
-          float2 xv = make_float2(dv[i][n][2 * hh], dv[i][n][2 * hh + 1]);
-          if (!bars) {
-            const float2 ok = *pk, ov = *pv;
-            xk.x += ok.x;
-            xk.y += ok.y;
-            xv.x += ov.x;
-            xv.y += ov.y;
-          }
-          *pk = xk;
-          *pv = xv;
+          const int c = dw0 + n * 8 + 2 * t4;
+          store_pair(dkr + c, sc * dk[i][n][2 * hh], sc * dk[i][n][2 * hh + 1], !bars);
+          store_pair(dvr + c, dv[i][n][2 * hh], dv[i][n][2 * hh + 1], !bars);
         }
       }
     }

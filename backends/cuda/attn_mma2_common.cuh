@@ -195,6 +195,27 @@ __device__ __forceinline__ void load_rows_n(uint32_t sdst, const T *g, int64_t s
   }
 }
 
+/* The same rows into the panel layout that wgmma reads (variant 3,
+ * attn_wgmma_ptx.cuh): D / 64 panels of R rows x 128 bytes, chunk c of row i
+ * at chunk c ^ (i & 7) of the row (the 128-byte swizzle). */
+template <int D, int NT, int R, typename T>
+__device__ __forceinline__ void load_rows_panel(uint32_t sdst, const T *g, int64_t stride,
+                                                const int64_t (&rows)[LoadShape<NT, R>::kRows],
+                                                int tid) {
+  using LS = LoadShape<NT, R>;
+  const int i0 = tid >> 3, c0 = tid & 7;
+#pragma unroll
+  for (int r = 0; r < LS::kRows; ++r) {
+    const int i = i0 + LS::kStep * r;
+    const int cx = c0 ^ (i & 7);
+    const bool ok = rows[r] >= 0;
+    const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p)
+      cp_async16(sdst + (uint32_t)(p * R * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
+  }
+}
+
 /* Rows of a tile whose valid rows are row0 + i for i < nvalid. */
 template <int NT, int R>
 __device__ __forceinline__ void contiguous_rows_n(int64_t (&rows)[LoadShape<NT, R>::kRows],
@@ -522,6 +543,19 @@ struct QRing {
   alignas(16) int64_t krow0; /* runs: first local key row; bars: first scratch row */
   int hk, nk, bars;
 
+  /* thread 0: the walk of an item (kv_item_begin), its first two query
+   * tiles, and the item's output rows */
+  __device__ __forceinline__ void start(const cuda_step_t &st, const QWalk2 &qw, int64_t row0,
+                                        int hk_, int nk_, bool bars_) {
+    w = qw;
+    produce(st, 0);
+    produce(st, 1);
+    krow0 = row0;
+    hk = hk_;
+    nk = nk_;
+    bars = bars_;
+  }
+
   /* thread 0: the next query tile into d[slot] */
   __device__ __forceinline__ void produce(const cuda_step_t &st, int slot) {
     QWalk2 x = w;
@@ -533,6 +567,51 @@ struct QRing {
 };
 
 constexpr int kRingBytesQ = (int)((sizeof(QRing) + 127) / 128 * 128);
+
+/* The source rows of a key-major item's K and V tile of BN rows, as loaded
+ * by NT threads (LoadShape): the bars bar_list[b0 + i] of a bar item, the
+ * run rows row0 + i of a run item; -1 past the nk keys. */
+template <int NT, int BN>
+__device__ __forceinline__ void kv_item_rows(int64_t (&rows)[LoadShape<NT, BN>::kRows],
+                                             const cuda_step_t &st, const QWalk2 &qw, int64_t row0,
+                                             int nk, int tid) {
+  if (qw.bars) {
+    const int32_t *bar_list =
+        st.idx + st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BARS];
+#pragma unroll
+    for (int r = 0; r < LoadShape<NT, BN>::kRows; ++r) {
+      const int i = (tid >> 3) + LoadShape<NT, BN>::kStep * r;
+      rows[r] = i < nk ? (int64_t)bar_list[qw.b0 + i] : -1;
+    }
+  } else {
+    contiguous_rows_n<NT, BN>(rows, row0, nk, tid);
+  }
+}
+
+/* The dK and dV output rows of key kr of the item whose ring is r: a bar
+ * item's scratch rows (written), a run item's dk_acc / dv_acc rows (added). */
+__device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, const QRing &r, int kr, int D,
+                                            float *dk_acc, float *dv_acc, float *dk_bar,
+                                            float *dv_bar, float *&dkr, float *&dvr) {
+  if (r.bars) {
+    dkr = dk_bar + (r.krow0 + kr) * D;
+    dvr = dv_bar + (r.krow0 + kr) * D;
+  } else {
+    dkr = dk_acc + ((r.krow0 + kr) * st.Hkv + r.hk) * D;
+    dvr = dv_acc + ((r.krow0 + kr) * st.Hkv + r.hk) * D;
+  }
+}
+
+/* Writes (bar scratch) or adds (owned accumulator rows) two floats. */
+__device__ __forceinline__ void store_pair(float *p, float a, float b, bool add) {
+  float2 *q = reinterpret_cast<float2 *>(p);
+  if (add) {
+    const float2 o = *q;
+    a += o.x;
+    b += o.y;
+  }
+  *q = make_float2(a, b);
+}
 
 /* Issues the loads of query tile t's LSE[64] and delta[64] into the buffer
  * at sl (zeros past nvalid), by threads 0..127. */

@@ -43,14 +43,20 @@ using mma1::fast_exp2;
 using mma1::kLog2e;
 using mma1::pack2;
 using mma1::smem_u32;
+using mma2::contiguous_rows_n;
 using mma2::kKT;
 using mma2::kRingBytesQ;
 using mma2::kv_item_begin;
+using mma2::kv_item_rows;
+using mma2::kv_out_rows;
 using mma2::load_ld;
+using mma2::load_rows_panel;
+using mma2::LoadShape;
 using mma2::QRing;
 using mma2::QTile2;
 using mma2::QWalk2;
 using mma2::red_add_v2;
+using mma2::store_pair;
 using mma2::stsm_x4;
 
 /* Shared memory of the backward CTA: K and V of the item (BN-row panel
@@ -78,45 +84,6 @@ template <int D, int NWG> struct BwdShape {
   static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
 };
 
-/* Rows of a panel tile per thread: thread tid of NT copies chunk tid % 8 of
- * rows tid / 8 + (NT / 8) r, r < kRows. */
-template <int NT, int R> struct PanelShape {
-  static constexpr int kStep = NT / 8, kRows = R / kStep;
-  static_assert(R % kStep == 0, "rows per thread");
-};
-
-/* Issues the copies of R rows of D 16-bit columns into the panel tile at
- * sdst (D / 64 panels of R rows x 128 bytes, 128-byte swizzle): rows[r] is
- * the source row of the thread's r-th row, -1 for zeros. */
-template <int D, int NT, int R, typename T>
-__device__ __forceinline__ void panel_load(uint32_t sdst, const T *g, int64_t stride,
-                                           const int64_t (&rows)[PanelShape<NT, R>::kRows],
-                                           int tid) {
-  constexpr int kStep = PanelShape<NT, R>::kStep;
-  const int i0 = tid >> 3, c0 = tid & 7;
-#pragma unroll
-  for (int r = 0; r < PanelShape<NT, R>::kRows; ++r) {
-    const int i = i0 + kStep * r;
-    const int cx = c0 ^ (i & 7);
-    const bool ok = rows[r] >= 0;
-    const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
-#pragma unroll
-    for (int p = 0; p < D / 64; ++p)
-      cp_async16(sdst + (uint32_t)(p * R * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
-  }
-}
-
-/* The thread's rows of a run of n consecutive rows from row0 (R-row tile). */
-template <int NT, int R>
-__device__ __forceinline__ void panel_rows_run(int64_t (&rows)[PanelShape<NT, R>::kRows],
-                                               int64_t row0, int n, int tid) {
-#pragma unroll
-  for (int r = 0; r < PanelShape<NT, R>::kRows; ++r) {
-    const int i = (tid >> 3) + PanelShape<NT, R>::kStep * r;
-    rows[r] = i < n ? row0 + i : -1;
-  }
-}
-
 /* Issues the loads of query tile t: Q and dO into the stage at ss, LSE and
  * delta into the buffer at sl. */
 template <int D, int NT, typename T>
@@ -125,10 +92,10 @@ __device__ __forceinline__ void load_q_stage(uint32_t ss, uint32_t sl, const cud
                                              const float *delta_acc, const QTile2 &t, int tid) {
   constexpr int TBQ = kKT * D * 2;
   const int64_t stride = (int64_t)st.Hq * D;
-  int64_t rows[PanelShape<NT, kKT>::kRows];
-  panel_rows_run<NT, kKT>(rows, t.row0, t.nvalid, tid);
-  panel_load<D, NT, kKT>(ss, q + (int64_t)t.h * D, stride, rows, tid);
-  panel_load<D, NT, kKT>(ss + TBQ, dout + (int64_t)t.h * D, stride, rows, tid);
+  int64_t rows[LoadShape<NT, kKT>::kRows];
+  contiguous_rows_n<NT, kKT>(rows, t.row0, t.nvalid, tid);
+  load_rows_panel<D, NT, kKT>(ss, q + (int64_t)t.h * D, stride, rows, tid);
+  load_rows_panel<D, NT, kKT>(ss + TBQ, dout + (int64_t)t.h * D, stride, rows, tid);
   load_ld(sl, st, lse_acc, delta_acc, t, tid);
 }
 
@@ -207,32 +174,14 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     int hk, nk;
     int64_t row0;
     if (!kv_item_begin(st, BN, qw, hk, nk, row0)) return;
-    if (tid == 0) {
-      ring.w = qw;
-      ring.produce(st, 0);
-      ring.produce(st, 1);
-      ring.krow0 = row0;
-      ring.hk = hk;
-      ring.nk = nk;
-      ring.bars = bars;
-    }
+    if (tid == 0) ring.start(st, qw, row0, hk, nk, bars);
     __syncthreads();
     if (ring.d[0].h >= 0) {
       const int64_t kv_stride = (int64_t)st.Hkv * D;
-      int64_t rows[PanelShape<NC, BN>::kRows];
-      if (bars) {
-        const int32_t *bar_list =
-            st.idx + st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BARS];
-#pragma unroll
-        for (int r = 0; r < PanelShape<NC, BN>::kRows; ++r) {
-          const int i = (tid >> 3) + PanelShape<NC, BN>::kStep * r;
-          rows[r] = i < nk ? (int64_t)bar_list[qw.b0 + i] : -1;
-        }
-      } else {
-        panel_rows_run<NC, BN>(rows, row0, nk, tid);
-      }
-      panel_load<D, NC, BN>(sK, k + (int64_t)hk * D, kv_stride, rows, tid);
-      panel_load<D, NC, BN>(sV, v + (int64_t)hk * D, kv_stride, rows, tid);
+      int64_t rows[LoadShape<NC, BN>::kRows];
+      kv_item_rows<NC, BN>(rows, st, qw, row0, nk, tid);
+      load_rows_panel<D, NC, BN>(sK, k + (int64_t)hk * D, kv_stride, rows, tid);
+      load_rows_panel<D, NC, BN>(sV, v + (int64_t)hk * D, kv_stride, rows, tid);
     }
   }
   if (ring.d[0].h < 0 && !bars) return; /* no query tile sees these keys */
@@ -363,8 +312,11 @@ __global__ void __launch_bounds__(128 * NWG, 1)
             wgmma_ss_m64n64k16<T, 1, 1>(acc, ad, bd);
         }
         wgmma_commit();
-        advance_walk();
+        /* with 64 dQ accumulators (d 128, one warpgroup) the walk goes after
+         * the wait: before it, ptxas spills */
+        if constexpr (DQN < 128) advance_walk();
         wgmma_wait<0>();
+        if constexpr (DQN == 128) advance_walk();
 #pragma unroll
         for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
         const float sc = st.scale;
@@ -403,35 +355,17 @@ __global__ void __launch_bounds__(128 * NWG, 1)
    * their scratch rows (zeros where nothing contributed), run items add
    * into the dk_acc/dv_acc rows they own */
   const float sc = st.scale;
-  const int64_t e_row0 = ring.krow0;
-  const int e_hk = ring.hk, e_nk = ring.nk;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int kr = kw0 + wr + g + 8 * hh;
-    if (kr < e_nk) {
+    if (kr < ring.nk) {
       float *dkr, *dvr;
-      if (bars) {
-        dkr = dk_bar + (e_row0 + kr) * D;
-        dvr = dv_bar + (e_row0 + kr) * D;
-      } else {
-        dkr = dk_acc + ((e_row0 + kr) * st.Hkv + e_hk) * D;
-        dvr = dv_acc + ((e_row0 + kr) * st.Hkv + e_hk) * D;
-      }
+      kv_out_rows(st, ring, kr, D, dk_acc, dv_acc, dk_bar, dv_bar, dkr, dvr);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        float2 *pk = reinterpret_cast<float2 *>(dkr + n * 8 + 2 * t4);
-        float2 *pv = reinterpret_cast<float2 *>(dvr + n * 8 + 2 * t4);
-        float2 xk = make_float2(sc * dk[4 * n + 2 * hh], sc * dk[4 * n + 2 * hh + 1]);
-        float2 xv = make_float2(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
-        if (!bars) {
-          const float2 ok = *pk, ov = *pv;
-          xk.x += ok.x;
-          xk.y += ok.y;
-          xv.x += ov.x;
-          xv.y += ov.y;
-        }
-        *pk = xk;
-        *pv = xv;
+        const int c = n * 8 + 2 * t4;
+        store_pair(dkr + c, sc * dk[4 * n + 2 * hh], sc * dk[4 * n + 2 * hh + 1], !bars);
+        store_pair(dvr + c, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1], !bars);
       }
     }
   }

@@ -44,6 +44,7 @@ using mma2::KeyWalk2;
 using mma2::kKT;
 using mma2::KTile2;
 using mma2::load_rows_n;
+using mma2::load_rows_panel;
 using mma2::LoadShape;
 
 /* The forward kernel's CTA: NWG consumer warpgroups (64 query rows each)
@@ -88,7 +89,8 @@ static_assert(sizeof(FwdCtl) <= 256, "control block");
 
 /* Rows per producer thread of a 64-key tile: producer thread p handles
  * chunk p % 8 of tile rows p / 8 + (NP / 8) r (r < kPRows). */
-constexpr int kPStep = kProducers / 8, kPRows = kKT / kPStep;
+constexpr int kPStep = LoadShape<kProducers, kKT>::kStep,
+              kPRows = LoadShape<kProducers, kKT>::kRows;
 
 /* The producer thread's rows of tile t; -1 past the valid keys. */
 __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile2 &t,
@@ -109,23 +111,6 @@ __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile
       rows[r] = i0 + kPStep * r < t.nvalid ? (int64_t)bl[cb] : -1;
       if (r + 1 < kPRows) mma1::seg_walk(sg, w.s_end, cs, cb, kPStep);
     }
-  }
-}
-
-/* The producer threads load the 64 rows into the panel tile at sdst. */
-template <int D, typename T>
-__device__ __forceinline__ void producer_load(uint32_t sdst, const T *g, int64_t stride,
-                                              const int64_t (&rows)[kPRows], int p) {
-  const int i0 = p >> 3, c0 = p & 7;
-#pragma unroll
-  for (int r = 0; r < kPRows; ++r) {
-    const int i = i0 + kPStep * r;
-    const int cx = c0 ^ (i & 7);
-    const bool ok = rows[r] >= 0;
-    const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
-#pragma unroll
-    for (int p = 0; p < D / 64; ++p)
-      cp_async16(sdst + (uint32_t)(p * kKT * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
   }
 }
 
@@ -236,8 +221,8 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
         int64_t rows[kPRows];
         producer_rows(st, t, w, p, rows);
         const uint32_t sk = sKV + (uint32_t)(sn * 2 * TBK);
-        producer_load<D>(sk, kbase, kv_stride, rows, p);
-        producer_load<D>(sk + TBK, vbase, kv_stride, rows, p);
+        load_rows_panel<D, kProducers, kKT>(sk, kbase, kv_stride, rows, p);
+        load_rows_panel<D, kProducers, kKT>(sk + TBK, vbase, kv_stride, rows, p);
       }
       cp_async_commit();
       if (!have) {
