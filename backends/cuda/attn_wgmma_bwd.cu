@@ -113,24 +113,6 @@ __device__ __forceinline__ void keys_by_queries(float (&x)[32], uint32_t sA, uin
   }
 }
 
-/* Issues acc += X^T B over the tile's 64 queries: X^T's A fragments xa[j]
- * (k-slice j = queries 16 j ..) from registers, B = dO or Q read N-major
- * from the 64-row panel tile at sB. Every k-slice is issued (masked
- * queries hold zeros in X^T), so the sequence from fence to wait has no
- * branch. */
-template <int D, typename T>
-__device__ __forceinline__ void keys_by_d(float (&acc)[D / 2], const uint32_t (&xa)[4][4],
-                                          uint32_t sB) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint64_t bd = sw128_desc(sB + (uint32_t)(j * 16 * 128), kKT * 128, 1024);
-    if constexpr (D == 128)
-      wgmma_m64n128k16<T, 1>(acc, xa[j], bd);
-    else
-      wgmma_m64n64k16<T, 1>(acc, xa[j], bd);
-  }
-}
-
 /* The stmatrix address of lane for k-slice j (query chunks 2j, 2j + 1) of
  * the 16 key rows from r0 of the dS^T tile at sDS ([key][query], one panel
  * of 128-byte rows, 128-byte swizzle): lanes 8m .. 8m + 7 address the rows
@@ -277,8 +259,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
           dsa[j][r] = pack2<T>(dpT[8 * j + 2 * r], dpT[8 * j + 2 * r + 1]);
         }
       wgmma_fence();
-      keys_by_d<D, T>(dv, pa, sO);
-      keys_by_d<D, T>(dk, dsa, sQ);
+      /* every query k-slice is issued (masked queries hold zeros), so the
+       * sequence from fence to wait has no branch */
+      wgmma_regs_by_rows64<D, T>(dv, pa, sO);
+      wgmma_regs_by_rows64<D, T>(dk, dsa, sQ);
       wgmma_commit();
       if constexpr (FUSED) {
         /* dS^T into the [key][query] tile while dK, dV run: stmatrix

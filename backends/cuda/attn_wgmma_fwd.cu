@@ -138,21 +138,6 @@ __device__ __forceinline__ void qk_product(float (&s)[32], const uint32_t (&qf)[
   }
 }
 
-/* Issues O += P V for a 64-key tile: 4 wgmma k-slices, P's A fragments
- * pa[j] from registers, V read N-major from the panel tile at sV. */
-template <int D, typename T>
-__device__ __forceinline__ void pv_product(float (&o)[D / 2], const uint32_t (&pa)[4][4],
-                                           uint32_t sV) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint64_t vd = sw128_desc(sV + (uint32_t)(j * 16 * 128), kKT * 128, 1024);
-    if constexpr (D == 128)
-      wgmma_m64n128k16<T, 1>(o, pa[j], vd);
-    else
-      wgmma_m64n64k16<T, 1>(o, pa[j], vd);
-  }
-}
-
 template <int D, typename T, int NWG>
 __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
     wgmma_fwd_kernel(const cuda_step_t st, const T *__restrict__ q, const T *__restrict__ k,
@@ -357,7 +342,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
         pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
       }
       wgmma_fence();
-      pv_product<D, T>(o, pa, sV);
+      wgmma_regs_by_rows64<D, T>(o, pa, sV); /* O += P V */
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
