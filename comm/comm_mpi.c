@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/error.h"
+#include "core/runtime/error.h"
 #include "mtrain/mtrain_mpi.h"
 
 struct mtrain_comm_request {

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/error.h"
+#include "core/runtime/error.h"
 #include "mtrain/mtrain_nccl.h"
 
 enum { CH_P2P = 0, CH_OUTER = 1, CH_INNER_PARTIAL = 2, CH_PARTIAL = 3, CH_COLL = 4, CH_COUNT = 5 };

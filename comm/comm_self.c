@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/error.h"
+#include "core/runtime/error.h"
 #include "mtrain/mtrain_comm.h"
 
 struct mtrain_comm_request {

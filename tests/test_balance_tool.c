@@ -17,8 +17,8 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "mtrain/mtrain_balance.h"
 #include "mtrain/mtrain_io.h"
-#include "mtrain/mtrain_layout.h"
 #include "test_support.h"
 
 #ifndef MTRAIN_BALANCE_TOOL

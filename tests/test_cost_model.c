@@ -16,8 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/layout_internal.h"
-#include "core/pattern_internal.h"
+#include "core/balance/cost_internal.h"
+#include "core/layout/layout_internal.h"
+#include "core/layout/schedule.h"
+#include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_layout.h"
 #include "test_support.h"
 

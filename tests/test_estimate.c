@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/select.h"
+#include "core/runtime/select.h"
 #include "mtrain/mtrain_cpu.h"
 #include "mtrain/mtrain_inputs.h"
 #include "test_support.h"

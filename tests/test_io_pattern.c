@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/pattern_internal.h"
+#include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_io.h"
 
 /* ------------------------------------------------------------------------ */

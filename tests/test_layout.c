@@ -15,7 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/layout_internal.h"
+#include "core/layout/layout_internal.h"
+#include "core/layout/schedule.h"
 #include "mtrain/mtrain_layout.h"
 #include "test_support.h"
 

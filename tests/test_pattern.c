@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/pattern_internal.h"
+#include "core/runtime/pattern_internal.h"
 #include "test_support.h"
 
 static void test_create_rejects_bad_sizes(void **state) {

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/plan_internal.h"
+#include "core/runtime/plan_internal.h"
 #include "mtrain/mtrain_layout.h"
 #include "test_support.h"
 

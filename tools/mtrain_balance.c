@@ -15,8 +15,8 @@
 
 #include "balance_png.h"
 #include "mtrain/mtrain.h"
+#include "mtrain/mtrain_balance.h"
 #include "mtrain/mtrain_io.h"
-#include "mtrain/mtrain_layout.h"
 #include "tool_common.h"
 
 static const char *prog = "mtrain-balance";

@@ -1,7 +1,7 @@
 /* cpu_tables.c: the two CPU backend tables, "cpu-ref" (the fp64 oracle) and
  * "cpu" (fast fp32 path), and their capability checks. */
 #include "backends/cpu/cpu_backend.h"
-#include "core/error.h"
+#include "core/runtime/error.h"
 
 #define MTRAIN_CPU_MAX_HEAD_DIM 512
 

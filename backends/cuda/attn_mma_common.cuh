@@ -47,7 +47,7 @@
 #include "backends/cuda/cuda_device.cuh"
 
 extern "C" {
-#include "core/error.h"
+#include "core/runtime/error.h"
 }
 
 namespace mma1 {

@@ -15,7 +15,7 @@
 #include "backends/cuda/cuda_internal.h"
 
 extern "C" {
-#include "core/error.h"
+#include "core/runtime/error.h"
 }
 
 namespace mma1 {

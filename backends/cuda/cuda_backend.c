@@ -13,8 +13,8 @@
 #include "backends/cuda/attn_wgmma.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_internal.h"
-#include "core/context_internal.h"
-#include "core/error.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
 #include "mtrain/mtrain_cuda.h"
 #ifdef MTRAIN_HAVE_NCCL
 #include "mtrain/mtrain_nccl.h"

@@ -7,7 +7,7 @@
 #include <math.h>
 
 #include "backends/cuda/cuda_device.cuh"
-#include "core/error.h"
+#include "core/runtime/error.h"
 
 namespace {
 

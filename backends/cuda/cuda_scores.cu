@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "backends/cuda/cuda_device.cuh"
-#include "core/error.h"
+#include "core/runtime/error.h"
 
 namespace {
 

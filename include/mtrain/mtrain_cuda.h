@@ -28,13 +28,13 @@ extern "C" {
  *  (measured: docs/PERFORMANCE.md). */
 typedef enum mtrain_cuda_variant {
   MTRAIN_CUDA_VARIANT_AUTO = -1,
-  MTRAIN_CUDA_VARIANT_SIMT = 0, /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
-  MTRAIN_CUDA_VARIANT_MMA = 1,  /**< tensor cores (mma.sync m16n8k16): bf16/fp16, d 64 or 128,
-                                     granularity a multiple of 64 */
-  MTRAIN_CUDA_VARIANT_MMA2 = 2, /**< tensor cores, tuned: 128-row query tiles, and with
-                                     config.deterministic = 0 a fused backward with atomic dQ;
-                                     bf16/fp16, d 64 or 128, granularity a multiple of 64
-                                     (128-row tiles where it is a multiple of 128) */
+  MTRAIN_CUDA_VARIANT_SIMT = 0,  /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
+  MTRAIN_CUDA_VARIANT_MMA = 1,   /**< tensor cores (mma.sync m16n8k16): bf16/fp16, d 64 or 128,
+                                      granularity a multiple of 64 */
+  MTRAIN_CUDA_VARIANT_MMA2 = 2,  /**< tensor cores, tuned: 128-row query tiles, and with
+                                      config.deterministic = 0 a fused backward with atomic dQ;
+                                      bf16/fp16, d 64 or 128, granularity a multiple of 64
+                                      (128-row tiles where it is a multiple of 128) */
   MTRAIN_CUDA_VARIANT_WGMMA = 3, /**< Hopper: the forward and backward on warpgroup MMA
                                       (wgmma, compute capability 9.0 only; the deterministic
                                       backward takes its dQ from variant 2's kernel); same

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/plan_internal.h"
+#include "core/runtime/plan_internal.h"
 #include "mtrain/mtrain.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

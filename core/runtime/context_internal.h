@@ -7,7 +7,7 @@
 #include "mtrain/mtrain_backend.h"
 #include "mtrain/mtrain_comm.h"
 
-#include "memory_stats.h"
+#include "core/runtime/memory_stats.h"
 
 struct mtrain_context {
   mtrain_config_t config; /* effective config; config.backend points at backend_name */

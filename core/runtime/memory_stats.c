@@ -3,15 +3,15 @@
  * queries: current and peak backend bytes, the peak reset, and the process
  * figures (peak RSS from getrusage, current RSS from /proc/self/statm).
  * What is and is not counted: docs/MEMORY.md. */
-#include "memory_stats.h"
+#include "core/runtime/memory_stats.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include "context_internal.h"
-#include "error.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
 
 /* Makes room for one more live block; 0 on success. */
 static int reserve(mtrain_memory_tracker_t *t) {

@@ -6,11 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "context_internal.h"
-#include "error.h"
+#include "core/layout/schedule.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
+#include "core/runtime/plan_internal.h"
 #include "mtrain/mtrain_layout.h"
-#include "pattern_internal.h"
-#include "plan_internal.h"
 
 /* ---- a growable int32 array ------------------------------------------------ */
 

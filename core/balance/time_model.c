@@ -12,9 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "layout_internal.h"
-#include "pattern_internal.h"
+#include "core/balance/cost_internal.h"
+#include "core/layout/layout_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
 
 typedef struct pass {
   double flop_per_pair; /* 4 d forward, 2.5 times that backward */

@@ -3,7 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "select.h"
+#include "core/runtime/select.h"
 
 /* qsort has no context argument: the comparison reads these (thread-local,
  * so selections on several threads do not interfere). Only the best k (top-k)

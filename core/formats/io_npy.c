@@ -14,8 +14,8 @@
 #include <string.h>
 #include <sys/types.h>
 
-#include "error.h"
-#include "file_io.h"
+#include "core/formats/file_io.h"
+#include "core/runtime/error.h"
 #include "mtrain/mtrain_io.h"
 
 #define NPY_MAGIC "\x93NUMPY"

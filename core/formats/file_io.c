@@ -1,14 +1,14 @@
 /* file_io.c: reading a whole file and the messages of failed file
  * operations, for the JSON readers and writers. */
 #define _POSIX_C_SOURCE 200809L
-#include "file_io.h"
+#include "core/formats/file_io.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
+#include "core/runtime/error.h"
 
 #define READ_CHUNK 65536
 

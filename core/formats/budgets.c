@@ -18,9 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "file_io.h"
-#include "json_util.h"
+#include "core/formats/file_io.h"
+#include "core/formats/json_util.h"
+#include "core/runtime/error.h"
 
 /* Sizes and caps beyond this are rejected (no sequence is that long). */
 #define BUDGET_SIZE_MAX ((int64_t)1 << 40)

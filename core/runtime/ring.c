@@ -18,32 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "context_internal.h"
-#include "error.h"
-#include "plan_internal.h"
-#include "ring.h"
+#include "core/layout/schedule.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/plan_internal.h"
+#include "core/runtime/ring.h"
 
 enum { TAG_INNER = 11, TAG_OUTER = 12, TAG_INNER_PARTIAL = 13, TAG_PARTIAL = 100 };
-
-typedef struct ring_geometry {
-  int32_t world, rank, L, n, node, local;
-  int inner_next, inner_prev, outer_next, outer_prev;
-} ring_geometry_t;
-
-static ring_geometry_t geometry(const mtrain_plan_t *plan) {
-  ring_geometry_t g;
-  g.world = plan->world;
-  g.rank = plan->rank;
-  g.L = plan->ranks_per_node > 0 ? plan->ranks_per_node : plan->world;
-  g.n = g.world / g.L;
-  g.node = g.rank / g.L;
-  g.local = g.rank % g.L;
-  g.inner_next = g.node * g.L + (g.local + 1) % g.L;
-  g.inner_prev = g.node * g.L + (g.local - 1 + g.L) % g.L;
-  g.outer_next = ((g.node + 1) % g.n) * g.L + g.local;
-  g.outer_prev = ((g.node - 1 + g.n) % g.n) * g.L + g.local;
-  return g;
-}
 
 typedef struct comm_pair {
   mtrain_comm_request_t *send, *recv;
@@ -90,12 +71,13 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                 const mtrain_ring_args_t *a) {
   const mtrain_backend_ops_t *be = ctx->backend;
   void *bs = ctx->backend_state;
-  const ring_geometry_t g = geometry(plan);
+  mtrain_ring_geometry_t g;
   const int backward = a->backward;
   const size_t kv_bytes = a->chunk_elems * mtrain_dtype_size(a->dtype);
   const size_t acc_bytes = a->chunk_elems * mtrain_dtype_size(be->acc_dtype);
   const size_t chunk_bytes = 2 * kv_bytes + (backward ? 2 * acc_bytes : 0);
-  mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_status_t st = mtrain_ring_geometry(plan->world, plan->ranks_per_node, plan->rank, &g);
+  if (st != MTRAIN_SUCCESS) return st;
   ring_buffers_t b;
   memset(&b, 0, sizeof b);
   comm_pair_t inner = {0}, outer = {0};
@@ -117,8 +99,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
     for (int32_t o = 0; o < g.n; o++) {
       MTRAIN_TRY(mtrain_backend_alloc(ctx, 2 * acc_bytes, &b.partial_in[o]));
       MTRAIN_TRY(mtrain_backend_alloc(ctx, 2 * acc_bytes, &b.partial_out[o]));
-      /* the partial of outer step o comes from the node o ahead, local - 1 */
-      const int from = ((g.node + o) % g.n) * g.L + (g.local - 1 + g.L) % g.L;
+      const int from = mtrain_ring_geometry_partial_from(&g, o);
       MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.partial_in[o], 2 * acc_bytes, from,
                                        TAG_PARTIAL + o, &partial_recv[o]));
     }
@@ -198,7 +179,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
     }
     if (backward) {
       /* the node's partial of the chunk in hand goes to the chunk's owner */
-      const int32_t owner = plan->seqs[0].steps[o * g.L + g.L - 1].src_rank;
+      const int32_t owner = mtrain_ring_geometry_source(&g, o * g.L + g.L - 1);
       MTRAIN_TRY(
           be->copy(bs, b.partial_out[o], (char *)b.chunk[cur] + 2 * kv_bytes, 2 * acc_bytes));
       MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, b.partial_out[o], 2 * acc_bytes, owner,

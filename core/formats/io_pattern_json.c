@@ -16,11 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "file_io.h"
-#include "json_util.h"
+#include "core/formats/file_io.h"
+#include "core/formats/json_util.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_io.h"
-#include "pattern_internal.h"
 
 /* ------------------------------------------------------------------------ */
 /* Reading                                                                   */

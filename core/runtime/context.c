@@ -7,12 +7,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "context_internal.h"
+#include "core/runtime/context_internal.h"
 #if defined(MTRAIN_HAVE_CUDA) && defined(MTRAIN_HAVE_NCCL)
 #include "backends/cuda/cuda_backend.h"
 #include "mtrain/mtrain_nccl.h"
 #endif
-#include "error.h"
+#include "core/runtime/error.h"
 
 /* The configuration fields every rank must agree on, in a fixed layout. */
 typedef struct config_digest {

@@ -3,8 +3,8 @@
  * layout's gather index. */
 #include <stdlib.h>
 
-#include "context_internal.h"
-#include "error.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
 #include "mtrain/mtrain_layout.h"
 
 /* Checks shapes; returns the bytes of one token row. */

@@ -1,16 +1,18 @@
-/* layout.c: layouts (SPEC.md section 3) and ring schedules (section 5).
- * A layout is an owner map over the padded G-blocks of a sequence; from it
- * come each rank's increasing block list and the token index mappings the
- * permutation needs. The balanced layout is picked here by evaluating
- * candidate owner maps under the cost model (cost_model.c); moving tensor
- * data is left to the backends' permute operation. */
+/* layout.c: layouts (SPEC.md section 3). A layout is an owner map over the
+ * padded G-blocks of a sequence; from it come each rank's increasing block
+ * list and the token index mappings the permutation needs. The owner maps
+ * are dealt here; the balanced layout's choice among them is made by the
+ * cost model (core/balance/balanced_layout.c); the ring schedules are in
+ * schedule.c; moving tensor data is left to the backends' permute
+ * operation. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "layout_internal.h"
-#include "pattern_internal.h"
+#include "core/balance/balanced_layout.h"
+#include "core/layout/layout_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
 
 /* ---- names ------------------------------------------------------------------ */
 
@@ -33,16 +35,6 @@ mtrain_status_t mtrain_layout_kind_parse(const char *name, mtrain_layout_kind_t 
                       "layout '%s' is not one of contiguous, zigzag, striped, balanced", name);
 }
 
-const char *mtrain_ring_kind_name(mtrain_ring_kind_t kind) {
-  switch (kind) {
-  case MTRAIN_RING_FLAT:
-    return "flat";
-  case MTRAIN_RING_HIERARCHICAL:
-    return "hierarchical";
-  }
-  return "unknown";
-}
-
 const char *mtrain_bars_mode_name(mtrain_bars_mode_t mode) {
   switch (mode) {
   case MTRAIN_BARS_IN_RING:
@@ -51,60 +43,6 @@ const char *mtrain_bars_mode_name(mtrain_bars_mode_t mode) {
     return "gathered";
   }
   return "unknown";
-}
-
-/* ---- ring schedules ------------------------------------------------------------ */
-
-mtrain_status_t mtrain_ring_check(int32_t world, int32_t ranks_per_node, int32_t *inner) {
-  if (world < 1)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "ring: world size %d must be >= 1", world);
-  if (ranks_per_node < 0 || ranks_per_node > world ||
-      (ranks_per_node > 0 && world % ranks_per_node != 0))
-    return mtrain_error(
-        MTRAIN_ERR_INVALID_ARGUMENT,
-        "ring: ranks_per_node %d must be 0 (flat) or a divisor of the world size %d",
-        ranks_per_node, world);
-  *inner = ranks_per_node == 0 ? world : ranks_per_node;
-  return MTRAIN_SUCCESS;
-}
-
-static int32_t mod_i32(int64_t a, int32_t m) { return (int32_t)(((a % m) + m) % m); }
-
-static mtrain_status_t ring_args(int32_t world, int32_t ranks_per_node, int32_t rank, int32_t x,
-                                 const char *what, int32_t *inner) {
-  mtrain_status_t st = mtrain_ring_check(world, ranks_per_node, inner);
-  if (st != MTRAIN_SUCCESS) return st;
-  if (rank < 0 || rank >= world)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "ring: rank %d out of range [0, %d)", rank,
-                        world);
-  if (x < 0 || x >= world)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "ring: %s %d out of range [0, %d)", what, x,
-                        world);
-  return MTRAIN_SUCCESS;
-}
-
-mtrain_status_t mtrain_ring_source(int32_t world, int32_t ranks_per_node, int32_t rank,
-                                   int32_t step, int32_t *src) {
-  MTRAIN_CHECK_NOT_NULL(src);
-  int32_t L = 0;
-  mtrain_status_t st = ring_args(world, ranks_per_node, rank, step, "step", &L);
-  if (st != MTRAIN_SUCCESS) return st;
-  const int32_t n = world / L;
-  const int32_t node = rank / L, local = rank % L, o = step / L, i = step % L;
-  *src = mod_i32(node - o, n) * L + mod_i32(local - i, L);
-  return MTRAIN_SUCCESS;
-}
-
-mtrain_status_t mtrain_ring_step_of(int32_t world, int32_t ranks_per_node, int32_t rank,
-                                    int32_t src, int32_t *step) {
-  MTRAIN_CHECK_NOT_NULL(step);
-  int32_t L = 0;
-  mtrain_status_t st = ring_args(world, ranks_per_node, rank, src, "source rank", &L);
-  if (st != MTRAIN_SUCCESS) return st;
-  const int32_t n = world / L;
-  const int32_t o = mod_i32(rank / L - src / L, n), i = mod_i32(rank % L - src % L, L);
-  *step = o * L + i;
-  return MTRAIN_SUCCESS;
 }
 
 /* ---- building layouts ---------------------------------------------------------- */
@@ -168,43 +106,30 @@ done:
   return MTRAIN_SUCCESS;
 }
 
-/* Owner maps. Groups are W consecutive blocks; each map gives every rank
- * exactly one block of each group (zigzag and contiguous: of the whole). */
-typedef enum owner_map {
-  MAP_CONTIGUOUS,
-  MAP_ZIGZAG,
-  MAP_STRIPED,  /* b mod W */
-  MAP_SNAKE,    /* boustrophedon: odd groups dealt in reverse */
-  MAP_ROTATED,  /* group g dealt from rank g mod W on */
-  MAP_GRID_ROT, /* position (node k, local q) of group g to node (k + g / L) mod n, local
-                   (q + g) mod L: every rank visits every position of a group once in W
-                   groups, so each diagonal falls on the same mix of hierarchical steps
-                   on every rank */
-} owner_map_t;
-
-static void fill_owner(owner_map_t map, int64_t nbp, int32_t W, int32_t L, int32_t *owner) {
+void mtrain_owner_map_fill(mtrain_owner_map_t map, int64_t nbp, int32_t W, int32_t L,
+                           int32_t *owner) {
   for (int64_t b = 0; b < nbp; b++) {
     const int64_t g = b / W;
     const int32_t p = (int32_t)(b % W);
     switch (map) {
-    case MAP_CONTIGUOUS:
+    case MTRAIN_MAP_CONTIGUOUS:
       owner[b] = (int32_t)(b / (nbp / W));
       break;
-    case MAP_ZIGZAG: {
+    case MTRAIN_MAP_ZIGZAG: {
       const int32_t chunk = (int32_t)(b / (nbp / (2 * W)));
       owner[b] = chunk < W ? chunk : 2 * W - 1 - chunk;
       break;
     }
-    case MAP_STRIPED:
+    case MTRAIN_MAP_STRIPED:
       owner[b] = p;
       break;
-    case MAP_SNAKE:
+    case MTRAIN_MAP_SNAKE:
       owner[b] = g % 2 == 0 ? p : W - 1 - p;
       break;
-    case MAP_ROTATED:
+    case MTRAIN_MAP_ROTATED:
       owner[b] = (int32_t)((p + g) % W);
       break;
-    case MAP_GRID_ROT: {
+    case MTRAIN_MAP_GRID_ROT: {
       const int32_t n = W / L;
       owner[b] = (int32_t)((p / L + g / L) % n) * L + (int32_t)((p % L + g) % L);
       break;
@@ -216,70 +141,8 @@ static void fill_owner(owner_map_t map, int64_t nbp, int32_t W, int32_t L, int32
 static const char *const map_names[] = {"contiguous", "zigzag",  "striped",
                                         "snake",      "rotated", "grid-rotated"};
 
-/* The balanced layout's candidates, in order of preference on ties. */
-static const owner_map_t balanced_candidates[] = {MAP_STRIPED, MAP_SNAKE, MAP_ROTATED,
-                                                  MAP_GRID_ROT};
-
-static mtrain_status_t check_workload(const mtrain_balance_options_t *b, int64_t seq_len,
-                                      int32_t granularity) {
-  if (b->num_patterns < 0)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "balanced layout: num_patterns %d is negative",
-                        b->num_patterns);
-  if (b->num_patterns > 0 && !b->patterns)
-    return mtrain_error(MTRAIN_ERR_NULL_POINTER,
-                        "balanced layout: patterns is NULL with num_patterns %d", b->num_patterns);
-  for (int32_t i = 0; i < b->num_patterns; i++) {
-    const mtrain_pattern_t *p = b->patterns[i];
-    if (!p)
-      return mtrain_error(MTRAIN_ERR_NULL_POINTER, "balanced layout: patterns[%d] is NULL", i);
-    if (p->seq_len != seq_len || p->granularity != granularity)
-      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                          "balanced layout: patterns[%d] has seq_len %lld and granularity %d, the "
-                          "layout %lld and %d",
-                          i, (long long)p->seq_len, p->granularity, (long long)seq_len,
-                          granularity);
-  }
-  return MTRAIN_SUCCESS;
-}
-
-/* Picks the balanced layout's owner map and bars mode: every candidate map
- * in both bars modes is evaluated on the workload; among those whose worker
- * imbalance is no worse than striped's, the one with the smallest sum of
- * per-step maxima on the target ring wins (ties: earlier in the list, in-ring
- * before gathered). Striped with bars in the ring is always admissible, so
- * the result is never worse than striped on either figure. */
-static mtrain_status_t choose_balanced(const mtrain_balance_options_t *b, int64_t seq_len,
-                                       int32_t G, int32_t W, int64_t nbp, int32_t *owner,
-                                       owner_map_t *best_map, mtrain_bars_mode_t *best_mode) {
-  int32_t L = 0;
-  mtrain_status_t st = mtrain_ring_check(W, b->ranks_per_node, &L);
-  if (st != MTRAIN_SUCCESS) return mtrain_error_prefix(st, "balanced layout");
-  const mtrain_ring_kind_t ring = L < W && L > 1 ? MTRAIN_RING_HIERARCHICAL : MTRAIN_RING_FLAT;
-  double limit = 0.0, best = 0.0;
-  int have = 0;
-  const int nc = (int)(sizeof balanced_candidates / sizeof *balanced_candidates);
-  for (int c = 0; c < nc; c++) {
-    if (balanced_candidates[c] == MAP_GRID_ROT && ring != MTRAIN_RING_HIERARCHICAL) continue;
-    fill_owner(balanced_candidates[c], nbp, W, L, owner);
-    mtrain_cost_t *cost = NULL;
-    st = mtrain_cost_evaluate_owner(owner, nbp, seq_len, G, W, b->ranks_per_node,
-                                    MTRAIN_BARS_IN_RING, b->patterns, b->num_patterns, 0, &cost);
-    if (st != MTRAIN_SUCCESS) return st;
-    if (c == 0) limit = cost->metrics[MTRAIN_BARS_IN_RING][ring].worker_imbalance;
-    for (int m = 0; m < 2; m++) {
-      const mtrain_cost_metrics_t *x = &cost->metrics[m][ring];
-      if (x->worker_imbalance > limit) continue;
-      if (!have || x->step_max_sum < best) {
-        have = 1;
-        best = x->step_max_sum;
-        *best_map = balanced_candidates[c];
-        *best_mode = (mtrain_bars_mode_t)m;
-      }
-    }
-    mtrain_cost_destroy(cost);
-  }
-  fill_owner(*best_map, nbp, W, L, owner);
-  return MTRAIN_SUCCESS;
+const char *mtrain_owner_map_name(mtrain_owner_map_t map) {
+  return (int)map >= 0 && (int)map <= (int)MTRAIN_MAP_GRID_ROT ? map_names[map] : "unknown";
 }
 
 mtrain_status_t mtrain_layout_create(mtrain_layout_kind_t kind, int64_t seq_len,
@@ -310,36 +173,37 @@ mtrain_status_t mtrain_layout_create(mtrain_layout_kind_t kind, int64_t seq_len,
                         (long long)seq_len, granularity, world, (long long)nbp);
   int32_t *owner = malloc((size_t)nbp * sizeof *owner);
   if (!owner) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "layout: out of memory");
-  owner_map_t map = MAP_STRIPED;
+  mtrain_owner_map_t map = MTRAIN_MAP_STRIPED;
   mtrain_bars_mode_t mode = MTRAIN_BARS_IN_RING;
   mtrain_status_t st = MTRAIN_SUCCESS;
   char variant[32];
   switch (kind) {
   case MTRAIN_LAYOUT_CONTIGUOUS:
-    map = MAP_CONTIGUOUS;
+    map = MTRAIN_MAP_CONTIGUOUS;
     break;
   case MTRAIN_LAYOUT_ZIGZAG:
-    map = MAP_ZIGZAG;
+    map = MTRAIN_MAP_ZIGZAG;
     break;
   case MTRAIN_LAYOUT_STRIPED:
     break;
   case MTRAIN_LAYOUT_BALANCED:
     mode = MTRAIN_BARS_GATHERED; /* the default design, without a workload */
-    if (balance) st = check_workload(balance, seq_len, granularity);
+    if (balance) st = mtrain_balanced_layout_check(balance, seq_len, granularity);
     if (st == MTRAIN_SUCCESS && balance && balance->num_patterns > 0)
-      st = choose_balanced(balance, seq_len, granularity, world, nbp, owner, &map, &mode);
+      st = mtrain_balanced_layout_choose(balance, seq_len, granularity, world, nbp, owner, &map,
+                                         &mode);
     break;
   }
   if (st == MTRAIN_SUCCESS) {
     int32_t L = world;
     if (balance && kind == MTRAIN_LAYOUT_BALANCED && balance->ranks_per_node > 0)
       L = balance->ranks_per_node;
-    fill_owner(map, nbp, world, L, owner);
+    mtrain_owner_map_fill(map, nbp, world, L, owner);
     if (kind == MTRAIN_LAYOUT_BALANCED)
-      snprintf(variant, sizeof variant, "%s%s", map_names[map],
+      snprintf(variant, sizeof variant, "%s%s", mtrain_owner_map_name(map),
                mode == MTRAIN_BARS_GATHERED ? "+gathered" : "");
     else
-      snprintf(variant, sizeof variant, "%s", map_names[map]);
+      snprintf(variant, sizeof variant, "%s", mtrain_owner_map_name(map));
     st =
         mtrain_layout_from_owner(kind, variant, mode, seq_len, granularity, world, nbp, owner, out);
   }

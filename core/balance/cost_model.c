@@ -22,9 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "layout_internal.h"
-#include "pattern_internal.h"
+#include "core/balance/cost_internal.h"
+#include "core/layout/layout_internal.h"
+#include "core/layout/schedule.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
 
 /* ---- per-owner prefix counts ------------------------------------------------------ */
 

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "context_internal.h"
-#include "error.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
 
 typedef struct env_snapshot {
   char backend[64];

@@ -60,15 +60,15 @@ typedef struct mtrain_plan_seq {
  *  whose K/V rows every rank receives before the ring, and for every ring
  *  step the share of this rank's bar work computed against them. */
 typedef struct mtrain_plan_gathered {
-  int64_t *positions;          /* [count] sorted global key positions */
-  int64_t *local_row;          /* [count] this rank's local row of each, or -1 */
+  int64_t *positions; /* [count] sorted global key positions */
+  int64_t *local_row; /* [count] this rank's local row of each, or -1 */
   int64_t count;
-  mtrain_plan_step_t *steps;   /* [num_steps]: runs empty, bars index `positions` */
+  mtrain_plan_step_t *steps; /* [num_steps]: runs empty, bars index `positions` */
 } mtrain_plan_gathered_t;
 
 struct mtrain_plan {
   int32_t num_seqs, num_steps, num_heads, granularity, rank;
-  int32_t world, ranks_per_node; /* ring: world size and ranks per node (0: flat) */
+  int32_t world, ranks_per_node;    /* ring: world size and ranks per node (0: flat) */
   mtrain_plan_gathered_t *gathered; /* NULL: bars computed in the ring steps */
   int64_t local_tokens;
   int64_t computed_pairs;

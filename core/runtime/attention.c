@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "context_internal.h"
-#include "error.h"
-#include "pattern_internal.h"
-#include "plan_internal.h"
-#include "ring.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
+#include "core/runtime/plan_internal.h"
+#include "core/runtime/ring.h"
 
 /* Checks that t is [rows, heads, dim] (or [rows, heads] when dim < 0). */
 static mtrain_status_t check_shape(const char *name, const mtrain_tensor_t *t, int64_t rows,

@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "mtrain/mtrain_layout.h"
-#include "pattern_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_balance.h"
 
 /* ---- a seeded generator (splitmix64) ------------------------------------------ */
 

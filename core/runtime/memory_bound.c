@@ -8,10 +8,10 @@
  * peaks equal the terms). */
 #include <stdint.h>
 
-#include "context_internal.h"
-#include "error.h"
-#include "pattern_internal.h"
-#include "plan_internal.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
+#include "core/runtime/plan_internal.h"
 
 /* Bytes of an allocation that attention.c rounds up from 0 to 1. */
 static size_t at_least_1(size_t bytes) { return bytes ? bytes : 1; }

@@ -5,7 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "error.h"
+#include "core/runtime/error.h"
 
 size_t mtrain_dtype_size(mtrain_dtype_t dtype) {
   switch (dtype) {

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "pattern_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/pattern_internal.h"
 
 static void head_clear(mtrain_pattern_head_t *h) {
   free(h->diagonals);

@@ -11,10 +11,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "context_internal.h"
-#include "error.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/error.h"
+#include "core/runtime/select.h"
 #include "mtrain/mtrain_layout.h"
-#include "select.h"
 
 /* Everything one estimation call allocates, freed in one place. */
 typedef struct estimate_buffers {
