@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_mpi.h"
 
 struct mtrain_comm_request {
@@ -196,6 +196,7 @@ static void mpi_destroy(void *state) {
 static const mtrain_comm_ops_t mpi_ops = {
     .api_version = MTRAIN_API_VERSION,
     .name = "mpi",
+    .memory_space = MTRAIN_MEMORY_HOST,
     .rank = mpi_rank,
     .size = mpi_size,
     .isend = mpi_isend,

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_nccl.h"
 
 enum { CH_P2P = 0, CH_OUTER = 1, CH_INNER_PARTIAL = 2, CH_PARTIAL = 3, CH_COLL = 4, CH_COUNT = 5 };
@@ -440,9 +440,12 @@ static void nccl_destroy(void *state) {
   free(s);
 }
 
+static mtrain_status_t nccl_set_data_stream(void *state, void *stream);
+
 static const mtrain_comm_ops_t nccl_ops = {
     .api_version = MTRAIN_API_VERSION,
     .name = "nccl",
+    .memory_space = MTRAIN_MEMORY_DEVICE,
     .rank = nccl_rank,
     .size = nccl_size,
     .isend = nccl_isend,
@@ -452,6 +455,7 @@ static const mtrain_comm_ops_t nccl_ops = {
     .allgather = nccl_allgather,
     .barrier = nccl_barrier,
     .split = nccl_split,
+    .set_data_stream = nccl_set_data_stream,
     .abort = nccl_abort,
     .destroy = nccl_destroy,
 };
@@ -572,6 +576,11 @@ mtrain_status_t mtrain_comm_create_nccl_from(void *nccl_comm, int device, double
   mtrain_status_t st = resolve_timeout(&timeout_seconds);
   if (st) return st;
   return wrap((ncclComm_t)nccl_comm, 1, device, timeout_seconds, out);
+}
+
+static mtrain_status_t nccl_set_data_stream(void *state, void *stream) {
+  ((nccl_state_t *)state)->data_stream = (cudaStream_t)stream;
+  return MTRAIN_SUCCESS;
 }
 
 mtrain_status_t mtrain_comm_nccl_set_data_stream(mtrain_comm_t *comm, void *stream) {

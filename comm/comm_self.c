@@ -4,8 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/runtime/error.h"
 #include "mtrain/mtrain_comm.h"
+#include "mtrain/mtrain_error.h"
 
 struct mtrain_comm_request {
   int is_send;
@@ -127,6 +127,7 @@ static void self_destroy(void *state) { free(state); }
 static const mtrain_comm_ops_t self_ops = {
     .api_version = MTRAIN_API_VERSION,
     .name = "self",
+    .memory_space = MTRAIN_MEMORY_ANY,
     .rank = self_rank,
     .size = self_size,
     .isend = self_isend,

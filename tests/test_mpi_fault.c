@@ -82,9 +82,20 @@ static void end_failed(int alone) {
   MPI_Abort(MPI_COMM_WORLD, 3);
 }
 
-static const mtrain_comm_ops_t killer_ops = {
-    MTRAIN_API_VERSION, "mpi",       k_rank,    k_size,  k_isend, k_irecv,  k_wait,
-    k_allreduce,        k_allgather, k_barrier, k_split, k_abort, k_destroy};
+static const mtrain_comm_ops_t killer_ops = {.api_version = MTRAIN_API_VERSION,
+                                             .name = "mpi",
+                                             .memory_space = MTRAIN_MEMORY_HOST,
+                                             .rank = k_rank,
+                                             .size = k_size,
+                                             .isend = k_isend,
+                                             .irecv = k_irecv,
+                                             .wait = k_wait,
+                                             .allreduce = k_allreduce,
+                                             .allgather = k_allgather,
+                                             .barrier = k_barrier,
+                                             .split = k_split,
+                                             .abort = k_abort,
+                                             .destroy = k_destroy};
 static mtrain_comm_t killer_comm = {&killer_ops, NULL};
 
 int main(int argc, char **argv) {

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "backends/cpu/cpu_backend.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 mtrain_status_t mtrain_cpu_init(const mtrain_config_t *config, void **state) {
   cpu_state_t *s = calloc(1, sizeof *s);

@@ -17,7 +17,7 @@
 #include "backends/cpu/cpu_fast_common.h"
 #include "backends/cpu/cpu_math.h"
 #include "backends/cpu/cpu_tiles.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* One thread's scratch and gradient buffers. */
 typedef struct bwd_thread {

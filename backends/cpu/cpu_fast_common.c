@@ -4,7 +4,7 @@
 #include <stdlib.h>
 
 #include "backends/cpu/cpu_fast_common.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* OpenBLAS's thread controls (declared in its cblas.h on Debian; repeated
  * here so that other CBLAS headers work too). */

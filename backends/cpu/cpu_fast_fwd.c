@@ -14,7 +14,7 @@
 #include "backends/cpu/cpu_fast_common.h"
 #include "backends/cpu/cpu_math.h"
 #include "backends/cpu/cpu_tiles.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 mtrain_status_t mtrain_cpu_fast_fwd_init(void *state, void *o_acc, void *lse_acc, int64_t rows,
                                          int32_t num_heads, int32_t head_dim) {

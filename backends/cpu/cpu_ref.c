@@ -9,7 +9,7 @@
 #include <stdlib.h>
 
 #include "backends/cpu/cpu_backend.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* Widens a [rows, heads, d] buffer to fp64; returns the input itself when it
  * already is fp64 (then *owned stays NULL). */

@@ -11,7 +11,7 @@
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/cpu_fast_common.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* Accumulates one logit a = A[r, j] (key j in global block gb) of head h
  * into the stage's outputs. */

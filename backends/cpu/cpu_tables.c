@@ -1,7 +1,7 @@
 /* cpu_tables.c: the two CPU backend tables, "cpu-ref" (the fp64 oracle) and
  * "cpu" (fast fp32 path), and their capability checks. */
 #include "backends/cpu/cpu_backend.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 #define MTRAIN_CPU_MAX_HEAD_DIM 512
 
@@ -35,6 +35,7 @@ const mtrain_backend_ops_t mtrain_cpu_ref_backend = {
     .api_version = MTRAIN_API_VERSION,
     .name = "cpu-ref",
     .acc_dtype = MTRAIN_F64,
+    .memory_space = MTRAIN_MEMORY_HOST,
     .init = mtrain_cpu_init,
     .fini = mtrain_cpu_fini,
     .supports = ref_supports,
@@ -60,6 +61,7 @@ const mtrain_backend_ops_t mtrain_cpu_backend = {
     .api_version = MTRAIN_API_VERSION,
     .name = "cpu",
     .acc_dtype = MTRAIN_F32,
+    .memory_space = MTRAIN_MEMORY_HOST,
     .init = mtrain_cpu_init,
     .fini = mtrain_cpu_fini,
     .supports = fast_supports,

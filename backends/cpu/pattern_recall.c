@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_cpu.h"
 
 static double dot(const double *a, const double *b, int32_t d) {

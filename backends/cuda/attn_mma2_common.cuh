@@ -30,7 +30,7 @@
 #include "backends/cuda/attn_mma_common.cuh"
 
 extern "C" {
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 }
 
 namespace mma2 {

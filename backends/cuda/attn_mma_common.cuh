@@ -47,7 +47,7 @@
 #include "backends/cuda/cuda_device.cuh"
 
 extern "C" {
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 }
 
 namespace mma1 {

@@ -15,7 +15,7 @@
 #include "backends/cuda/cuda_internal.h"
 
 extern "C" {
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 }
 
 namespace mma1 {

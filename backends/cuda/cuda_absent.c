@@ -1,7 +1,7 @@
 /* cuda_absent.c: the public mtrain_cuda_* functions of a build without
  * CUDA: each reports MTRAIN_ERR_NOT_SUPPORTED (the device count is 0), so
  * programs link and run the same in every build. */
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_cuda.h"
 
 static mtrain_status_t absent(const char *fn) {

@@ -13,9 +13,8 @@
 #include "backends/cuda/attn_wgmma.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_internal.h"
-#include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
 #include "mtrain/mtrain_cuda.h"
+#include "mtrain/mtrain_error.h"
 #ifdef MTRAIN_HAVE_NCCL
 #include "mtrain/mtrain_nccl.h"
 #endif
@@ -418,6 +417,8 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .api_version = MTRAIN_API_VERSION,
     .name = "cuda",
     .acc_dtype = MTRAIN_F32,
+    .memory_space = MTRAIN_MEMORY_DEVICE,
+    .data_stream = mtrain_cuda_state_stream,
     .init = cuda_init,
     .fini = cuda_fini,
     .supports = cuda_supports,
@@ -445,10 +446,11 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
 
 static mtrain_status_t cuda_state_of(const mtrain_context_t *ctx, cuda_state_t **out) {
   MTRAIN_CHECK_NOT_NULL(ctx);
-  if (ctx->backend != &mtrain_cuda_backend)
+  cuda_state_t *s = mtrain_context_backend_state(ctx, &mtrain_cuda_backend);
+  if (!s)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "the context uses backend '%s', not 'cuda'",
-                        ctx->backend_name);
-  *out = ctx->backend_state;
+                        mtrain_context_backend_name(ctx));
+  *out = s;
   return MTRAIN_SUCCESS;
 }
 
@@ -469,11 +471,8 @@ mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream) {
   st = cuda_check(cudaStreamSynchronize(stream_of(s)), "cudaStreamSynchronize");
   if (st) return st;
   s->stream = stream ? stream : s->own_stream;
-#ifdef MTRAIN_HAVE_NCCL
   /* the ring's transfers follow the compute of the new stream */
-  if (mtrain_comm_is_nccl(ctx->comm)) return mtrain_comm_nccl_set_data_stream(ctx->comm, s->stream);
-#endif
-  return MTRAIN_SUCCESS;
+  return mtrain_context_bind_stream(ctx);
 }
 
 mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant) {

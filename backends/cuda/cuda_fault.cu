@@ -10,7 +10,7 @@
 #include <atomic>
 
 #include "backends/cuda/cuda_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_cuda.h"
 
 namespace {

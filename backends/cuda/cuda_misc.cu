@@ -7,7 +7,7 @@
 #include <math.h>
 
 #include "backends/cuda/cuda_device.cuh"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "backends/cuda/cuda_device.cuh"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "backends/cuda/cuda_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* Makes slot i hold at least `bytes` (host pinned + device); waits for its
  * previous users first. */

@@ -5,7 +5,7 @@
 #include "core/balance/balanced_layout.h"
 #include "core/balance/cost_internal.h"
 #include "core/layout/schedule.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 
 /* The balanced layout's candidates, in order of preference on ties. */

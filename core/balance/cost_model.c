@@ -25,7 +25,7 @@
 #include "core/balance/cost_internal.h"
 #include "core/layout/layout_internal.h"
 #include "core/layout/schedule.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 
 /* ---- per-owner prefix counts ------------------------------------------------------ */

@@ -14,7 +14,7 @@
 
 #include "core/balance/cost_internal.h"
 #include "core/layout/layout_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 
 typedef struct pass {

@@ -20,7 +20,7 @@
 
 #include "core/formats/file_io.h"
 #include "core/formats/json_util.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* Sizes and caps beyond this are rejected (no sequence is that long). */
 #define BUDGET_SIZE_MAX ((int64_t)1 << 40)

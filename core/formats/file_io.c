@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 #define READ_CHUNK 65536
 

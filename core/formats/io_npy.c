@@ -15,7 +15,7 @@
 #include <sys/types.h>
 
 #include "core/formats/file_io.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_io.h"
 
 #define NPY_MAGIC "\x93NUMPY"

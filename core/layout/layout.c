@@ -11,7 +11,7 @@
 
 #include "core/balance/balanced_layout.h"
 #include "core/layout/layout_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 
 /* ---- names ------------------------------------------------------------------ */

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
 
 /* Checks shapes; returns the bytes of one token row. */

@@ -3,7 +3,7 @@
  * rank in the flat or hierarchical ring and the source of the chunk it holds
  * at each step. */
 #include "core/layout/schedule.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 const char *mtrain_ring_kind_name(mtrain_ring_kind_t kind) {
   switch (kind) {

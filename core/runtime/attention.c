@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
 #include "core/runtime/ring.h"

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 typedef struct env_snapshot {
   char backend[64];

@@ -8,11 +8,7 @@
 #include <time.h>
 
 #include "core/runtime/context_internal.h"
-#if defined(MTRAIN_HAVE_CUDA) && defined(MTRAIN_HAVE_NCCL)
-#include "backends/cuda/cuda_backend.h"
-#include "mtrain/mtrain_nccl.h"
-#endif
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* The configuration fields every rank must agree on, in a fixed layout. */
 typedef struct config_digest {
@@ -58,27 +54,41 @@ static mtrain_status_t check_config_agrees(mtrain_context_t *ctx) {
   return st;
 }
 
-/* Device backends move device buffers through the ring: the communicator
- * must be one that takes them (and is ordered after the backend's stream). */
+static const char *space_name(mtrain_memory_space_t space) {
+  return space == MTRAIN_MEMORY_HOST ? "host" : space == MTRAIN_MEMORY_DEVICE ? "device" : "any";
+}
+
+/* The ring moves backend memory through the communicator: its point-to-point
+ * buffers must live where the backend keeps tensors (the tables say where),
+ * and its transfers are ordered after the backend's stream when it has one.
+ * One rank moves nothing, so any communicator serves it. */
 static mtrain_status_t bind_comm_to_backend(mtrain_context_t *ctx) {
-  const int is_cuda = strcmp(ctx->backend_name, "cuda") == 0;
-  const int is_nccl = strcmp(ctx->comm->ops->name, "nccl") == 0;
-  if (is_nccl && !is_cuda)
+  const mtrain_memory_space_t be = ctx->backend->memory_space, cm = ctx->comm->ops->memory_space;
+  if (cm != MTRAIN_MEMORY_ANY && cm != be && mtrain_comm_size(ctx->comm) > 1)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
-                        "context: the nccl communicator moves device memory and needs the 'cuda' "
-                        "backend, not '%s'",
-                        ctx->backend_name);
-  if (is_cuda && !is_nccl && mtrain_comm_size(ctx->comm) > 1)
+                        "context: backend '%s' keeps tensors in %s memory but the '%s' "
+                        "communicator moves %s memory; pair it with a communicator for %s "
+                        "memory (the cuda backend with nccl, the cpu backends with mpi)",
+                        ctx->backend_name, space_name(be), ctx->comm->ops->name, space_name(cm),
+                        space_name(be));
+  if (cm != MTRAIN_MEMORY_ANY && cm != be)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
-                        "context: backend 'cuda' on %d ranks needs the nccl communicator "
-                        "(mtrain_comm_create_nccl*), not '%s'",
-                        mtrain_comm_size(ctx->comm), ctx->comm->ops->name);
-#if defined(MTRAIN_HAVE_CUDA) && defined(MTRAIN_HAVE_NCCL)
-  if (is_cuda && is_nccl)
-    return mtrain_comm_nccl_set_data_stream(ctx->comm,
-                                            mtrain_cuda_state_stream(ctx->backend_state));
-#endif
-  return MTRAIN_SUCCESS;
+                        "context: the '%s' communicator moves %s memory and cannot serve backend "
+                        "'%s', which keeps tensors in %s memory",
+                        ctx->comm->ops->name, space_name(cm), ctx->backend_name, space_name(be));
+  return mtrain_context_bind_stream(ctx);
+}
+
+mtrain_status_t mtrain_context_bind_stream(mtrain_context_t *ctx) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  if (!ctx->comm || !ctx->comm->ops->set_data_stream || !ctx->backend->data_stream)
+    return MTRAIN_SUCCESS;
+  return ctx->comm->ops->set_data_stream(ctx->comm->state,
+                                         ctx->backend->data_stream(ctx->backend_state));
+}
+
+void *mtrain_context_backend_state(const mtrain_context_t *ctx, const mtrain_backend_ops_t *ops) {
+  return ctx && ops && ctx->backend == ops ? ctx->backend_state : NULL;
 }
 
 mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,

@@ -5,7 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 size_t mtrain_dtype_size(mtrain_dtype_t dtype) {
   switch (dtype) {

@@ -1,6 +1,6 @@
 /* error.c: status strings (from the X-macro table in mtrain.h) and the
  * thread-local last-error message. */
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 #include <stdarg.h>
 #include <stdio.h>

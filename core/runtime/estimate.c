@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/select.h"
 #include "mtrain/mtrain_layout.h"
 

@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_inputs.h"
 
 #define TWO_PI 6.283185307179586476925286766559

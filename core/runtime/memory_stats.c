@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 /* Makes room for one more live block; 0 on success. */
 static int reserve(mtrain_memory_tracker_t *t) {

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 
 static void head_clear(mtrain_pattern_head_t *h) {

@@ -8,7 +8,7 @@
 
 #include "core/layout/schedule.h"
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
 #include "mtrain/mtrain_layout.h"

@@ -20,7 +20,7 @@
 
 #include "core/layout/schedule.h"
 #include "core/runtime/context_internal.h"
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 #include "core/runtime/plan_internal.h"
 #include "core/runtime/ring.h"
 

@@ -1,6 +1,6 @@
 /* tensor.c: tensor descriptor helpers (construction, element counts). Shape
  * checks against a plan live in attention.c where the rules are known. */
-#include "core/runtime/error.h"
+#include "mtrain/mtrain_error.h"
 
 mtrain_tensor_t mtrain_tensor_3d(void *data, mtrain_dtype_t dtype, int64_t tokens, int64_t heads,
                                  int64_t dim) {

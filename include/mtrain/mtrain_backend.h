@@ -143,13 +143,25 @@ typedef struct mtrain_scores_args {
   double *diag_out;              /**< stage 2, zero-initialised by the caller, [Hq*N*S] */
 } mtrain_scores_args_t;
 
+/** Where a backend keeps tensor memory, and where a communicator's
+ *  point-to-point buffers must live. A context pairs a backend with a
+ *  communicator only when the spaces agree (MTRAIN_MEMORY_ANY agrees with
+ *  both: the communicator moves no tensor data itself, as "self" on one
+ *  rank). */
+typedef enum mtrain_memory_space {
+  MTRAIN_MEMORY_HOST = 0,   /**< ordinary host memory */
+  MTRAIN_MEMORY_DEVICE = 1, /**< accelerator memory (CUDA device pointers) */
+  MTRAIN_MEMORY_ANY = 2,    /**< communicators only: takes either */
+} mtrain_memory_space_t;
+
 /** The backend table. Slots marked optional may be NULL; the core reports
  *  MTRAIN_ERR_NOT_SUPPORTED when one is needed. Every slot returns a status
  *  and sets the last-error message on failure. */
 typedef struct mtrain_backend_ops {
   int32_t api_version; /**< MTRAIN_API_VERSION */
   const char *name;
-  mtrain_dtype_t acc_dtype; /**< dtype of running O/LSE and gradient accumulators */
+  mtrain_dtype_t acc_dtype;           /**< dtype of running O/LSE and gradient accumulators */
+  mtrain_memory_space_t memory_space; /**< where its tensors live (HOST or DEVICE) */
 
   mtrain_status_t (*init)(const mtrain_config_t *config, void **state);
   void (*fini)(void *state);
@@ -197,6 +209,12 @@ typedef struct mtrain_backend_ops {
    *  fp64 in the backend's memory. */
   mtrain_status_t (*pattern_scores)(void *state, const mtrain_scores_args_t *args);
 
+  /** Optional: the stream (a cudaStream_t for CUDA) the backend queues its
+   *  work on, which a communicator of the same memory space orders its
+   *  transfers after (mtrain_comm_ops_t.set_data_stream). NULL slot or NULL
+   *  result: the backend's work is done when each slot returns. */
+  void *(*data_stream)(void *state);
+
   /** Waits for all work queued by this backend (no-op on the CPU). */
   mtrain_status_t (*synchronize)(void *state);
 
@@ -207,6 +225,16 @@ typedef struct mtrain_backend_ops {
   mtrain_status_t (*timer_mark)(void *state, int index);
   mtrain_status_t (*timer_elapsed)(void *state, int from, int to, double *seconds);
 } mtrain_backend_ops_t;
+
+/** The state of the context's backend when the context uses the table
+ *  `ops`, else NULL: how a backend's own API (mtrain_cuda.h, for example)
+ *  reaches its state from a context. Not thread-safe against destroy. */
+void *mtrain_context_backend_state(const mtrain_context_t *ctx, const mtrain_backend_ops_t *ops);
+
+/** Tells the context's communicator the backend's current data stream
+ *  (mtrain_backend_ops_t.data_stream); a backend calls it when its stream
+ *  changes. A no-op where either slot is absent. */
+mtrain_status_t mtrain_context_bind_stream(mtrain_context_t *ctx);
 
 /** Finds a compiled-in backend by name; NULL if none. */
 const mtrain_backend_ops_t *mtrain_backend_find(const char *name);

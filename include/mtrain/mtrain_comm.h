@@ -10,6 +10,7 @@
 #define MTRAIN_COMM_H
 
 #include "mtrain.h"
+#include "mtrain_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -19,9 +20,24 @@ typedef struct mtrain_comm_request mtrain_comm_request_t;
 
 typedef enum mtrain_reduce_op { MTRAIN_REDUCE_SUM = 0, MTRAIN_REDUCE_MAX = 1 } mtrain_reduce_op_t;
 
+/** The message tags of the ring driver. A communicator may use them to keep
+ *  the ring's streams of messages apart (NCCL's channels, for example);
+ *  the node partials of the backward pass use MTRAIN_TAG_RING_PARTIAL + o
+ *  for outer step o. Tags below MTRAIN_TAG_USER are the library's. */
+typedef enum mtrain_comm_tag {
+  MTRAIN_TAG_RING_INNER = 11,         /**< K/V chunks around a node's inner ring */
+  MTRAIN_TAG_RING_OUTER = 12,         /**< K/V chunks to the next node */
+  MTRAIN_TAG_RING_INNER_PARTIAL = 13, /**< backward: dK/dV partial sums along the inner ring */
+  MTRAIN_TAG_RING_PARTIAL = 100,      /**< backward: node partials to the chunk owner, + o */
+  MTRAIN_TAG_USER = 1 << 20,          /**< first tag free for other users of the table */
+} mtrain_comm_tag_t;
+
 typedef struct mtrain_comm_ops {
   int32_t api_version; /**< MTRAIN_API_VERSION */
   const char *name;
+  /** Where isend/irecv buffers must live (HOST, DEVICE, or ANY); the small
+   *  collectives (allreduce, allgather) always take host buffers. */
+  mtrain_memory_space_t memory_space;
   int (*rank)(void *state);
   int (*size)(void *state);
   /** Non-blocking point-to-point; buffers must stay valid until wait. */
@@ -41,6 +57,10 @@ typedef struct mtrain_comm_ops {
   /** Collective: ranks with the same color form a new communicator, ordered
    *  by key then old rank (for the inner and outer rings). */
   mtrain_status_t (*split)(void *state, int color, int key, struct mtrain_comm **out);
+  /** Optional: orders this communicator's transfers after the work queued
+   *  on `stream` (the backend's data_stream). Called by the context when it
+   *  is created and whenever the backend's stream changes. */
+  mtrain_status_t (*set_data_stream)(void *state, void *stream);
   /** Ends the job's communication after an unrecoverable error. */
   void (*abort)(void *state, int code);
   void (*destroy)(void *state);

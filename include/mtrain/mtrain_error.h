@@ -1,11 +1,13 @@
-/* error.h (private): setting the thread-local last-error message and the
- * check macros used across the library. Every error path goes through
- * mtrain_error(), which formats the message and returns the status, so a
- * failing function reads `return mtrain_error(MTRAIN_ERR_X, "...", ...);`. */
-#ifndef MTRAIN_CORE_ERROR_H
-#define MTRAIN_CORE_ERROR_H
+/* mtrain_error.h: setting the thread-local last-error message, and the check
+ * macros; for authors of backends and communicators (and used across the
+ * library). Every error path goes through mtrain_error(), which formats the
+ * message and returns the status, so a failing function reads
+ * `return mtrain_error(MTRAIN_ERR_X, "...", ...);`. The message is what
+ * mtrain_last_error() then gives the caller, on the calling thread. */
+#ifndef MTRAIN_ERROR_H
+#define MTRAIN_ERROR_H
 
-#include "mtrain/mtrain.h"
+#include "mtrain.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -52,4 +54,4 @@ mtrain_status_t mtrain_error_prefix(mtrain_status_t status, const char *fmt, ...
 }
 #endif
 
-#endif /* MTRAIN_CORE_ERROR_H */
+#endif /* MTRAIN_ERROR_H */
