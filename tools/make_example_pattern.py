@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """make_example_pattern.py: writes a pattern JSON (SPEC.md section 8) from one
-layer of a MInference static budget file, for examples and the main job until
-the online estimation replaces it. Position model: the first min(v, 30) keys
+layer of a MInference static budget file (data/budgets/), for the example
+pattern files of examples/patterns (the main job estimates its pattern online
+instead). Position model: the first min(v, 30) keys
 are sinks, the remaining verticals are spread evenly over the sequence; the
 token diagonals 0..99 are the local window, the remaining slashes are spread
 evenly; budgets are scaled by seq_len / --budget-context. Token diagonals
