@@ -6,7 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-budgets="$root/../shared/data/patterns/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json"
+budgets="$root/data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json"
 for spec in "2 flat 0" "2 hier 1" "4 flat 0" "4 hier 2"; do
   set -- $spec
   extra=()

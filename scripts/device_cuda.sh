@@ -99,11 +99,9 @@ if [ -d "$root/.device/debs" ]; then
   export PATH=$PATH:$deps/usr/bin
 fi
 
-# The real budget files (tests and the run stage): ../shared or ./shared.
+# The real budget files (tests and the run stage), in the repository: data/budgets.
 data=""
-for d in "$root/../shared/data/patterns" "$root/shared/data/patterns" "$root/.device/patterns"; do
-  [ -f "$d/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" ] && data=$(cd "$d" && pwd) && break
-done
+[ -f "$root/data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" ] && data=$root/data/budgets
 
 # ---- stages -----------------------------------------------------------------------
 stage_build() {
@@ -117,7 +115,7 @@ stage_build() {
         echo "MISSING: $m (put its .deb files, -dev and runtime, in .device/debs)"
     done
     [ -n "$data" ] && echo "budget files: $data" ||
-      echo "WARNING: no shared/data/patterns: the qwen-budgets test cases will fail"
+      echo "WARNING: no data/budgets in $root: the qwen-budgets test cases will fail"
     extra=()
     [ -n "$data" ] && extra+=(-DMTRAIN_PATTERN_DATA_DIR="$data")
     cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMTRAIN_WITH_CUDA=ON \
@@ -374,7 +372,7 @@ stage_ringbench2() {
   ensure_build || { note ringbench2 FAILED 0 "no build"; return 1; }
   [ -x "$build/tools/mtrain-bench" ] || stage_build || { note ringbench2 FAILED 0 "no build"; return 1; }
   if [ -z "$data" ]; then
-    note ringbench2 FAILED 0 "no budget files (shared/data/patterns or .device/patterns)"
+    note ringbench2 FAILED 0 "no budget files (data/budgets)"
     return 1
   fi
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -25,11 +25,8 @@ timeout 120 bash scripts/device_cuda.sh build > /dev/null 2>&1
 echo "build rc $?"
 B=build-cuda/tools
 W=$(nvidia-smi -L | wc -l)
-data=""
-for d in ../shared/data/patterns shared/data/patterns .device/patterns; do
-  [ -f "$d/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" ] && data=$d && break
-done
-[ -n "$data" ] || { echo "no budget files"; exit 1; }
+data=data/budgets
+[ -f "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" ] || { echo "no budget files in $data"; exit 1; }
 BUD=(--budgets "$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" --layer 31)
 COM=(--backend cuda --dtype bf16 --heads 16 --kv-heads 2 --head-dim 128)
 rpns=${MTRAIN_HIER_RPN:-$([ "$W" -ge 8 ] && echo "2 4" || echo "2")}

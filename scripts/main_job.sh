@@ -14,5 +14,5 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/build.sh" > "$root/build.log" 2>&1 || { cat "$root/build.log"; exit 1; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 exec mpiexec -n 4 --oversubscribe --bind-to none "$root/build/tools/mtrain-run" \
-  --budgets "$root/../shared/data/patterns/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" \
+  --budgets "$root/data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" \
   --layer 31 --seq-len 4096 --heads 16 --kv-heads 2 --head-dim 128 --check "$@"

@@ -68,6 +68,6 @@ run_mpi 3 mpi_ring_w3 tests/test_mpi_ring
 run_mpi 4 mpi_ring_w4_hier2 tests/test_mpi_ring 2
 run_mpi 3 memory_mpi_w3 tests/test_memory_mpi
 run_mpi 2 main_job_n1024 tools/mtrain-run --seq-len 1024 --heads 16 --kv-heads 2 --head-dim 128 \
-  --budgets "$root/../shared/data/patterns/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" \
+  --budgets "$root/data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json" \
   --layer 31 --repeat 1 --check
 exit $failed
