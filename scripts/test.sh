@@ -22,3 +22,5 @@ echo "== ThreadSanitizer over the OpenMP path (clang + libomp + Archer; build-ts
 bash "$root/scripts/tsan.sh"
 echo "== a short fuzz run of the file readers and the plan builder (libFuzzer)"
 bash "$root/scripts/fuzz.sh" 10
+echo "== the repository stands alone: a clone of this commit, alone in an empty folder, builds without CUDA, passes the tests that read data/budgets and runs the main job (scripts/check_standalone.sh)"
+bash "$root/scripts/check_standalone.sh"
