@@ -5,7 +5,8 @@
  *   dK += s dS^T Q and dV += P^T dO (into per-thread buffers),
  * with dS = P * (dO V^T - Delta). The per-thread buffers are summed into
  * dk_acc/dv_acc after the kv head, bar rows scattered back to their key
- * positions. All GEMMs are OpenBLAS sgemm in fp32. Extra memory: per thread,
+ * positions. All GEMMs are OpenBLAS sgemm in fp32. A query block of more
+ * than MTRAIN_CPU_ROWS rows runs in chunks of rows. Extra memory: per thread,
  * two [k_tokens x d] and two [bars x d] fp32 buffers. */
 #include <cblas.h>
 #include <math.h>
@@ -21,7 +22,7 @@
 
 /* One thread's scratch and gradient buffers. */
 typedef struct bwd_thread {
-  float *s, *dp;    /* [G x TILE] */
+  float *s, *dp;    /* [ROWS x TILE] */
   float *dk, *dv;   /* [k_tokens x d] for the current kv head */
   float *dkb, *dvb; /* [max bars x d] for the current head */
 } bwd_thread_t;
@@ -31,15 +32,18 @@ typedef struct bwd_item {
   bwd_thread_t *th;
   int32_t h, hk, nr, d;
   float scale;
-  const float *q, *dout;    /* first row of the block, ld in->ldq */
-  float *dq;                /* dq_acc rows of the block, ld in->ldq */
-  const float *lse, *delta; /* acc rows of the block, ld Hq */
+  const float *q, *dout;    /* first row of the chunk, ld in->ldq */
+  float *dq;                /* dq_acc rows of the chunk, ld in->ldq */
+  const float *lse, *delta; /* acc rows of the chunk, ld Hq */
+  int32_t row0;             /* the chunk's first row within the query block */
 } bwd_item_t;
 
 static void bwd_tile(void *ctx, const cpu_tile_t *t) {
   bwd_item_t *it = ctx;
   const cpu_step_inputs_t *in = it->in;
   const int32_t Hq = in->view->num_heads, n = t->count, nr = it->nr, d = it->d;
+  /* a diagonal tile whose every column lies above the chunk's rows */
+  if (t->causal && t->diag_col > it->row0 + nr - 1) return;
   const float *k, *v;
   int64_t ldk;
   cpu_tile_operands(in, it->h, it->hk, t, &k, &v, &ldk);
@@ -60,7 +64,8 @@ static void bwd_tile(void *ctx, const cpu_tile_t *t) {
       dprow[c] = p * (dprow[c] - delta); /* dS */
     }
     if (t->causal)
-      for (int32_t c = r + 1; c < n; c++) prow[c] = dprow[c] = 0.0f;
+      for (int32_t c = cpu_causal_first_masked(t, it->row0, r, n); c < n; c++)
+        prow[c] = dprow[c] = 0.0f;
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nr, d, n, it->scale, dP, ld, k, (int)ldk,
               1.0f, it->dq, (int)in->ldq);
@@ -83,13 +88,13 @@ static void threads_free(bwd_thread_t *th, int n) {
   free(th);
 }
 
-static bwd_thread_t *threads_alloc(int n, int32_t G, int64_t k_tokens, int32_t d,
+static bwd_thread_t *threads_alloc(int n, int32_t rows, int64_t k_tokens, int32_t d,
                                    int32_t max_bars) {
   bwd_thread_t *th = calloc((size_t)n, sizeof *th);
   if (!th) return NULL;
   for (int t = 0; t < n; t++) {
-    th[t].s = malloc(sizeof(float) * (size_t)G * MTRAIN_CPU_TILE);
-    th[t].dp = malloc(sizeof(float) * (size_t)G * MTRAIN_CPU_TILE);
+    th[t].s = malloc(sizeof(float) * (size_t)rows * MTRAIN_CPU_TILE);
+    th[t].dp = malloc(sizeof(float) * (size_t)rows * MTRAIN_CPU_TILE);
     th[t].dk = malloc(sizeof(float) * (size_t)(k_tokens * d + 1));
     th[t].dv = malloc(sizeof(float) * (size_t)(k_tokens * d + 1));
     th[t].dkb = malloc(sizeof(float) * ((size_t)max_bars * d + 1));
@@ -102,25 +107,32 @@ static bwd_thread_t *threads_alloc(int n, int32_t G, int64_t k_tokens, int32_t d
   return th;
 }
 
-/* One query block of head h against the chunk. */
+/* One query block of head h against the chunk, in chunks of at most
+ * MTRAIN_CPU_ROWS rows (in order: the sums stay deterministic). */
 static void bwd_block(const mtrain_bwd_step_args_t *a, const cpu_step_inputs_t *in,
                       bwd_thread_t *mine, int32_t h, int32_t hk, int32_t qb) {
   const mtrain_step_view_t *v = a->view;
   const int32_t G = v->granularity, d = a->head_dim, Hq = v->num_heads;
-  const int64_t gq = v->q_block_global[qb], row0 = (int64_t)qb * G;
-  bwd_item_t it = {in,
-                   mine,
-                   h,
-                   hk,
-                   mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len),
-                   d,
-                   (float)a->scale,
-                   in->q + row0 * in->ldq + (int64_t)h * d,
-                   in->dout + row0 * in->ldq + (int64_t)h * d,
-                   (float *)a->dq_acc + row0 * in->ldq + (int64_t)h * d,
-                   (const float *)a->lse_acc + row0 * Hq + h,
-                   (const float *)a->delta_acc + row0 * Hq + h};
-  if (it.nr > 0) mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, bwd_tile, &it);
+  const int32_t rows = G < MTRAIN_CPU_ROWS ? G : MTRAIN_CPU_ROWS;
+  const int64_t gq = v->q_block_global[qb];
+  const int32_t nr = mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len);
+  for (int32_t r0 = 0; r0 < nr; r0 += rows) {
+    const int64_t row0 = (int64_t)qb * G + r0;
+    bwd_item_t it = {in,
+                     mine,
+                     h,
+                     hk,
+                     nr - r0 < rows ? nr - r0 : rows,
+                     d,
+                     (float)a->scale,
+                     in->q + row0 * in->ldq + (int64_t)h * d,
+                     in->dout + row0 * in->ldq + (int64_t)h * d,
+                     (float *)a->dq_acc + row0 * in->ldq + (int64_t)h * d,
+                     (const float *)a->lse_acc + row0 * Hq + h,
+                     (const float *)a->delta_acc + row0 * Hq + h,
+                     r0};
+    mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, bwd_tile, &it);
+  }
 }
 
 /* Runs the query blocks of head h against the chunk, accumulating into the
@@ -171,7 +183,8 @@ mtrain_status_t mtrain_cpu_fast_bwd_step(void *state, const mtrain_bwd_step_args
   mtrain_status_t st =
       cpu_step_inputs_prepare(s, v, Hkv, d, a->dtype, a->q, a->k, a->v, a->dout, &in);
   if (st) return st;
-  bwd_thread_t *th = threads_alloc(nthreads, G, v->k_tokens, d, max_bars);
+  bwd_thread_t *th =
+      threads_alloc(nthreads, G < MTRAIN_CPU_ROWS ? G : MTRAIN_CPU_ROWS, v->k_tokens, d, max_bars);
   if (!th) {
     cpu_step_inputs_release(&in);
     return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY,

@@ -10,6 +10,20 @@
 
 /** Columns per score tile. */
 #define MTRAIN_CPU_TILE 256
+/** Query rows per work item at most: a query block of more rows (granularity
+ *  above this) is computed in chunks of this many rows, so the per-thread
+ *  buffers ([rows x TILE] scores, [rows x d] outputs) do not grow with the
+ *  granularity and every granularity the configuration accepts is computed. */
+#define MTRAIN_CPU_ROWS 256
+
+/** First masked column of row r (of a chunk starting at row0 of the query
+ *  block) in a causal tile: columns c with diag_col + c > row0 + r are above
+ *  the diagonal. Returns a value in [0, n]. */
+static inline int32_t cpu_causal_first_masked(const cpu_tile_t *t, int32_t row0, int32_t r,
+                                              int32_t n) {
+  const int64_t c = (int64_t)row0 + r - t->diag_col + 1;
+  return c < 0 ? 0 : c > n ? n : (int32_t)c;
+}
 
 typedef struct cpu_step_inputs {
   const mtrain_step_view_t *view;

@@ -1,8 +1,9 @@
 /* cpu_fast_fwd.c: the "cpu" backend's forward step: OpenMP over (head, query
- * block), OpenBLAS sgemm on [rows x tile] score tiles and [rows x d] output
- * tiles, flash-style online softmax in fp32, and the merge of the step's
- * partial (O, LSE) into the running fp32 accumulators. Inputs of bf16/fp16
- * are widened to fp32 once per step; bar rows are gathered per head so that
+ * block), a block of more than MTRAIN_CPU_ROWS rows in chunks of rows,
+ * OpenBLAS sgemm on [rows x tile] score tiles and [rows x d] output tiles,
+ * flash-style online softmax in fp32, and the merge of the step's partial
+ * (O, LSE) into the running fp32 accumulators. Inputs of bf16/fp16 are
+ * widened to fp32 once per step; bar rows are gathered per head so that
  * every bar segment is one contiguous GEMM operand. */
 #include <cblas.h>
 #include <math.h>
@@ -31,15 +32,16 @@ mtrain_status_t mtrain_cpu_fast_fwd_init(void *state, void *o_acc, void *lse_acc
   return MTRAIN_SUCCESS;
 }
 
-/* Per-thread state of one (head, query block) work item. */
+/* Per-thread state of one (head, query block, chunk of rows) work item. */
 typedef struct fwd_item {
   const cpu_step_inputs_t *in;
   int32_t h, hk, nr, d;
   float scale;
-  const float *q; /* first row of the block, ld in->ldq */
-  float *s;       /* [G x TILE] scores / probabilities */
-  float *o;       /* [G x d] unnormalised output */
-  float *m, *l;   /* [G] running max and sum */
+  const float *q; /* first row of the chunk, ld in->ldq */
+  float *s;       /* [ROWS x TILE] scores / probabilities */
+  float *o;       /* [ROWS x d] unnormalised output */
+  float *m, *l;   /* [ROWS] running max and sum */
+  int32_t row0;   /* the chunk's first row within the query block */
 } fwd_item_t;
 
 static void fwd_tile(void *ctx, const cpu_tile_t *t) {
@@ -49,13 +51,15 @@ static void fwd_tile(void *ctx, const cpu_tile_t *t) {
   int64_t ldk;
   cpu_tile_operands(in, it->h, it->hk, t, &k, &v, &ldk);
   const int32_t n = t->count, nr = it->nr, d = it->d;
+  /* a diagonal tile whose every column lies above the chunk's rows */
+  if (t->causal && t->diag_col > it->row0 + nr - 1) return;
   float *S = it->s;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, n, d, it->scale, it->q, (int)in->ldq, k,
               (int)ldk, 0.0f, S, MTRAIN_CPU_TILE);
   for (int32_t r = 0; r < nr; r++) {
     float *row = S + (int64_t)r * MTRAIN_CPU_TILE;
     if (t->causal)
-      for (int32_t c = r + 1; c < n; c++) row[c] = -INFINITY;
+      for (int32_t c = cpu_causal_first_masked(t, it->row0, r, n); c < n; c++) row[c] = -INFINITY;
     float mx = -INFINITY;
     for (int32_t c = 0; c < n; c++) mx = row[c] > mx ? row[c] : mx;
     const float mnew = mx > it->m[r] ? mx : it->m[r];
@@ -107,36 +111,41 @@ mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args
   const int32_t group = v->num_heads / a->num_kv_heads;
   const int64_t items = (int64_t)v->num_heads * v->num_q_blocks;
   int failed = 0;
+  const int32_t rows = G < MTRAIN_CPU_ROWS ? G : MTRAIN_CPU_ROWS;
 #pragma omp parallel num_threads(s->num_threads) reduction(| : failed)
   {
-    float *S = malloc(sizeof(float) * (size_t)G * MTRAIN_CPU_TILE);
-    float *O = malloc(sizeof(float) * (size_t)G * d);
-    float *M = malloc(sizeof(float) * (size_t)G * 2);
+    float *S = malloc(sizeof(float) * (size_t)rows * MTRAIN_CPU_TILE);
+    float *O = malloc(sizeof(float) * (size_t)rows * d);
+    float *M = malloc(sizeof(float) * (size_t)rows * 2);
     if (!S || !O || !M) failed = 1;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; i++) {
       if (failed) continue;
       const int32_t h = (int32_t)(i / v->num_q_blocks), qb = (int32_t)(i % v->num_q_blocks);
       const int64_t gq = v->q_block_global[qb];
-      fwd_item_t it = {&in,
-                       h,
-                       h / group,
-                       mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len),
-                       d,
-                       (float)a->scale,
-                       in.q + (int64_t)qb * G * in.ldq + (int64_t)h * d,
-                       S,
-                       O,
-                       M,
-                       M + G};
-      if (it.nr == 0) continue;
-      for (int32_t r = 0; r < it.nr; r++) {
-        it.m[r] = -INFINITY;
-        it.l[r] = 0.0f;
+      const int32_t nr = mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len);
+      /* the block's rows in chunks: rows are independent in the forward */
+      for (int32_t r0 = 0; r0 < nr; r0 += rows) {
+        fwd_item_t it = {&in,
+                         h,
+                         h / group,
+                         nr - r0 < rows ? nr - r0 : rows,
+                         d,
+                         (float)a->scale,
+                         in.q + ((int64_t)qb * G + r0) * in.ldq + (int64_t)h * d,
+                         S,
+                         O,
+                         M,
+                         M + rows,
+                         r0};
+        for (int32_t r = 0; r < it.nr; r++) {
+          it.m[r] = -INFINITY;
+          it.l[r] = 0.0f;
+        }
+        memset(O, 0, sizeof(float) * (size_t)it.nr * d);
+        mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, fwd_tile, &it);
+        fwd_merge(&it, (int64_t)qb * G + r0, a->o_acc, a->lse_acc);
       }
-      memset(O, 0, sizeof(float) * (size_t)it.nr * d);
-      mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, fwd_tile, &it);
-      fwd_merge(&it, (int64_t)qb * G, a->o_acc, a->lse_acc);
     }
     free(S);
     free(O);

@@ -87,8 +87,11 @@ mtrain_status_t mtrain_cpu_ref_pattern_scores(void *state, const mtrain_scores_a
                 : MTRAIN_SUCCESS;
 }
 
-/* Local key blocks per sgemm tile. */
+/* Local key blocks per sgemm tile, and the tile's columns at most where a
+ * block is wider than SCORE_TILE_COLS / SCORE_TILE_BLOCKS: tiles then split
+ * blocks, so the [L x tile] buffer does not grow with the granularity. */
 #define SCORE_TILE_BLOCKS 4
+#define SCORE_TILE_COLS 1024
 
 mtrain_status_t mtrain_cpu_fast_pattern_scores(void *state, const mtrain_scores_args_t *a) {
   cpu_state_t *s = state;
@@ -109,7 +112,11 @@ mtrain_status_t mtrain_cpu_fast_pattern_scores(void *state, const mtrain_scores_
   mtrain_cpu_convert(s, a->q_last, a->q_dtype, qf, MTRAIN_F32, (int64_t)L * Hq * d);
   if (kf) mtrain_cpu_convert(s, a->k, a->dtype, kf, MTRAIN_F32, a->k_tokens * Hkv * d);
   const float *K = kf ? kf : a->k;
-  const int tile = SCORE_TILE_BLOCKS * G;
+  /* local block lb holds local columns [lb G, lb G + its rows) */
+  const int64_t k_cols =
+      (int64_t)a->num_k_blocks * G < a->k_tokens ? (int64_t)a->num_k_blocks * G : a->k_tokens;
+  const int tile =
+      G <= SCORE_TILE_COLS / SCORE_TILE_BLOCKS ? SCORE_TILE_BLOCKS * G : SCORE_TILE_COLS;
   const int blas_threads = cpu_blas_single_begin();
   int failed = 0;
 #pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) reduction(| : failed)
@@ -119,22 +126,23 @@ mtrain_status_t mtrain_cpu_fast_pattern_scores(void *state, const mtrain_scores_
       failed = 1;
       continue;
     }
-    for (int32_t lb0 = 0; lb0 < a->num_k_blocks; lb0 += SCORE_TILE_BLOCKS) {
-      const int32_t lb1 =
-          lb0 + SCORE_TILE_BLOCKS < a->num_k_blocks ? lb0 + SCORE_TILE_BLOCKS : a->num_k_blocks;
-      const int64_t c0 = (int64_t)lb0 * G;
-      const int64_t c1 = (int64_t)lb1 * G < a->k_tokens ? (int64_t)lb1 * G : a->k_tokens;
+    for (int64_t c0 = 0; c0 < k_cols; c0 += tile) {
+      const int64_t c1 = c0 + tile < k_cols ? c0 + tile : k_cols;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, L, (int)(c1 - c0), d, (float)a->scale,
                   qf + (int64_t)h * d, Hq * d, K + c0 * Hkv * d + (int64_t)(h / group) * d, Hkv * d,
                   0.0f, A, tile);
+      const int32_t lb0 = (int32_t)(c0 / G), lb1 = (int32_t)((c1 - 1) / G) + 1;
       for (int32_t r = 0; r < L; r++) {
         const int64_t qpos = N - L + r;
         for (int32_t lb = lb0; lb < lb1; lb++) {
-          const int64_t gb = a->k_block_global[lb];
+          const int64_t gb = a->k_block_global[lb], first = (int64_t)lb * G;
           const int32_t cols = mtrain_block_rows(a->k_tokens, G, lb, gb, N);
-          const float *row = A + (int64_t)r * tile + (int64_t)(lb - lb0) * G;
-          for (int32_t c = 0; c < cols && gb * G + c <= qpos; c++)
-            accumulate(a, h, r, gb * G + c, gb, (double)row[c], slots, nb);
+          /* the block's columns in this tile: [cb, ce) within the block */
+          const int32_t cb = (int32_t)(c0 > first ? c0 - first : 0);
+          const int32_t ce = (int32_t)(c1 - first < cols ? c1 - first : cols);
+          const float *row = A + (int64_t)r * tile;
+          for (int32_t c = cb; c < ce && gb * G + c <= qpos; c++)
+            accumulate(a, h, r, gb * G + c, gb, (double)row[first + c - c0], slots, nb);
         }
       }
     }

@@ -2,11 +2,13 @@
  * cpu_tiles.h). */
 #include "backends/cpu/cpu_tiles.h"
 
-/* Emits tiles covering local key columns [c0, c1). */
+/* Emits tiles covering local key columns [c0, c1); causal: [c0, c1) is the
+ * diagonal block (or its first columns), each tile knowing its offset in it. */
 static void emit_range(int64_t c0, int64_t c1, int32_t tile_cols, int32_t causal, cpu_tile_fn fn,
                        void *ctx) {
   for (int64_t c = c0; c < c1; c += tile_cols) {
-    cpu_tile_t t = {c, (int32_t)(c1 - c < tile_cols ? c1 - c : tile_cols), causal, 0};
+    cpu_tile_t t = {c, (int32_t)(c1 - c < tile_cols ? c1 - c : tile_cols), causal, 0,
+                    causal ? (int32_t)(c - c0) : 0};
     fn(ctx, &t);
   }
 }
@@ -26,13 +28,13 @@ void mtrain_cpu_for_each_tile(const mtrain_step_view_t *v, int32_t h, int32_t qb
     if (diag) {
       int64_t d0 = (int64_t)(hi - 1) * G, d1 = d0 + G;
       if (d1 > v->k_tokens) d1 = v->k_tokens;
-      emit_range(d0, d1, G, 1, fn, ctx);
+      emit_range(d0, d1, tile_cols, 1, fn, ctx);
     }
   }
   for (int32_t s = hd->seg_off[qb]; s < hd->seg_off[qb + 1]; s++) {
     const int32_t b0 = hd->segs[2 * s], b1 = hd->segs[2 * s + 1];
     for (int32_t b = b0; b < b1; b += tile_cols) {
-      cpu_tile_t t = {b, b1 - b < tile_cols ? b1 - b : tile_cols, 0, 1};
+      cpu_tile_t t = {b, b1 - b < tile_cols ? b1 - b : tile_cols, 0, 1, 0};
       fn(ctx, &t);
     }
   }

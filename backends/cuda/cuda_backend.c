@@ -81,6 +81,23 @@ static void cuda_fini(void *state) {
   free(s);
 }
 
+/* The largest granularity this device's kernels take: the pattern-scores
+ * kernel (cuda_scores.cu) keeps at least one row of G fp64 logits and one
+ * query row of up to CUDA_MAX_HEAD_DIM floats in a block's shared memory;
+ * the attention kernels take any granularity (variant 0; the others fall
+ * back or refuse by shape). A larger one is refused when the context is
+ * created, not at the first estimate. */
+static mtrain_status_t check_granularity(const cuda_state_t *s, int32_t granularity) {
+  const int64_t limit = ((int64_t)s->max_smem_optin - 4 * CUDA_MAX_HEAD_DIM) / 8;
+  if (granularity > limit)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend 'cuda': config.granularity %d exceeds this device's limit %lld "
+                        "(the pattern-scores kernel holds a block's logits in %zu bytes of shared "
+                        "memory)",
+                        granularity, (long long)limit, s->max_smem_optin);
+  return MTRAIN_SUCCESS;
+}
+
 static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
@@ -102,6 +119,7 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   s->cc_major = prop.major;
   s->cc_minor = prop.minor;
   s->max_smem_optin = prop.sharedMemPerBlockOptin;
+  MTRAIN_TRY(check_granularity(s, config->granularity));
   cudaStream_t own = NULL;
   MTRAIN_TRY(cuda_check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking),
                         "cudaStreamCreateWithFlags"));
