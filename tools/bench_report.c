@@ -14,6 +14,7 @@ void bench_print_table(const bench_info_t *info, const bench_row_t *rows, int co
          info->granularity, info->input);
   printf("  sparse: %s layout, %s ring, pattern %s\n", info->sparse_layout, info->schedule,
          info->pattern_source);
+  if (info->ranks_per_node) printf("  topology: %s\n", info->topology);
   printf("  dense: zigzag layout, %s ring; forward+backward, median of %d after %d warm-up, "
          "slowest rank\n",
          info->schedule, info->repeat, info->warmup);
@@ -73,6 +74,10 @@ int bench_write_json(const char *path, const bench_info_t *info, const bench_row
   json_object_set_new(j, "sparse_layout", json_string(info->sparse_layout));
   json_object_set_new(j, "dense_layout", json_string("zigzag"));
   json_object_set_new(j, "schedule", json_string(info->schedule));
+  json_object_set_new(j, "ranks_per_node", json_integer(info->ranks_per_node));
+  if (info->ranks_per_node)
+    json_object_set_new(j, "ranks_per_node_source",
+                        json_string(info->ranks_per_node_detected ? "detected" : "option"));
   json_object_set_new(j, "pattern", json_string(info->pattern_source));
   json_object_set_new(j, "warmup", json_integer(info->warmup));
   json_object_set_new(j, "repeat", json_integer(info->repeat));

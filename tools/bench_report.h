@@ -26,7 +26,10 @@ typedef struct bench_row {
 /** What every row shares. */
 typedef struct bench_info {
   const char *backend, *dtype, *input, *sparse_layout, *schedule, *pattern_source;
-  int world, cuda_variant; /**< cuda_variant -1: not cuda */
+  const char *topology;        /**< ring_env_topology: nodes x ranks and where from */
+  int ranks_per_node;          /**< 0: flat ring */
+  int ranks_per_node_detected; /**< 1: detected (ranks sharing memory), 0: --ranks-per-node */
+  int world, cuda_variant;     /**< cuda_variant -1: not cuda */
   int32_t heads, kv_heads, head_dim, granularity, warmup, repeat;
 } bench_info_t;
 

@@ -22,19 +22,41 @@ static const char *prog = "mtrain-bench";
 
 static const char usage[] =
     "usage: mpiexec -n W mtrain-bench [options]\n"
-    "Forward+backward of the sparse ring against the dense ring over W ranks.\n"
+    "Forward+backward of the sparse ring against the dense ring over W ranks: for each\n"
+    "length, the dense ring (zigzag layout) once and the sparse ring (the pattern\n"
+    "estimated online, distributed) per layer; warm-up, then the median of --repeat runs,\n"
+    "slowest rank. The table goes to stdout, progress to stderr.\n"
+    "The sweep:\n"
     "  --tokens-list N,N,...  sequence lengths (default 131072,524288,1048576)\n"
     "  --budgets FILE         per-head budgets (MInference budget file) ...\n"
-    "  --layers L,L,...       ... of these layers (default 3,15,31); without --budgets\n"
-    "                         the sparse pattern comes from --v-size/--s-size or --top-p\n"
+    "  --layers L,L,...       ... of these layers (default 3,15,31)\n"
+    "  --v-size N --s-size N  or, without --budgets, static top-k for every head\n"
+    "  --top-p P              or top-p for every head, --top-p-cap C its cap (default 4096)\n"
+    "  --last-q L             queries that score the keys in the estimate (default 64)\n"
     "  --skip-dense-above N   no dense ring at lengths above N (default: never skip)\n"
     "  --warmup W             untimed runs before the timed ones (default 1)\n"
-    "  --json FILE            write the results as JSON\n"
-    "and these options of mtrain-run (see mtrain-run --help): --backend cpu|cuda,\n"
-    "--cuda-variant, --dtype, --heads, --kv-heads, --head-dim, --granularity, --seed,\n"
-    "--input structured|normal, --v-size/--s-size, --top-p, --last-q, --layout (of the\n"
-    "sparse ring, default striped), --schedule, --ranks-per-node, --threads, --repeat\n"
-    "(timed runs, default 1).\n";
+    "  --repeat R             timed runs, median reported (default 1)\n"
+    "  --json FILE            write the results as JSON to FILE\n"
+    "The problem (as mtrain-run):\n"
+    "  --heads H --kv-heads H --head-dim D   (default 16, 2, 128)\n"
+    "  --granularity G        block size (default 128)\n"
+    "  --seed S               seed of the generated inputs (default 1)\n"
+    "  --input structured|normal   generated inputs (default structured)\n"
+    "The ring and the computation (as mtrain-run):\n"
+    "  --layout contiguous|zigzag|striped|balanced   the sparse ring's layout (default\n"
+    "                         striped)\n"
+    "  --schedule flat|hier   ring schedule (default flat)\n"
+    "  --ranks-per-node n     ranks per node of the hierarchical ring (needs --schedule hier;\n"
+    "                         not given: detected from the ranks that share memory, and an\n"
+    "                         error when all W ranks share one node)\n"
+    "  --backend cpu|cuda     backend (default cpu; cuda: one GPU per rank, needs NCCL)\n"
+    "  --cuda-variant auto|0|1|2|3  CUDA kernel variant (see mtrain-run --help)\n"
+    "  --dtype fp32|bf16|fp16 storage type (default fp32)\n"
+    "  --threads T            OpenMP threads (default: OpenMP's)\n"
+    "  --help                 this text\n"
+    "mtrain-run's --q, --k, --v, --do, --pattern, --seq-len (use --tokens-list), --layer\n"
+    "(use --layers), --out, --check and --forward-only are not options of the benchmark.\n"
+    "Exit status: 0 success, 1 error, 2 bad command line.\n";
 
 enum { MAX_LIST = 64 };
 
@@ -83,6 +105,27 @@ static const char *option_value(int argc, char **argv, int *i, const char *name,
     return NULL;
   }
   return argv[++*i];
+}
+
+/* mtrain-run's options that have no meaning here: NULL when `arg` is none
+ * of them, else what to use instead (possibly ""). */
+static const char *run_only_option(const char *arg) {
+  static const char *const names[][2] = {{"--q", ""},
+                                         {"--k", ""},
+                                         {"--v", ""},
+                                         {"--do", ""},
+                                         {"--pattern", ""},
+                                         {"--seq-len", ": use --tokens-list"},
+                                         {"--layer", ": use --layers"},
+                                         {"--out", ""},
+                                         {"--check", ""},
+                                         {"--forward-only", ""}};
+  for (size_t n = 0; n < sizeof names / sizeof names[0]; n++) {
+    const size_t len = strlen(names[n][0]);
+    if (strncmp(arg, names[n][0], len) == 0 && (arg[len] == '\0' || arg[len] == '='))
+      return names[n][1];
+  }
+  return NULL;
 }
 
 /* The sparse pattern source and options that have no meaning here. */
@@ -141,10 +184,15 @@ static int parse(int argc, char **argv, bench_opts_t *b) {
   rest[0] = argv[0];
   for (int i = 1; i < argc && !bad; i++) {
     const char *v;
+    const char *not_here = run_only_option(argv[i]);
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       fputs(usage, stdout);
       free(rest);
       return 2;
+    } else if (not_here) {
+      fprintf(stderr, "%s: %s is not an option of the benchmark%s (see --help)\n", prog, argv[i],
+              not_here);
+      bad = 1;
     } else if ((v = option_value(argc, argv, &i, "--tokens-list", &missing))) {
       bad = parse_list("tokens-list", v, 1, (int64_t)1 << 40, b->tokens, &b->n_tokens);
     } else if ((v = option_value(argc, argv, &i, "--layers", &missing))) {
@@ -294,8 +342,13 @@ int main(int argc, char **argv) {
   }
   mtrain_layout_kind_t kind = MTRAIN_LAYOUT_STRIPED;
   ring_env_t env;
-  rc = tool_failed(prog, "--layout", mtrain_layout_kind_parse(b.run.layout, &kind)) ||
-       ring_env_open(prog, &b.run, rank, world, &env);
+  rc = tool_failed(prog, "--layout", mtrain_layout_kind_parse(b.run.layout, &kind));
+  if (!rc) rc = ring_env_open(prog, &b.run, rank, world, &env);
+  if (rc == 2) { /* the schedule options cannot form the ring: every rank alike */
+    ring_env_close(&env);
+    MPI_Finalize();
+    return 1;
+  }
   if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
   bench_row_t *rows = calloc((size_t)(b.n_tokens * b.n_layers), sizeof *rows);
   if (!rows) MPI_Abort(MPI_COMM_WORLD, 1);
@@ -326,6 +379,9 @@ int main(int argc, char **argv) {
         .input = b.run.input,
         .sparse_layout = mtrain_layout_kind_name(kind),
         .schedule = env.ranks_per_node ? "hierarchical" : "flat",
+        .topology = ring_env_topology(&env),
+        .ranks_per_node = env.ranks_per_node,
+        .ranks_per_node_detected = env.ranks_per_node_detected,
         .pattern_source = source,
         .world = world,
         .cuda_variant = env.device ? mtrain_cuda_last_variant(env.ctx) : -1,

@@ -4,8 +4,10 @@
  * next to the OpenBLAS sgemm rate on the same tile shapes the backend uses
  * (G x tile x d scores and G x d x tile outputs), run with the same threads
  * the same way (one single-threaded sgemm per OpenMP thread). Progress goes
- * to stderr; the table (or --json) to stdout. */
+ * to stderr; the table (or --json) to stdout. Exit 0 on success (and after
+ * --help), 1 when the work fails, 2 on a bad command line. */
 #include <cblas.h>
+#include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <math.h>
@@ -171,6 +173,38 @@ static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pa
   return rc;
 }
 
+static const char usage[] =
+    "usage: mtrain-bench-cpu [options]\n"
+    "Effective GFLOP/s (SPEC.md section 6) of the cpu backend's forward and backward for a\n"
+    "dense and a vertical-slash pattern, next to the OpenBLAS sgemm rate on the backend's\n"
+    "tile shapes, measured in the same run. Progress on stderr, the table on stdout.\n"
+    "  --seq-len N           tokens (default 8192)\n"
+    "  --heads H             query heads (default 16)\n"
+    "  --kv-heads H          K/V heads, a divisor of --heads (default 2)\n"
+    "  --head-dim D          head dimension (default 128)\n"
+    "  --granularity G       block size (default 128)\n"
+    "  --density F           share of the block diagonals the vertical-slash pattern keeps,\n"
+    "                        in (0, 1] (default 0.1)\n"
+    "  --repeat R            timed runs after one warm-up, median reported (default 5)\n"
+    "  --threads T           OpenMP threads (default: OpenMP's)\n"
+    "  --json                print the results as one JSON object instead of the table\n"
+    "  --help                this text\n"
+    "Exit status: 0 success, 1 error, 2 bad command line.\n";
+
+/* An integer option value in [lo, hi]; 1 (message printed) when it is not one. */
+static int parse_int(const char *name, const char *s, long long lo, long long hi, long long *out) {
+  char *end = NULL;
+  errno = 0;
+  const long long v = strtoll(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi) {
+    fprintf(stderr, "%s: --%s '%s' is not an integer in [%lld, %lld]\n", prog, name, s, lo, hi);
+    return 1;
+  }
+  *out = v;
+  return 0;
+}
+
+/* 0: run; 1: bad command line (message printed); 2: --help printed. */
 static int parse(int argc, char **argv, bench_opts_t *o) {
   *o = (bench_opts_t){8192, 16, 2, 128, 128, 5, 0, 0.1, 0};
   static const struct option longs[] = {{"seq-len", required_argument, 0, 'N'},
@@ -182,58 +216,72 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
                                         {"threads", required_argument, 0, 'T'},
                                         {"density", required_argument, 0, 'd'},
                                         {"json", no_argument, 0, 'j'},
+                                        {"help", no_argument, 0, 'h'},
                                         {0, 0, 0, 0}};
-  int c;
+  int c, bad = 0;
+  long long x = 0;
   opterr = 0;
-  while ((c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
-    char *end = NULL;
-    double val = optarg ? strtod(optarg, &end) : 0;
-    if (optarg && (end == optarg || *end || !(val > 0))) {
-      fprintf(stderr, "%s: bad value '%s' for --%s\n", prog, optarg, argv[optind - 1] + 2);
-      return 1;
-    }
+  while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
     switch (c) {
     case 'N':
-      o->seq_len = (int64_t)val;
+      bad = parse_int("seq-len", optarg, 1, 1LL << 30, &x), o->seq_len = x;
       break;
     case 'H':
-      o->heads = (int32_t)val;
+      bad = parse_int("heads", optarg, 1, 4096, &x), o->heads = (int32_t)x;
       break;
     case 'K':
-      o->kv_heads = (int32_t)val;
+      bad = parse_int("kv-heads", optarg, 1, 4096, &x), o->kv_heads = (int32_t)x;
       break;
     case 'D':
-      o->head_dim = (int32_t)val;
+      bad = parse_int("head-dim", optarg, 1, 4096, &x), o->head_dim = (int32_t)x;
       break;
     case 'G':
-      o->granularity = (int32_t)val;
+      bad = parse_int("granularity", optarg, 1, 1 << 20, &x), o->granularity = (int32_t)x;
       break;
     case 'r':
-      o->repeat = (int32_t)val;
+      bad = parse_int("repeat", optarg, 1, 1000, &x), o->repeat = (int32_t)x;
       break;
     case 'T':
-      o->threads = (int32_t)val;
+      bad = parse_int("threads", optarg, 1, 1 << 16, &x), o->threads = (int32_t)x;
       break;
-    case 'd':
-      o->density = val;
+    case 'd': {
+      char *end = NULL;
+      o->density = strtod(optarg, &end);
+      if (end == optarg || *end || !(o->density > 0.0 && o->density <= 1.0)) {
+        fprintf(stderr, "%s: --density '%s' is not a number in (0, 1]\n", prog, optarg);
+        bad = 1;
+      }
       break;
+    }
     case 'j':
       o->json = 1;
       break;
+    case 'h':
+      fputs(usage, stdout);
+      return 2;
     default:
-      fprintf(stderr,
-              "usage: %s [--seq-len N] [--heads H] [--kv-heads H] [--head-dim D] "
-              "[--granularity G] [--density F] [--repeat R] [--threads T] [--json]\n",
-              prog);
+      fprintf(stderr, "%s: unknown or incomplete option '%s' (see --help)\n", prog,
+              argv[optind - 1]);
       return 1;
     }
+  }
+  if (bad) return 1;
+  if (optind < argc) {
+    fprintf(stderr, "%s: unexpected argument '%s' (see --help)\n", prog, argv[optind]);
+    return 1;
+  }
+  if (o->heads % o->kv_heads != 0) {
+    fprintf(stderr, "%s: --heads %d is not a multiple of --kv-heads %d\n", prog, o->heads,
+            o->kv_heads);
+    return 1;
   }
   return 0;
 }
 
 int main(int argc, char **argv) {
   bench_opts_t o;
-  if (parse(argc, argv, &o)) return 2;
+  const int parsed = parse(argc, argv, &o);
+  if (parsed) return parsed == 2 ? 0 : 2;
   const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = o.granularity;

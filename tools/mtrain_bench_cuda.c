@@ -12,9 +12,10 @@
  * Each kernel variant (--variants, default 0,1,2,3) is first validated on a
  * small problem (--validate-len, default 2048; the budgets' top-k sizes
  * scaled by the length ratio) against the "cpu" backend on the host: every
- * output of the forward and backward within 8 unit roundoffs of the storage
- * type times max|cpu| (the sum of two 4-roundoff errors against the exact
- * result, the bound mtrain-run --check uses; fp32: 2e-4) for O, LSE, dQ,
+ * output of the forward and backward within tool_check_tolerance_between
+ * (tool_common.h: twice the bound mtrain-run --check uses against the fp64
+ * reference, as both sides carry an error: 8 unit roundoffs of the storage
+ * type for bf16/fp16, 2e-4 for fp32) times max|cpu| for O, LSE, dQ,
  * dK and dV, nothing non-finite, and the call ran the variant asked for. A variant that fails is
  * not timed (the exit status is then 3). Then, on random N(0, 1) inputs (never zeros), two input
  * sets used in turn, on a stream of this program set with mtrain_cuda_set_stream: --warmup (3)
@@ -109,7 +110,11 @@ static const char usage[] =
     "  --device D            CUDA device (default 0)\n"
     "  --pattern-out FILE    write the timed vertical-slash pattern (pattern JSON)\n"
     "  --dump-dir DIR        write the validation problems and outputs (.npy) under DIR\n"
-    "  --json FILE           write the results as JSON to FILE\n";
+    "  --json FILE           write the results as JSON to FILE\n"
+    "  --help                this text\n"
+    "Validation: every output within twice mtrain-run --check's bound of the cpu backend's\n"
+    "(8 unit roundoffs of bf16/fp16, 2e-4 for fp32, times max|cpu|).\n"
+    "Exit status: 0 success, 1 error, 2 bad command line, 3 a variant failed validation.\n";
 
 /* Parses an integer option value in [lo, hi]; 1 (message printed) when it is not one. */
 static int parse_int(const char *name, const char *s, long long lo, long long hi, long long *out) {
@@ -526,10 +531,9 @@ static int validate(const bench_opts_t *o, int kind, bench_pattern_t *bp, void *
   }
   if (!rc && o->dump_dir) rc = dump_problem(o, kind, &ref, bp->small, bp->small_pairs);
   if (!rc) rc = device_alloc(&ref, 1, &dev);
-  /* 8 unit roundoffs of the storage type (fp32: twice SPEC.md's 1e-4) */
-  const double rel = o->dtype == MTRAIN_BF16  ? 8 * 0x1p-8
-                     : o->dtype == MTRAIN_F16 ? 8 * 0x1p-11
-                                              : 2e-4;
+  /* cuda against cpu, two approximations: twice the tools' bound
+   * (tool_common.h; 8 unit roundoffs of bf16/fp16, 2e-4 for fp32) */
+  const double rel = tool_check_tolerance_between(o->dtype);
   for (int v = 0; v < NUM_VARIANTS && !rc; v++) {
     if (!o->variant_on[v]) continue;
     bench_cell_t *c = &cells[v];

@@ -1,25 +1,29 @@
 /* mtrain_pattern.c: the pattern viewer mtrain-pattern: draws one head of a
- * sparse pattern as a PNG, rows = query blocks, columns = key blocks:
- * computed blocks dark blue, blocks that only hold bars (verticals outside
- * the computed blocks) orange, darker the more verticals the key block has,
- * causal blocks not computed white, the non-causal upper triangle light grey.
- * One pixel per block up to 1024 blocks; larger patterns (or --size) are
- * max-pooled (computed > bars > empty > non-causal); a --size above the block
- * count enlarges the blocks. The pattern comes from a file, or is estimated
- * online (SPEC.md section 2) from structured inputs generated from a seed
- * with per-head budgets (--estimate). Exit 0 on success, 1
- * when the work fails (unreadable pattern, head out of range, PNG not
- * written), 2 on a bad command line. */
+ * sparse pattern as a PNG, rows = query blocks (top to bottom), columns =
+ * key blocks (left to right), with a title and a legend: computed blocks
+ * dark blue, the causal part of the diagonal blocks teal, blocks that only
+ * hold bars (verticals outside the computed blocks) orange, darker the more
+ * verticals the key block has, causal blocks not computed white, the
+ * non-causal part light grey, the padding past seq_len of the last block
+ * hatched grey. By default the plot has whole pixels per block and at
+ * least 512 pixels a side (up to 512 blocks; one pixel per block up to 1024
+ * blocks; above that the blocks are max-pooled to 1024 pixels: diagonal >
+ * computed > bars > empty > padding > non-causal); --size sets the plot's
+ * side, --no-legend leaves only the plot. The pattern comes from a file, or
+ * is estimated online (SPEC.md section 2) from structured inputs generated
+ * from a seed with per-head budgets (--estimate). Exit 0 on success (and
+ * after --help), 1 when the work fails (unreadable pattern, head out of
+ * range, PNG not written), 2 on a bad command line. */
 #define _POSIX_C_SOURCE 200809L /* tool_common.h: clock_gettime */
 
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
-#include <png.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "canvas.h"
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_inputs.h"
 #include "mtrain/mtrain_io.h"
@@ -29,21 +33,32 @@ static const char *prog = "mtrain-pattern";
 
 static const char usage[] =
     "usage: mtrain-pattern (--pattern FILE.json | --estimate ...) --head H --out FILE.png\n"
-    "                      [--size PX]\n"
-    "Draws one head's block pattern: rows = query blocks, columns = key blocks.\n"
+    "                      [--size PX] [--no-legend]\n"
+    "Draws one head's block pattern: rows = query blocks (top to bottom), columns = key\n"
+    "blocks (left to right), with a title and a legend.\n"
     "  --pattern FILE.json   a pattern file (SPEC.md section 8)\n"
     "  --estimate            estimate the pattern online from structured inputs\n"
-    "                        (mtrain_inputs.h) with --budgets FILE --layer L, or\n"
-    "                        --v-size N --s-size N; --seq-len N (4096) --heads H (16)\n"
-    "                        --kv-heads H (2) --head-dim D (128) --seed S (1)\n"
-    "                        --granularity G (128) --last-q L (64)\n"
+    "                        (mtrain_inputs.h) with per-head budgets:\n"
+    "  --budgets FILE --layer L   the budgets of layer L of a MInference budget file\n"
+    "  --v-size N --s-size N      or static top-k for every head\n"
+    "  --seq-len N           tokens of the estimate's inputs (default 4096)\n"
+    "  --heads H --kv-heads H --head-dim D   their shape (default 16, 2, 128)\n"
+    "  --seed S              their seed (default 1)\n"
+    "  --granularity G       block size of the estimate (default 128)\n"
+    "  --last-q L            queries that score the keys (default 64)\n"
     "  --head H              the query head to draw (0-based)\n"
     "  --out FILE.png        the image to write\n"
-    "  --size PX             image width and height in pixels (default: one pixel\n"
-    "                        per block, at most 1024; fewer pixels max-pool blocks)\n"
-    "Colours: computed blocks blue; bars only (verticals) orange, darker with more\n"
-    "verticals in the key block; causal but not computed white; non-causal grey.\n";
+    "  --size PX             the plot's width and height in pixels (default: whole pixels\n"
+    "                        per block, at least 512 px; one pixel per block from 512\n"
+    "                        to 1024 blocks; more blocks are max-pooled to 1024 px)\n"
+    "  --no-legend           write the plot alone (PX x PX), without title and legend\n"
+    "  --help                this text\n"
+    "Colours: computed blocks dark blue; the causal part of a computed diagonal block teal;\n"
+    "bars only (verticals) orange, darker with more verticals in the key block; causal\n"
+    "but not computed white; not causal light grey; padding past seq_len hatched grey.\n"
+    "Exit status: 0 success, 1 error, 2 bad command line.\n";
 
+#define MIN_DEFAULT_PX 512
 #define DEFAULT_MAX_PX 1024
 #define MAX_SIZE_PX 16384
 
@@ -54,11 +69,19 @@ typedef struct viewer_options {
   int32_t layer, v_size, s_size, heads, kv_heads, head_dim, granularity, last_q, seed, seq_len;
   const char *out_path;
   int32_t head;
-  int32_t size; /* 0: default */
+  int32_t size;  /* the plot's side; 0: default */
+  int no_legend; /* the plot alone */
 } viewer_options_t;
 
-/* Block classes, ordered for max-pooling. */
-enum { CELL_NONCAUSAL = 0, CELL_EMPTY = 1, CELL_BARS = 2, CELL_COMPUTED = 3 };
+/* Pixel classes, ordered for max-pooling. */
+enum {
+  CELL_NONCAUSAL = 0,
+  CELL_PADDING = 1, /* tokens past seq_len in the last block */
+  CELL_EMPTY = 2,
+  CELL_BARS = 3,
+  CELL_COMPUTED = 4,
+  CELL_DIAGONAL = 5 /* the causal part of a computed diagonal block */
+};
 
 static int parse_int(const char *name, const char *s, long lo, long hi, int32_t *out) {
   char *end = NULL;
@@ -83,16 +106,25 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
   o->last_q = 64;
   o->seed = 1;
   o->seq_len = 4096;
-  static const struct option longs[] = {
-      {"pattern", required_argument, 0, 'p'},  {"head", required_argument, 0, 'H'},
-      {"out", required_argument, 0, 'o'},      {"size", required_argument, 0, 's'},
-      {"help", no_argument, 0, 'h'},           {"estimate", no_argument, 0, 'e'},
-      {"budgets", required_argument, 0, 'B'},  {"layer", required_argument, 0, 'L'},
-      {"v-size", required_argument, 0, 'V'},   {"s-size", required_argument, 0, 'S'},
-      {"seq-len", required_argument, 0, 'N'},  {"heads", required_argument, 0, 'q'},
-      {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
-      {"seed", required_argument, 0, 'r'},     {"granularity", required_argument, 0, 'G'},
-      {"last-q", required_argument, 0, 'l'},   {0, 0, 0, 0}};
+  static const struct option longs[] = {{"pattern", required_argument, 0, 'p'},
+                                        {"head", required_argument, 0, 'H'},
+                                        {"out", required_argument, 0, 'o'},
+                                        {"size", required_argument, 0, 's'},
+                                        {"help", no_argument, 0, 'h'},
+                                        {"estimate", no_argument, 0, 'e'},
+                                        {"budgets", required_argument, 0, 'B'},
+                                        {"layer", required_argument, 0, 'L'},
+                                        {"v-size", required_argument, 0, 'V'},
+                                        {"s-size", required_argument, 0, 'S'},
+                                        {"seq-len", required_argument, 0, 'N'},
+                                        {"heads", required_argument, 0, 'q'},
+                                        {"kv-heads", required_argument, 0, 'k'},
+                                        {"head-dim", required_argument, 0, 'd'},
+                                        {"seed", required_argument, 0, 'r'},
+                                        {"granularity", required_argument, 0, 'G'},
+                                        {"last-q", required_argument, 0, 'l'},
+                                        {"no-legend", no_argument, 0, 'n'},
+                                        {0, 0, 0, 0}};
   int c, bad = 0;
   opterr = 0;
   while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
@@ -111,6 +143,9 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
       break;
     case 'e':
       o->estimate = 1;
+      break;
+    case 'n':
+      o->no_legend = 1;
       break;
     case 'B':
       o->budgets_path = optarg;
@@ -319,50 +354,85 @@ static void blend(const uint8_t lo[3], const uint8_t hi[3], double t, uint8_t *r
   for (int c = 0; c < 3; c++) rgb[c] = (uint8_t)lrint(lo[c] + t * (hi[c] - lo[c]));
 }
 
-static void cell_colour(int cls, int64_t bars, int64_t g, uint8_t *rgb) {
-  static const uint8_t noncausal[3] = {232, 232, 232}, empty[3] = {255, 255, 255};
-  static const uint8_t computed[3] = {31, 78, 154};
-  static const uint8_t bar_lo[3] = {253, 208, 162}, bar_hi[3] = {166, 54, 3};
+static const uint8_t col_computed[3] = {31, 78, 154}, col_diagonal[3] = {38, 160, 150};
+static const uint8_t col_empty[3] = {255, 255, 255}, col_noncausal[3] = {226, 226, 226};
+static const uint8_t col_bar_lo[3] = {253, 208, 162}, col_bar_hi[3] = {166, 54, 3};
+static const uint8_t col_pad_a[3] = {140, 140, 140}, col_pad_b[3] = {205, 205, 205};
+static const uint8_t col_ink[3] = {20, 20, 20}, col_frame[3] = {90, 90, 90};
+
+/* The colour of class cls at image pixel (x, y) (padding is hatched). */
+static void cell_colour(int cls, int64_t bars, int64_t g, int x, int y, uint8_t *rgb) {
   switch (cls) {
+  case CELL_DIAGONAL:
+    memcpy(rgb, col_diagonal, 3);
+    break;
   case CELL_COMPUTED:
-    memcpy(rgb, computed, 3);
+    memcpy(rgb, col_computed, 3);
     break;
   case CELL_BARS: /* log scale: one vertical is visible, a full block of them darkest */
-    blend(bar_lo, bar_hi, log1p((double)(bars - 1)) / log1p((double)(g > 1 ? g - 1 : 1)), rgb);
+    blend(col_bar_lo, col_bar_hi, log1p((double)(bars - 1)) / log1p((double)(g > 1 ? g - 1 : 1)),
+          rgb);
     break;
   case CELL_EMPTY:
-    memcpy(rgb, empty, 3);
+    memcpy(rgb, col_empty, 3);
+    break;
+  case CELL_PADDING:
+    memcpy(rgb, (x + y) / 3 % 2 ? col_pad_a : col_pad_b, 3);
     break;
   default:
-    memcpy(rgb, noncausal, 3);
+    memcpy(rgb, col_noncausal, 3);
   }
 }
 
-/* Renders px x px RGB: pixel (y, x) covers blocks [y*nb/px, (y+1)*nb/px) (at
- * least one) in each direction and shows their maximum. */
-static void render(head_view_t *v, int32_t px, uint8_t *image) {
+/* The class of the pixel showing token pair (i, j) of blocks (i/G, j/G). */
+static int token_class(const head_view_t *v, int64_t i, int64_t j, int64_t *bars) {
+  *bars = 0;
+  const int64_t qb = i / v->g, kb = j / v->g;
+  if (kb > qb || (kb == qb && j > i)) return CELL_NONCAUSAL;
+  if (i >= v->seq_len || j >= v->seq_len) return CELL_PADDING;
+  const int cls = view_cell(v, qb, kb, bars);
+  return cls == CELL_COMPUTED && qb == kb ? CELL_DIAGONAL : cls;
+}
+
+/* Renders the px x px plot at (x0, y0) of the canvas. At px >= blocks each
+ * pixel shows the token pair at its centre (so the diagonal blocks' causal
+ * triangle and the padding show); below, pixel (y, x) covers blocks
+ * [y*nb/px, (y+1)*nb/px) in each direction and shows their maximum. */
+static void render(const head_view_t *v, int32_t px, canvas_t *c, int x0, int y0) {
+  const int64_t span = v->nb * v->g; /* tokens the blocks cover, padding included */
   for (int32_t y = 0; y < px; y++) {
     const int64_t q0 = (int64_t)y * v->nb / px;
     int64_t q1 = (int64_t)(y + 1) * v->nb / px;
     if (q1 <= q0) q1 = q0 + 1;
     for (int32_t x = 0; x < px; x++) {
-      const int64_t k0 = (int64_t)x * v->nb / px;
-      int64_t k1 = (int64_t)(x + 1) * v->nb / px;
-      if (k1 <= k0) k1 = k0 + 1;
       int best = CELL_NONCAUSAL;
       int64_t best_bars = 0;
-      for (int64_t qb = q0; qb < q1; qb++)
-        for (int64_t kb = k0; kb < k1 && kb <= qb; kb++) {
-          int64_t bars;
-          const int cls = view_cell(v, qb, kb, &bars);
-          if (cls > best || (cls == best && bars > best_bars)) {
-            best = cls;
-            best_bars = bars;
+      if (px >= v->nb) {
+        const int64_t i = (int64_t)((2.0 * y + 1) * (double)span / (2.0 * px));
+        const int64_t j = (int64_t)((2.0 * x + 1) * (double)span / (2.0 * px));
+        best = token_class(v, i, j, &best_bars);
+      } else {
+        const int64_t k0 = (int64_t)x * v->nb / px;
+        int64_t k1 = (int64_t)(x + 1) * v->nb / px;
+        if (k1 <= k0) k1 = k0 + 1;
+        for (int64_t qb = q0; qb < q1; qb++)
+          for (int64_t kb = k0; kb < k1 && kb <= qb; kb++) {
+            int64_t bars;
+            int cls = view_cell(v, qb, kb, &bars);
+            if (cls == CELL_COMPUTED && qb == kb) cls = CELL_DIAGONAL;
+            if (cls > best || (cls == best && bars > best_bars)) {
+              best = cls;
+              best_bars = bars;
+            }
           }
-        }
-      cell_colour(best, best_bars, v->g, image + ((size_t)y * px + x) * 3);
+      }
+      cell_colour(best, best_bars, v->g, x0 + x, y0 + y,
+                  c->rgb + 3 * ((size_t)(y0 + y) * (size_t)c->w + (size_t)(x0 + x)));
     }
   }
+}
+
+static void count_computed(head_view_t *v) {
   for (int64_t qb = 0; qb < v->nb; qb++)
     for (int64_t kb = 0; kb <= qb; kb++) {
       int64_t bars;
@@ -370,34 +440,82 @@ static void render(head_view_t *v, int32_t px, uint8_t *image) {
     }
 }
 
-/* Writes an RGB image; libpng reports its errors through longjmp. */
-static int write_png(const char *path, const uint8_t *image, int32_t px) {
-  FILE *f = fopen(path, "wb");
-  if (!f) {
-    fprintf(stderr, "%s: cannot write PNG '%s': %s\n", prog, path, strerror(errno));
-    return 1;
+/* ---- the picture: title, plot, legend ---------------------------------------- */
+
+#define TEXT_SCALE 2
+#define MARGIN 12
+#define LINE_STEP ((CANVAS_GLYPH_HEIGHT + 2) * TEXT_SCALE)
+#define SWATCH (CANVAS_GLYPH_HEIGHT * TEXT_SCALE)
+#define NUM_LEGEND 6
+#define NUM_TITLE 3
+
+typedef struct picture {
+  char title[NUM_TITLE][160];
+  const char *legend[NUM_LEGEND];
+  int32_t plot; /* the plot's side */
+  int plot_x, plot_y;
+  int w, h;
+} picture_t;
+
+/* Where everything goes: a title of NUM_TITLE lines, the framed plot, the
+ * legend (a swatch and a label per line). */
+static void picture_layout(const head_view_t *v, int32_t head, int32_t plot, int legend,
+                           picture_t *p) {
+  memset(p, 0, sizeof *p);
+  p->plot = plot;
+  if (!legend) {
+    p->w = p->h = plot;
+    return;
   }
-  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, NULL, NULL, NULL);
-  png_infop info = png ? png_create_info_struct(png) : NULL;
-  if (!png || !info || setjmp(png_jmpbuf(png))) {
-    png_destroy_write_struct(&png, &info);
-    fclose(f);
-    fprintf(stderr, "%s: cannot write PNG '%s': libpng failed\n", prog, path);
-    return 1;
+  const int64_t causal = v->nb * (v->nb + 1) / 2;
+  snprintf(p->title[0], sizeof p->title[0], "head %d: %lld tokens, %lld x %lld blocks of %lld",
+           head, (long long)v->seq_len, (long long)v->nb, (long long)v->nb, (long long)v->g);
+  snprintf(p->title[1], sizeof p->title[1], "%lld of %lld causal blocks computed, %lld verticals",
+           (long long)v->computed_blocks, (long long)causal, (long long)v->verticals);
+  snprintf(p->title[2], sizeof p->title[2], "rows: query blocks, columns: key blocks");
+  p->legend[0] = v->block_mask ? "computed block (block mask)" : "computed block (block diagonal)";
+  p->legend[1] = "diagonal block: causal part computed";
+  p->legend[2] = "bars only: verticals, darker = more";
+  p->legend[3] = "causal, not computed";
+  p->legend[4] = "not causal: key after query";
+  p->legend[5] = "padding: tokens past seq_len";
+  int text_w = plot + 2;
+  for (int t = 0; t < NUM_TITLE; t++) {
+    const int w = canvas_text_width(p->title[t], TEXT_SCALE);
+    if (w > text_w) text_w = w;
   }
-  png_init_io(png, f);
-  png_set_IHDR(png, info, (png_uint_32)px, (png_uint_32)px, 8, PNG_COLOR_TYPE_RGB,
-               PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
-  png_write_info(png, info);
-  for (int32_t y = 0; y < px; y++)
-    png_write_row(png, (png_const_bytep)(image + (size_t)y * px * 3));
-  png_write_end(png, NULL);
-  png_destroy_write_struct(&png, &info);
-  if (fclose(f) != 0) {
-    fprintf(stderr, "%s: cannot write PNG '%s': %s\n", prog, path, strerror(errno));
-    return 1;
+  for (int l = 0; l < NUM_LEGEND; l++) {
+    const int w = SWATCH + 8 + canvas_text_width(p->legend[l], TEXT_SCALE);
+    if (w > text_w) text_w = w;
   }
-  return 0;
+  p->w = text_w + 2 * MARGIN;
+  p->plot_x = MARGIN + 1;
+  p->plot_y = MARGIN + NUM_TITLE * LINE_STEP + 6 + 1;
+  p->h = p->plot_y + plot + 1 + 12 + NUM_LEGEND * (LINE_STEP + 4) + MARGIN;
+}
+
+static void picture_decorate(const head_view_t *v, const picture_t *p, canvas_t *c) {
+  for (int t = 0; t < NUM_TITLE; t++)
+    canvas_text(c, MARGIN, MARGIN + t * LINE_STEP, TEXT_SCALE, p->title[t], col_ink);
+  /* the frame around the plot */
+  canvas_fill(c, p->plot_x - 1, p->plot_y - 1, p->plot + 2, 1, col_frame);
+  canvas_fill(c, p->plot_x - 1, p->plot_y + p->plot, p->plot + 2, 1, col_frame);
+  canvas_fill(c, p->plot_x - 1, p->plot_y - 1, 1, p->plot + 2, col_frame);
+  canvas_fill(c, p->plot_x + p->plot, p->plot_y - 1, 1, p->plot + 2, col_frame);
+  static const int classes[NUM_LEGEND] = {CELL_COMPUTED, CELL_DIAGONAL,  CELL_BARS,
+                                          CELL_EMPTY,    CELL_NONCAUSAL, CELL_PADDING};
+  for (int l = 0; l < NUM_LEGEND; l++) {
+    const int y = p->plot_y + p->plot + 1 + 12 + l * (LINE_STEP + 4), x = MARGIN;
+    canvas_fill(c, x, y, SWATCH, SWATCH, col_frame);
+    for (int sy = 1; sy < SWATCH - 1; sy++)
+      for (int sx = 1; sx < SWATCH - 1; sx++) {
+        /* the bars' swatch shows its scale: few verticals left, many right */
+        const int64_t bars = 1 + (v->g - 1) * (sx - 1) / (SWATCH - 3);
+        cell_colour(classes[l], bars, v->g, x + sx, y + sy,
+                    c->rgb + 3 * ((size_t)(y + sy) * (size_t)c->w + (size_t)(x + sx)));
+      }
+    canvas_text(c, x + SWATCH + 8, y, TEXT_SCALE, p->legend[l], col_ink);
+  }
 }
 
 static int draw(const viewer_options_t *o, const mtrain_pattern_t *p, const char *source) {
@@ -409,23 +527,44 @@ static int draw(const viewer_options_t *o, const mtrain_pattern_t *p, const char
   }
   head_view_t v;
   int rc = view_init(p, o->head, &v);
-  const int32_t px = o->size ? o->size : v.nb < DEFAULT_MAX_PX ? (int32_t)v.nb : DEFAULT_MAX_PX;
-  uint8_t *image = rc ? NULL : malloc((size_t)px * (size_t)px * 3);
-  if (!rc && !image) {
-    fprintf(stderr, "%s: out of memory for a %d x %d image\n", prog, px, px);
-    rc = 1;
+  int32_t px = o->size;
+  if (!px) /* whole pixels per block, at least MIN_DEFAULT_PX, pooled above DEFAULT_MAX_PX */
+    px = v.nb <= MIN_DEFAULT_PX   ? (int32_t)(v.nb * ((MIN_DEFAULT_PX + v.nb - 1) / v.nb))
+         : v.nb <= DEFAULT_MAX_PX ? (int32_t)v.nb
+                                  : DEFAULT_MAX_PX;
+  picture_t pic;
+  canvas_t c = {0, 0, NULL};
+  if (!rc) {
+    count_computed(&v);
+    picture_layout(&v, o->head, px, !o->no_legend, &pic);
+    if (canvas_init(&c, pic.w, pic.h)) {
+      fprintf(stderr, "%s: out of memory for a %d x %d image\n", prog, pic.w, pic.h);
+      rc = 1;
+    }
   }
   if (!rc) {
-    render(&v, px, image);
-    rc = write_png(o->out_path, image, px);
+    render(&v, px, &c, pic.plot_x, pic.plot_y);
+    if (!o->no_legend) picture_decorate(&v, &pic, &c);
+    char err[4400];
+    rc = canvas_write_png(&c, o->out_path, err, sizeof err);
+    if (rc) fprintf(stderr, "%s: %s\n", prog, err);
   }
-  if (!rc)
+  if (!rc) {
+    char scale[64];
+    if (px % v.nb == 0)
+      snprintf(scale, sizeof scale, "%lld px per block", (long long)(px / v.nb));
+    else if (px >= v.nb)
+      snprintf(scale, sizeof scale, "%.2f px per block", (double)px / (double)v.nb);
+    else
+      snprintf(scale, sizeof scale, "%.2f blocks per px, max-pooled", (double)v.nb / (double)px);
     printf("%s: head %d of %s: %lld x %lld blocks of %lld, %lld computed, %lld verticals%s -> "
-           "%s (%d x %d px)\n",
+           "%s (image %d x %d px, plot %d x %d px, %s%s)\n",
            prog, o->head, source, (long long)v.nb, (long long)v.nb, (long long)v.g,
            (long long)v.computed_blocks, (long long)v.verticals,
-           v.block_mask ? " (block mask)" : "", o->out_path, px, px);
-  free(image);
+           v.block_mask ? " (block mask)" : "", o->out_path, pic.w, pic.h, px, px, scale,
+           o->no_legend ? "" : ", with legend");
+  }
+  canvas_free(&c);
   view_free(&v);
   return rc;
 }

@@ -92,12 +92,9 @@ static int check_against_reference(const run_options_t *o, const mtrain_pattern_
   run_result_t scratch = {0};
   if (!rc) rc = run_attention(prog, ref, plan, &in64, &out64, &once, &scratch);
   if (!rc) {
-    /* fp32: SPEC.md 1e-4 of max|ref|; bf16/fp16: 4 unit roundoffs of the
-     * storage type (docs/USAGE.md; the unit tests apply the stricter
-     * FlashAttention rule). */
-    const double rel = in->q.dtype == MTRAIN_BF16  ? 4 * 0x1p-8
-                       : in->q.dtype == MTRAIN_F16 ? 4 * 0x1p-11
-                                                   : 1e-4;
+    /* the tools' one bound (tool_common.h; the unit tests apply the
+     * stricter FlashAttention rule) */
+    const double rel = tool_check_tolerance(in->q.dtype);
     r->check_ok = 1;
     const int n = o->forward_only ? 2 : 5;
     for (int t = 0; t < n; t++) {
@@ -278,8 +275,26 @@ int main(int argc, char **argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
 #endif
+#ifndef MTRAIN_HAVE_MPI
+  const int rank = 0, world = 1;
+#endif
   run_options_t o;
   int rc = run_options_parse(argc, argv, &o);
+  if (rc == 0 && o.hierarchical && world == 1) {
+    fprintf(stderr,
+            "%s: --schedule hier needs several ranks (run under mpiexec -n W%s); one rank has no "
+            "ring\n",
+            prog,
+#ifdef MTRAIN_HAVE_MPI
+            ""
+#else
+            " with a build that has MPI"
+#endif
+    );
+    rc = 1;
+  }
+  /* a --pattern file's granularity, unless --granularity says it */
+  if (rc == 0) rc = run_options_resolve_pattern(prog, &o, rank == 0) ? 3 : 0;
   if (rc == 0) {
 #ifdef MTRAIN_HAVE_MPI
     rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);
@@ -287,7 +302,7 @@ int main(int argc, char **argv) {
     rc = run_single(&o);
 #endif
   } else {
-    rc = rc == 2 ? 0 : 2;
+    rc = rc == 2 ? 0 : rc == 3 ? 1 : 2; /* 3: the pattern file failed: an error, not usage */
   }
 #ifdef MTRAIN_HAVE_MPI
   MPI_Finalize();

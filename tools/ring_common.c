@@ -15,32 +15,70 @@
 #endif
 #include "tool_common.h"
 
-/* Ranks per node: the option, or the ranks sharing memory with this one;
- * 0 for the flat ring. */
-static int ranks_per_node(const run_options_t *o, int world) {
+/* The hierarchical ring's ranks per node into env (0: the flat ring): the
+ * option, or detected as the ranks that share memory with this one
+ * (MPI_COMM_TYPE_SHARED). A hierarchy needs at least two nodes of the same
+ * size, each a block of consecutive ranks: otherwise 1 with a message on
+ * rank 0. Collective; every rank decides alike. */
+static int hier_ranks_per_node(const char *prog, const run_options_t *o, int rank, int world,
+                               ring_env_t *env) {
+  env->ranks_per_node = 0;
+  env->ranks_per_node_detected = 0;
   if (!o->hierarchical) return 0;
   int n = o->ranks_per_node;
-  if (n == 0) {
-    MPI_Comm shared;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared);
-    MPI_Comm_size(shared, &n);
-    MPI_Comm_free(&shared);
+  if (n) {
+    const char *problem = world % n != 0 ? "does not divide" : n == world ? "equals" : NULL;
+    if (problem && rank == 0)
+      fprintf(stderr,
+              "%s: --schedule hier: --ranks-per-node %d %s the %d ranks: a hierarchical ring "
+              "needs at least 2 nodes of equal size (give a divisor of %d below %d, or use "
+              "--schedule flat)\n",
+              prog, n, problem, world, world, world);
+    if (problem) return 1;
+    env->ranks_per_node = n;
+    return 0;
   }
-  return n == world ? 0 : n;
+  MPI_Comm shared;
+  int first = rank;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared);
+  MPI_Comm_size(shared, &n);
+  MPI_Allreduce(&rank, &first, 1, MPI_INT, MPI_MIN, shared);
+  MPI_Comm_free(&shared);
+  /* the largest and smallest node, and whether every node is the block of
+   * ranks [k n, (k + 1) n) */
+  int mine[3] = {n, -n, first % n == 0 && rank - first < n}, all[3];
+  MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Allreduce(&mine[2], &all[2], 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  const char *how = "detected with MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)";
+  if (all[0] != -all[1] || !all[2]) {
+    if (rank == 0)
+      fprintf(stderr,
+              "%s: --schedule hier without --ranks-per-node: the nodes %s hold %d to %d ranks%s; "
+              "the hierarchical ring needs nodes of equal size, each a block of consecutive "
+              "ranks (give --ranks-per-node n, or place the ranks by slot)\n",
+              prog, how, -all[1], all[0], all[2] ? "" : ", not in consecutive blocks");
+    return 1;
+  }
+  if (n == world) {
+    if (rank == 0)
+      fprintf(stderr,
+              "%s: --schedule hier without --ranks-per-node: all %d ranks share one node (%s); "
+              "a hierarchical ring needs at least 2 nodes: give --ranks-per-node n (a divisor of "
+              "%d below %d) to treat groups of n ranks as nodes, or use --schedule flat\n",
+              prog, world, how, world, world);
+    return 1;
+  }
+  env->ranks_per_node = n;
+  env->ranks_per_node_detected = 1;
+  return 0;
 }
 
 int ring_env_open(const char *prog, const run_options_t *o, int rank, int world, ring_env_t *env) {
   memset(env, 0, sizeof *env);
   env->rank = rank;
   env->world = world;
-  env->ranks_per_node = ranks_per_node(o, world);
   env->device = strcmp(o->backend, "cuda") == 0;
-  if (o->hierarchical && o->ranks_per_node && world % o->ranks_per_node != 0) {
-    if (rank == 0)
-      fprintf(stderr, "%s: --ranks-per-node %d does not divide the %d ranks\n", prog,
-              o->ranks_per_node, world);
-    return 1;
-  }
+  if (hier_ranks_per_node(prog, o, rank, world, env)) return 2;
   if (tool_failed(prog, "MPI communicator", mtrain_comm_create_mpi(MPI_COMM_WORLD, 0, &env->comm)))
     return 1;
   if (env->device) {
@@ -61,6 +99,16 @@ int ring_env_open(const char *prog, const run_options_t *o, int rank, int world,
     return tool_failed(prog, "--cuda-variant",
                        mtrain_cuda_set_variant(env->ctx, (mtrain_cuda_variant_t)o->cuda_variant));
   return 0;
+}
+
+const char *ring_env_topology(const ring_env_t *env) {
+  static char text[160];
+  if (!env->ranks_per_node) return "flat ring";
+  snprintf(text, sizeof text, "%d nodes x %d ranks (%s)", env->world / env->ranks_per_node,
+           env->ranks_per_node,
+           env->ranks_per_node_detected ? "detected: the ranks that share memory"
+                                        : "--ranks-per-node");
+  return text;
 }
 
 void ring_env_close(ring_env_t *env) {

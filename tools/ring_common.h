@@ -15,18 +15,28 @@
 /** One rank's ring: communicators and the context of --backend. */
 typedef struct ring_env {
   int rank, world;
-  int device;              /**< --backend cuda: device tensors, the NCCL communicator */
-  int ranks_per_node;      /**< 0: flat ring */
-  mtrain_comm_t *comm;     /**< MPI, for host contexts */
-  mtrain_comm_t *dev_comm; /**< NCCL with --backend cuda; else NULL */
-  mtrain_context_t *ctx;   /**< the --backend context over the ring */
+  int device;                  /**< --backend cuda: device tensors, the NCCL communicator */
+  int ranks_per_node;          /**< 0: flat ring */
+  int ranks_per_node_detected; /**< 1: ranks_per_node detected (MPI_COMM_TYPE_SHARED), 0: the
+                                    option */
+  mtrain_comm_t *comm;         /**< MPI, for host contexts */
+  mtrain_comm_t *dev_comm;     /**< NCCL with --backend cuda; else NULL */
+  mtrain_context_t *ctx;       /**< the --backend context over the ring */
 } ring_env_t;
 
 /** Creates the communicators (NCCL too with --backend cuda: one GPU per
  *  rank, picked by the rank's index on its host) and the context, with
- *  --cuda-variant applied. Collective over MPI_COMM_WORLD. Returns 0, or 1
- *  with a message starting with `prog` (the env is then to be closed). */
+ *  --cuda-variant applied. --schedule hier takes --ranks-per-node, or
+ *  detects the nodes (the ranks that share memory); it needs at least two
+ *  nodes of equal size in blocks of consecutive ranks. Collective over
+ *  MPI_COMM_WORLD. Returns 0; 2 when the schedule options cannot form the
+ *  ring (decided alike on every rank, message on rank 0, nothing created);
+ *  or 1 with a message starting with `prog` (the env is then to be
+ *  closed). */
 int ring_env_open(const char *prog, const run_options_t *o, int rank, int world, ring_env_t *env);
+/** "flat ring", or "2 nodes x 4 ranks (detected: ...)" / "(--ranks-per-node)"
+ *  for reports (a static buffer). */
+const char *ring_env_topology(const ring_env_t *env);
 /** Destroys what ring_env_open made (also after a failed open). */
 void ring_env_close(ring_env_t *env);
 /** One rank's inputs in a layout. */

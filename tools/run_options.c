@@ -1,5 +1,6 @@
 /* run_options.c: parses the command line of mtrain-run with getopt_long;
- * every malformed value is reported naming the option. */
+ * every malformed value is reported naming the option. Also takes the
+ * granularity of a --pattern file when --granularity is not given. */
 #include "run_options.h"
 
 #include <errno.h>
@@ -8,9 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mtrain/mtrain_io.h"
+
 static const char usage[] =
     "usage: mtrain-run [options]\n"
-    "Sparse attention forward and backward on one rank, with a report.\n"
+    "       mpiexec -n W mtrain-run [options]\n"
+    "Sparse attention forward and backward, with a report: on one rank, or under\n"
+    "mpiexec on W ranks (the ring: each rank holds its tokens of the layout).\n"
     "Inputs (either files or generated):\n"
     "  --q FILE.npy --k FILE.npy --v FILE.npy [--do FILE.npy]\n"
     "                        [N, Hq, d] / [N, Hkv, d] tensors (float16/32/64)\n"
@@ -26,14 +31,20 @@ static const char usage[] =
     "  --budgets FILE --layer L   estimate online with the per-head budgets of a\n"
     "                        MInference budget file\n"
     "  --last-q L            queries that score the keys (default 64)\n"
-    "  --granularity G       block size (default 128; a pattern file's must match)\n"
+    "  --granularity G       block size (default: a --pattern file's, else 128; when\n"
+    "                        given with --pattern it must equal the file's)\n"
     "Several ranks (run under mpiexec -n W):\n"
     "  --layout contiguous|zigzag|striped|balanced   token layout (default striped)\n"
-    "  --schedule flat|hier  ring schedule (default flat)\n"
-    "  --ranks-per-node n    ranks per node of the hierarchical ring (default: the\n"
-    "                        ranks that share memory, from MPI)\n"
+    "  --schedule flat|hier  ring schedule (default flat). hier: an inner ring per node\n"
+    "                        and an outer ring over the nodes\n"
+    "  --ranks-per-node n    ranks per node of the hierarchical ring, a divisor of W\n"
+    "                        below W (needs --schedule hier). Not given: detected, the\n"
+    "                        ranks that share memory (MPI_COMM_TYPE_SHARED), and the\n"
+    "                        report says so; a run whose W ranks all share one node\n"
+    "                        stops with an error (give --ranks-per-node, or use flat)\n"
     "Computation:\n"
-    "  --backend cpu|cpu-ref|cuda (default cpu)   --dtype fp32|bf16|fp16|fp64 (default fp32)\n"
+    "  --backend cpu|cpu-ref|cuda   backend (default cpu)\n"
+    "  --dtype fp32|bf16|fp16|fp64  storage type of the tensors (default fp32)\n"
     "  --cuda-variant auto|0|1|2|3  CUDA kernel variant: 0 SIMT, 1 and 2 tensor cores, 3 the\n"
     "                        Hopper (wgmma) kernels (bf16/fp16, d 64/128); default:\n"
     "                        MTRAIN_CUDA_VARIANT or auto. Under mpiexec\n"
@@ -43,8 +54,12 @@ static const char usage[] =
     "  --repeat R            time R runs, report the median (default 1)\n"
     "Output:\n"
     "  --out DIR             write o.npy lse.npy dq.npy dk.npy dv.npy pattern.json\n"
-    "  --check               compare with the fp64 reference (cpu-ref); exit 3 on failure\n"
-    "  --json                print the report as one JSON object\n";
+    "  --check               compare with the fp64 reference (cpu-ref); exit 3 on failure.\n"
+    "                        Bound: max|err| <= tol * max|ref|, tol 1e-4 for fp32 and\n"
+    "                        fp64, 4 unit roundoffs for bf16 (4 * 2^-8) and fp16 (4 * 2^-11)\n"
+    "  --json                print the report as one JSON object\n"
+    "  --help                this text\n"
+    "Exit status: 0 success, 1 error, 2 bad command line, 3 check failed.\n";
 
 static int parse_i64(const char *name, const char *s, int64_t lo, int64_t hi, int64_t *out) {
   char *end = NULL;
@@ -156,6 +171,7 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
       break;
     case 'G':
       bad = parse_i32("granularity", optarg, 1, 1 << 20, &o->granularity);
+      o->granularity_given = 1;
       break;
     case 'b':
       o->backend = optarg;
@@ -283,10 +299,41 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
     fprintf(stderr, "mtrain-run: --cuda-variant needs --backend cuda\n");
     return 1;
   }
+  if (o->ranks_per_node && !o->hierarchical) {
+    fprintf(stderr,
+            "mtrain-run: --ranks-per-node %d needs --schedule hier (the flat ring has no "
+            "nodes)\n",
+            o->ranks_per_node);
+    return 1;
+  }
   if (files == 0 && o->heads % o->kv_heads != 0) {
     fprintf(stderr, "mtrain-run: --heads %d is not a multiple of --kv-heads %d\n", o->heads,
             o->kv_heads);
     return 1;
   }
+  return 0;
+}
+
+int run_options_resolve_pattern(const char *prog, run_options_t *o, int verbose) {
+  if (!o->pattern_path) return 0;
+  mtrain_pattern_t *p = NULL;
+  const mtrain_status_t st = mtrain_pattern_read_json(o->pattern_path, &p);
+  if (st != MTRAIN_SUCCESS) {
+    if (verbose)
+      fprintf(stderr, "%s: %s: %s: %s\n", prog, o->pattern_path, mtrain_status_name(st),
+              mtrain_last_error());
+    return 1;
+  }
+  const int32_t g = mtrain_pattern_granularity(p);
+  mtrain_pattern_destroy(p);
+  if (o->granularity_given && o->granularity != g) {
+    if (verbose)
+      fprintf(stderr,
+              "%s: --granularity %d disagrees with the granularity %d of the pattern file %s "
+              "(leave --granularity out to take the file's, or give --granularity %d)\n",
+              prog, o->granularity, g, o->pattern_path, g);
+    return 1;
+  }
+  o->granularity = g;
   return 0;
 }

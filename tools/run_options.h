@@ -10,6 +10,7 @@ typedef struct run_options {
   const char *q_path, *k_path, *v_path, *do_path; /* inputs from .npy, or all NULL */
   int64_t seq_len;
   int32_t heads, kv_heads, head_dim, granularity, threads;
+  int granularity_given; /* --granularity was on the command line */
   uint64_t seed;
   const char *pattern_path; /* a fixed pattern file */
   /* online estimation (SPEC.md section 2): any of these selects it */
@@ -22,7 +23,7 @@ typedef struct run_options {
   /* several ranks (under mpiexec) */
   const char *layout;     /* contiguous|zigzag|striped|balanced (default striped) */
   int hierarchical;       /* --schedule hier */
-  int32_t ranks_per_node; /* 0: detected (the ranks that share memory) */
+  int32_t ranks_per_node; /* 0: not given (detected: the ranks that share memory) */
   const char *backend;
   int cuda_variant; /* --cuda-variant: -1 auto, 0, 1; RUN_CUDA_VARIANT_UNSET when not given */
   mtrain_dtype_t dtype;
@@ -42,5 +43,11 @@ static inline int run_options_estimate(const run_options_t *o) {
 /** Parses argv. Returns 0 on success, 1 on a bad command line (message
  *  printed), 2 when --help was asked (usage printed). */
 int run_options_parse(int argc, char **argv, run_options_t *opt);
+
+/** With --pattern: reads the pattern file's granularity. Without
+ *  --granularity the run takes it (opt->granularity); with --granularity
+ *  the two must agree. Returns 0, or 1 with a message starting with `prog`
+ *  (printed only when `verbose`: rank 0 of a ring prints for all). */
+int run_options_resolve_pattern(const char *prog, run_options_t *opt, int verbose);
 
 #endif /* MTRAIN_RUN_OPTIONS_H */

@@ -104,7 +104,7 @@ static int check(ring_run_t *rr) {
   if (!rc) rc = run_attention(prog, ref, plan, &in64, &out64, &once, &scratch);
   if (!rc) {
     const mtrain_dtype_t dt = rr->in.host.q.dtype;
-    const double rel = dt == MTRAIN_BF16 ? 4 * 0x1p-8 : dt == MTRAIN_F16 ? 4 * 0x1p-11 : 1e-4;
+    const double rel = tool_check_tolerance(dt); /* the tools' one bound (tool_common.h) */
     const int n = rr->o->forward_only ? 2 : 5;
     double mine[10] = {0}, all[10];
     for (int t = 0; t < n; t++)
@@ -234,6 +234,9 @@ static int report(ring_run_t *rr) {
     json_object_set_new(j, "layout", json_string(mtrain_layout_variant(rr->layout)));
     json_object_set_new(j, "schedule", json_string(sched));
     json_object_set_new(j, "ranks_per_node", json_integer(rr->env.ranks_per_node));
+    if (rr->env.ranks_per_node)
+      json_object_set_new(j, "ranks_per_node_source",
+                          json_string(rr->env.ranks_per_node_detected ? "detected" : "option"));
     json_object_set_new(j, "seq_len", json_integer(rr->in.N));
     json_object_set_new(j, "heads", json_integer(rr->in.host.heads));
     json_object_set_new(j, "kv_heads", json_integer(rr->in.host.kv_heads));
@@ -291,12 +294,10 @@ static int report(ring_run_t *rr) {
     free(text);
     json_decref(j);
   } else {
-    printf("mtrain-run: backend %s, dtype %s, %d ranks, layout %s, %s ring%s\n", o->backend,
+    printf("mtrain-run: backend %s, dtype %s, %d ranks, layout %s, %s ring\n", o->backend,
            mtrain_dtype_name(rr->in.host.q.dtype), rr->env.world, mtrain_layout_variant(rr->layout),
-           sched, rr->env.ranks_per_node ? "" : "");
-    if (rr->env.ranks_per_node)
-      printf("  topology   %d nodes x %d ranks\n", rr->env.world / rr->env.ranks_per_node,
-             rr->env.ranks_per_node);
+           sched);
+    if (rr->env.ranks_per_node) printf("  topology   %s\n", ring_env_topology(&rr->env));
     printf("  shape      N=%lld Hq=%d Hkv=%d d=%d G=%d, %lld token slots per rank\n",
            (long long)rr->in.N, rr->in.host.heads, rr->in.host.kv_heads, d, o->granularity,
            (long long)rr->in.T);
@@ -358,6 +359,11 @@ int run_ring(const run_options_t *o, int rank, int world) {
   int rc = tool_failed(prog, "--layout", mtrain_layout_kind_parse(o->layout, &kind));
   if (!rc && o->q_path) rc = run_inputs_load_or_generate(o, &full);
   if (!rc) rc = ring_env_open(prog, o, rank, world, &rr.env);
+  if (rc == 2) { /* the schedule options cannot form the ring: every rank alike */
+    run_inputs_free(&full);
+    ring_env_close(&rr.env);
+    return 1;
+  }
   const int64_t N = o->q_path ? full.tokens : o->seq_len;
   if (!rc)
     rc = tool_failed(prog, "layout",

@@ -1,6 +1,7 @@
 /* tool_common.h: small helpers shared by the command-line tools: a
  * monotonic clock, reporting a failed mtrain call, medians, effective FLOP
- * counts. */
+ * counts, and the correctness tolerance of the tools' checks (defined here
+ * once). */
 #ifndef MTRAIN_TOOL_COMMON_H
 #define MTRAIN_TOOL_COMMON_H
 
@@ -39,6 +40,32 @@ static inline double tool_median(double *v, int n) {
 /** Effective forward FLOPs of SPEC.md section 6: 4 * d per computed pair. */
 static inline double tool_fwd_flops(long long pairs, int head_dim) {
   return 4.0 * (double)head_dim * (double)pairs;
+}
+
+/** The relative bound of every tool's correctness check (docs/USAGE.md,
+ *  "The correctness bound"): an output computed with storage type `dtype`
+ *  passes when max|out - ref| <= tool_check_tolerance(dtype) * max|ref|,
+ *  ref being the fp64 reference (cpu-ref) on the same rounded inputs.
+ *  fp32 (and fp64): SPEC.md's 1e-4; bf16 and fp16: 4 unit roundoffs of the
+ *  storage type, u = 2^-8 (bf16, 8 significand bits) and u = 2^-11 (fp16,
+ *  11 significand bits). */
+static inline double tool_check_tolerance(mtrain_dtype_t dtype) {
+  switch (dtype) {
+  case MTRAIN_BF16:
+    return 4 * 0x1p-8;
+  case MTRAIN_F16:
+    return 4 * 0x1p-11;
+  default:
+    return 1e-4;
+  }
+}
+
+/** The same bound between two computations that each satisfy
+ *  tool_check_tolerance against the exact result (for example the cuda
+ *  backend against the cpu backend, neither of them the fp64 reference):
+ *  twice it, by the triangle inequality. */
+static inline double tool_check_tolerance_between(mtrain_dtype_t dtype) {
+  return 2 * tool_check_tolerance(dtype);
 }
 
 #endif /* MTRAIN_TOOL_COMMON_H */
