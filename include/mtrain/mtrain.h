@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mtrain_export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -63,15 +65,15 @@ typedef enum mtrain_status {
 } mtrain_status_t;
 
 /** Short constant description of a status; "unknown status" for others. */
-const char *mtrain_status_string(mtrain_status_t status);
+MTRAIN_API const char *mtrain_status_string(mtrain_status_t status);
 /** Name of a status ("MTRAIN_ERR_SHAPE_MISMATCH"); "unknown" for others. */
-const char *mtrain_status_name(mtrain_status_t status);
+MTRAIN_API const char *mtrain_status_name(mtrain_status_t status);
 /** The detailed message of the last error raised on this thread (which
  *  argument, which value). Valid until the next mtrain call on this thread;
  *  "" when there was none. Thread-safe (thread-local storage). */
-const char *mtrain_last_error(void);
+MTRAIN_API const char *mtrain_last_error(void);
 /** Clears this thread's last-error message. */
-void mtrain_clear_error(void);
+MTRAIN_API void mtrain_clear_error(void);
 
 /* ------------------------------------------------------------------------ */
 /* Data types and tensors                                                    */
@@ -85,12 +87,12 @@ typedef enum mtrain_dtype {
 } mtrain_dtype_t;
 
 /** Bytes per element; 0 for an unknown dtype. */
-size_t mtrain_dtype_size(mtrain_dtype_t dtype);
+MTRAIN_API size_t mtrain_dtype_size(mtrain_dtype_t dtype);
 /** "fp32", "bf16", "fp16", "fp64"; "unknown" otherwise. */
-const char *mtrain_dtype_name(mtrain_dtype_t dtype);
+MTRAIN_API const char *mtrain_dtype_name(mtrain_dtype_t dtype);
 /** Parses "fp32"/"f32"/"float32", "bf16"/"bfloat16", "fp16"/"f16"/"float16",
  *  "fp64"/"f64"/"float64". */
-mtrain_status_t mtrain_dtype_parse(const char *name, mtrain_dtype_t *out);
+MTRAIN_API mtrain_status_t mtrain_dtype_parse(const char *name, mtrain_dtype_t *out);
 
 #define MTRAIN_MAX_DIMS 4
 
@@ -107,21 +109,22 @@ typedef struct mtrain_tensor {
 } mtrain_tensor_t;
 
 /** Convenience: a [tokens, heads, dim] descriptor. */
-mtrain_tensor_t mtrain_tensor_3d(void *data, mtrain_dtype_t dtype, int64_t tokens, int64_t heads,
-                                 int64_t dim);
+MTRAIN_API mtrain_tensor_t mtrain_tensor_3d(void *data, mtrain_dtype_t dtype, int64_t tokens,
+                                            int64_t heads, int64_t dim);
 /** Convenience: a [tokens, heads] descriptor (for lse). */
-mtrain_tensor_t mtrain_tensor_2d(void *data, mtrain_dtype_t dtype, int64_t tokens, int64_t heads);
+MTRAIN_API mtrain_tensor_t mtrain_tensor_2d(void *data, mtrain_dtype_t dtype, int64_t tokens,
+                                            int64_t heads);
 /** Number of elements (product of the shape); 0 when ndim is out of range. */
-int64_t mtrain_tensor_numel(const mtrain_tensor_t *t);
+MTRAIN_API int64_t mtrain_tensor_numel(const mtrain_tensor_t *t);
 
 /** Host-side conversions between storage types (round to nearest even).
  *  `src` and `dst` must not overlap. */
-mtrain_status_t mtrain_convert(const void *src, mtrain_dtype_t src_dtype, void *dst,
-                               mtrain_dtype_t dst_dtype, int64_t count);
-float mtrain_bf16_to_float(uint16_t x);
-uint16_t mtrain_float_to_bf16(float x);
-float mtrain_half_to_float(uint16_t x);
-uint16_t mtrain_float_to_half(float x);
+MTRAIN_API mtrain_status_t mtrain_convert(const void *src, mtrain_dtype_t src_dtype, void *dst,
+                                          mtrain_dtype_t dst_dtype, int64_t count);
+MTRAIN_API float mtrain_bf16_to_float(uint16_t x);
+MTRAIN_API uint16_t mtrain_float_to_bf16(float x);
+MTRAIN_API float mtrain_half_to_float(uint16_t x);
+MTRAIN_API uint16_t mtrain_float_to_half(float x);
 
 /* ------------------------------------------------------------------------ */
 /* Configuration and context                                                 */
@@ -158,17 +161,17 @@ typedef struct mtrain_comm mtrain_comm_t; /* see mtrain_comm.h */
  *  check_inputs, deterministic, softmax_scale) must agree: otherwise every
  *  rank fails with MTRAIN_ERR_INVALID_CONFIG naming the field and a rank. Not thread-safe with
  * respect to the same context: one context is used by one thread at a time. */
-mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
-                                      mtrain_context_t **out);
+MTRAIN_API mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm_t *comm,
+                                                 mtrain_context_t **out);
 /** Destroys a context and everything it owns. NULL is a no-op. */
-void mtrain_context_destroy(mtrain_context_t *ctx);
+MTRAIN_API void mtrain_context_destroy(mtrain_context_t *ctx);
 /** The effective configuration (after environment overrides). */
-const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx);
+MTRAIN_API const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx);
 /** The name of the backend the context uses. */
-const char *mtrain_context_backend_name(const mtrain_context_t *ctx);
+MTRAIN_API const char *mtrain_context_backend_name(const mtrain_context_t *ctx);
 /** Rank and world size of the context's communicator. */
-int mtrain_context_rank(const mtrain_context_t *ctx);
-int mtrain_context_world(const mtrain_context_t *ctx);
+MTRAIN_API int mtrain_context_rank(const mtrain_context_t *ctx);
+MTRAIN_API int mtrain_context_world(const mtrain_context_t *ctx);
 
 /** Timing of the last attention call on a context (host clock for the CPU
  *  backends, which compute synchronously; for the ring on the "cuda" backend
@@ -186,7 +189,8 @@ typedef struct mtrain_call_stats {
 } mtrain_call_stats_t;
 
 /** The statistics of the last mtrain_attention_forward/backward on ctx. */
-mtrain_status_t mtrain_context_last_stats(const mtrain_context_t *ctx, mtrain_call_stats_t *out);
+MTRAIN_API mtrain_status_t mtrain_context_last_stats(const mtrain_context_t *ctx,
+                                                     mtrain_call_stats_t *out);
 
 /** Memory of a context and of the process (docs/MEMORY.md). Backend bytes
  *  are the sizes requested from the context's backend (host memory for the
@@ -210,14 +214,15 @@ typedef struct mtrain_memory_stats {
 
 /** The memory figures of ctx and of the process. Local (not collective);
  *  not to be called while another thread uses ctx. */
-mtrain_status_t mtrain_context_memory(const mtrain_context_t *ctx, mtrain_memory_stats_t *out);
+MTRAIN_API mtrain_status_t mtrain_context_memory(const mtrain_context_t *ctx,
+                                                 mtrain_memory_stats_t *out);
 /** Starts a new peak: backend_peak_bytes becomes backend_current_bytes (the
  *  process peak RSS cannot be reset). Same threading as mtrain_context_memory. */
-mtrain_status_t mtrain_context_reset_peak_memory(mtrain_context_t *ctx);
+MTRAIN_API mtrain_status_t mtrain_context_reset_peak_memory(mtrain_context_t *ctx);
 
 /** Names of the compiled-in backends ("cpu-ref", "cpu", ...). Writes at most
  *  `cap` pointers to static strings into names; returns the total count. */
-int mtrain_backend_list(const char **names, int cap);
+MTRAIN_API int mtrain_backend_list(const char **names, int cap);
 
 /* ------------------------------------------------------------------------ */
 /* Patterns (SPEC.md section 1)                                              */
@@ -237,44 +242,48 @@ typedef struct mtrain_pattern mtrain_pattern_t;
 
 /** An empty pattern: every head has only diagonal 0 and no verticals.
  *  seq_len >= 1, num_heads >= 1, granularity >= 1, fewer than 2^31 blocks. */
-mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads, int32_t granularity,
-                                      mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads,
+                                                 int32_t granularity, mtrain_pattern_t **out);
 /** The dense causal pattern (all block diagonals 0..nb-1, no verticals). */
-mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads, int32_t granularity,
-                                            mtrain_pattern_t **out);
-void mtrain_pattern_destroy(mtrain_pattern_t *pattern);
+MTRAIN_API mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads,
+                                                       int32_t granularity, mtrain_pattern_t **out);
+MTRAIN_API void mtrain_pattern_destroy(mtrain_pattern_t *pattern);
 /** Deep copy. */
-mtrain_status_t mtrain_pattern_clone(const mtrain_pattern_t *pattern, mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_clone(const mtrain_pattern_t *pattern,
+                                                mtrain_pattern_t **out);
 
 /** Sets head h to vertical-slash form. `diagonals` are block diagonals in
  *  [0, nb) and `verticals` key positions in [0, seq_len); both strictly
  *  increasing (else MTRAIN_ERR_INVALID_PATTERN naming head and index).
  *  Diagonal 0 is added when absent. The arrays are copied. */
-mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *pattern, int32_t head,
-                                        const int32_t *diagonals, int32_t num_diagonals,
-                                        const int64_t *verticals, int32_t num_verticals);
+MTRAIN_API mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *pattern, int32_t head,
+                                                   const int32_t *diagonals, int32_t num_diagonals,
+                                                   const int64_t *verticals, int32_t num_verticals);
 /** Sets head h to block-mask form: `mask` is nb*nb bytes, row-major
  *  [query block][key block], nonzero = computed. Entries above the block
  *  diagonal are rejected; the block diagonal is forced on. Copied. */
-mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *pattern, int32_t head,
-                                              const uint8_t *mask);
+MTRAIN_API mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *pattern, int32_t head,
+                                                         const uint8_t *mask);
 
-int64_t mtrain_pattern_seq_len(const mtrain_pattern_t *pattern);
-int32_t mtrain_pattern_num_heads(const mtrain_pattern_t *pattern);
-int32_t mtrain_pattern_granularity(const mtrain_pattern_t *pattern);
+MTRAIN_API int64_t mtrain_pattern_seq_len(const mtrain_pattern_t *pattern);
+MTRAIN_API int32_t mtrain_pattern_num_heads(const mtrain_pattern_t *pattern);
+MTRAIN_API int32_t mtrain_pattern_granularity(const mtrain_pattern_t *pattern);
 /** Number of G-blocks, ceil(seq_len / G). */
-int64_t mtrain_pattern_num_blocks(const mtrain_pattern_t *pattern);
+MTRAIN_API int64_t mtrain_pattern_num_blocks(const mtrain_pattern_t *pattern);
 /** 1 when head h is in block-mask form. */
-int mtrain_pattern_head_is_block_mask(const mtrain_pattern_t *pattern, int32_t head);
+MTRAIN_API int mtrain_pattern_head_is_block_mask(const mtrain_pattern_t *pattern, int32_t head);
 /** Borrowed views of head h's vertical-slash sets (valid until the pattern
  *  changes). For a block-mask head both counts are 0. */
-mtrain_status_t mtrain_pattern_get_head(const mtrain_pattern_t *pattern, int32_t head,
-                                        const int32_t **diagonals, int32_t *num_diagonals,
-                                        const int64_t **verticals, int32_t *num_verticals);
+MTRAIN_API mtrain_status_t mtrain_pattern_get_head(const mtrain_pattern_t *pattern, int32_t head,
+                                                   const int32_t **diagonals,
+                                                   int32_t *num_diagonals,
+                                                   const int64_t **verticals,
+                                                   int32_t *num_verticals);
 /** SPEC.md allowed(h, i, j): 1 if query i attends to key j under head h. */
-int mtrain_pattern_allowed(const mtrain_pattern_t *pattern, int32_t head, int64_t i, int64_t j);
+MTRAIN_API int mtrain_pattern_allowed(const mtrain_pattern_t *pattern, int32_t head, int64_t i,
+                                      int64_t j);
 /** Number of allowed (i, j) pairs of head h (exact count). */
-int64_t mtrain_pattern_count_pairs(const mtrain_pattern_t *pattern, int32_t head);
+MTRAIN_API int64_t mtrain_pattern_count_pairs(const mtrain_pattern_t *pattern, int32_t head);
 
 /* ------------------------------------------------------------------------ */
 /* Sequences and plans (SPEC.md section 4)                                   */
@@ -300,8 +309,9 @@ typedef struct mtrain_plan mtrain_plan_t;
  *  the batch is one sequence of patterns[0]->seq_len tokens. Single rank for
  *  now: a context with more than one rank gets MTRAIN_ERR_NOT_SUPPORTED
  *  until the distributed ring lands. The patterns are copied. */
-mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
-                                   const mtrain_pattern_t *const *patterns, mtrain_plan_t **out);
+MTRAIN_API mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
+                                              const mtrain_pattern_t *const *patterns,
+                                              mtrain_plan_t **out);
 /** Builds this rank's plan for the ring of the context's communicator
  *  (SPEC.md sections 4 and 5): one sequence of pattern->seq_len tokens laid
  *  out over the ranks by `layout` (mtrain_layout.h: same seq_len, the
@@ -318,24 +328,26 @@ mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *s
  *  two ranks when any differs (a peer planning another problem would send
  *  chunks of another size). */
 struct mtrain_layout; /* mtrain_layout.h */
-mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
-                                        int32_t ranks_per_node, const mtrain_pattern_t *pattern,
-                                        mtrain_plan_t **out);
-void mtrain_plan_destroy(mtrain_plan_t *plan);
+MTRAIN_API mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx,
+                                                   const struct mtrain_layout *layout,
+                                                   int32_t ranks_per_node,
+                                                   const mtrain_pattern_t *pattern,
+                                                   mtrain_plan_t **out);
+MTRAIN_API void mtrain_plan_destroy(mtrain_plan_t *plan);
 /** Rank the plan was built for, and the ring's ranks per node (0: flat). */
-int32_t mtrain_plan_rank(const mtrain_plan_t *plan);
-int32_t mtrain_plan_ranks_per_node(const mtrain_plan_t *plan);
+MTRAIN_API int32_t mtrain_plan_rank(const mtrain_plan_t *plan);
+MTRAIN_API int32_t mtrain_plan_ranks_per_node(const mtrain_plan_t *plan);
 /** Tokens of the whole batch held by this rank (the first dimension every
  *  attention tensor must have). */
-int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan);
-int32_t mtrain_plan_num_heads(const mtrain_plan_t *plan);
+MTRAIN_API int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan);
+MTRAIN_API int32_t mtrain_plan_num_heads(const mtrain_plan_t *plan);
 /** Number of ring steps (world size). */
-int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan);
+MTRAIN_API int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan);
 /** Number of (query, key) pairs the plan computes on this rank, summed over
  *  heads and steps (what effective FLOP counts are based on). */
-int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan);
+MTRAIN_API int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan);
 /** Plan memory in bytes. */
-size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
+MTRAIN_API size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
 
 /** The backend memory of the calls on one plan, derived from the shapes
  *  (docs/MEMORY.md gives the formula). All in bytes, requested sizes as
@@ -356,9 +368,10 @@ typedef struct mtrain_memory_bound {
  *  tokens it is O(T (Hq + Hkv) d) per rank plus the estimation's
  *  O(Hq N) score vectors, which do not shrink with the world size.
  *  Local; pure (reads the plan and the backend's accumulator dtype). */
-mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_plan_t *plan,
-                                    int32_t kv_heads, int32_t head_dim, mtrain_dtype_t dtype,
-                                    int32_t last_q, mtrain_memory_bound_t *out);
+MTRAIN_API mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx,
+                                               const mtrain_plan_t *plan, int32_t kv_heads,
+                                               int32_t head_dim, mtrain_dtype_t dtype,
+                                               int32_t last_q, mtrain_memory_bound_t *out);
 
 /* ------------------------------------------------------------------------ */
 /* Budgets and online pattern estimation (SPEC.md section 2)                 */
@@ -385,19 +398,20 @@ typedef struct mtrain_budgets mtrain_budgets_t;
  *  ["flex_vertical_and_slash", [p_v, cap_v], [p_s, cap_s], score]).
  *  Malformed files: MTRAIN_ERR_FORMAT or MTRAIN_ERR_INVALID_BUDGET with the
  *  file, the place ("layer 3, head \"7\"") and the reason. */
-mtrain_status_t mtrain_budgets_read(const char *path, mtrain_budgets_t **out);
+MTRAIN_API mtrain_status_t mtrain_budgets_read(const char *path, mtrain_budgets_t **out);
 /** The same from a NUL-terminated string; `origin` names it in messages. */
-mtrain_status_t mtrain_budgets_parse(const char *text, const char *origin, mtrain_budgets_t **out);
-void mtrain_budgets_destroy(mtrain_budgets_t *budgets);
-int32_t mtrain_budgets_num_layers(const mtrain_budgets_t *budgets);
+MTRAIN_API mtrain_status_t mtrain_budgets_parse(const char *text, const char *origin,
+                                                mtrain_budgets_t **out);
+MTRAIN_API void mtrain_budgets_destroy(mtrain_budgets_t *budgets);
+MTRAIN_API int32_t mtrain_budgets_num_layers(const mtrain_budgets_t *budgets);
 /** Heads of a layer (0 when the layer is out of range). */
-int32_t mtrain_budgets_num_heads(const mtrain_budgets_t *budgets, int32_t layer);
+MTRAIN_API int32_t mtrain_budgets_num_heads(const mtrain_budgets_t *budgets, int32_t layer);
 /** The budget of (layer, head); MTRAIN_ERR_INVALID_ARGUMENT naming the layer
  *  or head when out of range. */
-mtrain_status_t mtrain_budgets_get(const mtrain_budgets_t *budgets, int32_t layer, int32_t head,
-                                   mtrain_head_budget_t *out);
+MTRAIN_API mtrain_status_t mtrain_budgets_get(const mtrain_budgets_t *budgets, int32_t layer,
+                                              int32_t head, mtrain_head_budget_t *out);
 /** Checks one budget's values (sizes >= 0, p in (0, 1], caps >= 0). */
-mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *budget);
+MTRAIN_API mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *budget);
 
 /** Options of the estimation. Initialise with MTRAIN_ESTIMATE_INIT. */
 typedef struct mtrain_estimate_options {
@@ -417,11 +431,11 @@ typedef struct mtrain_estimate_options {
  *  pattern bitwise on one backend. The result has the context's granularity;
  *  the caller destroys it. Single rank for now (the distributed form comes
  *  with the distributed ring). */
-mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tensor_t *q,
-                                        const mtrain_tensor_t *k,
-                                        const mtrain_head_budget_t *budgets,
-                                        const mtrain_estimate_options_t *options,
-                                        mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                                   const mtrain_tensor_t *k,
+                                                   const mtrain_head_budget_t *budgets,
+                                                   const mtrain_estimate_options_t *options,
+                                                   mtrain_pattern_t **out);
 
 /** The distributed estimate (SPEC.md section 2): q and k are this rank's
  *  [local tokens, heads, d] slots of a sequence laid out by `layout` (as the
@@ -431,12 +445,10 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
  *  the same pattern, bitwise equal to the single-rank estimate of the
  *  gathered sequence on the same backend. Collective over the context's
  *  communicator. */
-mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
-                                             const struct mtrain_layout *layout,
-                                             const mtrain_tensor_t *q, const mtrain_tensor_t *k,
-                                             const mtrain_head_budget_t *budgets,
-                                             const mtrain_estimate_options_t *options,
-                                             mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_estimate_ring(
+    mtrain_context_t *ctx, const struct mtrain_layout *layout, const mtrain_tensor_t *q,
+    const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
+    const mtrain_estimate_options_t *options, mtrain_pattern_t **out);
 
 /* ------------------------------------------------------------------------ */
 /* Attention                                                                 */
@@ -448,20 +460,18 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
  *  mtrain_plan_local_tokens(plan), Hq the plan's head count, Hq % Hkv == 0.
  *  Outputs are written fully and only on success. Collective over the
  *  context's communicator. */
-mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
-                                         const mtrain_tensor_t *q, const mtrain_tensor_t *k,
-                                         const mtrain_tensor_t *v, mtrain_tensor_t *o,
-                                         mtrain_tensor_t *lse);
+MTRAIN_API mtrain_status_t mtrain_attention_forward(
+    mtrain_context_t *ctx, const mtrain_plan_t *plan, const mtrain_tensor_t *q,
+    const mtrain_tensor_t *k, const mtrain_tensor_t *v, mtrain_tensor_t *o, mtrain_tensor_t *lse);
 
 /** Sparse attention backward: given the forward's inputs, its outputs o and
  *  lse, and dout (shaped like o), writes dq (like q), dk and dv (like k).
  *  Gradients of keys shared by a GQA group are summed over the group. */
-mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
-                                          const mtrain_tensor_t *q, const mtrain_tensor_t *k,
-                                          const mtrain_tensor_t *v, const mtrain_tensor_t *o,
-                                          const mtrain_tensor_t *lse, const mtrain_tensor_t *dout,
-                                          mtrain_tensor_t *dq, mtrain_tensor_t *dk,
-                                          mtrain_tensor_t *dv);
+MTRAIN_API mtrain_status_t mtrain_attention_backward(
+    mtrain_context_t *ctx, const mtrain_plan_t *plan, const mtrain_tensor_t *q,
+    const mtrain_tensor_t *k, const mtrain_tensor_t *v, const mtrain_tensor_t *o,
+    const mtrain_tensor_t *lse, const mtrain_tensor_t *dout, mtrain_tensor_t *dq,
+    mtrain_tensor_t *dk, mtrain_tensor_t *dv);
 
 #ifdef __cplusplus
 }

@@ -229,15 +229,16 @@ typedef struct mtrain_backend_ops {
 /** The state of the context's backend when the context uses the table
  *  `ops`, else NULL: how a backend's own API (mtrain_cuda.h, for example)
  *  reaches its state from a context. Not thread-safe against destroy. */
-void *mtrain_context_backend_state(const mtrain_context_t *ctx, const mtrain_backend_ops_t *ops);
+MTRAIN_API void *mtrain_context_backend_state(const mtrain_context_t *ctx,
+                                              const mtrain_backend_ops_t *ops);
 
 /** Tells the context's communicator the backend's current data stream
  *  (mtrain_backend_ops_t.data_stream); a backend calls it when its stream
  *  changes. A no-op where either slot is absent. */
-mtrain_status_t mtrain_context_bind_stream(mtrain_context_t *ctx);
+MTRAIN_API mtrain_status_t mtrain_context_bind_stream(mtrain_context_t *ctx);
 
 /** Finds a compiled-in backend by name; NULL if none. */
-const mtrain_backend_ops_t *mtrain_backend_find(const char *name);
+MTRAIN_API const mtrain_backend_ops_t *mtrain_backend_find(const char *name);
 
 #ifdef __cplusplus
 }

@@ -56,16 +56,17 @@ typedef struct mtrain_position_model {
 /** The vertical-slash pattern of one layer of a budget file under the
  *  position model: one head per budget of the layer. The caller destroys
  *  the result. */
-mtrain_status_t mtrain_pattern_from_budgets(const mtrain_budgets_t *budgets, int32_t layer,
-                                            int64_t seq_len, int32_t granularity,
-                                            const mtrain_position_model_t *model,
-                                            mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_from_budgets(const mtrain_budgets_t *budgets,
+                                                       int32_t layer, int64_t seq_len,
+                                                       int32_t granularity,
+                                                       const mtrain_position_model_t *model,
+                                                       mtrain_pattern_t **out);
 /** The verticals and slashes the position model gives one budget (for
  *  layer/head seeding), after scaling and clamping: *v and *s. */
-mtrain_status_t mtrain_position_model_counts(const mtrain_head_budget_t *budget, int64_t seq_len,
-                                             int32_t granularity,
-                                             const mtrain_position_model_t *model, int64_t *v,
-                                             int64_t *s);
+MTRAIN_API mtrain_status_t mtrain_position_model_counts(const mtrain_head_budget_t *budget,
+                                                        int64_t seq_len, int32_t granularity,
+                                                        const mtrain_position_model_t *model,
+                                                        int64_t *v, int64_t *s);
 
 /* ------------------------------------------------------------------------ */
 /* Cost model and balance metrics (SPEC.md section 6)                        */
@@ -80,7 +81,7 @@ typedef struct mtrain_work_counts {
 } mtrain_work_counts_t;
 
 /** The work of counts at granularity G (a double; exact below 2^53). */
-double mtrain_work_of(const mtrain_work_counts_t *counts, int32_t granularity);
+MTRAIN_API double mtrain_work_of(const mtrain_work_counts_t *counts, int32_t granularity);
 
 /** Balance figures of one ring schedule. A "layer" is one pattern of the
  *  workload (one ring pass); the whole-model ring-sync slowdown sums the
@@ -114,36 +115,39 @@ typedef struct mtrain_cost mtrain_cost_t;
  *  directly (no plans are built; equal to the plan's counts, tested).
  *  Patterns must have the layout's seq_len and granularity. Uses OpenMP
  *  threads; deterministic. The caller destroys the result. */
-mtrain_status_t mtrain_cost_evaluate(const mtrain_layout_t *layout,
-                                     const mtrain_pattern_t *const *patterns, int32_t num_patterns,
-                                     const mtrain_cost_options_t *options, mtrain_cost_t **out);
-void mtrain_cost_destroy(mtrain_cost_t *cost);
+MTRAIN_API mtrain_status_t mtrain_cost_evaluate(const mtrain_layout_t *layout,
+                                                const mtrain_pattern_t *const *patterns,
+                                                int32_t num_patterns,
+                                                const mtrain_cost_options_t *options,
+                                                mtrain_cost_t **out);
+MTRAIN_API void mtrain_cost_destroy(mtrain_cost_t *cost);
 
-int32_t mtrain_cost_world(const mtrain_cost_t *cost);
-int32_t mtrain_cost_ranks_per_node(const mtrain_cost_t *cost);
-int32_t mtrain_cost_num_layers(const mtrain_cost_t *cost);
+MTRAIN_API int32_t mtrain_cost_world(const mtrain_cost_t *cost);
+MTRAIN_API int32_t mtrain_cost_ranks_per_node(const mtrain_cost_t *cost);
+MTRAIN_API int32_t mtrain_cost_num_layers(const mtrain_cost_t *cost);
 /** Heads over all layers; head index = heads of earlier layers + head. */
-int32_t mtrain_cost_num_heads(const mtrain_cost_t *cost);
-mtrain_bars_mode_t mtrain_cost_bars_mode(const mtrain_cost_t *cost);
+MTRAIN_API int32_t mtrain_cost_num_heads(const mtrain_cost_t *cost);
+MTRAIN_API mtrain_bars_mode_t mtrain_cost_bars_mode(const mtrain_cost_t *cost);
 /** Whole-model figures of a ring schedule. */
-mtrain_status_t mtrain_cost_metrics(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
-                                    mtrain_cost_metrics_t *out);
+MTRAIN_API mtrain_status_t mtrain_cost_metrics(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
+                                               mtrain_cost_metrics_t *out);
 /** Counts of (rank, step) summed over heads of one layer, or over all
  *  layers when layer == -1. */
-mtrain_status_t mtrain_cost_counts(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
-                                   int32_t layer, int32_t rank, int32_t step,
-                                   mtrain_work_counts_t *out);
+MTRAIN_API mtrain_status_t mtrain_cost_counts(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
+                                              int32_t layer, int32_t rank, int32_t step,
+                                              mtrain_work_counts_t *out);
 /** Work of (rank, step) of one layer, or of the whole model (layer == -1);
  *  0 for arguments out of range. */
-double mtrain_cost_work(const mtrain_cost_t *cost, mtrain_ring_kind_t ring, int32_t layer,
-                        int32_t rank, int32_t step);
+MTRAIN_API double mtrain_cost_work(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
+                                   int32_t layer, int32_t rank, int32_t step);
 /** Ring-sync slowdown of one head (0 for an index out of range). */
-double mtrain_cost_head_ring_sync(const mtrain_cost_t *cost, mtrain_ring_kind_t ring, int32_t head);
+MTRAIN_API double mtrain_cost_head_ring_sync(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
+                                             int32_t head);
 /** Worker imbalance (max/mean of total work over ranks) of one head. */
-double mtrain_cost_head_worker_imbalance(const mtrain_cost_t *cost, int32_t head);
+MTRAIN_API double mtrain_cost_head_worker_imbalance(const mtrain_cost_t *cost, int32_t head);
 /** Ring-sync slowdown of one layer. */
-double mtrain_cost_layer_ring_sync(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
-                                   int32_t layer);
+MTRAIN_API double mtrain_cost_layer_ring_sync(const mtrain_cost_t *cost, mtrain_ring_kind_t ring,
+                                              int32_t layer);
 
 /* ------------------------------------------------------------------------ */
 /* Time model                                                                */
@@ -184,10 +188,12 @@ typedef struct mtrain_time_prediction {
  *  a step ends when the slowest rank and the slowest link are done. The
  *  patterns must be those the cost was evaluated on (their verticals size
  *  the gather of bars-gathered mode). `out` receives [flat, hierarchical]. */
-mtrain_status_t mtrain_time_predict(const mtrain_cost_t *cost, const mtrain_layout_t *layout,
-                                    const mtrain_pattern_t *const *patterns, int32_t num_patterns,
-                                    const mtrain_time_params_t *params,
-                                    mtrain_time_prediction_t out[2]);
+MTRAIN_API mtrain_status_t mtrain_time_predict(const mtrain_cost_t *cost,
+                                               const mtrain_layout_t *layout,
+                                               const mtrain_pattern_t *const *patterns,
+                                               int32_t num_patterns,
+                                               const mtrain_time_params_t *params,
+                                               mtrain_time_prediction_t out[2]);
 
 #ifdef __cplusplus
 }

@@ -74,14 +74,15 @@ struct mtrain_comm {
 
 /** Collective split of a communicator (see mtrain_comm_ops_t.split); the
  *  caller destroys the result. */
-mtrain_status_t mtrain_comm_split(mtrain_comm_t *comm, int color, int key, mtrain_comm_t **out);
+MTRAIN_API mtrain_status_t mtrain_comm_split(mtrain_comm_t *comm, int color, int key,
+                                             mtrain_comm_t **out);
 
 /** Creates the single-rank communicator. */
-mtrain_status_t mtrain_comm_create_self(mtrain_comm_t **out);
+MTRAIN_API mtrain_status_t mtrain_comm_create_self(mtrain_comm_t **out);
 /** Destroys a communicator created by mtrain. NULL is a no-op. */
-void mtrain_comm_destroy(mtrain_comm_t *comm);
-int mtrain_comm_rank(const mtrain_comm_t *comm);
-int mtrain_comm_size(const mtrain_comm_t *comm);
+MTRAIN_API void mtrain_comm_destroy(mtrain_comm_t *comm);
+MTRAIN_API int mtrain_comm_rank(const mtrain_comm_t *comm);
+MTRAIN_API int mtrain_comm_size(const mtrain_comm_t *comm);
 
 #ifdef __cplusplus
 }

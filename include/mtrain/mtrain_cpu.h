@@ -15,27 +15,25 @@ extern "C" {
 
 /** o [N, Hq, d] and lse [N, Hq] from q [N, Hq, d], k and v [N, Hkv, d], where
  *  N and Hq come from the pattern. scale <= 0 means 1/sqrt(d). */
-mtrain_status_t mtrain_cpu_dense_reference_forward(const mtrain_pattern_t *pattern,
-                                                   int32_t num_kv_heads, int32_t head_dim,
-                                                   double scale, const double *q, const double *k,
-                                                   const double *v, double *o, double *lse);
+MTRAIN_API mtrain_status_t mtrain_cpu_dense_reference_forward(
+    const mtrain_pattern_t *pattern, int32_t num_kv_heads, int32_t head_dim, double scale,
+    const double *q, const double *k, const double *v, double *o, double *lse);
 
 /** dq, dk, dv (overwritten) from the forward's inputs and outputs and dout. */
-mtrain_status_t mtrain_cpu_dense_reference_backward(const mtrain_pattern_t *pattern,
-                                                    int32_t num_kv_heads, int32_t head_dim,
-                                                    double scale, const double *q, const double *k,
-                                                    const double *v, const double *o,
-                                                    const double *lse, const double *dout,
-                                                    double *dq, double *dk, double *dv);
+MTRAIN_API mtrain_status_t mtrain_cpu_dense_reference_backward(
+    const mtrain_pattern_t *pattern, int32_t num_kv_heads, int32_t head_dim, double scale,
+    const double *q, const double *k, const double *v, const double *o, const double *lse,
+    const double *dout, double *dq, double *dk, double *dv);
 
 /** Pattern quality: the share of the dense causal attention mass the pattern
  *  keeps. For each head and row i, the dense softmax over keys j <= i is
  *  summed over the allowed keys; the result is averaged over rows
  *  (per_head[h], when not NULL) and over heads (*mean). fp64,
  *  O(N^2 * Hq * d): for small N. q [N, Hq, d], k [N, Hkv, d] in fp64. */
-mtrain_status_t mtrain_cpu_pattern_recall(const mtrain_pattern_t *pattern, int32_t num_kv_heads,
-                                          int32_t head_dim, double scale, const double *q,
-                                          const double *k, double *per_head, double *mean);
+MTRAIN_API mtrain_status_t mtrain_cpu_pattern_recall(const mtrain_pattern_t *pattern,
+                                                     int32_t num_kv_heads, int32_t head_dim,
+                                                     double scale, const double *q, const double *k,
+                                                     double *per_head, double *mean);
 
 #ifdef __cplusplus
 }

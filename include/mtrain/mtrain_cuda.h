@@ -42,35 +42,38 @@ typedef enum mtrain_cuda_variant {
 } mtrain_cuda_variant_t;
 
 /** Number of CUDA devices visible (0 without CUDA, a driver or a GPU). */
-int mtrain_cuda_device_count(void);
+MTRAIN_API int mtrain_cuda_device_count(void);
 
 /** Queues the context's work on `stream` (a cudaStream_t; NULL returns to
  *  the backend's own non-blocking stream). The stream must outlive its use
  *  by the context. Fails with MTRAIN_ERR_INVALID_ARGUMENT when the context
  *  does not use the "cuda" backend. Not thread-safe with respect to ctx. */
-mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream);
+MTRAIN_API mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream);
 
 /** Selects the kernel variant for later calls on ctx (default AUTO, or the
  *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1|2|3 read at context
  *  creation). A forced variant that cannot compute a call makes that call
  *  fail with MTRAIN_ERR_NOT_SUPPORTED naming the reason. */
-mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant);
+MTRAIN_API mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx,
+                                                   mtrain_cuda_variant_t variant);
 
 /** The variant the last attention call on ctx ran (-1 before any). */
-int mtrain_cuda_last_variant(const mtrain_context_t *ctx);
+MTRAIN_API int mtrain_cuda_last_variant(const mtrain_context_t *ctx);
 
 /** Device-memory helpers (current device, synchronous). Errors, including
  *  out-of-memory, are returned as statuses with the CUDA message. */
-mtrain_status_t mtrain_cuda_malloc(size_t bytes, void **ptr);
+MTRAIN_API mtrain_status_t mtrain_cuda_malloc(size_t bytes, void **ptr);
 /** Frees memory from mtrain_cuda_malloc; NULL is a no-op. */
-void mtrain_cuda_free(void *ptr);
-mtrain_status_t mtrain_cuda_memcpy_to_device(void *dst, const void *host_src, size_t bytes);
-mtrain_status_t mtrain_cuda_memcpy_to_host(void *host_dst, const void *src, size_t bytes);
-mtrain_status_t mtrain_cuda_memset(void *ptr, int value, size_t bytes);
+MTRAIN_API void mtrain_cuda_free(void *ptr);
+MTRAIN_API mtrain_status_t mtrain_cuda_memcpy_to_device(void *dst, const void *host_src,
+                                                        size_t bytes);
+MTRAIN_API mtrain_status_t mtrain_cuda_memcpy_to_host(void *host_dst, const void *src,
+                                                      size_t bytes);
+MTRAIN_API mtrain_status_t mtrain_cuda_memset(void *ptr, int value, size_t bytes);
 /** Selects the current device of the calling thread. */
-mtrain_status_t mtrain_cuda_set_device(int device);
+MTRAIN_API mtrain_status_t mtrain_cuda_set_device(int device);
 /** Waits for all work on the current device. */
-mtrain_status_t mtrain_cuda_device_synchronize(void);
+MTRAIN_API mtrain_status_t mtrain_cuda_device_synchronize(void);
 
 /** Kinds of injected fault (mtrain_cuda_inject_fault). */
 typedef enum mtrain_cuda_fault {
@@ -90,10 +93,10 @@ typedef enum mtrain_cuda_fault {
  *  way `kind` says, and the call that made it returns the error. NONE (any
  *  nth_launch) disarms. Process-wide; thread-safe. Fails with
  *  MTRAIN_ERR_INVALID_ARGUMENT for an unknown kind or nth_launch < 1. */
-mtrain_status_t mtrain_cuda_inject_fault(mtrain_cuda_fault_t kind, int64_t nth_launch);
+MTRAIN_API mtrain_status_t mtrain_cuda_inject_fault(mtrain_cuda_fault_t kind, int64_t nth_launch);
 
 /** Launches left before an armed fault fires (0: none armed, or fired). */
-int64_t mtrain_cuda_fault_pending(void);
+MTRAIN_API int64_t mtrain_cuda_fault_pending(void);
 
 #ifdef __cplusplus
 }

@@ -20,10 +20,11 @@ extern "C" {
 #endif
 
 /** Formats the thread's last-error message and returns `status`. */
-mtrain_status_t mtrain_error(mtrain_status_t status, const char *fmt, ...) MTRAIN_PRINTF(2, 3);
+MTRAIN_API mtrain_status_t mtrain_error(mtrain_status_t status, const char *fmt, ...)
+    MTRAIN_PRINTF(2, 3);
 /** Prefixes the current message with more context ("reading q.npy: ...")
  *  and returns `status` unchanged. */
-mtrain_status_t mtrain_error_prefix(mtrain_status_t status, const char *fmt, ...)
+MTRAIN_API mtrain_status_t mtrain_error_prefix(mtrain_status_t status, const char *fmt, ...)
     MTRAIN_PRINTF(2, 3);
 
 /** Evaluates an expression returning mtrain_status_t; on error stores it in

@@ -30,9 +30,9 @@ typedef struct mtrain_structured_options {
 /** Fills q [N, Hq, d], k and v [N, Hkv, d] (any storage dtype, host memory,
  *  shapes taken from the tensors, which must agree) with structured inputs.
  *  v is plain normal noise. */
-mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *options,
-                                           mtrain_tensor_t *q, mtrain_tensor_t *k,
-                                           mtrain_tensor_t *v);
+MTRAIN_API mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *options,
+                                                      mtrain_tensor_t *q, mtrain_tensor_t *k,
+                                                      mtrain_tensor_t *v);
 
 /** The same inputs for some of the tokens of a sequence of `seq_len` tokens:
  *  row r of q [R, Hq, d], k and v [R, Hkv, d] is token index[r] of the
@@ -42,21 +42,20 @@ mtrain_status_t mtrain_generate_structured(const mtrain_structured_options_t *op
  *  index NULL: rows 0 .. R-1 (R <= seq_len). Work O(R) (OpenMP over the
  *  rows) plus O(seq_len) for the outlier positions: each rank of a ring makes
  *  only its own slots. Negative indices: MTRAIN_ERR_INVALID_ARGUMENT. */
-mtrain_status_t mtrain_generate_structured_rows(const mtrain_structured_options_t *options,
-                                                int64_t seq_len, const int64_t *index,
-                                                mtrain_tensor_t *q, mtrain_tensor_t *k,
-                                                mtrain_tensor_t *v);
+MTRAIN_API mtrain_status_t mtrain_generate_structured_rows(
+    const mtrain_structured_options_t *options, int64_t seq_len, const int64_t *index,
+    mtrain_tensor_t *q, mtrain_tensor_t *k, mtrain_tensor_t *v);
 
 /** Fills a tensor with normal noise of standard deviation `stddev` (seeded). */
-mtrain_status_t mtrain_generate_normal(uint64_t seed, double stddev, mtrain_tensor_t *t);
+MTRAIN_API mtrain_status_t mtrain_generate_normal(uint64_t seed, double stddev, mtrain_tensor_t *t);
 
 /** A random pattern like `like`: for every head the same number of verticals
  *  (at random key positions) and random block diagonals (0 always) added in
  *  random order until its allowed-pair count is as close as it gets to that
  *  of `like`'s head: a pattern of the same density but no knowledge of the
  *  attention. Seeded; the caller destroys the result. */
-mtrain_status_t mtrain_pattern_random_like(const mtrain_pattern_t *like, uint64_t seed,
-                                           mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_random_like(const mtrain_pattern_t *like, uint64_t seed,
+                                                      mtrain_pattern_t **out);
 
 #ifdef __cplusplus
 }

@@ -24,29 +24,30 @@ typedef struct mtrain_npy {
 } mtrain_npy_t;
 
 /** Reads a .npy file. */
-mtrain_status_t mtrain_npy_read(const char *path, mtrain_npy_t *out);
+MTRAIN_API mtrain_status_t mtrain_npy_read(const char *path, mtrain_npy_t *out);
 /** Reads a .npy file and checks its number of dimensions (and, for each
  *  shape entry >= 0 in `expect_shape`, its extent); then converts it to
  *  `dtype`. Messages name the file and the dimension that disagrees. */
-mtrain_status_t mtrain_npy_read_as(const char *path, mtrain_dtype_t dtype, int32_t ndim,
-                                   const int64_t *expect_shape, mtrain_npy_t *out);
-void mtrain_npy_free(mtrain_npy_t *npy);
+MTRAIN_API mtrain_status_t mtrain_npy_read_as(const char *path, mtrain_dtype_t dtype, int32_t ndim,
+                                              const int64_t *expect_shape, mtrain_npy_t *out);
+MTRAIN_API void mtrain_npy_free(mtrain_npy_t *npy);
 /** Writes a tensor as .npy (format 1.0). F16/F32/F64 are written as they
  *  are; BF16 is widened to float32 (.npy has no bfloat16). */
-mtrain_status_t mtrain_npy_write(const char *path, const mtrain_tensor_t *tensor);
+MTRAIN_API mtrain_status_t mtrain_npy_write(const char *path, const mtrain_tensor_t *tensor);
 
 /** Reads a pattern JSON file:
  *  {"granularity": G, "seq_len": N, "heads": [{"diagonals": [...],
  *  "verticals": [...]}, ...]}. Validated (integers, sorted, unique, in range);
  *  diagonal 0 is added when absent. */
-mtrain_status_t mtrain_pattern_read_json(const char *path, mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_read_json(const char *path, mtrain_pattern_t **out);
 /** Parses the same format from a NUL-terminated string; `origin` names it in
  *  messages (for example a file name). */
-mtrain_status_t mtrain_pattern_parse_json(const char *text, const char *origin,
-                                          mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_parse_json(const char *text, const char *origin,
+                                                     mtrain_pattern_t **out);
 /** Writes a pattern in the same format. Block-mask heads are written as
  *  {"block_mask": [[query_block, key_block], ...]}. */
-mtrain_status_t mtrain_pattern_write_json(const char *path, const mtrain_pattern_t *pattern);
+MTRAIN_API mtrain_status_t mtrain_pattern_write_json(const char *path,
+                                                     const mtrain_pattern_t *pattern);
 
 #ifdef __cplusplus
 }

@@ -40,7 +40,7 @@ typedef enum mtrain_ring_kind {
 } mtrain_ring_kind_t;
 
 /** "flat" or "hierarchical"; "unknown" otherwise. */
-const char *mtrain_ring_kind_name(mtrain_ring_kind_t kind);
+MTRAIN_API const char *mtrain_ring_kind_name(mtrain_ring_kind_t kind);
 
 /** The rank whose K/V chunk `rank` holds at ring step `step` (0..world-1).
  *  ranks_per_node == 0 (or == world, or == 1) is the flat ring: source
@@ -48,11 +48,11 @@ const char *mtrain_ring_kind_name(mtrain_ring_kind_t kind);
  *  L = ranks_per_node (a divisor of world), n = world / L nodes,
  *  rank = node * L + local and step = o * L + i (outer step o, inner step i):
  *  source ((node - o) mod n) * L + ((local - i) mod L). */
-mtrain_status_t mtrain_ring_source(int32_t world, int32_t ranks_per_node, int32_t rank,
-                                   int32_t step, int32_t *src);
+MTRAIN_API mtrain_status_t mtrain_ring_source(int32_t world, int32_t ranks_per_node, int32_t rank,
+                                              int32_t step, int32_t *src);
 /** The inverse: the step at which `rank` holds the chunk of `src`. */
-mtrain_status_t mtrain_ring_step_of(int32_t world, int32_t ranks_per_node, int32_t rank,
-                                    int32_t src, int32_t *step);
+MTRAIN_API mtrain_status_t mtrain_ring_step_of(int32_t world, int32_t ranks_per_node, int32_t rank,
+                                               int32_t src, int32_t *step);
 
 /* ------------------------------------------------------------------------ */
 /* Layouts (SPEC.md section 3)                                               */
@@ -66,9 +66,9 @@ typedef enum mtrain_layout_kind {
 } mtrain_layout_kind_t;
 
 /** "contiguous", "zigzag", "striped", "balanced"; "unknown" otherwise. */
-const char *mtrain_layout_kind_name(mtrain_layout_kind_t kind);
+MTRAIN_API const char *mtrain_layout_kind_name(mtrain_layout_kind_t kind);
 /** Parses the names above; MTRAIN_ERR_INVALID_ARGUMENT naming `name` else. */
-mtrain_status_t mtrain_layout_kind_parse(const char *name, mtrain_layout_kind_t *out);
+MTRAIN_API mtrain_status_t mtrain_layout_kind_parse(const char *name, mtrain_layout_kind_t *out);
 
 /** Where the bar (vertical) work of a query block is computed.
  *  IN_RING (SPEC.md section 4): a bar is computed at the ring step in which
@@ -84,7 +84,7 @@ typedef enum mtrain_bars_mode {
 } mtrain_bars_mode_t;
 
 /** "in_ring" or "gathered"; "unknown" otherwise. */
-const char *mtrain_bars_mode_name(mtrain_bars_mode_t mode);
+MTRAIN_API const char *mtrain_bars_mode_name(mtrain_bars_mode_t mode);
 
 /** A layout: for each rank its global G-blocks in increasing order. Opaque,
  *  immutable, safe to read from several threads. */
@@ -113,69 +113,73 @@ typedef struct mtrain_balance_options {
  *  top of this file); every rank gets the same number of blocks. `balance`
  *  is read only for MTRAIN_LAYOUT_BALANCED and may be NULL. The caller
  *  destroys the result. */
-mtrain_status_t mtrain_layout_create(mtrain_layout_kind_t kind, int64_t seq_len,
-                                     int32_t granularity, int32_t world,
-                                     const mtrain_balance_options_t *balance,
-                                     mtrain_layout_t **out);
-void mtrain_layout_destroy(mtrain_layout_t *layout);
+MTRAIN_API mtrain_status_t mtrain_layout_create(mtrain_layout_kind_t kind, int64_t seq_len,
+                                                int32_t granularity, int32_t world,
+                                                const mtrain_balance_options_t *balance,
+                                                mtrain_layout_t **out);
+MTRAIN_API void mtrain_layout_destroy(mtrain_layout_t *layout);
 
-mtrain_layout_kind_t mtrain_layout_kind(const mtrain_layout_t *layout);
+MTRAIN_API mtrain_layout_kind_t mtrain_layout_kind(const mtrain_layout_t *layout);
 /** The design a layout uses: its kind's name, or for balanced the candidate
  *  the cost model chose ("striped+gathered", "snake+gathered", ...). */
-const char *mtrain_layout_variant(const mtrain_layout_t *layout);
+MTRAIN_API const char *mtrain_layout_variant(const mtrain_layout_t *layout);
 /** Where the attention driver must compute bars for this layout
  *  (MTRAIN_BARS_IN_RING for contiguous, zigzag and striped). */
-mtrain_bars_mode_t mtrain_layout_bars_mode(const mtrain_layout_t *layout);
-int64_t mtrain_layout_seq_len(const mtrain_layout_t *layout);
-int32_t mtrain_layout_granularity(const mtrain_layout_t *layout);
-int32_t mtrain_layout_world(const mtrain_layout_t *layout);
+MTRAIN_API mtrain_bars_mode_t mtrain_layout_bars_mode(const mtrain_layout_t *layout);
+MTRAIN_API int64_t mtrain_layout_seq_len(const mtrain_layout_t *layout);
+MTRAIN_API int32_t mtrain_layout_granularity(const mtrain_layout_t *layout);
+MTRAIN_API int32_t mtrain_layout_world(const mtrain_layout_t *layout);
 /** Padded length: the number of token slots over all ranks (>= seq_len). */
-int64_t mtrain_layout_padded_len(const mtrain_layout_t *layout);
+MTRAIN_API int64_t mtrain_layout_padded_len(const mtrain_layout_t *layout);
 /** Blocks over all ranks, padding included (padded_len / G). */
-int64_t mtrain_layout_num_blocks(const mtrain_layout_t *layout);
+MTRAIN_API int64_t mtrain_layout_num_blocks(const mtrain_layout_t *layout);
 /** Blocks holding tokens of the sequence, ceil(seq_len / G); blocks with a
  *  global id at or beyond this are padding. */
-int64_t mtrain_layout_num_seq_blocks(const mtrain_layout_t *layout);
+MTRAIN_API int64_t mtrain_layout_num_seq_blocks(const mtrain_layout_t *layout);
 /** Blocks of one rank (0 for a rank out of range). */
-int32_t mtrain_layout_rank_num_blocks(const mtrain_layout_t *layout, int32_t rank);
+MTRAIN_API int32_t mtrain_layout_rank_num_blocks(const mtrain_layout_t *layout, int32_t rank);
 /** Token slots of one rank, rank_num_blocks * G (padding included): the
  *  first dimension of that rank's permuted tensors. */
-int64_t mtrain_layout_local_tokens(const mtrain_layout_t *layout, int32_t rank);
+MTRAIN_API int64_t mtrain_layout_local_tokens(const mtrain_layout_t *layout, int32_t rank);
 /** Borrowed, strictly increasing global block ids of a rank's local blocks
  *  (local block lb is global block blocks[lb]); NULL for a rank out of
  *  range. Valid until the layout is destroyed. */
-const int64_t *mtrain_layout_rank_blocks(const mtrain_layout_t *layout, int32_t rank);
+MTRAIN_API const int64_t *mtrain_layout_rank_blocks(const mtrain_layout_t *layout, int32_t rank);
 /** Owner rank and local block index of a global block (padding included). */
-mtrain_status_t mtrain_layout_block_owner(const mtrain_layout_t *layout, int64_t block,
-                                          int32_t *rank, int32_t *local_block);
+MTRAIN_API mtrain_status_t mtrain_layout_block_owner(const mtrain_layout_t *layout, int64_t block,
+                                                     int32_t *rank, int32_t *local_block);
 /** Where global token position `token` (0 <= token < padded_len; positions
  *  >= seq_len are padding slots) lives: rank and local token position. */
-mtrain_status_t mtrain_layout_global_to_local(const mtrain_layout_t *layout, int64_t token,
-                                              int32_t *rank, int64_t *local);
+MTRAIN_API mtrain_status_t mtrain_layout_global_to_local(const mtrain_layout_t *layout,
+                                                         int64_t token, int32_t *rank,
+                                                         int64_t *local);
 /** The inverse: the global position of local token `local` of `rank`
  *  (a result >= seq_len is a padding slot). */
-mtrain_status_t mtrain_layout_local_to_global(const mtrain_layout_t *layout, int32_t rank,
-                                              int64_t local, int64_t *token);
+MTRAIN_API mtrain_status_t mtrain_layout_local_to_global(const mtrain_layout_t *layout,
+                                                         int32_t rank, int64_t local,
+                                                         int64_t *token);
 /** The gather index of a rank, for the permutation: writes
  *  mtrain_layout_local_tokens(layout, rank) global positions into `global`
  *  (local token i of the rank is global token global[i]; values >= seq_len
  *  are padding slots, to be zero-filled and never read back). */
-mtrain_status_t mtrain_layout_rank_token_index(const mtrain_layout_t *layout, int32_t rank,
-                                               int64_t *global);
+MTRAIN_API mtrain_status_t mtrain_layout_rank_token_index(const mtrain_layout_t *layout,
+                                                          int32_t rank, int64_t *global);
 
 /** The permutation (SPEC.md section 3) as a backend operation on the
  *  context's backend memory: gathers `rank`'s token slots of a whole-sequence
  *  tensor `full` [seq_len, ...] into `local` [local tokens, ...] (padding
  *  slots zero). Any dtype; both tensors of one dtype and the same trailing
  *  shape. Local (not collective). */
-mtrain_status_t mtrain_layout_permute(mtrain_context_t *ctx, const mtrain_layout_t *layout,
-                                      int32_t rank, const mtrain_tensor_t *full,
-                                      mtrain_tensor_t *local);
+MTRAIN_API mtrain_status_t mtrain_layout_permute(mtrain_context_t *ctx,
+                                                 const mtrain_layout_t *layout, int32_t rank,
+                                                 const mtrain_tensor_t *full,
+                                                 mtrain_tensor_t *local);
 /** The inverse: writes `rank`'s local rows back to their global positions of
  *  `full`; padding slots are dropped; rows of other ranks are left alone. */
-mtrain_status_t mtrain_layout_unpermute(mtrain_context_t *ctx, const mtrain_layout_t *layout,
-                                        int32_t rank, const mtrain_tensor_t *local,
-                                        mtrain_tensor_t *full);
+MTRAIN_API mtrain_status_t mtrain_layout_unpermute(mtrain_context_t *ctx,
+                                                   const mtrain_layout_t *layout, int32_t rank,
+                                                   const mtrain_tensor_t *local,
+                                                   mtrain_tensor_t *full);
 
 #ifdef __cplusplus
 }

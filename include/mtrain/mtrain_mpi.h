@@ -25,7 +25,8 @@ extern "C" {
 /** Creates a communicator over `comm` (duplicated). timeout_seconds <= 0:
  *  MTRAIN_COMM_TIMEOUT from the environment, else the default. Collective
  *  over `comm`. */
-mtrain_status_t mtrain_comm_create_mpi(MPI_Comm comm, double timeout_seconds, mtrain_comm_t **out);
+MTRAIN_API mtrain_status_t mtrain_comm_create_mpi(MPI_Comm comm, double timeout_seconds,
+                                                  mtrain_comm_t **out);
 
 #ifdef __cplusplus
 }

@@ -42,24 +42,25 @@ extern "C" {
 /** Writes a new NCCL unique id (MTRAIN_NCCL_ID_BYTES bytes) to `id`: rank 0
  *  calls it and hands the bytes to the other ranks (threads of one process,
  *  or any out-of-band channel). */
-mtrain_status_t mtrain_nccl_unique_id(void *id);
+MTRAIN_API mtrain_status_t mtrain_nccl_unique_id(void *id);
 
 /** Creates rank `rank` of an `nranks`-rank communicator on CUDA device
  *  `device` from a unique id. Collective: every rank must call it (from its
  *  own thread or process). timeout_seconds <= 0: MTRAIN_COMM_TIMEOUT or the
  *  default. Sets the calling thread's current device. */
-mtrain_status_t mtrain_comm_create_nccl(const void *id, int nranks, int rank, int device,
-                                        double timeout_seconds, mtrain_comm_t **out);
+MTRAIN_API mtrain_status_t mtrain_comm_create_nccl(const void *id, int nranks, int rank, int device,
+                                                   double timeout_seconds, mtrain_comm_t **out);
 
 /** Creates a communicator from an existing ncclComm_t (passed as void *):
  *  mtrain splits its own communicators off it (ncclCommSplit, collective over
  *  `nccl_comm`) and never uses or destroys the caller's. */
-mtrain_status_t mtrain_comm_create_nccl_from(void *nccl_comm, int device, double timeout_seconds,
-                                             mtrain_comm_t **out);
+MTRAIN_API mtrain_status_t mtrain_comm_create_nccl_from(void *nccl_comm, int device,
+                                                        double timeout_seconds,
+                                                        mtrain_comm_t **out);
 
 /** Orders the communicator's transfers after the work queued on `stream` (a
  *  cudaStream_t; NULL: the legacy default stream). */
-mtrain_status_t mtrain_comm_nccl_set_data_stream(mtrain_comm_t *comm, void *stream);
+MTRAIN_API mtrain_status_t mtrain_comm_nccl_set_data_stream(mtrain_comm_t *comm, void *stream);
 
 #ifdef MTRAIN_HAVE_MPI
 #include <mpi.h>
@@ -67,12 +68,12 @@ mtrain_status_t mtrain_comm_nccl_set_data_stream(mtrain_comm_t *comm, void *stre
  *  and broadcasts it over MPI, then every rank creates its NCCL rank on
  *  `device` (< 0: the rank's index among the ranks of its host, modulo the
  *  host's device count). Collective over `comm`. */
-mtrain_status_t mtrain_comm_create_nccl_mpi(MPI_Comm comm, int device, double timeout_seconds,
-                                            mtrain_comm_t **out);
+MTRAIN_API mtrain_status_t mtrain_comm_create_nccl_mpi(MPI_Comm comm, int device,
+                                                       double timeout_seconds, mtrain_comm_t **out);
 #endif
 
 /** 1 when comm is an NCCL communicator. */
-int mtrain_comm_is_nccl(const mtrain_comm_t *comm);
+MTRAIN_API int mtrain_comm_is_nccl(const mtrain_comm_t *comm);
 
 #ifdef __cplusplus
 }
