@@ -163,7 +163,9 @@ static void run_sequence(const mem_case_t *c, mtrain_comm_t *comm, uint64_t seed
   mtrain_plan_t *plan = NULL;
   const mtrain_pattern_t *pats[1] = {pattern};
   const mtrain_status_t pst =
-      r->world > 1 ? mtrain_plan_create_ring(ctx, layout, c->ranks_per_node, pattern, &plan)
+      r->world > 1 ? mtrain_plan_create_ring(ctx, NULL, (const mtrain_layout_t *const[]){layout},
+                                             c->ranks_per_node,
+                                             (const mtrain_pattern_t *const[]){pattern}, &plan)
                    : mtrain_plan_create(ctx, NULL, pats, &plan);
   if (pst) fail_msg("plan: %s", mtrain_last_error());
   assert_int_equal(mtrain_memory_bound(ctx, plan, c->hkv, c->d, c->dtype, LAST_Q, &r->bound),
@@ -314,7 +316,9 @@ static mtrain_memory_bound_t bound_of(const mtrain_pattern_t *p, int32_t W, int3
   mtrain_layout_t *layout = NULL;
   if (W > 1) {
     assert_int_equal(mtrain_layout_create(kind, N, G, W, NULL, &layout), MTRAIN_SUCCESS);
-    assert_int_equal(mtrain_plan_create_ring(ctx, layout, rpn, p, &plan), MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_plan_create_ring(ctx, NULL, (const mtrain_layout_t *const[]){layout},
+                                             rpn, (const mtrain_pattern_t *const[]){p}, &plan),
+                     MTRAIN_SUCCESS);
   } else {
     const mtrain_pattern_t *pats[1] = {p};
     assert_int_equal(mtrain_plan_create(ctx, NULL, pats, &plan), MTRAIN_SUCCESS);

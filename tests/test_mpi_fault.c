@@ -127,7 +127,9 @@ int main(int argc, char **argv) {
     st = mtrain_context_create(&cfg, rank == 1 && (mid_fwd || mid_bwd) ? &killer_comm : comm, &ctx);
   if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, n, G, world, NULL, &layout);
   if (!st) st = mtrain_pattern_create_dense(n, HQ, G, &pattern);
-  if (!st) st = mtrain_plan_create_ring(ctx, layout, 0, pattern, &plan);
+  if (!st)
+    st = mtrain_plan_create_ring(ctx, NULL, (const mtrain_layout_t *const[]){layout}, 0,
+                                 (const mtrain_pattern_t *const[]){pattern}, &plan);
   const int64_t T = st ? 0 : mtrain_layout_local_tokens(layout, rank);
   float *q = calloc((size_t)(T * HQ * D) + 1, sizeof(float));
   float *k = calloc((size_t)(T * HKV * D) + 1, sizeof(float));

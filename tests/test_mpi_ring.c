@@ -7,8 +7,11 @@
  * rule of the oracle (1e-4). Cases: every layout, the flat ring and (when the
  * world size allows) the hierarchical ring, dense, random sparse, diagonal-only
  * (query blocks with no key in most steps) and real-budget patterns, GQA,
- * lengths that are not multiples of G * W, both backends. Exit 0 when every
- * rank passed every case; rank 0 prints one line per case and the summary.
+ * lengths that are not multiples of G * W, both backends; and packed batches
+ * (varlen: several sequences of uneven lengths, each with its own pattern
+ * and layout, bars in the ring and gathered in one batch) against the
+ * single-rank packed plan and the oracle. Exit 0 when every rank passed
+ * every case; rank 0 prints one line per case and the summary.
  * usage: mpiexec -n W test_mpi_ring [ranks_per_node ...] */
 #include <math.h>
 #include <mpi.h>
@@ -117,7 +120,9 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   dcfg.check_inputs = 1; /* padding slots must not trip the NaN/Inf checks */
   if (!st) st = mtrain_context_create(&dcfg, comm, &dist);
   if (!st) st = mtrain_layout_create(c->layout, c->N, c->G, world_, NULL, &layout);
-  if (!st) st = mtrain_plan_create_ring(dist, layout, c->ranks_per_node, p, &pd);
+  if (!st)
+    st = mtrain_plan_create_ring(dist, NULL, (const mtrain_layout_t *const[]){layout},
+                                 c->ranks_per_node, (const mtrain_pattern_t *const[]){p}, &pd);
   int64_t T = 0, *index = NULL;
   if (!st) {
     T = mtrain_layout_local_tokens(layout, rank_);
@@ -176,6 +181,139 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   mtrain_context_destroy(oracle);
   mtrain_context_destroy(dist);
   mtrain_pattern_destroy(p);
+  free_tensors(&g1);
+  free_tensors(&g64);
+  return all;
+}
+
+/* A packed batch (varlen) over the ring: sequence s has length lens[s], its
+ * own pattern and its own layout kind; this rank's tensors hold its slots of
+ * each sequence, one after another. Compared with the single-rank packed
+ * plan (fast backend, 1e-5) and the oracle (1e-4) at the same global rows. */
+static int varlen_case(const char *backend, int32_t ranks_per_node, uint64_t seed,
+                       mtrain_comm_t *comm) {
+  enum { S = 3 };
+  const int32_t G = 16;
+  const int64_t lens[S] = {G * world_ + 5, 3 * G * world_ + 29, 1 + (world_ > 1 ? 0 : 40)};
+  const mtrain_layout_kind_t kinds[S] = {MTRAIN_LAYOUT_ZIGZAG, MTRAIN_LAYOUT_BALANCED,
+                                         MTRAIN_LAYOUT_STRIPED};
+  const int pats[S] = {3, 1, 0};
+  ring_case_t c = {backend, MTRAIN_LAYOUT_STRIPED, ranks_per_node, 0, 4, 2, 16, G, 0, seed};
+  int64_t offsets[S + 1] = {0};
+  for (int s = 0; s < S; s++) offsets[s + 1] = offsets[s] + lens[s];
+  c.N = offsets[S];
+  char what[200];
+  snprintf(what, sizeof what, "%s packed batch of %d sequences (%lld, %lld, %lld tokens), %s",
+           backend, S, (long long)lens[0], (long long)lens[1], (long long)lens[2],
+           ranks_per_node ? "hierarchical" : "flat");
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = backend;
+  cfg.granularity = G;
+  cfg.num_threads = 1;
+  mtrain_pattern_t *p[S] = {NULL};
+  mtrain_layout_t *lay[S] = {NULL};
+  for (int s = 0; s < S; s++) p[s] = ts_ring_pattern(pats[s], lens[s], c.hq, G, seed + 7 * s);
+  const mtrain_pattern_t *cp[S] = {p[0], p[1], p[2]};
+  const mtrain_seqs_t seqs = {S, offsets};
+  tensors_t g1, g64, loc;
+  alloc_tensors(&g1, c.N, &c);
+  alloc_tensors(&g64, c.N, &c);
+  ts_rng_t rng = {seed};
+  const int64_t wq = c.hq * c.d, wk = c.hkv * c.d;
+  ts_ring_fill(g1.q, c.N * wq, &rng, 0);
+  ts_ring_fill(g1.k, c.N * wk, &rng, 0);
+  ts_ring_fill(g1.v, c.N * wk, &rng, 0);
+  ts_ring_fill(g1.dout, c.N * wq, &rng, 0);
+  memcpy(g64.q, g1.q, sizeof(float) * (size_t)(c.N * wq));
+  memcpy(g64.k, g1.k, sizeof(float) * (size_t)(c.N * wk));
+  memcpy(g64.v, g1.v, sizeof(float) * (size_t)(c.N * wk));
+  memcpy(g64.dout, g1.dout, sizeof(float) * (size_t)(c.N * wq));
+  mtrain_context_t *single = NULL, *oracle = NULL, *dist = NULL;
+  mtrain_plan_t *p1 = NULL, *po = NULL, *pd = NULL;
+  mtrain_status_t st = mtrain_context_create(&cfg, NULL, &single);
+  if (!st) st = mtrain_plan_create(single, &seqs, cp, &p1);
+  if (!st) st = run(single, p1, &g1, c.N, &c);
+  mtrain_config_t ocfg = cfg;
+  ocfg.backend = "cpu-ref";
+  if (!st) st = mtrain_context_create(&ocfg, NULL, &oracle);
+  if (!st) st = mtrain_plan_create(oracle, &seqs, cp, &po);
+  if (!st) st = run(oracle, po, &g64, c.N, &c);
+  mtrain_config_t dcfg = cfg;
+  dcfg.check_inputs = 1;
+  if (!st) st = mtrain_context_create(&dcfg, comm, &dist);
+  for (int s = 0; !st && s < S; s++)
+    st = mtrain_layout_create(kinds[s], lens[s], G, world_, NULL, &lay[s]);
+  if (!st)
+    st = mtrain_plan_create_ring(dist, &seqs, (const mtrain_layout_t *const *)lay, ranks_per_node,
+                                 cp, &pd);
+  /* index: the packed global row of each local slot (>= N: padding) */
+  int64_t T = 0, *index = NULL;
+  if (!st) {
+    T = mtrain_plan_local_tokens(pd);
+    index = malloc(sizeof(int64_t) * (size_t)(T + 1));
+    for (int s = 0; !st && s < S; s++) {
+      const int64_t off = mtrain_plan_seq_local_offset(pd, s);
+      const int64_t n = mtrain_layout_local_tokens(lay[s], rank_);
+      st = mtrain_layout_rank_token_index(lay[s], rank_, index + off);
+      for (int64_t i = 0; i < n; i++)
+        index[off + i] = index[off + i] < lens[s] ? offsets[s] + index[off + i] : c.N;
+    }
+  }
+  int ok = 1;
+  if (!st) {
+    alloc_tensors(&loc, T, &c);
+    ts_ring_gather(loc.q, g1.q, index, T, c.N, wq);
+    ts_ring_gather(loc.dout, g1.dout, index, T, c.N, wq);
+    ts_ring_gather(loc.k, g1.k, index, T, c.N, wk);
+    ts_ring_gather(loc.v, g1.v, index, T, c.N, wk);
+    st = run(dist, pd, &loc, T, &c);
+    if (!st) {
+      const struct {
+        const char *name;
+        const float *l, *g, *o;
+        int64_t w;
+      } t[5] = {{"o", loc.o, g1.o, g64.o, wq},
+                {"lse", loc.lse, g1.lse, g64.lse, c.hq},
+                {"dq", loc.dq, g1.dq, g64.dq, wq},
+                {"dk", loc.dk, g1.dk, g64.dk, wk},
+                {"dv", loc.dv, g1.dv, g64.dv, wk}};
+      for (int x = 0; x < 5; x++) {
+        double e1 = 0, r1 = 0, eo = 0, ro = 0;
+        ts_ring_compare(t[x].l, t[x].g, index, T, c.N, t[x].w, &e1, &r1);
+        ts_ring_compare(t[x].l, t[x].o, index, T, c.N, t[x].w, &eo, &ro);
+        double v[4] = {e1, r1, eo, ro}, m[4];
+        MPI_Allreduce(v, m, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (!(m[0] <= 1e-5 * m[1]) || !(m[2] <= 1e-4 * m[3])) {
+          ok = 0;
+          if (rank_ == 0)
+            printf("  %s seed %llu: %s differs: single-rank err %.3g (bound %.3g), oracle err "
+                   "%.3g (bound %.3g)\n",
+                   what, (unsigned long long)seed, t[x].name, m[0], 1e-5 * m[1], m[2], 1e-4 * m[3]);
+        }
+      }
+    }
+    free_tensors(&loc);
+  }
+  if (st) {
+    ok = 0;
+    printf("  rank %d: %s: %s: %s\n", rank_, what, mtrain_status_name(st), mtrain_last_error());
+  }
+  int all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (rank_ == 0)
+    printf("%s: W=%d %s seed %llu\n", all ? "passed" : "FAILED", world_, what,
+           (unsigned long long)seed);
+  free(index);
+  mtrain_plan_destroy(p1);
+  mtrain_plan_destroy(po);
+  mtrain_plan_destroy(pd);
+  for (int s = 0; s < S; s++) {
+    mtrain_layout_destroy(lay[s]);
+    mtrain_pattern_destroy(p[s]);
+  }
+  mtrain_context_destroy(single);
+  mtrain_context_destroy(oracle);
+  mtrain_context_destroy(dist);
   free_tensors(&g1);
   free_tensors(&g64);
   return all;
@@ -310,6 +448,11 @@ int main(int argc, char **argv) {
   for (int l = 0; l < 4; l++) {
     estimate_case(layouts[l], "cpu", comm, 500 + l) ? passed++ : failed++;
     estimate_case(layouts[l], "cpu-ref", comm, 600 + l) ? passed++ : failed++;
+  }
+  /* packed batches (varlen) on every schedule, both CPU backends */
+  for (int sc = 0; sc < nsched; sc++) {
+    varlen_case("cpu", schedules[sc], 700 + (uint64_t)sc, comm) ? passed++ : failed++;
+    varlen_case("cpu-ref", schedules[sc], 800 + (uint64_t)sc, comm) ? passed++ : failed++;
   }
   /* the oracle itself distributed, and a larger GQA case */
   ring_case_t ref = {"cpu-ref", MTRAIN_LAYOUT_STRIPED, schedules[nsched - 1], 300, 4, 4, 8, 16, 1,

@@ -134,7 +134,9 @@ static mtrain_status_t ring_create(mtrain_comm_t *comm, ring_t *r) {
   mtrain_status_t st = mtrain_context_create(&cfg, comm, &r->ctx);
   if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, N, G, 2, NULL, &layout);
   if (!st) st = mtrain_pattern_create_dense(N, HQ, G, &pattern);
-  if (!st) st = mtrain_plan_create_ring(r->ctx, layout, 0, pattern, &r->plan);
+  if (!st)
+    st = mtrain_plan_create_ring(r->ctx, NULL, (const mtrain_layout_t *const[]){layout}, 0,
+                                 (const mtrain_pattern_t *const[]){pattern}, &r->plan);
   const int64_t T = st ? 0 : mtrain_layout_local_tokens(layout, rank_);
   const int32_t heads[9] = {HQ, HKV, HKV, HQ, HQ, HQ, HQ, HKV, HKV};
   for (int x = 0; x < 9 && !st; x++) {

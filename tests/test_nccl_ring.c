@@ -159,7 +159,9 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   dcfg.check_inputs = 1; /* padding slots must not trip the NaN/Inf checks */
   if (!st) st = mtrain_context_create(&dcfg, comm, &dist);
   if (!st) st = mtrain_layout_create(c->layout, c->N, c->G, world_, NULL, &layout);
-  if (!st) st = mtrain_plan_create_ring(dist, layout, c->ranks_per_node, p, &pd);
+  if (!st)
+    st = mtrain_plan_create_ring(dist, NULL, (const mtrain_layout_t *const[]){layout},
+                                 c->ranks_per_node, (const mtrain_pattern_t *const[]){p}, &pd);
   int64_t T = 0, *index = NULL;
   if (!st) {
     T = mtrain_layout_local_tokens(layout, rank_);

@@ -88,7 +88,9 @@ static void *rank_main(void *arg) {
   cfg.granularity = G;
   if (!st) st = mtrain_context_create(&cfg, comm, &ctx);
   if (!st) st = mtrain_layout_rank_token_index(layout_, rank, index);
-  if (!st) st = mtrain_plan_create_ring(ctx, layout_, 0, pattern_, &plan);
+  if (!st)
+    st = mtrain_plan_create_ring(ctx, NULL, (const mtrain_layout_t *const[]){layout_}, 0,
+                                 (const mtrain_pattern_t *const[]){pattern_}, &plan);
   for (int64_t i = 0; !st && i < T; i++)
     for (int x = 0; x < 4 && index[i] < N; x++)
       memcpy(loc[x] + i * width(x), in_[x] + index[i] * width(x), (size_t)width(x) * 2);

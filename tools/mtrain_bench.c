@@ -266,9 +266,10 @@ static void measure(const ring_env_t *env, const bench_opts_t *b, ring_data_t *d
   run_result_t r;
   memset(&r, 0, sizeof r);
   run_inputs_t *work = ring_inputs_work(env, &d->in);
-  int rc = tool_failed(
-      prog, "building the plan",
-      mtrain_plan_create_ring(env->ctx, d->layout, env->ranks_per_node, pattern, &plan));
+  int rc = tool_failed(prog, "building the plan",
+                       mtrain_plan_create_ring(
+                           env->ctx, NULL, (const mtrain_layout_t *const[]){d->layout},
+                           env->ranks_per_node, (const mtrain_pattern_t *const[]){pattern}, &plan));
   run_options_t warm = b->run;
   warm.repeat = (int)b->warmup;
   MPI_Barrier(MPI_COMM_WORLD);

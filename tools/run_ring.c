@@ -93,9 +93,11 @@ static int check(ring_run_t *rr) {
   run_outputs_t out64 = {0};
   int rc = run_make_context(prog, rr->o, "cpu-ref", rr->env.comm, &ref);
   if (!rc)
-    rc = tool_failed(
-        prog, "reference plan",
-        mtrain_plan_create_ring(ref, rr->layout, rr->env.ranks_per_node, rr->pattern, &plan));
+    rc =
+        tool_failed(prog, "reference plan",
+                    mtrain_plan_create_ring(ref, NULL, (const mtrain_layout_t *const[]){rr->layout},
+                                            rr->env.ranks_per_node,
+                                            (const mtrain_pattern_t *const[]){rr->pattern}, &plan));
   if (!rc) rc = run_inputs_widen(&rr->in.host, &in64);
   if (!rc) rc = run_outputs_alloc(&in64, MTRAIN_F64, &out64);
   run_options_t once = *rr->o;
@@ -374,9 +376,11 @@ int run_ring(const run_options_t *o, int rank, int world) {
   if (!rc) rc = make_pattern(&rr);
   if (!rc) {
     const double t0 = tool_now();
-    rc = tool_failed(prog, "building the plan",
-                     mtrain_plan_create_ring(rr.env.ctx, rr.layout, rr.env.ranks_per_node,
-                                             rr.pattern, &rr.plan));
+    rc = tool_failed(
+        prog, "building the plan",
+        mtrain_plan_create_ring(rr.env.ctx, NULL, (const mtrain_layout_t *const[]){rr.layout},
+                                rr.env.ranks_per_node,
+                                (const mtrain_pattern_t *const[]){rr.pattern}, &rr.plan));
     rr.r.t_plan = tool_now() - t0;
   }
   run_inputs_t *work = ring_inputs_work(&rr.env, &rr.in);

@@ -1,18 +1,18 @@
 /* attention.c: the attention entry points. Validates tensors against the plan
- * and the backend, allocates the accumulators in the backend's memory, walks
- * the plan's sequences and ring steps calling the backend's step operations,
- * and casts the accumulators to the output dtypes. Single-rank plans walk
- * their sequences here; ring plans go through the ring driver (ring.c). No
- * kernel math here. */
+ * and the backend, allocates the accumulators in the backend's memory, hands
+ * the steps to the ring driver (ring.c, the only step loop: one rank is the
+ * ring of one), computes each step's sequences through the backend's step
+ * operations, moves the gathered bars, and casts the accumulators to the
+ * output dtypes. No kernel math here. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/runtime/context_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
 #include "core/runtime/ring.h"
+#include "mtrain/mtrain_error.h"
 
 /* Checks that t is [rows, heads, dim] (or [rows, heads] when dim < 0). */
 static mtrain_status_t check_shape(const char *name, const mtrain_tensor_t *t, int64_t rows,
@@ -157,6 +157,26 @@ static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *
   return end > begin ? scan_rows(ctx, name, t, begin, end - begin) : MTRAIN_SUCCESS;
 }
 
+/* The outputs' NaN/Inf scan: every query row of a pattern sees at least its
+ * own key (diagonal 0 is always in), so a finite input gives a finite LSE
+ * and finite outputs unless a score or a sum overflowed. Such a result is
+ * reported, never returned silently. Padding slots are skipped. */
+static mtrain_status_t check_output(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    const char *call, const char *name, const mtrain_tensor_t *t) {
+  mtrain_status_t st = check_finite(ctx, plan, name, t);
+  if (st != MTRAIN_ERR_NONFINITE) return st;
+  return mtrain_error_prefix(
+      st,
+      "%s: output '%s' is not finite: %s (with check_inputs off, NaN or Inf inputs also give "
+      "this)",
+      call, name,
+      strcmp(call, "forward") == 0
+          ? "the scores q.k * scale overflowed the accumulator (inputs too large; scale q or k "
+            "down)"
+          : "the gradients overflowed the accumulator or the output dtype (inputs too large for "
+            "it)");
+}
+
 /* Backend memory, counted per context (memory_stats.c). */
 static mtrain_status_t backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
   return mtrain_backend_alloc(ctx, bytes ? bytes : 1, ptr);
@@ -164,9 +184,9 @@ static mtrain_status_t backend_alloc(mtrain_context_t *ctx, size_t bytes, void *
 
 static void backend_free(mtrain_context_t *ctx, void *ptr) { mtrain_backend_free(ctx, ptr); }
 
-/* Pointer to token `row` of a [tokens, heads, dim] buffer. */
-static const void *row_ptr(const void *base, int64_t row, int64_t heads, int64_t dim, size_t elem) {
-  return (const char *)base + (size_t)(row * heads * dim) * elem;
+/* Pointer to token `row` of a [tokens, width] buffer of `elem`-byte elements. */
+static void *row_at(const void *base, int64_t row, int64_t width, size_t elem) {
+  return (char *)base + (size_t)(row * width) * elem;
 }
 
 /* What the ring's step callbacks need besides the chunk in hand. */
@@ -175,140 +195,150 @@ typedef struct ring_call {
   const void *q, *dout;
   void *o_acc, *lse_acc;             /* forward */
   const void *lse_acc_c, *delta_acc; /* backward */
-  void *dq_acc, *dk_own, *dv_own;    /* backward */
+  void *dq_acc;                      /* backward */
   const void *kbar, *vbar;           /* bars gathered: the vertical K/V rows */
   void *dkbar, *dvbar;               /* bars gathered, backward: their dK/dV */
 } ring_call_t;
 
-/* Bars gathered: every rank receives the K and V rows of the union of the
- * verticals (each row has one owner; the others add zeros, so the sum is
- * exact), widened to fp64 for the all-reduce and narrowed back. */
+/* Bars gathered (plan_internal.h): every rank packs the K/V rows of the
+ * verticals it owns, the packs are all-gathered and unpacked into
+ * [K rows | V rows] of the gathered verticals. Backend permutes and one
+ * host all-gather: only rows move, so the copies are bitwise the owners'. */
 static mtrain_status_t gather_bars(mtrain_context_t *ctx, const mtrain_plan_t *plan,
                                    const attn_dims_t *dm, const mtrain_tensor_t *k,
-                                   const mtrain_tensor_t *v, void **kbar, void **vbar) {
+                                   const mtrain_tensor_t *v, void **kvbar) {
   const mtrain_plan_gathered_t *g = plan->gathered;
   const mtrain_backend_ops_t *be = ctx->backend;
-  const int64_t row = (int64_t)dm->hkv * dm->d, n = g->count * row;
-  const size_t esz = mtrain_dtype_size(dm->dtype);
+  void *bs = ctx->backend_state;
+  const size_t row = (size_t)dm->hkv * (size_t)dm->d * mtrain_dtype_size(dm->dtype);
+  const size_t pack = 2 * (size_t)g->max_owned * row, world = (size_t)plan->world;
+  void *send = NULL, *all = NULL, *host = malloc(pack * (world + 1) + 1);
   mtrain_status_t st = MTRAIN_SUCCESS;
-  double *host = calloc((size_t)(2 * n + 1), sizeof(double));
-  void *raw = malloc((size_t)(row > 0 ? row : 1) * esz + (size_t)(2 * n + 1) * esz);
-  if (!host || !raw) st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of memory");
-  for (int64_t i = 0; !st && i < g->count; i++) {
-    if (g->local_row[i] < 0) continue;
-    const mtrain_tensor_t *src[2] = {k, v};
-    for (int x = 0; !st && x < 2; x++) {
-      st = be->copy_to_host(ctx->backend_state, raw,
-                            (const char *)src[x]->data + (size_t)(g->local_row[i] * row) * esz,
-                            (size_t)row * esz);
-      if (!st) st = mtrain_convert(raw, dm->dtype, host + x * n + i * row, MTRAIN_F64, row);
+  MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of host memory");
+  MTRAIN_TRY(backend_alloc(ctx, pack, &send));
+  MTRAIN_TRY(be->permute(bs, send, k->data, row, g->pack_rows, g->max_owned, dm->tokens, 0));
+  MTRAIN_TRY(be->permute(bs, (char *)send + pack / 2, v->data, row, g->pack_rows, g->max_owned,
+                         dm->tokens, 0));
+  MTRAIN_TRY(be->copy_to_host(bs, host, send, pack));
+  MTRAIN_TRY(ctx->comm->ops->allgather(ctx->comm->state, host, (char *)host + pack, pack));
+  MTRAIN_TRY(backend_alloc(ctx, pack * world, &all));
+  MTRAIN_TRY(be->copy_from_host(bs, all, (char *)host + pack, pack * world));
+  MTRAIN_TRY(backend_alloc(ctx, 2 * (size_t)g->count * row, kvbar));
+  MTRAIN_TRY(be->permute(bs, *kvbar, all, row, g->unpack, 2 * g->count,
+                         2 * g->max_owned * plan->world, 0));
+cleanup:
+  backend_free(ctx, send);
+  backend_free(ctx, all);
+  free(host);
+  return st;
+}
+
+/* Bars gathered, backward: the dK/dV of the gathered rows summed over the
+ * ranks (in the acc dtype), and each owner adds its rows to its own
+ * accumulators: gather, add, scatter back. */
+static mtrain_status_t scatter_bar_grads(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                         const attn_dims_t *dm, void *dbar, void *dk_acc,
+                                         void *dv_acc) {
+  const mtrain_plan_gathered_t *g = plan->gathered;
+  const mtrain_backend_ops_t *be = ctx->backend;
+  void *bs = ctx->backend_state;
+  const int64_t width = (int64_t)dm->hkv * dm->d;
+  const size_t row = (size_t)width * mtrain_dtype_size(be->acc_dtype);
+  const size_t bytes = 2 * (size_t)g->count * row, mine = (size_t)g->owned * row;
+  void *host = malloc(bytes + 1), *theirs = NULL, *own = NULL;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of host memory");
+  MTRAIN_TRY(be->copy_to_host(bs, host, dbar, bytes));
+  MTRAIN_TRY(ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * g->count * width, be->acc_dtype,
+                                       MTRAIN_REDUCE_SUM));
+  MTRAIN_TRY(be->copy_from_host(bs, dbar, host, bytes));
+  if (g->owned > 0) {
+    MTRAIN_TRY(backend_alloc(ctx, 2 * mine, &theirs));
+    MTRAIN_TRY(backend_alloc(ctx, mine, &own));
+    MTRAIN_TRY(be->permute(bs, theirs, dbar, row, g->owned_bars, 2 * g->owned, 2 * g->count, 0));
+    void *const acc[2] = {dk_acc, dv_acc};
+    for (int x = 0; x < 2; x++) {
+      MTRAIN_TRY(be->permute(bs, own, acc[x], row, g->pack_rows, g->owned, dm->tokens, 0));
+      MTRAIN_TRY(
+          be->add(bs, own, (char *)theirs + (size_t)x * mine, be->acc_dtype, g->owned * width));
+      MTRAIN_TRY(be->permute(bs, acc[x], own, row, g->pack_rows, g->owned, dm->tokens, 1));
     }
   }
-  if (!st)
-    st = ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * n, MTRAIN_F64, MTRAIN_REDUCE_SUM);
-  if (!st) st = mtrain_convert(host, MTRAIN_F64, raw, dm->dtype, 2 * n);
-  if (!st) st = mtrain_backend_alloc(ctx, (size_t)(n > 0 ? n : 1) * esz, kbar);
-  if (!st) st = mtrain_backend_alloc(ctx, (size_t)(n > 0 ? n : 1) * esz, vbar);
-  if (!st) st = be->copy_from_host(ctx->backend_state, *kbar, raw, (size_t)n * esz);
-  if (!st)
-    st = be->copy_from_host(ctx->backend_state, *vbar, (const char *)raw + (size_t)n * esz,
-                            (size_t)n * esz);
-  free(host);
-  free(raw);
-  return st;
-}
-
-/* Bars gathered, backward: the dK/dV of the vertical rows summed over the
- * ranks, each owner adding its rows to its own accumulators. */
-static mtrain_status_t scatter_bar_grads(mtrain_context_t *ctx, const mtrain_plan_t *plan,
-                                         const attn_dims_t *dm, void *dkbar, void *dvbar,
-                                         void *dk_acc, void *dv_acc) {
-  const mtrain_plan_gathered_t *g = plan->gathered;
-  const mtrain_backend_ops_t *be = ctx->backend;
-  const int64_t row = (int64_t)dm->hkv * dm->d, n = g->count * row;
-  const size_t acc = mtrain_dtype_size(be->acc_dtype);
-  void *host = malloc((size_t)(2 * n + 1) * acc);
-  if (!host) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of memory");
-  mtrain_status_t st = be->copy_to_host(ctx->backend_state, host, dkbar, (size_t)n * acc);
-  if (!st)
-    st = be->copy_to_host(ctx->backend_state, (char *)host + (size_t)n * acc, dvbar,
-                          (size_t)n * acc);
-  if (!st)
-    st = ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * n, be->acc_dtype, MTRAIN_REDUCE_SUM);
-  if (!st) st = be->copy_from_host(ctx->backend_state, dkbar, host, (size_t)n * acc);
-  if (!st)
-    st = be->copy_from_host(ctx->backend_state, dvbar, (const char *)host + (size_t)n * acc,
-                            (size_t)n * acc);
-  for (int64_t i = 0; !st && i < g->count; i++) {
-    if (g->local_row[i] < 0) continue;
-    const size_t to = (size_t)(g->local_row[i] * row) * acc, from = (size_t)(i * row) * acc;
-    st = be->add(ctx->backend_state, (char *)dk_acc + to, (const char *)dkbar + from, be->acc_dtype,
-                 row);
-    if (!st)
-      st = be->add(ctx->backend_state, (char *)dv_acc + to, (const char *)dvbar + from,
-                   be->acc_dtype, row);
-  }
+cleanup:
+  backend_free(ctx, theirs);
+  backend_free(ctx, own);
   free(host);
   return st;
 }
 
-static mtrain_status_t ring_fwd_step(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
-                                     const void *k, const void *v, void *dk, void *dv, void *user) {
+/* One ring step: every sequence of the batch against its part of the chunk
+ * in hand (and, bars gathered, its share of the gathered bars). */
+static mtrain_status_t step_fwd(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
+                                const void *k, const void *v, void *dk, void *dv, void *user) {
   (void)dk;
   (void)dv;
   const ring_call_t *rc = user;
-  mtrain_fwd_step_args_t a = {.view = &plan->seqs[0].steps[t].view,
-                              .num_kv_heads = rc->dm->hkv,
-                              .head_dim = rc->dm->d,
-                              .scale = rc->dm->scale,
-                              .dtype = rc->dm->dtype,
-                              .q = rc->q,
-                              .k = k,
-                              .v = v,
-                              .o_acc = rc->o_acc,
-                              .lse_acc = rc->lse_acc};
-  mtrain_status_t st = ctx->backend->attn_fwd_step(ctx->backend_state, &a);
-  if (st || !plan->gathered) return st;
-  a.view = &plan->gathered->steps[t].view; /* this step's share of the gathered bars */
-  a.k = rc->kbar;
-  a.v = rc->vbar;
-  return ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+  const attn_dims_t *dm = rc->dm;
+  const size_t esz = mtrain_dtype_size(dm->dtype), acc = mtrain_dtype_size(ctx->backend->acc_dtype);
+  const int64_t qw = (int64_t)dm->hq * dm->d, kw = (int64_t)dm->hkv * dm->d;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  for (int32_t s = 0; st == MTRAIN_SUCCESS && s < plan->num_seqs; s++) {
+    const mtrain_plan_seq_t *ps = &plan->seqs[s];
+    const int64_t off = ps->local_offset, koff = ps->steps[t].chunk_offset;
+    mtrain_fwd_step_args_t a = {.view = &ps->steps[t].view,
+                                .num_kv_heads = dm->hkv,
+                                .head_dim = dm->d,
+                                .scale = dm->scale,
+                                .dtype = dm->dtype,
+                                .q = row_at(rc->q, off, qw, esz),
+                                .k = row_at(k, koff, kw, esz),
+                                .v = row_at(v, koff, kw, esz),
+                                .o_acc = row_at(rc->o_acc, off, qw, acc),
+                                .lse_acc = row_at(rc->lse_acc, off, dm->hq, acc)};
+    st = ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+    if (st || !ps->bar_steps) continue;
+    a.view = &ps->bar_steps[t].view; /* this step's share of the gathered bars */
+    a.k = row_at(rc->kbar, ps->bar_base, kw, esz);
+    a.v = row_at(rc->vbar, ps->bar_base, kw, esz);
+    st = ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+  }
+  return st;
 }
 
-static mtrain_status_t ring_bwd_step(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
-                                     const void *k, const void *v, void *dk, void *dv, void *user) {
+static mtrain_status_t step_bwd(mtrain_context_t *ctx, const mtrain_plan_t *plan, int32_t t,
+                                const void *k, const void *v, void *dk, void *dv, void *user) {
   const ring_call_t *rc = user;
-  mtrain_bwd_step_args_t a = {.view = &plan->seqs[0].steps[t].view,
-                              .num_kv_heads = rc->dm->hkv,
-                              .head_dim = rc->dm->d,
-                              .scale = rc->dm->scale,
-                              .dtype = rc->dm->dtype,
-                              .q = rc->q,
-                              .k = k,
-                              .v = v,
-                              .dout = rc->dout,
-                              .lse_acc = rc->lse_acc_c,
-                              .delta_acc = rc->delta_acc,
-                              .dq_acc = rc->dq_acc,
-                              .dk_acc = dk,
-                              .dv_acc = dv};
-  mtrain_status_t st = ctx->backend->attn_bwd_step(ctx->backend_state, &a);
-  if (st || !plan->gathered) return st;
-  a.view = &plan->gathered->steps[t].view;
-  a.k = rc->kbar;
-  a.v = rc->vbar;
-  a.dk_acc = rc->dkbar;
-  a.dv_acc = rc->dvbar;
-  return ctx->backend->attn_bwd_step(ctx->backend_state, &a);
-}
-
-static mtrain_status_t ring_add_partial(mtrain_context_t *ctx, const void *dk, const void *dv,
-                                        void *user) {
-  const ring_call_t *rc = user;
-  const int64_t n = rc->dm->tokens * rc->dm->hkv * rc->dm->d;
-  const mtrain_backend_ops_t *be = ctx->backend;
-  mtrain_status_t st = be->add(ctx->backend_state, rc->dk_own, dk, be->acc_dtype, n);
-  return st ? st : be->add(ctx->backend_state, rc->dv_own, dv, be->acc_dtype, n);
+  const attn_dims_t *dm = rc->dm;
+  const size_t esz = mtrain_dtype_size(dm->dtype), acc = mtrain_dtype_size(ctx->backend->acc_dtype);
+  const int64_t qw = (int64_t)dm->hq * dm->d, kw = (int64_t)dm->hkv * dm->d;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  for (int32_t s = 0; st == MTRAIN_SUCCESS && s < plan->num_seqs; s++) {
+    const mtrain_plan_seq_t *ps = &plan->seqs[s];
+    const int64_t off = ps->local_offset, koff = ps->steps[t].chunk_offset;
+    mtrain_bwd_step_args_t a = {.view = &ps->steps[t].view,
+                                .num_kv_heads = dm->hkv,
+                                .head_dim = dm->d,
+                                .scale = dm->scale,
+                                .dtype = dm->dtype,
+                                .q = row_at(rc->q, off, qw, esz),
+                                .k = row_at(k, koff, kw, esz),
+                                .v = row_at(v, koff, kw, esz),
+                                .dout = row_at(rc->dout, off, qw, esz),
+                                .lse_acc = row_at(rc->lse_acc_c, off, dm->hq, acc),
+                                .delta_acc = row_at(rc->delta_acc, off, dm->hq, acc),
+                                .dq_acc = row_at(rc->dq_acc, off, qw, acc),
+                                .dk_acc = row_at(dk, koff, kw, acc),
+                                .dv_acc = row_at(dv, koff, kw, acc)};
+    st = ctx->backend->attn_bwd_step(ctx->backend_state, &a);
+    if (st || !ps->bar_steps) continue;
+    a.view = &ps->bar_steps[t].view;
+    a.k = row_at(rc->kbar, ps->bar_base, kw, esz);
+    a.v = row_at(rc->vbar, ps->bar_base, kw, esz);
+    a.dk_acc = row_at(rc->dkbar, ps->bar_base, kw, acc);
+    a.dv_acc = row_at(rc->dvbar, ps->bar_base, kw, acc);
+    st = ctx->backend->attn_bwd_step(ctx->backend_state, &a);
+  }
+  return st;
 }
 
 mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
@@ -331,54 +361,34 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   const mtrain_backend_ops_t *be = ctx->backend;
   const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
-  void *o_acc = NULL, *lse_acc = NULL, *kbar = NULL, *vbar = NULL;
+  void *o_acc = NULL, *lse_acc = NULL, *kvbar = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq * dm.d) * acc, &o_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm.tokens, dm.hq, dm.d));
-  if (plan->world > 1) {
-    ring_call_t rc = {.dm = &dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
-    if (plan->gathered) MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kbar, &vbar));
-    rc.kbar = kbar;
-    rc.vbar = vbar;
-    mtrain_ring_args_t ra = {.backward = 0,
-                             .dtype = dm.dtype,
-                             .chunk_elems = (size_t)(dm.tokens * dm.hkv * dm.d),
-                             .k = k->data,
-                             .v = v->data,
-                             .step = ring_fwd_step,
-                             .user = &rc};
-    MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+  ring_call_t rc = {.dm = &dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
+  if (plan->gathered) {
+    MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kvbar));
+    rc.kbar = kvbar;
+    rc.vbar = (const char *)kvbar + (size_t)(plan->gathered->count * dm.hkv * dm.d) * esz;
   }
-  for (int32_t s = 0; plan->world == 1 && s < plan->num_seqs; s++) {
-    const mtrain_plan_seq_t *ps = &plan->seqs[s];
-    int64_t off = ps->local_offset;
-    for (int32_t t = 0; t < plan->num_steps; t++) {
-      mtrain_fwd_step_args_t a = {.view = &ps->steps[t].view,
-                                  .num_kv_heads = dm.hkv,
-                                  .head_dim = dm.d,
-                                  .scale = dm.scale,
-                                  .dtype = dm.dtype,
-                                  .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
-                                  .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
-                                  .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
-                                  .o_acc = (void *)row_ptr(o_acc, off, dm.hq, dm.d, acc),
-                                  .lse_acc = (void *)row_ptr(lse_acc, off, dm.hq, 1, acc)};
-      const double t0 = mtrain_now();
-      MTRAIN_TRY(be->attn_fwd_step(ctx->backend_state, &a));
-      ctx->last_stats.compute_seconds += mtrain_now() - t0;
-      ctx->last_stats.ring_seconds += mtrain_now() - t0;
-      ctx->last_stats.steps++;
-    }
-  }
+  mtrain_ring_args_t ra = {.backward = 0,
+                           .dtype = dm.dtype,
+                           .chunk_elems = (size_t)(dm.tokens * dm.hkv * dm.d),
+                           .k = k->data,
+                           .v = v->data,
+                           .step = step_fwd,
+                           .user = &rc};
+  MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
   MTRAIN_TRY(be->convert(ctx->backend_state, o_acc, be->acc_dtype, o->data, o->dtype,
                          dm.tokens * dm.hq * dm.d));
   MTRAIN_TRY(be->convert(ctx->backend_state, lse_acc, be->acc_dtype, lse->data, lse->dtype,
                          dm.tokens * dm.hq));
   MTRAIN_TRY(be->synchronize(ctx->backend_state));
+  MTRAIN_TRY(check_output(ctx, plan, "forward", "lse", lse));
+  MTRAIN_TRY(check_output(ctx, plan, "forward", "o", o));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
-  backend_free(ctx, kbar);
-  backend_free(ctx, vbar);
+  backend_free(ctx, kvbar);
   backend_free(ctx, o_acc);
   backend_free(ctx, lse_acc);
   return st;
@@ -420,7 +430,7 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   void *lse_acc = NULL, *delta_acc = NULL, *dq_acc = NULL, *dk_acc = NULL, *dv_acc = NULL;
-  void *kbar = NULL, *vbar = NULL, *dkbar = NULL, *dvbar = NULL;
+  void *kvbar = NULL, *dbar = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &delta_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nq * acc, &dq_acc));
@@ -432,73 +442,45 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(be->memset_zero(bs, dv_acc, (size_t)nk * acc));
   MTRAIN_TRY(
       be->attn_bwd_prepare(bs, o->data, dout->data, dm.dtype, delta_acc, dm.tokens, dm.hq, dm.d));
-  if (plan->world > 1) {
-    ring_call_t rc = {.dm = &dm,
-                      .q = q->data,
-                      .dout = dout->data,
-                      .lse_acc_c = lse_acc,
-                      .delta_acc = delta_acc,
-                      .dq_acc = dq_acc,
-                      .dk_own = dk_acc,
-                      .dv_own = dv_acc};
-    if (plan->gathered) {
-      const size_t nbar = (size_t)(plan->gathered->count * dm.hkv * dm.d) * acc;
-      MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kbar, &vbar));
-      MTRAIN_TRY(backend_alloc(ctx, nbar, &dkbar));
-      MTRAIN_TRY(backend_alloc(ctx, nbar, &dvbar));
-      MTRAIN_TRY(be->memset_zero(bs, dkbar, nbar));
-      MTRAIN_TRY(be->memset_zero(bs, dvbar, nbar));
-      rc.kbar = kbar;
-      rc.vbar = vbar;
-      rc.dkbar = dkbar;
-      rc.dvbar = dvbar;
-    }
-    mtrain_ring_args_t ra = {.backward = 1,
-                             .dtype = dm.dtype,
-                             .chunk_elems = (size_t)nk,
-                             .k = k->data,
-                             .v = v->data,
-                             .step = ring_bwd_step,
-                             .add_partial = ring_add_partial,
-                             .user = &rc};
-    MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
-    if (plan->gathered) MTRAIN_TRY(scatter_bar_grads(ctx, plan, &dm, dkbar, dvbar, dk_acc, dv_acc));
+  ring_call_t rc = {.dm = &dm,
+                    .q = q->data,
+                    .dout = dout->data,
+                    .lse_acc_c = lse_acc,
+                    .delta_acc = delta_acc,
+                    .dq_acc = dq_acc};
+  if (plan->gathered) {
+    const int64_t nbar = plan->gathered->count * dm.hkv * dm.d;
+    const size_t dbar_bytes = 2 * (size_t)nbar * acc;
+    MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kvbar));
+    MTRAIN_TRY(backend_alloc(ctx, dbar_bytes, &dbar));
+    MTRAIN_TRY(be->memset_zero(bs, dbar, dbar_bytes));
+    rc.kbar = kvbar;
+    rc.vbar = (const char *)kvbar + (size_t)nbar * esz;
+    rc.dkbar = dbar;
+    rc.dvbar = (char *)dbar + (size_t)nbar * acc;
   }
-  for (int32_t s = 0; plan->world == 1 && s < plan->num_seqs; s++) {
-    const mtrain_plan_seq_t *ps = &plan->seqs[s];
-    int64_t off = ps->local_offset;
-    for (int32_t t = 0; t < plan->num_steps; t++) {
-      mtrain_bwd_step_args_t a = {.view = &ps->steps[t].view,
-                                  .num_kv_heads = dm.hkv,
-                                  .head_dim = dm.d,
-                                  .scale = dm.scale,
-                                  .dtype = dm.dtype,
-                                  .q = row_ptr(q->data, off, dm.hq, dm.d, esz),
-                                  .k = row_ptr(k->data, off, dm.hkv, dm.d, esz),
-                                  .v = row_ptr(v->data, off, dm.hkv, dm.d, esz),
-                                  .dout = row_ptr(dout->data, off, dm.hq, dm.d, esz),
-                                  .lse_acc = row_ptr(lse_acc, off, dm.hq, 1, acc),
-                                  .delta_acc = row_ptr(delta_acc, off, dm.hq, 1, acc),
-                                  .dq_acc = (void *)row_ptr(dq_acc, off, dm.hq, dm.d, acc),
-                                  .dk_acc = (void *)row_ptr(dk_acc, off, dm.hkv, dm.d, acc),
-                                  .dv_acc = (void *)row_ptr(dv_acc, off, dm.hkv, dm.d, acc)};
-      const double t0 = mtrain_now();
-      MTRAIN_TRY(be->attn_bwd_step(bs, &a));
-      ctx->last_stats.compute_seconds += mtrain_now() - t0;
-      ctx->last_stats.ring_seconds += mtrain_now() - t0;
-      ctx->last_stats.steps++;
-    }
-  }
+  mtrain_ring_args_t ra = {.backward = 1,
+                           .dtype = dm.dtype,
+                           .chunk_elems = (size_t)nk,
+                           .k = k->data,
+                           .v = v->data,
+                           .dk_own = dk_acc,
+                           .dv_own = dv_acc,
+                           .step = step_bwd,
+                           .user = &rc};
+  MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+  if (plan->gathered) MTRAIN_TRY(scatter_bar_grads(ctx, plan, &dm, dbar, dk_acc, dv_acc));
   MTRAIN_TRY(be->convert(bs, dq_acc, be->acc_dtype, dq->data, dq->dtype, nq));
   MTRAIN_TRY(be->convert(bs, dk_acc, be->acc_dtype, dk->data, dk->dtype, nk));
   MTRAIN_TRY(be->convert(bs, dv_acc, be->acc_dtype, dv->data, dv->dtype, nk));
   MTRAIN_TRY(be->synchronize(bs));
+  MTRAIN_TRY(check_output(ctx, plan, "backward", "dq", dq));
+  MTRAIN_TRY(check_output(ctx, plan, "backward", "dk", dk));
+  MTRAIN_TRY(check_output(ctx, plan, "backward", "dv", dv));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
-  backend_free(ctx, kbar);
-  backend_free(ctx, vbar);
-  backend_free(ctx, dkbar);
-  backend_free(ctx, dvbar);
+  backend_free(ctx, kvbar);
+  backend_free(ctx, dbar);
   backend_free(ctx, lse_acc);
   backend_free(ctx, delta_acc);
   backend_free(ctx, dq_acc);

@@ -9,9 +9,9 @@
 #include <stdint.h>
 
 #include "core/runtime/context_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
+#include "mtrain/mtrain_error.h"
 
 /* Bytes of an allocation that attention.c rounds up from 0 to 1. */
 static size_t at_least_1(size_t bytes) { return bytes ? bytes : 1; }
@@ -52,21 +52,33 @@ mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_pl
   b.forward_bytes = at_least_1(q_acc) + at_least_1(row_acc);
   b.backward_bytes = 2 * at_least_1(row_acc) + at_least_1(q_acc) + 2 * at_least_1(kv_acc);
   if (plan->world > 1) {
-    /* attention.c, bars gathered: K/V rows of the verticals (kbar, vbar, input dtype) and,
-     * backward, their dK/dV (dkbar, dvbar, acc dtype) */
-    if (plan->gathered) {
-      const size_t rows = (size_t)plan->gathered->count * Hkv * d;
-      b.forward_bytes += 2 * (rows ? rows : 1) * e;
-      b.backward_bytes += 2 * (rows ? rows : 1) * e + 2 * at_least_1(rows * a);
-    }
     /* ring.c: the chunk buffers [K | V] (+ [dK | dV] backward) the schedule uses (A; B with
      * several nodes; C, D with an inner ring of 2 or 3+ ranks); backward also the inner
-     * partial and, per node, a partial in and out */
+     * partial and, per node, a partial in and out. The ring of one allocates nothing. */
     const size_t L = plan->ranks_per_node > 0 ? (size_t)plan->ranks_per_node : (size_t)plan->world;
     const size_t nodes = (size_t)plan->world / L;
     const size_t chunks = 1 + (nodes > 1) + (L > 1) + (L > 2);
-    b.forward_bytes += chunks * (2 * kv);
-    b.backward_bytes += chunks * (2 * kv + 2 * kv_acc) + 2 * kv_acc + nodes * 2 * (2 * kv_acc);
+    size_t ring_fwd = chunks * (2 * kv);
+    size_t ring_bwd = chunks * (2 * kv + 2 * kv_acc) + 2 * kv_acc + nodes * 2 * (2 * kv_acc);
+    if (plan->gathered) {
+      /* attention.c, bars gathered: gather_bars holds its pack, the all-gathered packs and
+       * the gathered [K | V] rows at once, then keeps the rows; backward adds their
+       * [dK | dV] (acc dtype) through the ring, and scatter_bar_grads the owned rows' sums
+       * and the owner's own rows (acc dtype) */
+      const mtrain_plan_gathered_t *g = plan->gathered;
+      const size_t row_e = Hkv * d * e, row_a = Hkv * d * a;
+      const size_t pack = at_least_1(2 * (size_t)g->max_owned * row_e);
+      const size_t all = at_least_1(2 * (size_t)g->max_owned * row_e * (size_t)plan->world);
+      const size_t rows = at_least_1(2 * (size_t)g->count * row_e);
+      const size_t drows = at_least_1(2 * (size_t)g->count * row_a);
+      const size_t owned = g->owned > 0 ? 3 * (size_t)g->owned * row_a : 0;
+      const size_t gather = pack + all + rows;
+      ring_fwd = gather > rows + ring_fwd ? gather : rows + ring_fwd;
+      const size_t after = drows + (ring_bwd > owned ? ring_bwd : owned);
+      ring_bwd = gather > rows + after ? gather : rows + after;
+    }
+    b.forward_bytes += ring_fwd;
+    b.backward_bytes += ring_bwd;
   }
   if (last_q > 0) {
     int64_t N = 0; /* the longest sequence: the estimation runs once per sequence */

@@ -8,9 +8,9 @@
 
 #include "core/layout/schedule.h"
 #include "core/runtime/context_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
 
 /* ---- a growable int32 array ------------------------------------------------ */
@@ -337,16 +337,18 @@ static size_t step_head_bytes(const mtrain_step_head_store_t *s, int32_t nqb) {
 
 /* ---- the whole plan -------------------------------------------------------- */
 
+static void step_free(mtrain_plan_step_t *step, int32_t num_heads) {
+  if (step->heads)
+    for (int32_t h = 0; h < num_heads; h++) mtrain_step_head_store_free(&step->heads[h]);
+  free(step->heads);
+  free(step->head_views);
+}
+
 static void plan_seq_free(mtrain_plan_seq_t *s, int32_t num_steps, int32_t num_heads) {
-  if (s->steps)
-    for (int32_t t = 0; t < num_steps; t++) {
-      mtrain_plan_step_t *step = &s->steps[t];
-      if (step->heads)
-        for (int32_t h = 0; h < num_heads; h++) mtrain_step_head_store_free(&step->heads[h]);
-      free(step->heads);
-      free(step->head_views);
-    }
+  for (int32_t t = 0; s->steps && t < num_steps; t++) step_free(&s->steps[t], num_heads);
+  for (int32_t t = 0; s->bar_steps && t < num_steps; t++) step_free(&s->bar_steps[t], num_heads);
   free(s->steps);
+  free(s->bar_steps);
   if (s->k_globals)
     for (int32_t t = 0; t < num_steps; t++) free(s->k_globals[t]);
   free(s->k_globals);
@@ -354,24 +356,17 @@ static void plan_seq_free(mtrain_plan_seq_t *s, int32_t num_steps, int32_t num_h
   mtrain_pattern_destroy(s->pattern);
 }
 
-static void gathered_free(mtrain_plan_gathered_t *g, int32_t num_steps, int32_t num_heads) {
+static void gathered_free(mtrain_plan_gathered_t *g) {
   if (!g) return;
-  if (g->steps)
-    for (int32_t t = 0; t < num_steps; t++) {
-      if (g->steps[t].heads)
-        for (int32_t h = 0; h < num_heads; h++) mtrain_step_head_store_free(&g->steps[t].heads[h]);
-      free(g->steps[t].heads);
-      free(g->steps[t].head_views);
-    }
-  free(g->steps);
-  free(g->positions);
-  free(g->local_row);
+  free(g->pack_rows);
+  free(g->unpack);
+  free(g->owned_bars);
   free(g);
 }
 
 void mtrain_plan_destroy(mtrain_plan_t *plan) {
   if (!plan) return;
-  gathered_free(plan->gathered, plan->num_steps, plan->num_heads);
+  gathered_free(plan->gathered);
   if (plan->seqs)
     for (int32_t s = 0; s < plan->num_seqs; s++)
       plan_seq_free(&plan->seqs[s], plan->num_steps, plan->num_heads);
@@ -379,222 +374,211 @@ void mtrain_plan_destroy(mtrain_plan_t *plan) {
   free(plan);
 }
 
-/* Builds step `t` of a sequence: the chunk of rank src, all heads. */
-static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int32_t t, int32_t src,
-                                  mtrain_rank_blocks_t k, int with_bars) {
-  const mtrain_pattern_t *p = s->pattern;
-  mtrain_plan_step_t *step = &s->steps[t];
+/* Allocates the head arrays of a step and fills its view. */
+static mtrain_status_t step_init(mtrain_plan_t *plan, const mtrain_plan_seq_t *s,
+                                 mtrain_plan_step_t *step, int32_t t, int32_t src, int64_t k_tokens,
+                                 int32_t num_k_blocks, const int64_t *k_block_global) {
   step->src_rank = src;
-  step->k = k;
   step->heads = calloc((size_t)plan->num_heads, sizeof *step->heads);
   step->head_views = calloc((size_t)plan->num_heads, sizeof *step->head_views);
   if (!step->heads || !step->head_views)
     return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  for (int32_t h = 0; h < plan->num_heads; h++) {
-    mtrain_status_t st = build_step_head(p, h, &s->q, &step->k, with_bars, &step->heads[h]);
-    if (st != MTRAIN_SUCCESS) return st;
-    step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
-    plan->computed_pairs += step->heads[h].pairs;
-    plan->bytes += step_head_bytes(&step->heads[h], s->q.num_blocks);
-  }
   mtrain_step_view_t v = {.step = t,
                           .src_rank = src,
-                          .granularity = p->granularity,
+                          .granularity = s->pattern->granularity,
                           .num_heads = plan->num_heads,
-                          .seq_len = p->seq_len,
+                          .seq_len = s->pattern->seq_len,
                           .q_tokens = s->q.tokens,
-                          .k_tokens = step->k.tokens,
+                          .k_tokens = k_tokens,
                           .num_q_blocks = s->q.num_blocks,
-                          .num_k_blocks = step->k.num_blocks,
+                          .num_k_blocks = num_k_blocks,
                           .q_block_global = s->q.global,
-                          .k_block_global = step->k.global,
+                          .k_block_global = k_block_global,
                           .heads = step->head_views};
   step->view = v;
   return MTRAIN_SUCCESS;
 }
 
-/* Bars gathered: the union of the verticals, this rank's rows of it, and
- * the bar share of every ring step (runs empty, bars into the union). */
-static mtrain_status_t build_gathered(mtrain_plan_t *plan, mtrain_plan_seq_t *ps,
-                                      const struct mtrain_layout *layout) {
-  const mtrain_pattern_t *p = ps->pattern;
-  mtrain_plan_gathered_t *g = calloc(1, sizeof *g);
-  if (!g) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  plan->gathered = g;
+/* Records a built head of a step in the plan's totals. */
+static void step_head_done(mtrain_plan_t *plan, const mtrain_plan_seq_t *s,
+                           mtrain_plan_step_t *step, int32_t h) {
+  step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
+  plan->computed_pairs += step->heads[h].pairs;
+  plan->bytes += step_head_bytes(&step->heads[h], s->q.num_blocks);
+}
+
+/* Builds step `t` of a sequence: the chunk of rank src, all heads. */
+static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int32_t t, int32_t src,
+                                  mtrain_rank_blocks_t k, int with_bars) {
+  mtrain_plan_step_t *step = &s->steps[t];
+  step->k = k;
+  mtrain_status_t st = step_init(plan, s, step, t, src, k.tokens, k.num_blocks, step->k.global);
+  for (int32_t h = 0; st == MTRAIN_SUCCESS && h < plan->num_heads; h++) {
+    st = build_step_head(s->pattern, h, &s->q, &step->k, with_bars, &step->heads[h]);
+    if (st == MTRAIN_SUCCESS) step_head_done(plan, s, step, h);
+  }
+  return st;
+}
+
+/* The sorted union of the verticals of all heads of a pattern (*out owned;
+ * *count entries). */
+static mtrain_status_t vertical_union(const mtrain_pattern_t *p, int64_t **out, int64_t *count) {
   int64_t total = 0;
   for (int32_t h = 0; h < p->num_heads; h++) total += p->heads[h].num_verticals;
-  g->positions = malloc(sizeof(int64_t) * (size_t)(total + 1));
-  g->local_row = malloc(sizeof(int64_t) * (size_t)(total + 1));
-  g->steps = calloc((size_t)plan->num_steps, sizeof *g->steps);
-  if (!g->positions || !g->local_row || !g->steps)
-    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  /* union of sorted lists: merge by sorting the concatenation */
+  int64_t *pos = malloc(sizeof(int64_t) * (size_t)(total + 1));
+  if (!pos) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   int64_t n = 0;
   for (int32_t h = 0; h < p->num_heads; h++)
-    for (int32_t i = 0; i < p->heads[h].num_verticals; i++)
-      g->positions[n++] = p->heads[h].verticals[i];
-  qsort(g->positions, (size_t)n, sizeof *g->positions, cmp_i64);
+    for (int32_t i = 0; i < p->heads[h].num_verticals; i++) pos[n++] = p->heads[h].verticals[i];
+  qsort(pos, (size_t)n, sizeof *pos, cmp_i64);
   int64_t m = 0;
   for (int64_t i = 0; i < n; i++)
-    if (m == 0 || g->positions[m - 1] != g->positions[i]) g->positions[m++] = g->positions[i];
-  g->count = m;
-  for (int64_t i = 0; i < m; i++) {
-    int32_t owner = -1;
-    int64_t local = -1;
-    mtrain_status_t st = mtrain_layout_global_to_local(layout, g->positions[i], &owner, &local);
-    if (st) return st;
-    g->local_row[i] = owner == plan->rank ? local : -1;
-  }
-  for (int32_t t = 0; t < plan->num_steps; t++) {
-    mtrain_plan_step_t *step = &g->steps[t];
-    step->src_rank = -1;
-    step->heads = calloc((size_t)plan->num_heads, sizeof *step->heads);
-    step->head_views = calloc((size_t)plan->num_heads, sizeof *step->head_views);
-    if (!step->heads || !step->head_views)
-      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-    for (int32_t h = 0; h < plan->num_heads; h++) {
-      mtrain_status_t st = build_gathered_share(p, h, &ps->q, g->positions, g->count, t,
-                                                plan->num_steps, &step->heads[h]);
-      if (st) return st;
-      step->head_views[h] = mtrain_step_head_view(&step->heads[h]);
-      plan->computed_pairs += step->heads[h].pairs;
-      plan->bytes += step_head_bytes(&step->heads[h], ps->q.num_blocks);
-    }
-    mtrain_step_view_t v = {.step = t,
-                            .src_rank = -1,
-                            .granularity = p->granularity,
-                            .num_heads = plan->num_heads,
-                            .seq_len = p->seq_len,
-                            .q_tokens = ps->q.tokens,
-                            .k_tokens = g->count,
-                            .num_q_blocks = ps->q.num_blocks,
-                            .num_k_blocks = 0,
-                            .q_block_global = ps->q.global,
-                            .k_block_global = NULL,
-                            .heads = step->head_views};
-    step->view = v;
-  }
-  plan->bytes += sizeof(int64_t) * 2 * (size_t)m;
+    if (m == 0 || pos[m - 1] != pos[i]) pos[m++] = pos[i];
+  *out = pos;
+  *count = m;
   return MTRAIN_SUCCESS;
+}
+
+/* Bars gathered, one sequence: its bar share of every ring step against the
+ * gathered rows of its verticals `positions`. */
+static mtrain_status_t build_bar_steps(mtrain_plan_t *plan, mtrain_plan_seq_t *ps,
+                                       const int64_t *positions, int64_t count) {
+  ps->bar_steps = calloc((size_t)plan->num_steps, sizeof *ps->bar_steps);
+  if (!ps->bar_steps) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  for (int32_t t = 0; t < plan->num_steps; t++) {
+    mtrain_plan_step_t *step = &ps->bar_steps[t];
+    mtrain_status_t st = step_init(plan, ps, step, t, -1, count, 0, NULL);
+    for (int32_t h = 0; st == MTRAIN_SUCCESS && h < plan->num_heads; h++) {
+      st = build_gathered_share(ps->pattern, h, &ps->q, positions, count, t, plan->num_steps,
+                                &step->heads[h]);
+      if (st == MTRAIN_SUCCESS) step_head_done(plan, ps, step, h);
+    }
+    if (st) return st;
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* Bars gathered: for every sequence whose layout gathers its bars, the union
+ * of its verticals and its bar steps; over all of them, where each gathered
+ * row comes from (its owner's pack) and which rows this rank packs.
+ * `slot_offset[r * num_seqs + s]` is the first local token slot of sequence
+ * s on rank r. */
+static mtrain_status_t build_gathered(mtrain_plan_t *plan, const mtrain_layout_t *const *layouts,
+                                      const int64_t *slot_offset) {
+  const int32_t W = plan->world, S = plan->num_seqs;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_plan_gathered_t *g = calloc(1, sizeof *g);
+  int64_t *owner_count = calloc((size_t)W, sizeof *owner_count);
+  int64_t **positions = calloc((size_t)S, sizeof *positions);
+  int32_t *bar_owner = NULL;
+  int64_t *bar_row = NULL; /* the owner's local token slot of each gathered row */
+  if (!g || !owner_count || !positions) {
+    st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+    goto done;
+  }
+  plan->gathered = g;
+  for (int32_t s = 0; st == MTRAIN_SUCCESS && s < S; s++) {
+    mtrain_plan_seq_t *ps = &plan->seqs[s];
+    if (mtrain_layout_bars_mode(layouts[s]) != MTRAIN_BARS_GATHERED) continue;
+    st = vertical_union(ps->pattern, &positions[s], &ps->bar_count);
+    ps->bar_base = g->count;
+    g->count += ps->bar_count;
+    if (st == MTRAIN_SUCCESS) st = build_bar_steps(plan, ps, positions[s], ps->bar_count);
+  }
+  if (st) goto done;
+  bar_owner = malloc(sizeof(int32_t) * (size_t)(g->count + 1));
+  bar_row = malloc(sizeof(int64_t) * (size_t)(g->count + 1));
+  if (!bar_owner || !bar_row) {
+    st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+    goto done;
+  }
+  for (int32_t s = 0; st == MTRAIN_SUCCESS && s < S; s++) {
+    const mtrain_plan_seq_t *ps = &plan->seqs[s];
+    for (int64_t i = 0; st == MTRAIN_SUCCESS && i < ps->bar_count; i++) {
+      int32_t owner = -1;
+      int64_t local = -1;
+      st = mtrain_layout_global_to_local(layouts[s], positions[s][i], &owner, &local);
+      bar_owner[ps->bar_base + i] = owner;
+      bar_row[ps->bar_base + i] = slot_offset[(int64_t)owner * S + s] + local;
+    }
+  }
+  if (st) goto done;
+  for (int64_t i = 0; i < g->count; i++) owner_count[bar_owner[i]]++;
+  for (int32_t r = 0; r < W; r++)
+    if (owner_count[r] > g->max_owned) g->max_owned = owner_count[r];
+  g->owned = owner_count[plan->rank];
+  g->pack_rows = malloc(sizeof(int64_t) * (size_t)(g->max_owned + 1));
+  g->unpack = malloc(sizeof(int64_t) * (size_t)(2 * g->count + 1));
+  g->owned_bars = malloc(sizeof(int64_t) * (size_t)(2 * g->owned + 1));
+  if (!g->pack_rows || !g->unpack || !g->owned_bars) {
+    st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+    goto done;
+  }
+  /* the j-th row an owner packs is its j-th gathered row in gathered order */
+  memset(owner_count, 0, sizeof(int64_t) * (size_t)W);
+  for (int64_t i = 0; i < g->count; i++) {
+    const int32_t r = bar_owner[i];
+    const int64_t j = owner_count[r]++;
+    g->unpack[i] = (int64_t)r * 2 * g->max_owned + j;
+    g->unpack[g->count + i] = (int64_t)r * 2 * g->max_owned + g->max_owned + j;
+    if (r == plan->rank) {
+      g->pack_rows[j] = bar_row[i];
+      g->owned_bars[j] = i;
+      g->owned_bars[g->owned + j] = g->count + i;
+    }
+  }
+  for (int64_t j = g->owned; j < g->max_owned; j++) g->pack_rows[j] = INT64_MAX; /* zero rows */
+  plan->bytes += sizeof *g + sizeof(int64_t) * (size_t)(g->max_owned + 2 * g->count + 2 * g->owned);
+done:
+  for (int32_t s = 0; positions && s < S; s++) free(positions[s]);
+  free(positions);
+  free(owner_count);
+  free(bar_owner);
+  free(bar_row);
+  return st;
 }
 
 /* Collective: every rank must plan the same problem. A rank that planned
- * another sequence length (or head count, or schedule) would send K/V
- * chunks of another size, and a message longer than the posted receive is
- * not reliably refused by the transport: Open MPI's single-copy path (CMA)
- * was seen writing past the receive buffer (AddressSanitizer, 2026-11-22).
- * So the plans are compared before any transfer, and all ranks fail,
- * naming two ranks and their values. */
-static mtrain_status_t check_ring_plan_agrees(mtrain_context_t *ctx, int64_t seq_len, int32_t heads,
-                                              int32_t ranks_per_node) {
+ * another batch (or head count, or schedule) would send K/V chunks of
+ * another size, and a message longer than the posted receive is not
+ * reliably refused by the transport: Open MPI's single-copy path (CMA) was
+ * seen writing past the receive buffer (AddressSanitizer, 2026-11-22). So
+ * the plans are compared before any transfer, and all ranks fail, naming two
+ * ranks and their values. */
+static mtrain_status_t check_ring_plan_agrees(mtrain_context_t *ctx, const mtrain_plan_t *plan) {
   const int size = mtrain_comm_size(ctx->comm);
   if (size <= 1) return MTRAIN_SUCCESS;
-  const int64_t mine[3] = {seq_len, heads, ranks_per_node};
-  int64_t *all = calloc((size_t)size * 3, sizeof *all);
+  enum { K = 6 };
+  uint64_t lengths = 1469598103934665603ull; /* FNV-1a over the sequence lengths */
+  int64_t total = 0;
+  for (int32_t s = 0; s < plan->num_seqs; s++) {
+    const int64_t n = plan->seqs[s].pattern->seq_len;
+    total += n;
+    for (int b = 0; b < 8; b++)
+      lengths = (lengths ^ (uint64_t)((n >> (8 * b)) & 0xff)) * 1099511628211ull;
+  }
+  const int64_t mine[K] = {plan->num_seqs,     total,
+                           plan->num_heads,    plan->ranks_per_node,
+                           plan->local_tokens, (int64_t)(lengths >> 1)};
+  int64_t *all = calloc((size_t)size * K, sizeof *all);
   if (!all) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   mtrain_status_t st = ctx->comm->ops->allgather(ctx->comm->state, mine, all, sizeof mine);
   for (int r = 1; st == MTRAIN_SUCCESS && r < size; r++)
-    if (memcmp(all, all + 3 * r, sizeof mine) != 0)
-      st =
-          mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
-                       "plan: rank 0 plans the ring for %lld tokens, %lld heads, ranks per node "
-                       "%lld; rank %d for %lld tokens, %lld heads, ranks per node %lld: every "
-                       "rank must plan the same problem (expected the same on every rank)",
-                       (long long)all[0], (long long)all[1], (long long)all[2], r,
-                       (long long)all[3 * r], (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
+    if (memcmp(all, all + K * r, sizeof mine) != 0) {
+      const int64_t *a = all, *b = all + K * r;
+      st = mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "plan: rank 0 plans the ring for %lld sequences of %lld tokens in all, "
+                        "%lld heads, ranks per node %lld, %lld local slots%s; rank %d for %lld "
+                        "sequences of %lld tokens, %lld heads, ranks per node %lld, %lld local "
+                        "slots: every rank must plan the same problem (expected the same on "
+                        "every rank)",
+                        (long long)a[0], (long long)a[1], (long long)a[2], (long long)a[3],
+                        (long long)a[4], a[5] != b[5] ? " (and other sequence lengths)" : "", r,
+                        (long long)b[0], (long long)b[1], (long long)b[2], (long long)b[3],
+                        (long long)b[4]);
+    }
   free(all);
   return st;
-}
-
-mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
-                                        int32_t ranks_per_node, const mtrain_pattern_t *pattern,
-                                        mtrain_plan_t **out) {
-  MTRAIN_CHECK_NOT_NULL(ctx);
-  MTRAIN_CHECK_NOT_NULL(layout);
-  MTRAIN_CHECK_NOT_NULL(pattern);
-  MTRAIN_CHECK_NOT_NULL(out);
-  const int32_t world = mtrain_context_world(ctx), rank = mtrain_context_rank(ctx);
-  if (mtrain_layout_world(layout) != world)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                        "plan: the layout is for %d ranks, the communicator has %d",
-                        mtrain_layout_world(layout), world);
-  if (mtrain_layout_seq_len(layout) != pattern->seq_len)
-    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
-                        "plan: the layout is for %lld tokens, the pattern for %lld",
-                        (long long)mtrain_layout_seq_len(layout), (long long)pattern->seq_len);
-  if (mtrain_layout_granularity(layout) != ctx->config.granularity ||
-      pattern->granularity != ctx->config.granularity)
-    return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
-                        "plan: granularity of the layout (%d) and the pattern (%d) must be the "
-                        "context's (%d)",
-                        mtrain_layout_granularity(layout), pattern->granularity,
-                        ctx->config.granularity);
-  if (ranks_per_node < 0 || (ranks_per_node > 0 && world % ranks_per_node != 0))
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                        "plan: ranks_per_node %d does not divide the world size %d", ranks_per_node,
-                        world);
-  mtrain_status_t st =
-      check_ring_plan_agrees(ctx, pattern->seq_len, pattern->num_heads, ranks_per_node);
-  if (st != MTRAIN_SUCCESS) return st;
-  mtrain_plan_t *plan = calloc(1, sizeof *plan);
-  if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  plan->num_seqs = 1;
-  plan->num_steps = world;
-  plan->num_heads = pattern->num_heads;
-  plan->granularity = ctx->config.granularity;
-  plan->rank = rank;
-  plan->world = world;
-  plan->ranks_per_node = ranks_per_node == world ? 0 : ranks_per_node;
-  plan->seqs = calloc(1, sizeof *plan->seqs);
-  MTRAIN_FAIL_IF(!plan->seqs, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  mtrain_plan_seq_t *ps = &plan->seqs[0];
-  MTRAIN_TRY(mtrain_pattern_clone(pattern, &ps->pattern));
-  ps->q.num_blocks = mtrain_layout_rank_num_blocks(layout, rank);
-  ps->q.global = mtrain_layout_rank_blocks(layout, rank);
-  ps->q.tokens = mtrain_layout_local_tokens(layout, rank);
-  ps->q_global = malloc(sizeof(int64_t) * (size_t)(ps->q.num_blocks + 1));
-  ps->steps = calloc((size_t)world, sizeof *ps->steps);
-  MTRAIN_FAIL_IF(!ps->q_global || !ps->steps, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  memcpy(ps->q_global, ps->q.global, sizeof(int64_t) * (size_t)ps->q.num_blocks);
-  ps->q.global = ps->q_global; /* the plan must not depend on the layout's lifetime */
-  if (world > 1 && mtrain_layout_bars_mode(layout) == MTRAIN_BARS_GATHERED)
-    MTRAIN_TRY(build_gathered(plan, ps, layout));
-  ps->k_globals = calloc((size_t)world, sizeof *ps->k_globals);
-  MTRAIN_FAIL_IF(!ps->k_globals, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  for (int32_t t = 0; t < world; t++) {
-    int32_t src = 0;
-    MTRAIN_TRY(mtrain_ring_source(world, plan->ranks_per_node, rank, t, &src));
-    mtrain_rank_blocks_t k = {mtrain_layout_rank_num_blocks(layout, src), NULL,
-                              mtrain_layout_local_tokens(layout, src)};
-    ps->k_globals[t] = malloc(sizeof(int64_t) * (size_t)(k.num_blocks + 1));
-    MTRAIN_FAIL_IF(!ps->k_globals[t], MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-    memcpy(ps->k_globals[t], mtrain_layout_rank_blocks(layout, src),
-           sizeof(int64_t) * (size_t)k.num_blocks);
-    k.global = ps->k_globals[t];
-    MTRAIN_TRY(build_step(plan, ps, t, src, k, plan->gathered == NULL));
-  }
-  plan->local_tokens = ps->q.tokens;
-  plan->bytes += sizeof *plan + sizeof *plan->seqs;
-  *out = plan;
-  return MTRAIN_SUCCESS;
-cleanup:
-  mtrain_plan_destroy(plan);
-  return st;
-}
-
-/* Builds one sequence of a single-rank plan (identity layout, one step). */
-static mtrain_status_t build_single_rank_seq(mtrain_plan_t *plan, mtrain_plan_seq_t *s) {
-  const mtrain_pattern_t *p = s->pattern;
-  int32_t nb = (int32_t)p->num_blocks;
-  s->q_global = malloc((size_t)nb * sizeof *s->q_global);
-  s->steps = calloc(1, sizeof *s->steps);
-  if (!s->q_global || !s->steps)
-    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  for (int32_t b = 0; b < nb; b++) s->q_global[b] = b;
-  s->q.num_blocks = nb;
-  s->q.global = s->q_global;
-  s->q.tokens = p->seq_len;
-  return build_step(plan, s, 0, 0, s->q, 1);
 }
 
 static mtrain_status_t check_seqs(const mtrain_seqs_t *seqs,
@@ -633,6 +617,136 @@ static mtrain_status_t check_seqs(const mtrain_seqs_t *seqs,
   return MTRAIN_SUCCESS;
 }
 
+static mtrain_status_t check_layouts(const mtrain_context_t *ctx,
+                                     const mtrain_layout_t *const *layouts,
+                                     const mtrain_pattern_t *const *patterns, int32_t n,
+                                     int32_t world) {
+  for (int32_t s = 0; s < n; s++) {
+    const mtrain_layout_t *l = layouts[s];
+    if (!l) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "plan: layouts[%d] is NULL", s);
+    if (mtrain_layout_world(l) != world)
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "plan: layouts[%d] is for %d ranks, the communicator has %d", s,
+                          mtrain_layout_world(l), world);
+    if (mtrain_layout_seq_len(l) != patterns[s]->seq_len)
+      return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                          "plan: layouts[%d] is for %lld tokens, patterns[%d] for %lld", s,
+                          (long long)mtrain_layout_seq_len(l), s, (long long)patterns[s]->seq_len);
+    if (mtrain_layout_granularity(l) != ctx->config.granularity)
+      return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
+                          "plan: layouts[%d] has granularity %d, the context uses %d", s,
+                          mtrain_layout_granularity(l), ctx->config.granularity);
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* The one plan builder: sequence s of the batch is dealt over the ranks by
+ * layouts[s], or (layouts == NULL, one rank) held whole in token order with
+ * no padding. Every plan is a ring: one step per rank (one step on one rank),
+ * step t holding the chunk of the rank the schedule names. */
+static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
+                                  const mtrain_pattern_t *const *patterns,
+                                  const mtrain_layout_t *const *layouts, int32_t ranks_per_node,
+                                  mtrain_plan_t **out) {
+  const int32_t world = layouts ? mtrain_context_world(ctx) : 1;
+  const int32_t rank = layouts ? mtrain_context_rank(ctx) : 0;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_ring_geometry_t geo;
+  int64_t *slot_offset = NULL; /* [rank * num_seqs + s] first local slot of s on rank */
+  mtrain_plan_t *plan = calloc(1, sizeof *plan);
+  if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  MTRAIN_TRY(mtrain_ring_geometry(world, ranks_per_node == world ? 0 : ranks_per_node, rank, &geo));
+  plan->num_seqs = num_seqs;
+  plan->num_steps = world;
+  plan->num_heads = patterns[0]->num_heads;
+  plan->granularity = ctx->config.granularity;
+  plan->rank = rank;
+  plan->world = world;
+  plan->ranks_per_node = ranks_per_node == world ? 0 : ranks_per_node;
+  plan->seqs = calloc((size_t)num_seqs, sizeof *plan->seqs);
+  slot_offset = calloc((size_t)world * (size_t)num_seqs, sizeof *slot_offset);
+  MTRAIN_FAIL_IF(!plan->seqs || !slot_offset, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  for (int32_t r = 0; r < world; r++) {
+    int64_t off = 0;
+    for (int32_t s = 0; s < num_seqs; s++) {
+      slot_offset[(int64_t)r * num_seqs + s] = off;
+      off += layouts ? mtrain_layout_local_tokens(layouts[s], r) : patterns[s]->seq_len;
+    }
+  }
+  for (int32_t s = 0; s < num_seqs; s++) {
+    mtrain_plan_seq_t *ps = &plan->seqs[s];
+    MTRAIN_TRY(mtrain_pattern_clone(patterns[s], &ps->pattern));
+    ps->local_offset = slot_offset[(int64_t)rank * num_seqs + s];
+    const int32_t nb = layouts ? mtrain_layout_rank_num_blocks(layouts[s], rank)
+                               : (int32_t)ps->pattern->num_blocks;
+    ps->q.num_blocks = nb;
+    ps->q.tokens = layouts ? mtrain_layout_local_tokens(layouts[s], rank) : ps->pattern->seq_len;
+    ps->q_global = malloc(sizeof(int64_t) * (size_t)(nb + 1));
+    ps->steps = calloc((size_t)world, sizeof *ps->steps);
+    ps->k_globals = calloc((size_t)world, sizeof *ps->k_globals);
+    MTRAIN_FAIL_IF(!ps->q_global || !ps->steps || !ps->k_globals, MTRAIN_ERR_OUT_OF_MEMORY,
+                   "plan: out of memory");
+    for (int32_t b = 0; b < nb; b++)
+      ps->q_global[b] = layouts ? mtrain_layout_rank_blocks(layouts[s], rank)[b] : b;
+    ps->q.global = ps->q_global; /* the plan must not depend on the layout's lifetime */
+    plan->local_tokens += ps->q.tokens;
+  }
+  if (world > 1)
+    for (int32_t s = 0; s < num_seqs; s++)
+      if (mtrain_layout_bars_mode(layouts[s]) == MTRAIN_BARS_GATHERED) {
+        MTRAIN_TRY(build_gathered(plan, layouts, slot_offset));
+        break;
+      }
+  for (int32_t s = 0; s < num_seqs; s++) {
+    mtrain_plan_seq_t *ps = &plan->seqs[s];
+    for (int32_t t = 0; t < world; t++) {
+      const int32_t src = mtrain_ring_geometry_source(&geo, t);
+      mtrain_rank_blocks_t k = ps->q;
+      if (layouts) {
+        k.num_blocks = mtrain_layout_rank_num_blocks(layouts[s], src);
+        k.tokens = mtrain_layout_local_tokens(layouts[s], src);
+        ps->k_globals[t] = malloc(sizeof(int64_t) * (size_t)(k.num_blocks + 1));
+        MTRAIN_FAIL_IF(!ps->k_globals[t], MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+        memcpy(ps->k_globals[t], mtrain_layout_rank_blocks(layouts[s], src),
+               sizeof(int64_t) * (size_t)k.num_blocks);
+        k.global = ps->k_globals[t];
+      }
+      ps->steps[t].chunk_offset = slot_offset[(int64_t)src * num_seqs + s];
+      MTRAIN_TRY(build_step(plan, ps, t, src, k, ps->bar_steps == NULL));
+    }
+  }
+  plan->bytes += sizeof *plan + (size_t)num_seqs * sizeof *plan->seqs;
+  if (layouts) MTRAIN_TRY(check_ring_plan_agrees(ctx, plan));
+  free(slot_offset);
+  *out = plan;
+  return MTRAIN_SUCCESS;
+cleanup:
+  free(slot_offset);
+  mtrain_plan_destroy(plan);
+  return st;
+}
+
+mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
+                                        const mtrain_layout_t *const *layouts,
+                                        int32_t ranks_per_node,
+                                        const mtrain_pattern_t *const *patterns,
+                                        mtrain_plan_t **out) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(layouts);
+  MTRAIN_CHECK_NOT_NULL(patterns);
+  MTRAIN_CHECK_NOT_NULL(out);
+  const int32_t world = mtrain_context_world(ctx), n = seqs ? seqs->num_seqs : 1;
+  mtrain_status_t st = check_seqs(seqs, patterns, ctx->config.granularity);
+  if (st == MTRAIN_SUCCESS) st = check_layouts(ctx, layouts, patterns, n, world);
+  if (st == MTRAIN_SUCCESS &&
+      (ranks_per_node < 0 || (ranks_per_node > 0 && world % ranks_per_node != 0)))
+    st = mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                      "plan: ranks_per_node %d does not divide the world size %d", ranks_per_node,
+                      world);
+  if (st != MTRAIN_SUCCESS) return st;
+  return build_plan(ctx, n, patterns, layouts, ranks_per_node, out);
+}
+
 mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
                                    const mtrain_pattern_t *const *patterns, mtrain_plan_t **out) {
   MTRAIN_CHECK_NOT_NULL(ctx);
@@ -643,34 +757,16 @@ mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *s
   int world = mtrain_context_world(ctx);
   if (world != 1)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "plan: world size %d: use mtrain_plan_create_ring with a layout for "
-                        "several ranks",
+                        "plan: world size %d: use mtrain_plan_create_ring with a layout per "
+                        "sequence for several ranks",
                         world);
-  mtrain_plan_t *plan = calloc(1, sizeof *plan);
-  if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  plan->num_seqs = seqs ? seqs->num_seqs : 1;
-  plan->num_steps = 1;
-  plan->world = 1;
-  plan->num_heads = patterns[0]->num_heads;
-  plan->granularity = ctx->config.granularity;
-  plan->rank = 0;
-  plan->seqs = calloc((size_t)plan->num_seqs, sizeof *plan->seqs);
-  MTRAIN_FAIL_IF(!plan->seqs, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  for (int32_t s = 0; s < plan->num_seqs; s++) {
-    mtrain_plan_seq_t *ps = &plan->seqs[s];
-    MTRAIN_TRY(mtrain_pattern_clone(patterns[s], &ps->pattern));
-    ps->local_offset = plan->local_tokens;
-    MTRAIN_TRY(build_single_rank_seq(plan, ps));
-    plan->local_tokens += ps->q.tokens;
-  }
-  plan->bytes += sizeof *plan + (size_t)plan->num_seqs * sizeof *plan->seqs;
-  *out = plan;
-  return MTRAIN_SUCCESS;
-cleanup:
-  mtrain_plan_destroy(plan);
-  return st;
+  return build_plan(ctx, seqs ? seqs->num_seqs : 1, patterns, NULL, 0, out);
 }
 
+int32_t mtrain_plan_num_seqs(const mtrain_plan_t *plan) { return plan ? plan->num_seqs : 0; }
+int64_t mtrain_plan_seq_local_offset(const mtrain_plan_t *plan, int32_t seq) {
+  return plan && seq >= 0 && seq < plan->num_seqs ? plan->seqs[seq].local_offset : -1;
+}
 int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan) {
   return plan ? plan->local_tokens : 0;
 }

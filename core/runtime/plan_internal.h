@@ -41,6 +41,7 @@ mtrain_step_head_t mtrain_step_head_view(const mtrain_step_head_store_t *s);
 
 typedef struct mtrain_plan_step {
   int32_t src_rank;
+  int64_t chunk_offset; /* first token slot of this sequence in src_rank's chunk */
   mtrain_rank_blocks_t k;
   mtrain_step_head_store_t *heads; /* [num_heads] */
   mtrain_step_head_t *head_views;  /* [num_heads] */
@@ -49,27 +50,41 @@ typedef struct mtrain_plan_step {
 
 typedef struct mtrain_plan_seq {
   mtrain_pattern_t *pattern; /* owned copy */
-  int64_t local_offset;      /* first local token of this sequence */
+  int64_t local_offset;      /* first local token slot of this sequence */
   mtrain_rank_blocks_t q;
   int64_t *q_global;         /* owned storage of q.global */
   mtrain_plan_step_t *steps; /* [num_steps] */
   int64_t **k_globals;       /* ring plans: owned block ids of each step's chunk */
+  /* bars gathered (docs/BALANCE.md): this sequence's verticals are rows
+   * [bar_base, bar_base + bar_count) of the gathered K/V buffer and
+   * bar_steps[t] is the share of its bar work done at step t against them
+   * (runs empty, bars index the sequence's rows); NULL: bars in the ring */
+  mtrain_plan_step_t *bar_steps;
+  int64_t bar_base, bar_count;
 } mtrain_plan_seq_t;
 
-/** Bars gathered (docs/BALANCE.md): the union of the verticals of all heads,
- *  whose K/V rows every rank receives before the ring, and for every ring
- *  step the share of this rank's bar work computed against them. */
+/** Bars gathered, over all sequences of the plan: before the ring every rank
+ *  packs the K/V rows of the verticals it owns (pack_rows, padded with zero
+ *  rows to max_owned), the packs are all-gathered ([world][K pack | V pack]
+ *  of max_owned rows each) and unpacked into the gathered buffer
+ *  [K rows | V rows] of `count` rows each (unpack: 2 * count indices into the
+ *  all-gathered rows). Backward, the gathered dK/dV are summed over the ranks
+ *  and each owner adds the rows owned_bars (2 * owned indices into
+ *  [dK rows | dV rows]) to its rows pack_rows. Only rows move; no arithmetic
+ *  touches the K/V values, so the gathered rows are bitwise the owners'. */
 typedef struct mtrain_plan_gathered {
-  int64_t *positions; /* [count] sorted global key positions */
-  int64_t *local_row; /* [count] this rank's local row of each, or -1 */
-  int64_t count;
-  mtrain_plan_step_t *steps; /* [num_steps]: runs empty, bars index `positions` */
+  int64_t count;       /* gathered rows over all sequences */
+  int64_t owned;       /* rows this rank owns */
+  int64_t max_owned;   /* the largest `owned` over the ranks */
+  int64_t *pack_rows;  /* [max_owned] local token rows; padding entries INT64_MAX */
+  int64_t *unpack;     /* [2 * count] */
+  int64_t *owned_bars; /* [2 * owned] */
 } mtrain_plan_gathered_t;
 
 struct mtrain_plan {
   int32_t num_seqs, num_steps, num_heads, granularity, rank;
   int32_t world, ranks_per_node;    /* ring: world size and ranks per node (0: flat) */
-  mtrain_plan_gathered_t *gathered; /* NULL: bars computed in the ring steps */
+  mtrain_plan_gathered_t *gathered; /* NULL: every sequence computes its bars in the ring */
   int64_t local_tokens;
   int64_t computed_pairs;
   size_t bytes;

@@ -14,17 +14,16 @@
  * communicator that pairs a receive with the next send of its tag, as NCCL's
  * does, sees matched pairs around the ring). At the end of
  * each outer step the node's partial goes to the chunk's owner, which adds
- * the partials of the n nodes in outer-step order. */
+ * the partials of the n nodes in outer-step order. A single rank is the ring
+ * of one: one step on its own chunk, nothing copied or sent. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/layout/schedule.h"
 #include "core/runtime/context_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/plan_internal.h"
 #include "core/runtime/ring.h"
-
-enum { TAG_INNER = 11, TAG_OUTER = 12, TAG_INNER_PARTIAL = 13, TAG_PARTIAL = 100 };
+#include "mtrain/mtrain_error.h"
 
 typedef struct comm_pair {
   mtrain_comm_request_t *send, *recv;
@@ -67,8 +66,46 @@ static void buffers_free(mtrain_context_t *ctx, ring_buffers_t *b) {
   free(b->partial_out);
 }
 
+/* Records the device timestamps of the steps (a device backend runs them
+ * asynchronously) into the call's statistics: compute is the steps' own
+ * spans, ring the first step's start to the last's end. */
+static mtrain_status_t device_step_times(mtrain_context_t *ctx, int32_t total_steps) {
+  const mtrain_backend_ops_t *be = ctx->backend;
+  double sum = 0.0, span = 0.0;
+  for (int32_t t = 0; t < total_steps; t++) {
+    double x = 0.0;
+    mtrain_status_t st = be->timer_elapsed(ctx->backend_state, 2 * t, 2 * t + 1, &x);
+    if (st) return st;
+    sum += x;
+  }
+  mtrain_status_t st = be->timer_elapsed(ctx->backend_state, 0, 2 * total_steps - 1, &span);
+  if (st) return st;
+  ctx->last_stats.compute_seconds = sum;
+  ctx->last_stats.ring_seconds = span;
+  return MTRAIN_SUCCESS;
+}
+
+/* The ring of one: the rank's own chunk, gradients in place. */
+static mtrain_status_t run_alone(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                 const mtrain_ring_args_t *a) {
+  const mtrain_backend_ops_t *be = ctx->backend;
+  const int device_timing = be->timer_mark && be->timer_elapsed;
+  const double t0 = mtrain_now();
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (device_timing) MTRAIN_TRY(be->timer_mark(ctx->backend_state, 0));
+  MTRAIN_TRY(a->step(ctx, plan, 0, a->k, a->v, a->backward ? a->dk_own : NULL,
+                     a->backward ? a->dv_own : NULL, a->user));
+  if (device_timing) MTRAIN_TRY(be->timer_mark(ctx->backend_state, 1));
+  ctx->last_stats.compute_seconds = ctx->last_stats.ring_seconds = mtrain_now() - t0;
+  ctx->last_stats.steps = 1;
+  if (device_timing) MTRAIN_TRY(device_step_times(ctx, 1));
+cleanup:
+  return st;
+}
+
 mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan,
                                 const mtrain_ring_args_t *a) {
+  if (plan->world == 1) return run_alone(ctx, plan, a);
   const mtrain_backend_ops_t *be = ctx->backend;
   void *bs = ctx->backend_state;
   mtrain_ring_geometry_t g;
@@ -101,7 +138,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
       MTRAIN_TRY(mtrain_backend_alloc(ctx, 2 * acc_bytes, &b.partial_out[o]));
       const int from = mtrain_ring_geometry_partial_from(&g, o);
       MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.partial_in[o], 2 * acc_bytes, from,
-                                       TAG_PARTIAL + o, &partial_recv[o]));
+                                       MTRAIN_TAG_RING_PARTIAL + o, &partial_recv[o]));
     }
   }
   const double ring_start = mtrain_now();
@@ -115,7 +152,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
   for (int32_t o = 0; o < g.n; o++) {
     if (o + 1 < g.n)
       MTRAIN_TRY(exchange(ctx, b.chunk[held], b.chunk[1 - held], 2 * kv_bytes, g.outer_next,
-                          g.outer_prev, TAG_OUTER, &outer));
+                          g.outer_prev, MTRAIN_TAG_RING_OUTER, &outer));
     if (backward)
       MTRAIN_TRY(be->memset_zero(bs, (char *)b.chunk[held] + 2 * kv_bytes, 2 * acc_bytes));
     int cur = held, spare = 2;
@@ -125,7 +162,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
       char *chunk = b.chunk[cur];
       if (i + 1 < g.L) /* K/V of the chunk in hand go on while it is computed */
         MTRAIN_TRY(exchange(ctx, chunk, b.chunk[spare], 2 * kv_bytes, g.inner_next, g.inner_prev,
-                            TAG_INNER, &inner));
+                            MTRAIN_TAG_RING_INNER, &inner));
       mtrain_comm_request_t *incoming = NULL;
       if (backward) {
         /* the send of two steps back read this buffer: done before it is zeroed */
@@ -138,13 +175,13 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
         MTRAIN_TRY(be->memset_zero(bs, chunk + 2 * kv_bytes, 2 * acc_bytes));
         if (i > 0) {
           MTRAIN_TRY(ctx->comm->ops->irecv(ctx->comm->state, b.inner_partial, 2 * acc_bytes,
-                                           g.inner_prev, TAG_INNER_PARTIAL, &incoming));
+                                           g.inner_prev, MTRAIN_TAG_RING_INNER_PARTIAL, &incoming));
           /* the previous step's sum goes on now, posted after the receive so
            * that a communicator may pair them (NCCL groups them: a chain of
            * lone sends and receives around the ring could deadlock) */
           MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, prev_chunk + 2 * kv_bytes,
-                                           2 * acc_bytes, g.inner_next, TAG_INNER_PARTIAL,
-                                           &pending_partial));
+                                           2 * acc_bytes, g.inner_next,
+                                           MTRAIN_TAG_RING_INNER_PARTIAL, &pending_partial));
         }
       }
       const double t0 = mtrain_now();
@@ -183,7 +220,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
       MTRAIN_TRY(
           be->copy(bs, b.partial_out[o], (char *)b.chunk[cur] + 2 * kv_bytes, 2 * acc_bytes));
       MTRAIN_TRY(ctx->comm->ops->isend(ctx->comm->state, b.partial_out[o], 2 * acc_bytes, owner,
-                                       TAG_PARTIAL + o, &partial_send[o]));
+                                       MTRAIN_TAG_RING_PARTIAL + o, &partial_send[o]));
     }
     if (o + 1 < g.n) {
       const double w0 = mtrain_now();
@@ -197,8 +234,9 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
     for (int32_t o = 0; o < g.n; o++) {
       MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, partial_recv[o]));
       partial_recv[o] = NULL;
-      MTRAIN_TRY(
-          a->add_partial(ctx, b.partial_in[o], (char *)b.partial_in[o] + acc_bytes, a->user));
+      MTRAIN_TRY(be->add(bs, a->dk_own, b.partial_in[o], be->acc_dtype, (int64_t)a->chunk_elems));
+      MTRAIN_TRY(be->add(bs, a->dv_own, (char *)b.partial_in[o] + acc_bytes, be->acc_dtype,
+                         (int64_t)a->chunk_elems));
     }
     for (int32_t o = 0; o < g.n; o++) {
       MTRAIN_TRY(ctx->comm->ops->wait(ctx->comm->state, partial_send[o]));
@@ -206,18 +244,7 @@ mtrain_status_t mtrain_ring_run(mtrain_context_t *ctx, const mtrain_plan_t *plan
     }
   }
   ctx->last_stats.ring_seconds = mtrain_now() - ring_start;
-  if (device_timing) {
-    /* compute: the steps' own spans; ring: first step's start to last's end */
-    double sum = 0.0, span = 0.0;
-    for (int32_t t = 0; t < total_steps; t++) {
-      double x = 0.0;
-      MTRAIN_TRY(be->timer_elapsed(bs, 2 * t, 2 * t + 1, &x));
-      sum += x;
-    }
-    MTRAIN_TRY(be->timer_elapsed(bs, 0, 2 * total_steps - 1, &span));
-    ctx->last_stats.compute_seconds = sum;
-    ctx->last_stats.ring_seconds = span;
-  }
+  if (device_timing) MTRAIN_TRY(device_step_times(ctx, total_steps));
 cleanup:
   free(partial_recv); /* requests still posted after an error are abandoned with the job */
   free(partial_send);

@@ -303,40 +303,50 @@ typedef struct mtrain_seqs {
  *  host data; immutable after creation; may be shared by threads. */
 typedef struct mtrain_plan mtrain_plan_t;
 
-/** Builds the plan of this context's rank for a packed batch: one pattern per
- *  sequence (patterns[s]->seq_len must equal the sequence's length; all must
- *  have the same head count and the context's granularity). With seqs == NULL
- *  the batch is one sequence of patterns[0]->seq_len tokens. Single rank for
- *  now: a context with more than one rank gets MTRAIN_ERR_NOT_SUPPORTED
- *  until the distributed ring lands. The patterns are copied. */
+/** Builds the plan of a single-rank context for a packed batch: one pattern
+ *  per sequence (patterns[s]->seq_len must equal the sequence's length; all
+ *  must have the same head count and the context's granularity). With seqs
+ *  == NULL the batch is one sequence of patterns[0]->seq_len tokens. The
+ *  attention tensors hold the batch's tokens in order, no padding. A context
+ *  with several ranks gets MTRAIN_ERR_NOT_SUPPORTED: use
+ *  mtrain_plan_create_ring. The patterns are copied. */
 MTRAIN_API mtrain_status_t mtrain_plan_create(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
                                               const mtrain_pattern_t *const *patterns,
                                               mtrain_plan_t **out);
 /** Builds this rank's plan for the ring of the context's communicator
- *  (SPEC.md sections 4 and 5): one sequence of pattern->seq_len tokens laid
- *  out over the ranks by `layout` (mtrain_layout.h: same seq_len, the
- *  context's granularity and world size); ranks_per_node 0 is the flat ring,
- *  a proper divisor of the world size the hierarchical ring with that many
- *  ranks per node. The attention tensors of this rank then hold its local
- *  token slots in layout order (mtrain_plan_local_tokens, padding slots
- *  included: see mtrain_layout_rank_token_index). Bars follow the layout's
- *  bars mode: computed in the ring step where their key passes, or (bars
- *  gathered, the balanced layout) against the vertical K/V rows gathered
- *  before the ring, a share per step (docs/BALANCE.md). Collective on
- *  ctx's communicator: the ranks compare their sequence length, head count
- *  and ranks_per_node, and all fail with MTRAIN_ERR_SHAPE_MISMATCH naming
- *  two ranks when any differs (a peer planning another problem would send
- *  chunks of another size). */
+ *  (SPEC.md sections 4 and 5) for a packed batch: sequence s (tokens
+ *  [offsets[s], offsets[s+1]) of the global batch, seqs == NULL: one
+ *  sequence) has the pattern patterns[s] and is laid out over the ranks by
+ *  layouts[s] (mtrain_layout.h: that sequence's length, the context's
+ *  granularity and world size). The attention tensors of this rank hold,
+ *  sequence after sequence, its local token slots of each in layout order
+ *  (padding slots included: see mtrain_layout_rank_token_index); sequence s
+ *  starts at local row mtrain_plan_seq_local_offset(plan, s), and the first
+ *  dimension is mtrain_plan_local_tokens(plan). ranks_per_node 0 is the flat
+ *  ring, a proper divisor of the world size the hierarchical ring with that
+ *  many ranks per node. Bars follow each layout's bars mode: computed in the
+ *  ring step where their key passes, or (bars gathered, the balanced layout)
+ *  against the vertical K/V rows gathered before the ring, a share per step
+ *  (docs/BALANCE.md). On one rank this is the ring of one. Collective on
+ *  ctx's communicator: the ranks compare their batches (sequence count and
+ *  lengths), head count, ranks_per_node and local slots, and all fail with
+ *  MTRAIN_ERR_SHAPE_MISMATCH naming two ranks when any differs (a peer
+ *  planning another problem would send chunks of another size). The
+ *  patterns are copied; the layouts are only read during the call. */
 struct mtrain_layout; /* mtrain_layout.h */
-MTRAIN_API mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx,
-                                                   const struct mtrain_layout *layout,
+MTRAIN_API mtrain_status_t mtrain_plan_create_ring(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
+                                                   const struct mtrain_layout *const *layouts,
                                                    int32_t ranks_per_node,
-                                                   const mtrain_pattern_t *pattern,
+                                                   const mtrain_pattern_t *const *patterns,
                                                    mtrain_plan_t **out);
 MTRAIN_API void mtrain_plan_destroy(mtrain_plan_t *plan);
 /** Rank the plan was built for, and the ring's ranks per node (0: flat). */
 MTRAIN_API int32_t mtrain_plan_rank(const mtrain_plan_t *plan);
 MTRAIN_API int32_t mtrain_plan_ranks_per_node(const mtrain_plan_t *plan);
+/** Sequences of the plan's batch, and the first local row of sequence `seq`
+ *  in this rank's attention tensors (-1 for a sequence out of range). */
+MTRAIN_API int32_t mtrain_plan_num_seqs(const mtrain_plan_t *plan);
+MTRAIN_API int64_t mtrain_plan_seq_local_offset(const mtrain_plan_t *plan, int32_t seq);
 /** Tokens of the whole batch held by this rank (the first dimension every
  *  attention tensor must have). */
 MTRAIN_API int64_t mtrain_plan_local_tokens(const mtrain_plan_t *plan);
