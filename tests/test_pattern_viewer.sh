@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # test_pattern_viewer.sh: runs mtrain-pattern on a small pattern file it
 # writes (a vertical-slash head and a block-mask head): the PNG must exist,
-# start with the PNG signature and have the expected size; bad inputs
-# (missing file, head out of range, unwritable output) must exit 1 with a
-# message, a bad command line exit 2.
+# start with the PNG signature and have the size the tool reports; the
+# default plot has whole pixels per block and at least 512 px a side, with
+# a title and legend around it (--no-legend: the plot alone, exactly
+# --size); bad inputs (missing file, head out of range, unwritable output)
+# must exit 1 with a message, a bad command line exit 2.
 # usage: test_pattern_viewer.sh PATH/TO/mtrain-pattern TMPDIR
 set -euo pipefail
 bin=$1
@@ -25,18 +27,35 @@ cat > "$work/p.json" <<'EOF'
 EOF
 
 # PNG signature (8 bytes) and IHDR width and height (bytes 16..23, big endian).
-check_png() { # file width
-  local f=$1 want=$2
+check_png() { # file width height
+  local f=$1 want_w=$2 want_h=$3
   [ -s "$f" ] || fail "$f missing or empty"
   local sig
   sig=$(od -An -tx1 -N8 "$f" | tr -d ' \n')
   [ "$sig" = "89504e470d0a1a0a" ] || fail "$f does not start with the PNG signature ($sig)"
-  local wh
+  local wh a b c d e f2 g h
   wh=$(od -An -tu1 -j16 -N8 "$f" | tr -s ' ' | sed 's/^ //')
   read -r a b c d e f2 g h <<< "$wh"
   local w=$(((a << 24) | (b << 16) | (c << 8) | d)) hh=$(((e << 24) | (f2 << 16) | (g << 8) | h))
-  if [ "$w" != "$want" ] || [ "$hh" != "$want" ]; then
-    fail "$f is ${w}x${hh}, expected ${want}x${want}"
+  if [ "$w" != "$want_w" ] || [ "$hh" != "$want_h" ]; then
+    fail "$f is ${w}x${hh}, expected ${want_w}x${want_h}"
+  fi
+}
+
+# check_drawn FILE PLOT: the summary line in out.txt reports the image size
+# (checked against the file) and a plot of PLOT x PLOT px; with a legend the
+# image is larger than the plot on both sides (title above, legend below).
+check_drawn() {
+  local f=$1 plot=$2 line w h p
+  line=$(grep -o "image [0-9]* x [0-9]* px, plot [0-9]* x [0-9]* px" "$work/out.txt") ||
+    fail "no image and plot sizes in the summary: $(cat "$work/out.txt")"
+  read -r w h p <<< "$(echo "$line" | sed -E 's/image ([0-9]+) x ([0-9]+) px, plot ([0-9]+) x.*/\1 \2 \3/')"
+  [ "$p" = "$plot" ] || fail "$f: plot of $p px, expected $plot: $line"
+  check_png "$f" "$w" "$h"
+  if grep -q "with legend" "$work/out.txt"; then
+    [ "$w" -gt "$p" ] && [ "$h" -gt $((p + 100)) ] || fail "$f: ${w}x${h} has no room for a legend"
+  else
+    [ "$w" = "$p" ] && [ "$h" = "$p" ] || fail "$f: without legend ${w}x${h}, expected ${p}x${p}"
   fi
 }
 
@@ -50,19 +69,32 @@ expect_exit() {
   grep -q -- "$needle" "$work/err.txt" || fail "'$*': stderr lacks '$needle': $(cat "$work/err.txt")"
 }
 
+# default: 10 blocks drawn 52 px each (whole pixels per block, >= 512 px), with a legend
 "$bin" --pattern "$work/p.json" --head 0 --out "$work/h0.png" > "$work/out.txt"
-check_png "$work/h0.png" 10
+check_drawn "$work/h0.png" 520
 grep -q "7 verticals" "$work/out.txt" || fail "summary line: $(cat "$work/out.txt")"
-"$bin" --pattern "$work/p.json" --head 1 --out "$work/h1.png" --size 64 > /dev/null
-check_png "$work/h1.png" 64
-"$bin" --pattern "$work/p.json" --head 0 --out "$work/small.png" --size 3 > /dev/null
-check_png "$work/small.png" 3
+grep -q "52 px per block" "$work/out.txt" || fail "not 52 px per block: $(cat "$work/out.txt")"
+"$bin" --pattern "$work/p.json" --head 1 --out "$work/h1.png" --size 64 > "$work/out.txt"
+check_drawn "$work/h1.png" 64
+"$bin" --pattern "$work/p.json" --head 1 --out "$work/h1n.png" --size 64 --no-legend > "$work/out.txt"
+check_drawn "$work/h1n.png" 64
+check_png "$work/h1n.png" 64 64
+"$bin" --pattern "$work/p.json" --head 0 --out "$work/small.png" --size 3 --no-legend > "$work/out.txt"
+check_png "$work/small.png" 3 3
+grep -q "max-pooled" "$work/out.txt" || fail "3 px for 10 blocks not pooled: $(cat "$work/out.txt")"
 
-# an estimated pattern: structured inputs, top-k budgets (512 tokens, G 32: 16 blocks)
+# an estimated pattern: structured inputs, top-k budgets (512 tokens, G 32: 16 blocks of 32 px)
 "$bin" --estimate --v-size 8 --s-size 40 --seq-len 512 --heads 2 --kv-heads 1 --head-dim 16 \
   --granularity 32 --head 1 --out "$work/est.png" > "$work/out.txt"
-check_png "$work/est.png" 16
+check_drawn "$work/est.png" 512
 grep -q "the estimated pattern" "$work/out.txt" || fail "estimate summary: $(cat "$work/out.txt")"
+# 1000 blocks: one pixel per block; 2000 blocks: pooled to 1024 px
+echo '{"granularity": 1, "seq_len": 1000, "heads": [{"diagonals": [0, 5]}]}' > "$work/big.json"
+"$bin" --pattern "$work/big.json" --head 0 --out "$work/big.png" > "$work/out.txt"
+check_drawn "$work/big.png" 1000
+echo '{"granularity": 1, "seq_len": 2000, "heads": [{"diagonals": [0, 5]}]}' > "$work/big2.json"
+"$bin" --pattern "$work/big2.json" --head 0 --out "$work/big2.png" > "$work/out.txt"
+check_drawn "$work/big2.png" 1024
 expect_exit 2 "exactly one of" --pattern "$work/p.json" --estimate --v-size 1 --s-size 1 --head 0 \
   --out "$work/x.png"
 expect_exit 2 "needs --budgets" --estimate --head 0 --out "$work/x.png"

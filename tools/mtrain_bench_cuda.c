@@ -112,8 +112,8 @@ static const char usage[] =
     "  --dump-dir DIR        write the validation problems and outputs (.npy) under DIR\n"
     "  --json FILE           write the results as JSON to FILE\n"
     "  --help                this text\n"
-    "Validation: every output within twice mtrain-run --check's bound of the cpu backend's\n"
-    "(8 unit roundoffs of bf16/fp16, 2e-4 for fp32, times max|cpu|).\n"
+    "Validation against the cpu backend: every output within twice the bound of mtrain-run's\n"
+    "check (8 unit roundoffs of bf16/fp16, 2e-4 for fp32) times max|cpu|.\n"
     "Exit status: 0 success, 1 error, 2 bad command line, 3 a variant failed validation.\n";
 
 /* Parses an integer option value in [lo, hi]; 1 (message printed) when it is not one. */
