@@ -8,9 +8,11 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "mtrain/mtrain_comm.h"
 #include "test_support.h"
 
 enum { N = 100, HQ = 4, HKV = 2, D = 16, G = 32 };
@@ -211,6 +213,50 @@ static void test_bad_config(void **state) {
   assert_null(ctx);
 }
 
+/* A communicator table of another API version, or without a required slot,
+ * is refused at context creation, naming the table, the field and the
+ * versions (the tables are checked once there, core/runtime/backend.c). The
+ * fake tables are copies of the "self" communicator's, altered. */
+static void test_bad_comm_table(void **state) {
+  (void)state;
+  mtrain_comm_t *self = NULL;
+  assert_int_equal(mtrain_comm_create_self(&self), MTRAIN_SUCCESS);
+  mtrain_comm_ops_t ops = *self->ops;
+  mtrain_comm_t fake = {&ops, self->state};
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  mtrain_context_t *ctx = NULL;
+  /* the unaltered copy is accepted */
+  assert_int_equal(mtrain_context_create(&cfg, &fake, &ctx), MTRAIN_SUCCESS);
+  mtrain_context_destroy(ctx);
+  ctx = NULL;
+
+  ops.api_version = MTRAIN_API_VERSION - 1;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, &fake, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "communicator table 'self': api_version is");
+  char want[64];
+  snprintf(want, sizeof want, "api_version is %d but this mtrain is %d", MTRAIN_API_VERSION - 1,
+           MTRAIN_API_VERSION);
+  assert_non_null(strstr(mtrain_last_error(), want));
+
+  ops = *self->ops;
+  ops.wait = NULL;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, &fake, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "required slot 'wait' is NULL");
+  assert_non_null(strstr(mtrain_last_error(), "communicator table 'self'"));
+  ops = *self->ops;
+  ops.name = NULL;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, &fake, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "required slot 'name' is NULL");
+  ops = *self->ops;
+  ops.memory_space = (mtrain_memory_space_t)7;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, &fake, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "memory_space is 7");
+  /* set_data_stream is optional: absent in "self" already */
+  assert_null(self->ops->set_data_stream);
+  assert_null(ctx);
+  mtrain_comm_destroy(self);
+}
+
 static void test_bad_plans(void **state) {
   fixture_t *f = *state;
   mtrain_plan_t *plan = NULL;
@@ -252,6 +298,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_unsupported_head_dim, setup, teardown),
       cmocka_unit_test_setup_teardown(test_nonfinite_inputs, setup, teardown),
       cmocka_unit_test(test_bad_config),
+      cmocka_unit_test(test_bad_comm_table),
       cmocka_unit_test_setup_teardown(test_bad_plans, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

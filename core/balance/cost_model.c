@@ -394,7 +394,9 @@ static void add_head(mtrain_cost_t *c, const head_counts_t *hc, int64_t *B, int3
   }
   c->head_imbalance[index] = total > 0 ? top / (total / W) : 1.0;
   const int64_t off2 = (int64_t)layer * W * W;
-#pragma omp critical(mtrain_cost_accumulate)
+  /* unnamed: a named critical section makes GCC emit a global lock symbol
+   * (.gomp_critical_user_NAME) that libmtrain.so would export */
+#pragma omp critical
   {
     for (int32_t i = 0; i < W * W; i++) {
       c->full[off2 + i] += hc->full[i];

@@ -3,7 +3,7 @@
  * layout's gather index. */
 #include <stdlib.h>
 
-#include "core/runtime/context_internal.h"
+#include "core/runtime/backend.h"
 #include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
 
@@ -18,9 +18,6 @@ static mtrain_status_t check(mtrain_context_t *ctx, const mtrain_layout_t *layou
   if (rank < 0 || rank >= mtrain_layout_world(layout))
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "permute: rank %d out of range [0, %d)", rank,
                         mtrain_layout_world(layout));
-  if (!ctx->backend->permute)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "permute: backend '%s' has no permute",
-                        ctx->backend_name);
   if (full->dtype != local->dtype || mtrain_dtype_size(full->dtype) == 0)
     return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "permute: dtypes %s and %s",
                         mtrain_dtype_name(full->dtype), mtrain_dtype_name(local->dtype));
@@ -59,10 +56,9 @@ static mtrain_status_t run(mtrain_context_t *ctx, const mtrain_layout_t *layout,
   if (!index) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "permute: out of memory");
   st = mtrain_layout_rank_token_index(layout, rank, index);
   if (!st)
-    st = scatter ? ctx->backend->permute(ctx->backend_state, full->data, local->data, row, index, T,
-                                         full->shape[0], 1)
-                 : ctx->backend->permute(ctx->backend_state, local->data, full->data, row, index, T,
-                                         full->shape[0], 0);
+    st = scatter
+             ? mtrain_be_permute(ctx, full->data, local->data, row, index, T, full->shape[0], 1)
+             : mtrain_be_permute(ctx, local->data, full->data, row, index, T, full->shape[0], 0);
   free(index);
   return st;
 }

@@ -1,12 +1,14 @@
 /* context.c: creation and destruction of a context: effective configuration,
- * backend lookup and initialisation, the communicator binding, and (on
- * several ranks) the collective check that every rank uses the same
- * configuration. */
+ * backend lookup, the check of the backend and communicator tables (their
+ * api_version and required slots, backend.c), backend initialisation, the
+ * communicator binding, and (on several ranks) the collective check that
+ * every rank uses the same configuration. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
 #include "mtrain/mtrain_error.h"
 
@@ -32,7 +34,7 @@ static mtrain_status_t check_config_agrees(mtrain_context_t *ctx) {
   snprintf(mine.backend, sizeof mine.backend, "%s", ctx->backend_name);
   config_digest_t *all = calloc((size_t)size, sizeof *all);
   if (!all) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "context: out of memory");
-  mtrain_status_t st = ctx->comm->ops->allgather(ctx->comm->state, &mine, all, sizeof mine);
+  mtrain_status_t st = mtrain_cm_allgather(ctx, &mine, all, sizeof mine);
   for (int r = 1; st == MTRAIN_SUCCESS && r < size; r++) {
     const config_digest_t *a = &all[0], *b = &all[r];
     const char *field = a->api_version != b->api_version       ? "api_version"
@@ -63,28 +65,26 @@ static const char *space_name(mtrain_memory_space_t space) {
  * and its transfers are ordered after the backend's stream when it has one.
  * One rank moves nothing, so any communicator serves it. */
 static mtrain_status_t bind_comm_to_backend(mtrain_context_t *ctx) {
-  const mtrain_memory_space_t be = ctx->backend->memory_space, cm = ctx->comm->ops->memory_space;
+  const mtrain_memory_space_t be = mtrain_be_memory_space(ctx), cm = mtrain_cm_memory_space(ctx);
   if (cm != MTRAIN_MEMORY_ANY && cm != be && mtrain_comm_size(ctx->comm) > 1)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "context: backend '%s' keeps tensors in %s memory but the '%s' "
                         "communicator moves %s memory; pair it with a communicator for %s "
                         "memory (the cuda backend with nccl, the cpu backends with mpi)",
-                        ctx->backend_name, space_name(be), ctx->comm->ops->name, space_name(cm),
+                        ctx->backend_name, space_name(be), mtrain_cm_name(ctx), space_name(cm),
                         space_name(be));
   if (cm != MTRAIN_MEMORY_ANY && cm != be)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "context: the '%s' communicator moves %s memory and cannot serve backend "
                         "'%s', which keeps tensors in %s memory",
-                        ctx->comm->ops->name, space_name(cm), ctx->backend_name, space_name(be));
+                        mtrain_cm_name(ctx), space_name(cm), ctx->backend_name, space_name(be));
   return mtrain_context_bind_stream(ctx);
 }
 
 mtrain_status_t mtrain_context_bind_stream(mtrain_context_t *ctx) {
   MTRAIN_CHECK_NOT_NULL(ctx);
-  if (!ctx->comm || !ctx->comm->ops->set_data_stream || !ctx->backend->data_stream)
-    return MTRAIN_SUCCESS;
-  return ctx->comm->ops->set_data_stream(ctx->comm->state,
-                                         ctx->backend->data_stream(ctx->backend_state));
+  if (!ctx->comm || !ctx->backend || !mtrain_be_has_data_stream(ctx)) return MTRAIN_SUCCESS;
+  return mtrain_cm_set_data_stream(ctx, mtrain_be_data_stream(ctx));
 }
 
 void *mtrain_context_backend_state(const mtrain_context_t *ctx, const mtrain_backend_ops_t *ops) {
@@ -120,9 +120,15 @@ mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm
                       ctx->backend_name, list);
     goto cleanup;
   }
-  MTRAIN_TRY(ctx->backend->init(&ctx->config, &ctx->backend_state));
+  /* the tables are checked here once, so that the wrappers of backend.c can
+   * call every required slot without a check */
+  MTRAIN_TRY(mtrain_backend_table_check(ctx->backend));
   if (comm) {
     MTRAIN_FAIL_IF(!comm->ops, MTRAIN_ERR_INVALID_ARGUMENT, "context: communicator has no table");
+    MTRAIN_TRY(mtrain_comm_table_check(comm->ops));
+  }
+  MTRAIN_TRY(mtrain_be_init(ctx));
+  if (comm) {
     ctx->comm = comm;
     MTRAIN_TRY(check_config_agrees(ctx));
     MTRAIN_TRY(bind_comm_to_backend(ctx));
@@ -139,8 +145,7 @@ cleanup:
 
 void mtrain_context_destroy(mtrain_context_t *ctx) {
   if (!ctx) return;
-  mtrain_memory_tracker_release(ctx);
-  if (ctx->backend && ctx->backend_state) ctx->backend->fini(ctx->backend_state);
+  mtrain_be_fini(ctx); /* frees leaked backend blocks, then the backend state */
   mtrain_comm_destroy(ctx->own_comm);
   free(ctx);
 }

@@ -11,9 +11,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/select.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
 
 /* Everything one estimation call allocates, freed in one place. */
@@ -27,7 +28,7 @@ typedef struct estimate_buffers {
 
 static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
   void *backend[] = {b->row, b->col, b->diag};
-  for (int i = 0; i < 3; i++) mtrain_backend_free(ctx, backend[i]);
+  for (int i = 0; i < 3; i++) mtrain_be_free(ctx, backend[i]);
   free(b->row_host);
   free(b->row_max);
   free(b->row_norm);
@@ -78,24 +79,24 @@ static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t
     mtrain_status_t st = mtrain_head_budget_validate(&budgets[h]);
     if (st) return mtrain_error_prefix(st, "estimate: budgets[%lld]", (long long)h);
   }
-  if (!ctx->backend->pattern_scores)
+  if (!mtrain_be_has_pattern_scores(ctx))
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "estimate: backend '%s' has no pattern scores",
                         ctx->backend_name);
-  return ctx->backend->supports(ctx->backend_state, q->dtype, (int32_t)q->shape[2]);
+  return mtrain_be_supports(ctx, q->dtype, (int32_t)q->shape[2]);
 }
 
 static mtrain_status_t to_host(mtrain_context_t *ctx, double *dst, const void *src, size_t count) {
-  return ctx->backend->copy_to_host(ctx->backend_state, dst, src, count * sizeof(double));
+  return mtrain_be_copy_to_host(ctx, dst, src, count * sizeof(double));
 }
 
 static mtrain_status_t from_host(mtrain_context_t *ctx, void *dst, const double *src,
                                  size_t count) {
-  return ctx->backend->copy_from_host(ctx->backend_state, dst, src, count * sizeof(double));
+  return mtrain_be_copy_from_host(ctx, dst, src, count * sizeof(double));
 }
 
 static mtrain_status_t allreduce(mtrain_context_t *ctx, double *buf, int64_t n,
                                  mtrain_reduce_op_t op) {
-  return ctx->comm->ops->allreduce(ctx->comm->state, buf, n, MTRAIN_F64, op);
+  return mtrain_cm_allreduce(ctx, buf, n, MTRAIN_F64, op);
 }
 
 /* Selects head h's verticals and diagonals from its column and diagonal
@@ -156,7 +157,6 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   const int32_t G = ctx->config.granularity;
   const int32_t slots = mtrain_scores_slots(L, G);
   const int64_t nb = (N + G - 1) / G;
-  const mtrain_backend_ops_t *be = ctx->backend;
   estimate_buffers_t b;
   memset(&b, 0, sizeof b);
   mtrain_pattern_t *p = NULL;
@@ -180,9 +180,9 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
                      !b.forced,
                  MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
                  (long long)N, Hq);
-  MTRAIN_TRY(mtrain_backend_alloc(ctx, n_row * sizeof(double), &b.row));
-  MTRAIN_TRY(mtrain_backend_alloc(ctx, n_col * sizeof(double), &b.col));
-  MTRAIN_TRY(mtrain_backend_alloc(ctx, n_diag * sizeof(double), &b.diag));
+  MTRAIN_TRY(mtrain_be_alloc(ctx, n_row * sizeof(double), &b.row));
+  MTRAIN_TRY(mtrain_be_alloc(ctx, n_col * sizeof(double), &b.col));
+  MTRAIN_TRY(mtrain_be_alloc(ctx, n_diag * sizeof(double), &b.diag));
   int any_probs = 0;
   for (int32_t h = 0; h < Hq; h++) any_probs |= b.probs[h] = budgets[h].kind == MTRAIN_BUDGET_TOP_P;
   mtrain_scores_args_t a = {.seq_len = N,
@@ -207,16 +207,16 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
     MTRAIN_TRY(from_host(ctx, b.row, b.row_max, (size_t)Hq * L));
     a.stage = MTRAIN_SCORES_ROW_MAX;
     a.row_out = b.row;
-    MTRAIN_TRY(be->pattern_scores(ctx->backend_state, &a));
+    MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
     MTRAIN_TRY(to_host(ctx, b.row_max, b.row, (size_t)Hq * L));
     MTRAIN_TRY(allreduce(ctx, b.row_max, (int64_t)Hq * L, MTRAIN_REDUCE_MAX));
     /* normalisers: per (row, key block) partial sums, added in block order */
-    MTRAIN_TRY(be->memset_zero(ctx->backend_state, b.row, n_row * sizeof(double)));
+    MTRAIN_TRY(mtrain_be_memset_zero(ctx, b.row, n_row * sizeof(double)));
     void *row_max_dev = b.col; /* col is free until stage 2: borrow it for row_max */
     MTRAIN_TRY(from_host(ctx, row_max_dev, b.row_max, (size_t)Hq * L));
     a.stage = MTRAIN_SCORES_ROW_BLOCK_SUMS;
     a.row_max = row_max_dev;
-    MTRAIN_TRY(be->pattern_scores(ctx->backend_state, &a));
+    MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
     MTRAIN_TRY(to_host(ctx, b.row_host, b.row, n_row_sums));
     MTRAIN_TRY(allreduce(ctx, b.row_host, (int64_t)n_row_sums, MTRAIN_REDUCE_SUM));
     for (size_t r = 0; r < (size_t)Hq * L; r++) {
@@ -230,13 +230,13 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
     a.row_max = b.row;
     a.row_norm = (const double *)b.row + (size_t)Hq * L;
   }
-  MTRAIN_TRY(be->memset_zero(ctx->backend_state, b.col, n_col * sizeof(double)));
-  MTRAIN_TRY(be->memset_zero(ctx->backend_state, b.diag, n_diag * sizeof(double)));
+  MTRAIN_TRY(mtrain_be_memset_zero(ctx, b.col, n_col * sizeof(double)));
+  MTRAIN_TRY(mtrain_be_memset_zero(ctx, b.diag, n_diag * sizeof(double)));
   a.stage = MTRAIN_SCORES_SUMS;
   a.row_out = NULL;
   a.col_out = b.col;
   a.diag_out = b.diag;
-  MTRAIN_TRY(be->pattern_scores(ctx->backend_state, &a));
+  MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
   MTRAIN_TRY(to_host(ctx, b.col_host, b.col, n_col));
   MTRAIN_TRY(to_host(ctx, b.diag_host, b.diag, n_diag));
   MTRAIN_TRY(allreduce(ctx, b.col_host, (int64_t)n_col, MTRAIN_REDUCE_SUM));
@@ -318,7 +318,6 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
   const int32_t L = options->last_q < N ? options->last_q : (int32_t)N;
   const mtrain_dtype_t gdt = q->dtype == MTRAIN_F64 ? MTRAIN_F64 : MTRAIN_F32;
   const size_t row = (size_t)Hq * d, gsz = mtrain_dtype_size(gdt);
-  const mtrain_backend_ops_t *be = ctx->backend;
   /* gather the last L queries: each row has one owner, the others add zeros */
   void *host = calloc((size_t)L * row, gsz),
        *q_local_row = malloc(row * mtrain_dtype_size(q->dtype));
@@ -333,18 +332,16 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
     int64_t local = -1;
     st = mtrain_layout_global_to_local(layout, N - L + r, &owner, &local);
     if (st || owner != rank) continue;
-    st = be->copy_to_host(ctx->backend_state, q_local_row,
-                          (const char *)q->data + (size_t)local * row * mtrain_dtype_size(q->dtype),
-                          row * mtrain_dtype_size(q->dtype));
+    st = mtrain_be_copy_to_host(
+        ctx, q_local_row, (const char *)q->data + (size_t)local * row * mtrain_dtype_size(q->dtype),
+        row * mtrain_dtype_size(q->dtype));
     if (!st)
       st = mtrain_convert(q_local_row, q->dtype, (char *)host + (size_t)r * row * gsz, gdt,
                           (int64_t)row);
   }
-  if (!st)
-    st = ctx->comm->ops->allreduce(ctx->comm->state, host, (int64_t)((size_t)L * row), gdt,
-                                   MTRAIN_REDUCE_SUM);
-  if (!st) st = mtrain_backend_alloc(ctx, (size_t)L * row * gsz, &q_last);
-  if (!st) st = be->copy_from_host(ctx->backend_state, q_last, host, (size_t)L * row * gsz);
+  if (!st) st = mtrain_cm_allreduce(ctx, host, (int64_t)((size_t)L * row), gdt, MTRAIN_REDUCE_SUM);
+  if (!st) st = mtrain_be_alloc(ctx, (size_t)L * row * gsz, &q_last);
+  if (!st) st = mtrain_be_copy_from_host(ctx, q_last, host, (size_t)L * row * gsz);
   if (!st) {
     const estimate_input_t in = {.N = N,
                                  .Hq = Hq,
@@ -360,7 +357,7 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
                                  .k_block_global = mtrain_layout_rank_blocks(layout, rank)};
     st = estimate_core(ctx, &in, budgets, options, out);
   }
-  mtrain_backend_free(ctx, q_last);
+  mtrain_be_free(ctx, q_last);
   free(host);
   free(q_local_row);
   return st;

@@ -1,8 +1,8 @@
-/* memory_stats.c: the per-context accounting of backend memory (the
- * wrappers every backend allocation of core/ goes through) and the public
- * queries: current and peak backend bytes, the peak reset, and the process
- * figures (peak RSS from getrusage, current RSS from /proc/self/statm).
- * What is and is not counted: docs/MEMORY.md. */
+/* memory_stats.c: the per-context accounting of backend memory (the live
+ * blocks that mtrain_be_alloc and mtrain_be_free record, backend.c) and the
+ * public queries: current and peak backend bytes, the peak reset, and the
+ * process figures (peak RSS from getrusage, current RSS from
+ * /proc/self/statm). What is and is not counted: docs/MEMORY.md. */
 #include "core/runtime/memory_stats.h"
 
 #include <stdio.h>
@@ -13,8 +13,7 @@
 #include "core/runtime/context_internal.h"
 #include "mtrain/mtrain_error.h"
 
-/* Makes room for one more live block; 0 on success. */
-static int reserve(mtrain_memory_tracker_t *t) {
+int mtrain_memory_tracker_reserve(mtrain_memory_tracker_t *t) {
   if (t->num_live < t->cap) return 0;
   const size_t cap = t->cap ? 2 * t->cap : 16;
   mtrain_memory_block_t *grown = realloc(t->live, cap * sizeof *grown);
@@ -24,40 +23,26 @@ static int reserve(mtrain_memory_tracker_t *t) {
   return 0;
 }
 
-mtrain_status_t mtrain_backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
-  mtrain_memory_tracker_t *t = &ctx->memory;
-  if (reserve(t))
-    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "memory accounting: out of host memory");
-  void *p = NULL;
-  mtrain_status_t st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
-  if (st) return st;
-  t->live[t->num_live].ptr = p;
+void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes) {
+  t->live[t->num_live].ptr = ptr;
   t->live[t->num_live].bytes = bytes;
   t->num_live++;
   t->current += bytes;
   if (t->current > t->peak) t->peak = t->current;
   t->allocations++;
-  *ptr = p;
-  return MTRAIN_SUCCESS;
 }
 
-void mtrain_backend_free(mtrain_context_t *ctx, void *ptr) {
-  if (!ptr) return;
-  mtrain_memory_tracker_t *t = &ctx->memory;
+void mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr) {
   /* blocks are mostly freed in reverse order of allocation: search from the end */
   for (size_t i = t->num_live; i-- > 0;) {
     if (t->live[i].ptr != ptr) continue;
     t->current -= t->live[i].bytes;
     t->live[i] = t->live[--t->num_live];
-    break;
+    return;
   }
-  ctx->backend->free(ctx->backend_state, ptr);
 }
 
-void mtrain_memory_tracker_release(mtrain_context_t *ctx) {
-  mtrain_memory_tracker_t *t = &ctx->memory;
-  if (ctx->backend && ctx->backend_state)
-    for (size_t i = 0; i < t->num_live; i++) ctx->backend->free(ctx->backend_state, t->live[i].ptr);
+void mtrain_memory_tracker_clear(mtrain_memory_tracker_t *t) {
   free(t->live);
   t->live = NULL;
   t->num_live = t->cap = t->current = 0;

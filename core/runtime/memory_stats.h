@@ -1,7 +1,7 @@
 /* memory_stats.h (private): accounting of the memory a context takes from
- * its backend. Every backend allocation of core/ goes through
- * mtrain_backend_alloc / mtrain_backend_free, which keep the live blocks
- * with their sizes and the current and peak bytes of the context
+ * its backend. Every backend allocation of core/ goes through mtrain_be_alloc
+ * / mtrain_be_free (backend.h), which record the live blocks with their sizes
+ * here and so keep the current and peak bytes of the context
  * (docs/MEMORY.md). The public query is mtrain_context_memory (mtrain.h);
  * the bound the peak is checked against is in memory_bound.c. */
 #ifndef MTRAIN_CORE_MEMORY_STATS_H
@@ -27,15 +27,19 @@ typedef struct mtrain_memory_tracker {
   int64_t allocations;  /* successful allocations since the context was created */
 } mtrain_memory_tracker_t;
 
-/** Allocates `bytes` of backend memory through ctx's backend table and
- *  counts them (the requested size: a backend may round up). On failure
- *  nothing is allocated or counted and the backend's status is returned. */
+/** Makes room to record one more block; 0 on success, 1 when out of host
+ *  memory (nothing changed). */
+int mtrain_memory_tracker_reserve(mtrain_memory_tracker_t *t);
+/** Records a new live block of `bytes` (after a successful reserve). */
+void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes);
+/** Forgets a live block (no-op for a pointer it does not hold). */
+void mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr);
+/** Frees the accounting itself; the blocks must be freed already. */
+void mtrain_memory_tracker_clear(mtrain_memory_tracker_t *t);
+
+/** The former names of mtrain_be_alloc / mtrain_be_free (backend.h), for
+ *  the call sites not yet switched to them (attention.c, ring.c). */
 mtrain_status_t mtrain_backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr);
-/** Frees a block from mtrain_backend_alloc and uncounts it. NULL is a no-op. */
 void mtrain_backend_free(mtrain_context_t *ctx, void *ptr);
-/** Frees the blocks still live (none, unless an allocation leaked) and the
- *  accounting itself; called by mtrain_context_destroy before the backend's
- *  fini. */
-void mtrain_memory_tracker_release(mtrain_context_t *ctx);
 
 #endif /* MTRAIN_CORE_MEMORY_STATS_H */

@@ -1,0 +1,294 @@
+/* backend.c: the checked wrappers around the backend and communicator
+ * tables (backend.h): the only file of core/ that calls a table's slots.
+ * The tables are checked once, at context creation; the wrappers of
+ * optional slots answer for an absent slot. */
+#include "core/runtime/backend.h"
+
+#include "core/runtime/context_internal.h"
+#include "mtrain/mtrain_error.h"
+
+/* ---- table checks ------------------------------------------------------------ */
+
+static const char *table_name(const char *name) { return name ? name : "(unnamed)"; }
+
+static mtrain_status_t check_version(const char *kind, const char *name, int32_t version) {
+  if (version == MTRAIN_API_VERSION) return MTRAIN_SUCCESS;
+  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                      "%s table '%s': api_version is %d but this mtrain is %d "
+                      "(MTRAIN_API_VERSION); rebuild it against this mtrain's headers",
+                      kind, table_name(name), (int)version, MTRAIN_API_VERSION);
+}
+
+static mtrain_status_t missing(const char *kind, const char *name, const char *slot) {
+  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                      "%s table '%s' (api_version %d): required slot '%s' is NULL", kind,
+                      table_name(name), MTRAIN_API_VERSION, slot);
+}
+
+/* Fails naming the first NULL slot of the list. */
+#define REQUIRE_SLOT(kind, ops, slot)                                                              \
+  do {                                                                                             \
+    if (!(ops)->slot) return missing(kind, (ops)->name, #slot);                                    \
+  } while (0)
+
+mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
+  MTRAIN_CHECK_NOT_NULL(ops);
+  const char *kind = "backend";
+  mtrain_status_t st = check_version(kind, ops->name, ops->api_version);
+  if (st) return st;
+  REQUIRE_SLOT(kind, ops, name);
+  if (ops->acc_dtype != MTRAIN_F32 && ops->acc_dtype != MTRAIN_F64)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend table '%s': acc_dtype is %s (%d), not fp32 or fp64", ops->name,
+                        mtrain_dtype_name(ops->acc_dtype), (int)ops->acc_dtype);
+  if (ops->memory_space != MTRAIN_MEMORY_HOST && ops->memory_space != MTRAIN_MEMORY_DEVICE)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend table '%s': memory_space is %d, not MTRAIN_MEMORY_HOST or "
+                        "MTRAIN_MEMORY_DEVICE",
+                        ops->name, (int)ops->memory_space);
+  REQUIRE_SLOT(kind, ops, init);
+  REQUIRE_SLOT(kind, ops, fini);
+  REQUIRE_SLOT(kind, ops, supports);
+  REQUIRE_SLOT(kind, ops, alloc);
+  REQUIRE_SLOT(kind, ops, free);
+  REQUIRE_SLOT(kind, ops, memset_zero);
+  REQUIRE_SLOT(kind, ops, copy_to_host);
+  REQUIRE_SLOT(kind, ops, copy_from_host);
+  REQUIRE_SLOT(kind, ops, copy);
+  REQUIRE_SLOT(kind, ops, add);
+  REQUIRE_SLOT(kind, ops, permute);
+  REQUIRE_SLOT(kind, ops, convert);
+  REQUIRE_SLOT(kind, ops, find_nonfinite);
+  REQUIRE_SLOT(kind, ops, attn_fwd_init);
+  REQUIRE_SLOT(kind, ops, attn_fwd_step);
+  REQUIRE_SLOT(kind, ops, attn_bwd_prepare);
+  REQUIRE_SLOT(kind, ops, attn_bwd_step);
+  REQUIRE_SLOT(kind, ops, synchronize);
+  /* optional: pattern_scores, data_stream; the timer slots come as a pair */
+  if (!ops->timer_mark != !ops->timer_elapsed)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend table '%s': '%s' is set but '%s' is NULL (the device timer "
+                        "needs both or neither)",
+                        ops->name, ops->timer_mark ? "timer_mark" : "timer_elapsed",
+                        ops->timer_mark ? "timer_elapsed" : "timer_mark");
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_comm_table_check(const mtrain_comm_ops_t *ops) {
+  MTRAIN_CHECK_NOT_NULL(ops);
+  const char *kind = "communicator";
+  mtrain_status_t st = check_version(kind, ops->name, ops->api_version);
+  if (st) return st;
+  REQUIRE_SLOT(kind, ops, name);
+  if (ops->memory_space != MTRAIN_MEMORY_HOST && ops->memory_space != MTRAIN_MEMORY_DEVICE &&
+      ops->memory_space != MTRAIN_MEMORY_ANY)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "communicator table '%s': memory_space is %d, not MTRAIN_MEMORY_HOST, "
+                        "MTRAIN_MEMORY_DEVICE or MTRAIN_MEMORY_ANY",
+                        ops->name, (int)ops->memory_space);
+  REQUIRE_SLOT(kind, ops, rank);
+  REQUIRE_SLOT(kind, ops, size);
+  REQUIRE_SLOT(kind, ops, isend);
+  REQUIRE_SLOT(kind, ops, irecv);
+  REQUIRE_SLOT(kind, ops, wait);
+  REQUIRE_SLOT(kind, ops, allreduce);
+  REQUIRE_SLOT(kind, ops, allgather);
+  REQUIRE_SLOT(kind, ops, barrier);
+  REQUIRE_SLOT(kind, ops, split);
+  REQUIRE_SLOT(kind, ops, abort);
+  REQUIRE_SLOT(kind, ops, destroy);
+  /* optional: set_data_stream */
+  return MTRAIN_SUCCESS;
+}
+
+/* ---- backend ------------------------------------------------------------------- */
+
+/* An optional slot the backend lacks. */
+static mtrain_status_t not_supported(const mtrain_context_t *ctx, const char *slot) {
+  return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "backend '%s' has no %s (an optional slot)",
+                      ctx->backend_name, slot);
+}
+
+mtrain_status_t mtrain_be_init(mtrain_context_t *ctx) {
+  return ctx->backend->init(&ctx->config, &ctx->backend_state);
+}
+
+void mtrain_be_fini(mtrain_context_t *ctx) {
+  mtrain_memory_tracker_t *t = &ctx->memory;
+  if (ctx->backend && ctx->backend_state) {
+    for (size_t i = 0; i < t->num_live; i++) ctx->backend->free(ctx->backend_state, t->live[i].ptr);
+    ctx->backend->fini(ctx->backend_state);
+  }
+  ctx->backend_state = NULL;
+  mtrain_memory_tracker_clear(t);
+}
+
+mtrain_status_t mtrain_be_supports(mtrain_context_t *ctx, mtrain_dtype_t dtype, int32_t head_dim) {
+  return ctx->backend->supports(ctx->backend_state, dtype, head_dim);
+}
+
+mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
+  mtrain_memory_tracker_t *t = &ctx->memory;
+  if (mtrain_memory_tracker_reserve(t))
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "memory accounting: out of host memory");
+  void *p = NULL;
+  mtrain_status_t st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
+  if (st) return st;
+  mtrain_memory_tracker_add(t, p, bytes);
+  *ptr = p;
+  return MTRAIN_SUCCESS;
+}
+
+void mtrain_be_free(mtrain_context_t *ctx, void *ptr) {
+  if (!ptr) return;
+  mtrain_memory_tracker_remove(&ctx->memory, ptr);
+  ctx->backend->free(ctx->backend_state, ptr);
+}
+
+mtrain_status_t mtrain_backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
+  return mtrain_be_alloc(ctx, bytes, ptr);
+}
+
+void mtrain_backend_free(mtrain_context_t *ctx, void *ptr) { mtrain_be_free(ctx, ptr); }
+
+mtrain_status_t mtrain_be_memset_zero(mtrain_context_t *ctx, void *ptr, size_t bytes) {
+  return ctx->backend->memset_zero(ctx->backend_state, ptr, bytes);
+}
+
+mtrain_status_t mtrain_be_copy_to_host(mtrain_context_t *ctx, void *host_dst, const void *src,
+                                       size_t bytes) {
+  return ctx->backend->copy_to_host(ctx->backend_state, host_dst, src, bytes);
+}
+
+mtrain_status_t mtrain_be_copy_from_host(mtrain_context_t *ctx, void *dst, const void *host_src,
+                                         size_t bytes) {
+  return ctx->backend->copy_from_host(ctx->backend_state, dst, host_src, bytes);
+}
+
+mtrain_status_t mtrain_be_copy(mtrain_context_t *ctx, void *dst, const void *src, size_t bytes) {
+  return ctx->backend->copy(ctx->backend_state, dst, src, bytes);
+}
+
+mtrain_status_t mtrain_be_add(mtrain_context_t *ctx, void *dst, const void *src,
+                              mtrain_dtype_t dtype, int64_t count) {
+  return ctx->backend->add(ctx->backend_state, dst, src, dtype, count);
+}
+
+mtrain_status_t mtrain_be_permute(mtrain_context_t *ctx, void *dst, const void *src,
+                                  size_t row_bytes, const int64_t *index, int64_t count,
+                                  int64_t other_rows, int scatter) {
+  return ctx->backend->permute(ctx->backend_state, dst, src, row_bytes, index, count, other_rows,
+                               scatter);
+}
+
+mtrain_status_t mtrain_be_convert(mtrain_context_t *ctx, const void *src, mtrain_dtype_t src_dtype,
+                                  void *dst, mtrain_dtype_t dst_dtype, int64_t count) {
+  return ctx->backend->convert(ctx->backend_state, src, src_dtype, dst, dst_dtype, count);
+}
+
+mtrain_status_t mtrain_be_find_nonfinite(mtrain_context_t *ctx, const void *ptr,
+                                         mtrain_dtype_t dtype, int64_t count, int64_t *bad_index) {
+  return ctx->backend->find_nonfinite(ctx->backend_state, ptr, dtype, count, bad_index);
+}
+
+mtrain_status_t mtrain_be_attn_fwd_init(mtrain_context_t *ctx, void *o_acc, void *lse_acc,
+                                        int64_t rows, int32_t num_heads, int32_t head_dim) {
+  return ctx->backend->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, rows, num_heads, head_dim);
+}
+
+mtrain_status_t mtrain_be_attn_fwd_step(mtrain_context_t *ctx, const mtrain_fwd_step_args_t *args) {
+  return ctx->backend->attn_fwd_step(ctx->backend_state, args);
+}
+
+mtrain_status_t mtrain_be_attn_bwd_prepare(mtrain_context_t *ctx, const void *o, const void *dout,
+                                           mtrain_dtype_t dtype, void *delta_acc, int64_t rows,
+                                           int32_t num_heads, int32_t head_dim) {
+  return ctx->backend->attn_bwd_prepare(ctx->backend_state, o, dout, dtype, delta_acc, rows,
+                                        num_heads, head_dim);
+}
+
+mtrain_status_t mtrain_be_attn_bwd_step(mtrain_context_t *ctx, const mtrain_bwd_step_args_t *args) {
+  return ctx->backend->attn_bwd_step(ctx->backend_state, args);
+}
+
+mtrain_status_t mtrain_be_pattern_scores(mtrain_context_t *ctx, const mtrain_scores_args_t *args) {
+  if (!ctx->backend->pattern_scores) return not_supported(ctx, "pattern_scores");
+  return ctx->backend->pattern_scores(ctx->backend_state, args);
+}
+
+int mtrain_be_has_pattern_scores(const mtrain_context_t *ctx) {
+  return ctx->backend->pattern_scores != NULL;
+}
+
+int mtrain_be_has_data_stream(const mtrain_context_t *ctx) {
+  return ctx->backend->data_stream != NULL;
+}
+
+void *mtrain_be_data_stream(mtrain_context_t *ctx) {
+  return ctx->backend->data_stream ? ctx->backend->data_stream(ctx->backend_state) : NULL;
+}
+
+mtrain_status_t mtrain_be_synchronize(mtrain_context_t *ctx) {
+  return ctx->backend->synchronize(ctx->backend_state);
+}
+
+int mtrain_be_has_timer(const mtrain_context_t *ctx) {
+  return ctx->backend->timer_mark && ctx->backend->timer_elapsed;
+}
+
+mtrain_status_t mtrain_be_timer_mark(mtrain_context_t *ctx, int index) {
+  if (!ctx->backend->timer_mark) return not_supported(ctx, "timer_mark");
+  return ctx->backend->timer_mark(ctx->backend_state, index);
+}
+
+mtrain_status_t mtrain_be_timer_elapsed(mtrain_context_t *ctx, int from, int to, double *seconds) {
+  if (!ctx->backend->timer_elapsed) return not_supported(ctx, "timer_elapsed");
+  return ctx->backend->timer_elapsed(ctx->backend_state, from, to, seconds);
+}
+
+mtrain_dtype_t mtrain_be_acc_dtype(const mtrain_context_t *ctx) { return ctx->backend->acc_dtype; }
+
+mtrain_memory_space_t mtrain_be_memory_space(const mtrain_context_t *ctx) {
+  return ctx->backend->memory_space;
+}
+
+/* ---- communicator ---------------------------------------------------------------- */
+
+mtrain_status_t mtrain_cm_isend(mtrain_context_t *ctx, const void *buf, size_t bytes, int peer,
+                                int tag, mtrain_comm_request_t **req) {
+  return ctx->comm->ops->isend(ctx->comm->state, buf, bytes, peer, tag, req);
+}
+
+mtrain_status_t mtrain_cm_irecv(mtrain_context_t *ctx, void *buf, size_t bytes, int peer, int tag,
+                                mtrain_comm_request_t **req) {
+  return ctx->comm->ops->irecv(ctx->comm->state, buf, bytes, peer, tag, req);
+}
+
+mtrain_status_t mtrain_cm_wait(mtrain_context_t *ctx, mtrain_comm_request_t *req) {
+  return ctx->comm->ops->wait(ctx->comm->state, req);
+}
+
+mtrain_status_t mtrain_cm_allreduce(mtrain_context_t *ctx, void *buf, int64_t count,
+                                    mtrain_dtype_t dtype, mtrain_reduce_op_t op) {
+  return ctx->comm->ops->allreduce(ctx->comm->state, buf, count, dtype, op);
+}
+
+mtrain_status_t mtrain_cm_allgather(mtrain_context_t *ctx, const void *send, void *recv,
+                                    size_t bytes) {
+  return ctx->comm->ops->allgather(ctx->comm->state, send, recv, bytes);
+}
+
+mtrain_status_t mtrain_cm_barrier(mtrain_context_t *ctx) {
+  return ctx->comm->ops->barrier(ctx->comm->state);
+}
+
+mtrain_status_t mtrain_cm_set_data_stream(mtrain_context_t *ctx, void *stream) {
+  if (!ctx->comm->ops->set_data_stream) return MTRAIN_SUCCESS;
+  return ctx->comm->ops->set_data_stream(ctx->comm->state, stream);
+}
+
+const char *mtrain_cm_name(const mtrain_context_t *ctx) { return ctx->comm->ops->name; }
+
+mtrain_memory_space_t mtrain_cm_memory_space(const mtrain_context_t *ctx) {
+  return ctx->comm->ops->memory_space;
+}
