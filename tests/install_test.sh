@@ -20,8 +20,7 @@ mkdir -p "$work"
 prefix=$work/prefix
 cmake --install "$build" --prefix "$prefix" > "$work/install.log"
 test -f "$prefix/include/mtrain/mtrain.h" || fail "no include/mtrain/mtrain.h under $prefix"
-libdir=$(ls -d "$prefix"/lib*/ | head -n 1)
-libdir=${libdir%/}
+libdir=$(find "$prefix" -mindepth 1 -maxdepth 1 -name "lib*" -type d | sort | head -n 1)
 with_mpi=0
 grep -q '^MTRAIN_WITH_MPI:BOOL=ON' "$build/CMakeCache.txt" && with_mpi=1
 

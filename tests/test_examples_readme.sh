@@ -34,8 +34,9 @@ if grep -q "examples/patterns" "$job"; then
 else
   grep -q "main job does not use" "$readme" || fail "the README does not say the main job skips the file"
 fi
-grep -q -- "--budgets" "$job" && grep -q -- "--budgets" "$readme" ||
+if ! grep -q -- "--budgets" "$job" || ! grep -q -- "--budgets" "$readme"; then
   fail "the README does not say where the main job's pattern comes from (--budgets)"
+fi
 # the example file, drawn as the README shows
 "$viewer" --pattern "$root/examples/patterns/qwen2.5-3b-layer3-n4096.json" --head 0 \
   --out "$work/head0.png" > "$work/out.txt"

@@ -53,9 +53,13 @@ check_drawn() {
   [ "$p" = "$plot" ] || fail "$f: plot of $p px, expected $plot: $line"
   check_png "$f" "$w" "$h"
   if grep -q "with legend" "$work/out.txt"; then
-    [ "$w" -gt "$p" ] && [ "$h" -gt $((p + 100)) ] || fail "$f: ${w}x${h} has no room for a legend"
+    if [ "$w" -le "$p" ] || [ "$h" -le $((p + 100)) ]; then
+      fail "$f: ${w}x${h} has no room for a legend"
+    fi
   else
-    [ "$w" = "$p" ] && [ "$h" = "$p" ] || fail "$f: without legend ${w}x${h}, expected ${p}x${p}"
+    if [ "$w" != "$p" ] || [ "$h" != "$p" ]; then
+      fail "$f: without legend ${w}x${h}, expected ${p}x${p}"
+    fi
   fi
 }
 

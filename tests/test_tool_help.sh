@@ -67,9 +67,9 @@ for bin in "$@"; do
   [ -z "$missing" ] || fail "$tool --help does not describe these options it accepts:$missing"
   # the other way: every option the help names is accepted
   unknown=""
-  for opt in $(grep -oE -- "--[a-z][a-z0-9-]*" "$work/help.txt" | sed 's/^--//' | sort -u); do
+  while read -r opt; do
     grep -qx -- "$opt" "$work/accepted.txt" || unknown="$unknown --$opt"
-  done
+  done < <(grep -oE -- "--[a-z][a-z0-9-]*" "$work/help.txt" | sed 's/^--//' | sort -u)
   [ -z "$unknown" ] || fail "$tool --help names options it does not accept:$unknown"
   [ "$failures" != "$before" ] ||
     echo "test_tool_help: $tool: --help exits 0 and describes all $n options"
