@@ -341,6 +341,61 @@ static mtrain_status_t step_bwd(mtrain_context_t *ctx, const mtrain_plan_t *plan
   return st;
 }
 
+/* The forward over the ring into the backend's accumulators: o_acc and
+ * lse_acc are initialised here; bars gathered are moved first. */
+static mtrain_status_t forward_ring(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    const attn_dims_t *dm, const mtrain_tensor_t *q,
+                                    const mtrain_tensor_t *k, const mtrain_tensor_t *v, void *o_acc,
+                                    void *lse_acc) {
+  const mtrain_backend_ops_t *be = ctx->backend;
+  const size_t esz = mtrain_dtype_size(dm->dtype);
+  void *kvbar = NULL;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm->tokens, dm->hq, dm->d));
+  ring_call_t rc = {.dm = dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
+  if (plan->gathered) {
+    MTRAIN_TRY(gather_bars(ctx, plan, dm, k, v, &kvbar));
+    rc.kbar = kvbar;
+    rc.vbar = (const char *)kvbar + (size_t)(plan->gathered->count * dm->hkv * dm->d) * esz;
+  }
+  mtrain_ring_args_t ra = {.backward = 0,
+                           .dtype = dm->dtype,
+                           .chunk_elems = (size_t)(dm->tokens * dm->hkv * dm->d),
+                           .k = k->data,
+                           .v = v->data,
+                           .step = step_fwd,
+                           .user = &rc};
+  MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+cleanup:
+  backend_free(ctx, kvbar);
+  return st;
+}
+
+/* The backward's LSE in the accumulator dtype. A backend whose accumulator
+ * is wider than the LSE it is given (the fp64 oracle given an fp32 LSE)
+ * recomputes it with a forward pass instead of widening it: probabilities
+ * exp(s - LSE) taken from a rounded LSE are off by a factor exp(ulp(LSE)),
+ * which for large scores (|LSE| ~ 5e8 in fp32: ulp 32) is no probability
+ * at all. The recomputation's memory is the forward's, below the
+ * backward's own peak (docs/MEMORY.md). */
+static mtrain_status_t backward_lse(mtrain_context_t *ctx, const mtrain_plan_t *plan,
+                                    const attn_dims_t *dm, const mtrain_tensor_t *q,
+                                    const mtrain_tensor_t *k, const mtrain_tensor_t *v,
+                                    const mtrain_tensor_t *lse, void *lse_acc) {
+  const mtrain_backend_ops_t *be = ctx->backend;
+  if (mtrain_dtype_size(be->acc_dtype) <= mtrain_dtype_size(lse->dtype))
+    return be->convert(ctx->backend_state, lse->data, lse->dtype, lse_acc, be->acc_dtype,
+                       dm->tokens * dm->hq);
+  void *o_tmp = NULL;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  MTRAIN_TRY(backend_alloc(
+      ctx, (size_t)(dm->tokens * dm->hq * dm->d) * mtrain_dtype_size(be->acc_dtype), &o_tmp));
+  MTRAIN_TRY(forward_ring(ctx, plan, dm, q, k, v, o_tmp, lse_acc));
+cleanup:
+  backend_free(ctx, o_tmp);
+  return st;
+}
+
 mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_plan_t *plan,
                                          const mtrain_tensor_t *q, const mtrain_tensor_t *k,
                                          const mtrain_tensor_t *v, mtrain_tensor_t *o,
@@ -360,25 +415,11 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
   const mtrain_backend_ops_t *be = ctx->backend;
-  const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
-  void *o_acc = NULL, *lse_acc = NULL, *kvbar = NULL;
+  const size_t acc = mtrain_dtype_size(be->acc_dtype);
+  void *o_acc = NULL, *lse_acc = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq * dm.d) * acc, &o_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
-  MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm.tokens, dm.hq, dm.d));
-  ring_call_t rc = {.dm = &dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
-  if (plan->gathered) {
-    MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kvbar));
-    rc.kbar = kvbar;
-    rc.vbar = (const char *)kvbar + (size_t)(plan->gathered->count * dm.hkv * dm.d) * esz;
-  }
-  mtrain_ring_args_t ra = {.backward = 0,
-                           .dtype = dm.dtype,
-                           .chunk_elems = (size_t)(dm.tokens * dm.hkv * dm.d),
-                           .k = k->data,
-                           .v = v->data,
-                           .step = step_fwd,
-                           .user = &rc};
-  MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
+  MTRAIN_TRY(forward_ring(ctx, plan, &dm, q, k, v, o_acc, lse_acc));
   MTRAIN_TRY(be->convert(ctx->backend_state, o_acc, be->acc_dtype, o->data, o->dtype,
                          dm.tokens * dm.hq * dm.d));
   MTRAIN_TRY(be->convert(ctx->backend_state, lse_acc, be->acc_dtype, lse->data, lse->dtype,
@@ -388,7 +429,6 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   MTRAIN_TRY(check_output(ctx, plan, "forward", "o", o));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
-  backend_free(ctx, kvbar);
   backend_free(ctx, o_acc);
   backend_free(ctx, lse_acc);
   return st;
@@ -432,11 +472,12 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   void *lse_acc = NULL, *delta_acc = NULL, *dq_acc = NULL, *dk_acc = NULL, *dv_acc = NULL;
   void *kvbar = NULL, *dbar = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
+  MTRAIN_TRY(backward_lse(ctx, plan, &dm, q, k, v, lse, lse_acc));
+  memset(&ctx->last_stats, 0, sizeof ctx->last_stats); /* a recomputation's steps are not counted */
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &delta_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nq * acc, &dq_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nk * acc, &dk_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nk * acc, &dv_acc));
-  MTRAIN_TRY(be->convert(bs, lse->data, lse->dtype, lse_acc, be->acc_dtype, dm.tokens * dm.hq));
   MTRAIN_TRY(be->memset_zero(bs, dq_acc, (size_t)nq * acc));
   MTRAIN_TRY(be->memset_zero(bs, dk_acc, (size_t)nk * acc));
   MTRAIN_TRY(be->memset_zero(bs, dv_acc, (size_t)nk * acc));
