@@ -2,7 +2,9 @@
  * (SPEC.md section 7), forward and backward, as one table-driven test (one
  * cmocka test per row of the case table, so that an unsupported case counts
  * as skipped). The backend under test is argv[1]: "cpu" (the default) or
- * "cuda", with argv[2] the CUDA kernel variant "0", "1", "2" or "auto" (default).
+ * "cuda", with argv[2] the CUDA kernel variant "0", "1", "2", "3" or "auto"
+ * (default); variant 1 is built only with MTRAIN_CUDA_DEV_VARIANTS=ON, and
+ * without it every case is refused (NOT_SUPPORTED): all skipped, exit 77.
  * Each case draws q, k, v, dout in the case dtype, runs the backend under
  * test through the public API in that dtype (outputs in guard-byte buffers,
  * fp32 lse), and runs "cpu-ref" through the API on the same dtype-rounded
@@ -96,8 +98,8 @@ static const xb_case_t cases[] = {
     {MTRAIN_F16, 64, 8, 1, 1000, 300, 64, TS_PATTERN_BUDGETS, 3.0, 0.1, 0x3207},
     /* fp64 is the oracle's dtype only: "cpu" must refuse it (skipped) */
     {MTRAIN_F64, 64, 4, 4, 300, 0, 128, TS_PATTERN_DENSE, 1.0, 0.0, 0x3301},
-    /* the shapes of the CUDA variants (variant 1: bf16/fp16, d 64/128, G a
-     * multiple of 64): d 64 and 128 in bf16 and fp16 at G 64, 128 and 256,
+    /* the shapes of the CUDA tensor-core variants (bf16/fp16, d 64/128, G
+     * a multiple of 64): d 64 and 128 in bf16 and fp16 at G 64, 128 and 256,
      * N not a multiple of G, GQA 16:2 and 8:1, real budgets at N ~ 2000,
      * block masks, packed batches, N = 1 */
     {MTRAIN_BF16, 128, 16, 2, 777, 0, 64, TS_PATTERN_RANDOM_SPARSE, 1.0, 0.0, 0x3401},

@@ -27,8 +27,8 @@ template <int kD, typename T> __device__ void load_panels(uint32_t sdst, const T
   for (int r = 0; r < kRows / 16; ++r) {
     const int i = i0 + 16 * r;
     for (int p = 0; p < kD / 64; ++p)
-      mma1::cp_async16(sdst + (uint32_t)(p * kRows * 128 + i * 128 + cx * 16),
-                       g + (int64_t)i * kD + 64 * p + c0 * 8, true);
+      mma::cp_async16(sdst + (uint32_t)(p * kRows * 128 + i * 128 + cx * 16),
+                      g + (int64_t)i * kD + 64 * p + c0 * 8, true);
   }
 }
 
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(128)
   __trap();
 #else
   extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t s0 = (mma1::smem_u32(smem) + 1023u) & ~1023u;
+  const uint32_t s0 = (mma::smem_u32(smem) + 1023u) & ~1023u;
   const uint32_t sK = s0, sV = s0 + kRows * kD * 2, sQ = s0 + 2 * kRows * kD * 2;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
   load_panels<kD>(sK, k, tid);
@@ -49,14 +49,14 @@ __global__ void __launch_bounds__(128)
     mma2::contiguous_rows_n<128, kRows>(rows, 0, kRows, tid);
     mma2::load_rows_n<kD, 128, kRows>(sQ, q, kD, rows, tid);
   }
-  mma1::cp_async_commit();
-  mma1::cp_async_wait<0>();
+  mma::cp_async_commit();
+  mma::cp_async_wait<0>();
   wg::fence_proxy_async();
   __syncthreads();
-  const mma1::Frag<kD> fr(lane);
+  const mma::Frag<kD> fr(lane);
   uint32_t qf[kD / 16][4];
   for (int kk = 0; kk < kD / 16; ++kk)
-    mma1::ldsm_x4(sQ + fr.A(16 * warp, 2 * kk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    mma::ldsm_x4(sQ + fr.A(16 * warp, 2 * kk), qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
   float s[32];
   for (int x = 0; x < 32; ++x) s[x] = 0.f;
   wg::wgmma_fence();
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(128)
   }
   uint32_t pa[4][4];
   for (int j = 0; j < 4; ++j)
-    for (int r = 0; r < 4; ++r) pa[j][r] = mma1::pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+    for (int r = 0; r < 4; ++r) pa[j][r] = mma::pack2<T>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
   float o[kD / 2];
   for (int x = 0; x < kD / 2; ++x) o[x] = 0.f;
   wg::wgmma_fence();

@@ -1,7 +1,7 @@
 /* attn_mma2_bwd.cu: the backward step of variant 2: cuda_mma2_bwd.
  *
- * Two paths (variant 1's contract for dq_acc, dk_acc, dv_acc and the bar
- * scratch either way):
+ * Two paths (the contract of cuda_internal.h for dq_acc, dk_acc, dv_acc
+ * and the bar scratch either way):
  *  - non-deterministic contexts (s->deterministic == 0): ONE fused key-major
  *    kernel, mma2_bwd_kv_kernel<FUSED = true>, which also produces dQ and
  *    adds it into dq_acc with fp32 vector reductions (red.global.add.v2.f32):
@@ -36,7 +36,7 @@
  * their rows of dk_bar/dv_bar (zeros where nothing contributes); run items
  * add into the dk_acc/dv_acc rows they own.
  *
- * mma2_bwd_dq_kernel: variant 1's dQ kernel with NW warps of 16 query rows
+ * mma2_bwd_dq_kernel: variant 1's dQ kernel (dev/attn_mma_bwd.cu) with NW warps of 16 query rows
  * (128-row query tiles with NW = 8, each K/V tile serving twice the rows)
  * and the shared-memory walk of the forward (TileRing).
  *
@@ -45,8 +45,6 @@
  * dv_j += p dout_i. */
 #include <cuda_runtime.h>
 #include <stdint.h>
-
-#include <atomic>
 
 #include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/attn_mma2_common.cuh"
@@ -81,16 +79,10 @@ __global__ void __launch_bounds__(32 * NW, DqShape<D, NW>::kMinBlocks)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  /* item, as in the forward */
-  const int tpb = st.G / BM;
-  const int nqt = st.num_q_blocks * tpb;
-  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
-  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
-  const int qb = qtile / tpb, qt = qtile - qb * tpb;
-  const int64_t gq = st.q_block_global[qb];
-  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
-  const int rows_here = min(BM, nr - qt * BM);
-  if (rows_here <= 0) return;
+  QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
+  if (!q_item_begin<BM>(st, item)) return;
+  const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
+  const int64_t gq = item.gq;
   TileRing &ring = *reinterpret_cast<TileRing *>(smem + S::kRingOff);
   if (tid == 0) {
     ring.start(st, h, qb, gq, qt * BM, rows_here);
@@ -593,12 +585,12 @@ template <int D, typename T, int NW>
 static mtrain_status_t launch_dq(cuda_state_t *s, const cuda_step_t *st,
                                  const mtrain_bwd_step_args_t *a) {
   using S = DqShape<D, NW>;
-  static std::atomic<unsigned long long> set{0};
-  const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
+  static cuda_smem_attr_t attr;
+  const int64_t items = cuda_q_items(st, S::BM);
   if (items <= 0) return MTRAIN_SUCCESS;
   auto kern = mma2_bwd_dq_kernel<D, T, NW>;
-  mtrain_status_t rc = mma1::prepare_launch(s, (const void *)kern, S::kSmem, items, set,
-                                            "variant 2", "mma2_bwd_dq_kernel");
+  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)kern, "variant 2", "mma2_bwd_dq_kernel",
+                                           items, 1, S::kSmem, &attr);
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
@@ -610,15 +602,14 @@ template <int D, typename T, int NW, bool FUSED>
 static mtrain_status_t launch_kv(cuda_state_t *s, const cuda_step_t *st,
                                  const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar) {
   using S = KvShape<D, NW>;
-  static std::atomic<unsigned long long> set{0};
-  /* one launch: the bar items (block indices [0, num_bar_tiles)), then the
-   * run key tiles */
-  const int64_t grid = (int64_t)st->num_k_blocks * (st->G / S::BN) * st->Hkv + st->num_bar_tiles;
+  static cuda_smem_attr_t attr;
+  /* one launch: the bar items, then the run key tiles */
+  const int64_t grid = cuda_kv_items(st, S::BN);
   if (grid <= 0) return MTRAIN_SUCCESS;
   auto kern = mma2_bwd_kv_kernel<D, T, NW, FUSED>;
   const char *name = FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel";
   mtrain_status_t rc =
-      mma1::prepare_launch(s, (const void *)kern, S::kSmem, grid, set, "variant 2", name);
+      cuda_prepare_launch(s, (const void *)kern, "variant 2", name, grid, 1, S::kSmem, &attr);
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)grid, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
@@ -628,13 +619,19 @@ static mtrain_status_t launch_kv(cuda_state_t *s, const cuda_step_t *st,
 }
 
 template <int D, typename T>
+static mtrain_status_t launch_dq_nw(cuda_state_t *s, const cuda_step_t *st,
+                                    const mtrain_bwd_step_args_t *a, const Config &c) {
+  return c.dq_nw == 8 ? launch_dq<D, T, 8>(s, st, a) : launch_dq<D, T, 4>(s, st, a);
+}
+
+template <int D, typename T>
 static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar,
                                   const Config &c) {
   if (!s->deterministic)
     return c.kv_nw == 8 ? launch_kv<D, T, 8, true>(s, st, a, dk_bar, dv_bar)
                         : launch_kv<D, T, 4, true>(s, st, a, dk_bar, dv_bar);
-  mtrain_status_t rc = c.dq_nw == 8 ? launch_dq<D, T, 8>(s, st, a) : launch_dq<D, T, 4>(s, st, a);
+  mtrain_status_t rc = launch_dq_nw<D, T>(s, st, a, c);
   if (rc != MTRAIN_SUCCESS) return rc;
   return c.kv_nw == 8 ? launch_kv<D, T, 8, false>(s, st, a, dk_bar, dv_bar)
                       : launch_kv<D, T, 4, false>(s, st, a, dk_bar, dv_bar);
@@ -645,16 +642,7 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
 extern "C" mtrain_status_t cuda_mma2_bwd(cuda_state_t *s, const cuda_step_t *st,
                                          const mtrain_bwd_step_args_t *a, float *dk_bar,
                                          float *dv_bar) {
-  const char *why = NULL;
-  if (!cuda_mma2_supports(a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 backward: %s", why);
-  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->dout) & 15u) != 0)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 2 backward: q, k, v and dout must be 16-byte aligned");
-  int index = 0;
-  mtrain_status_t rc = mma2::config_from_env("cuda variant 2 backward", &index);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  const mma2::Config c = mma2::effective_config(index, st->G);
+  const mma2::Config c = mma2::effective_config(s->mma2_config, st->G);
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
     return bf16 ? mma2::launch_bwd<64, __nv_bfloat16>(s, st, a, dk_bar, dv_bar, c)
@@ -665,24 +653,11 @@ extern "C" mtrain_status_t cuda_mma2_bwd(cuda_state_t *s, const cuda_step_t *st,
 
 extern "C" mtrain_status_t cuda_mma2_bwd_dq(cuda_state_t *s, const cuda_step_t *st,
                                             const mtrain_bwd_step_args_t *a) {
-  const char *why = NULL;
-  if (!cuda_mma2_supports(a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 dQ: %s", why);
-  int index = 0;
-  mtrain_status_t rc = mma2::config_from_env("cuda variant 2 dQ", &index);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  const mma2::Config c = mma2::effective_config(index, st->G);
+  const mma2::Config c = mma2::effective_config(s->mma2_config, st->G);
   const bool bf16 = a->dtype == MTRAIN_BF16;
-  if (st->d == 64) {
-    if (bf16)
-      return c.dq_nw == 8 ? mma2::launch_dq<64, __nv_bfloat16, 8>(s, st, a)
-                          : mma2::launch_dq<64, __nv_bfloat16, 4>(s, st, a);
-    return c.dq_nw == 8 ? mma2::launch_dq<64, __half, 8>(s, st, a)
-                        : mma2::launch_dq<64, __half, 4>(s, st, a);
-  }
-  if (bf16)
-    return c.dq_nw == 8 ? mma2::launch_dq<128, __nv_bfloat16, 8>(s, st, a)
-                        : mma2::launch_dq<128, __nv_bfloat16, 4>(s, st, a);
-  return c.dq_nw == 8 ? mma2::launch_dq<128, __half, 8>(s, st, a)
-                      : mma2::launch_dq<128, __half, 4>(s, st, a);
+  if (st->d == 64)
+    return bf16 ? mma2::launch_dq_nw<64, __nv_bfloat16>(s, st, a, c)
+                : mma2::launch_dq_nw<64, __half>(s, st, a, c);
+  return bf16 ? mma2::launch_dq_nw<128, __nv_bfloat16>(s, st, a, c)
+              : mma2::launch_dq_nw<128, __half>(s, st, a, c);
 }

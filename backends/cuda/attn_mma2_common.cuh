@@ -1,14 +1,19 @@
 /* attn_mma2_common.cuh (private): device code shared by the forward and
- * backward kernels of variant 2 (attn_mma2_fwd.cu, attn_mma2_bwd.cu). It
- * reuses variant 1's PTX wrappers, fragment layouts and swizzled 64-column
- * chunk addressing (attn_mma_common.cuh, namespace mma1) and adds:
+ * backward kernels of variant 2 (attn_mma2_fwd.cu, attn_mma2_bwd.cu) and of
+ * variant 3 (attn_wgmma_*.cu). It uses the mma.sync PTX wrappers, fragment
+ * layouts and swizzled 64-column chunk addressing of attn_mma_common.cuh
+ * (namespace mma) and adds:
  *  - two PTX wrappers: stmatrix.x4 (C fragments -> shared memory, the exact
  *    inverse of ldmatrix.x4) and the sm_90 vector reduction
  *    red.global.add.v2.f32 (the atomic dQ of the fused backward);
  *  - the run-time configurations (MTRAIN_CUDA_MMA2_CONFIG);
  *  - row loaders for CTAs of NT threads and tiles of any multiple of 64 rows;
  *  - FragC, fragment addressing for warp tiles whose columns start at a
- *    warp-dependent chunk (mma1::Frag needs compile-time chunks);
+ *    warp-dependent chunk (mma::Frag needs compile-time chunks);
+ *  - the decode of a CTA's work item, written once for every tensor-core
+ *    kernel: q_item_begin (query-major: forward, dQ) and kv_item_begin
+ *    (key-major: dK/dV, fused backward), the grids that cuda_q_items and
+ *    cuda_kv_items (cuda_internal.h) count;
  *  - the query-major key walk generalised to query tiles of BM = 64 or 128
  *    rows (KeyWalk2), advanced by one thread in shared memory (TileRing) so
  *    that no walk state occupies registers during the MMAs;
@@ -24,32 +29,29 @@
 #define MTRAIN_ATTN_MMA2_COMMON_CUH
 
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
+#include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/attn_mma_common.cuh"
-
-extern "C" {
-#include "mtrain/mtrain_error.h"
-}
+#include "backends/cuda/cuda_device.cuh"
 
 namespace mma2 {
 
-using mma1::cp_async16;
-using mma1::cp_async4;
-using mma1::cp_async_commit;
-using mma1::cp_async_wait;
-using mma1::fast_exp2;
-using mma1::Frag;
-using mma1::kLn2;
-using mma1::kLog2e;
-using mma1::ldsm_x4;
-using mma1::ldsm_x4_t;
-using mma1::mma16816;
-using mma1::pack2;
-using mma1::pack_a;
-using mma1::smem_u32;
-using mma1::toff;
+using mma::cp_async16;
+using mma::cp_async4;
+using mma::cp_async_commit;
+using mma::cp_async_wait;
+using mma::fast_exp2;
+using mma::Frag;
+using mma::kLn2;
+using mma::kLog2e;
+using mma::ldsm_x4;
+using mma::ldsm_x4_t;
+using mma::mma16816;
+using mma::pack2;
+using mma::pack_a;
+using mma::seg_walk;
+using mma::smem_u32;
+using mma::toff;
 
 constexpr int kKT = 64; /* rows of a streamed key tile (forward, dQ) and of a
                            streamed query tile (dK/dV); one bar tile */
@@ -99,36 +101,19 @@ struct Config {
   int dq_nw; /* warps of the deterministic dQ kernel (16 query rows each) */
 };
 
-/* MTRAIN_CUDA_MMA2_CONFIG: index into this table. Chosen so that one run
+/* MTRAIN_CUDA_MMA2_CONFIG, read once when a context is created
+ * (cuda_mma2_config_from_env, kept in cuda_state_t::mma2_config): index
+ * into this table. Chosen so that one run
  * of the three separates the effects: 0 vs 1 compares the forward kinds and
  * (deterministic backward) the dQ kernel's 128- and 64-row tiles; 1 vs 2
  * compares the dK/dV (fused or not) kernel's 128- and 64-key items (and
  * the 64-row forward). */
-constexpr int kNumConfigs = 3;
+constexpr int kNumConfigs = CUDA_MMA2_NUM_CONFIGS;
 static const Config kConfigs[kNumConfigs] = {
     {kFwd4x32, 8, 8}, /* "0" (default) */
     {kFwd8x16, 8, 4}, /* "1" */
     {kFwd4x16, 4, 4}, /* "2": 64-row / 64-key tiles everywhere */
 };
-
-/* Reads MTRAIN_CUDA_MMA2_CONFIG (unset or empty: 0) into *index; any value
- * other than "0" .. "2" fails with MTRAIN_ERR_INVALID_CONFIG. Read at every
- * call, so that one process can time several configurations. */
-inline mtrain_status_t config_from_env(const char *who, int *index) {
-  const char *e = getenv("MTRAIN_CUDA_MMA2_CONFIG");
-  *index = 0;
-  if (!e || !*e) return MTRAIN_SUCCESS;
-  if (e[0] >= '0' && e[0] < '0' + kNumConfigs && e[1] == '\0') {
-    *index = e[0] - '0';
-    return MTRAIN_SUCCESS;
-  }
-  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
-                      "%s: environment variable MTRAIN_CUDA_MMA2_CONFIG='%s': expected 0 (4 "
-                      "warps x 32 query rows forward, 128-row dQ, 128-key dK/dV), 1 (8 warps x "
-                      "16 query rows forward, 64-row dQ, 128-key dK/dV) or 2 (64-row and 64-key "
-                      "tiles everywhere)",
-                      who, e);
-}
 
 /* The configuration actually run for granularity G: 128-row and 128-key
  * tiles need G % 128 == 0 (a tile never spans two blocks, whose key lists
@@ -141,13 +126,13 @@ inline Config effective_config(int index, int G) {
 
 /* ---- fragment addressing with a run-time column base ---- */
 
-/* mma1::Frag needs compile-time chunk indices (it selects one of four
+/* mma::Frag needs compile-time chunk indices (it selects one of four
  * per-lane offsets by c2 % 8). A warp tile whose columns start at a
  * warp-dependent chunk cb (even) uses FragC instead: entry j is the lane's
  * byte offset of logical chunk cb + 2j (row 0), for the A addressing
  * (kA = true: ldmatrix rows m0 + (lane & 15), chunk + (lane >> 4)) or the B
  * addressing (kA = false: rows m0 + (lane & 7) + 8 (lane >> 4), chunk +
- * ((lane >> 3) & 1)) of mma1::Frag; at(m0, j) adds the row offset. N
+ * ((lane >> 3) & 1)) of mma::Frag; at(m0, j) adds the row offset. N
  * entries cost N registers. */
 template <int COLS, int N, bool kA> struct FragC {
   static constexpr int RB = COLS * 2; /* bytes per tile row */
@@ -228,7 +213,35 @@ __device__ __forceinline__ void contiguous_rows_n(int64_t (&rows)[LoadShape<NT, 
   }
 }
 
-/* ---- query-major walk (forward, dQ) ---- */
+/* ---- query-major items and walk (forward, dQ) ---- */
+
+/* A query-major work item: query tile qt (BM rows) of local query block qb
+ * (global block gq) for query head h, with `rows` valid rows. */
+struct QItem {
+  int h, qb, qt, rows;
+  int64_t gq;
+};
+
+/* The query-major item of CTA blockIdx.x for query tiles of BM rows (the
+ * cuda_q_items grid): the heaviest (last) query tiles first, the heads of
+ * one tile adjacent (a GQA group shares K/V in L2). False when the tile
+ * holds no valid row (padding only). Uniform over the CTA. */
+template <int BM> __device__ __forceinline__ bool q_item_begin(const cuda_step_t &st, QItem &it) {
+  const int tpb = st.G / BM;
+  const int nqt = st.num_q_blocks * tpb;
+  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
+  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
+  const int qb = qtile / tpb, qt = qtile - qb * tpb;
+  const int64_t gq = st.q_block_global[qb];
+  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
+  const int rows = min(BM, nr - qt * BM);
+  it.h = h;
+  it.qb = qb;
+  it.qt = qt;
+  it.rows = rows;
+  it.gq = gq;
+  return rows > 0;
+}
 
 /* One 64-key tile of a query item: kind 1 = consecutive key rows of a run
  * block from row a, kind 2 = bars from the cursor (segment a, bar index b).
@@ -277,7 +290,7 @@ struct KeyWalk2 {
     bars_left = 0;
     for (int x = s; x < s_end; ++x) bars_left += sg[2 * x + 1] - sg[2 * x];
     b = s < s_end ? sg[2 * s] : 0;
-    mma1::seg_walk(sg, s_end, s, b, 0);
+    seg_walk(sg, s_end, s, b, 0);
   }
 
   __device__ __forceinline__ bool next(const cuda_step_t &st, KTile2 &t) {
@@ -315,7 +328,7 @@ struct KeyWalk2 {
       t.off = 0;
       t.a = s;
       t.b = b;
-      mma1::seg_walk(st.idx + segs, s_end, s, b, kKT);
+      seg_walk(st.idx + segs, s_end, s, b, kKT);
       bars_left -= kKT;
       return true;
     }
@@ -391,11 +404,11 @@ struct TileRing {
       const int i0 = tid >> 3;
       const int32_t *sg = st.idx + segs, *bl = st.idx + bars;
       int cs = t.a, cb = t.b;
-      mma1::seg_walk(sg, s_end, cs, cb, i0);
+      seg_walk(sg, s_end, cs, cb, i0);
 #pragma unroll
       for (int r = 0; r < LS::kRows; ++r) {
         rows[r] = i0 + LS::kStep * r < t.nvalid ? (int64_t)bl[cb] : -1;
-        if (r + 1 < LS::kRows) mma1::seg_walk(sg, s_end, cs, cb, LS::kStep);
+        if (r + 1 < LS::kRows) seg_walk(sg, s_end, cs, cb, LS::kStep);
       }
     }
   }
@@ -477,9 +490,10 @@ struct QWalk2 {
   }
 };
 
-/* The key-major item of CTA blockIdx.x with BN keys (64 or 128): bar items
- * first (block indices [0, num_bar_tiles): one bar tile, or with BN = 128 a
- * pair of them), then the run key tiles (kv head, key tile of BN keys).
+/* The key-major item of CTA blockIdx.x with BN keys (64 or 128; the
+ * cuda_kv_items grid): bar items first (block indices [0, num_bar_tiles):
+ * one bar tile, or with BN = 128 a pair of them), then the run key tiles
+ * (kv head, key tile of BN keys).
  * Sets the query walk qw, the kv head hk, the item's keys nk and row0 (runs:
  * first local key row; bars: first bar scratch row). False: the CTA has
  * nothing to do (the second tile of a bar pair, or a key tile past the

@@ -1,10 +1,12 @@
 /* attn_mma2_fwd.cu: the forward step of variant 2 (tensor cores, tuned):
- * cuda_mma2_supports and cuda_mma2_fwd. One CTA per (query head, query tile
+ * cuda_mma2_fwd, with cuda_mma2_supports (the shapes of every tensor-core
+ * variant) and cuda_mma2_config_from_env (the tile configuration, read once
+ * per context). One CTA per (query head, query tile
  * of BM = NW * WM rows): NW warps own WM query rows each (one or two 16-row
  * MMA tiles) and keep the online-softmax state and the output accumulator in
  * registers; the item's key tiles (run blocks 64 keys at a time, then the
  * bars gathered 64 at a time) stream through two cp.async stages of (K, V).
- * Differences from variant 1 (attn_mma_fwd.cu):
+ * Differences from variant 1 (dev/attn_mma_fwd.cu, which it replaced):
  *  - 128-row query tiles (G a multiple of 128): every K/V tile brought to
  *    shared memory serves twice the rows; with 4 warps x 32 rows every K/V
  *    fragment read from shared memory also feeds two MMA row tiles;
@@ -14,16 +16,16 @@
  *    maximum of the warp changed (exact: the factor would be 1);
  *  - a warp whose rows see no key of a tile (causal diagonal, padding rows)
  *    skips its MMAs;
- * The kernel shapes are template parameters; MTRAIN_CUDA_MMA2_CONFIG picks
- * one at run time (attn_mma2_common.cuh). */
+ * The kernel shapes are template parameters; the context's tile
+ * configuration (MTRAIN_CUDA_MMA2_CONFIG) picks one (attn_mma2_common.cuh). */
 #include <cuda_runtime.h>
 #include <stdint.h>
-
-#include <atomic>
+#include <stdlib.h>
 
 #include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/attn_mma2_common.cuh"
 #include "backends/cuda/cuda_internal.h"
+#include "mtrain/mtrain_error.h"
 
 namespace mma2 {
 
@@ -82,16 +84,10 @@ __global__ void __launch_bounds__(32 * NW, MINB)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  /* item: heaviest (last) query tiles first, the heads of one tile together */
-  const int tpb = st.G / BM;
-  const int nqt = st.num_q_blocks * tpb;
-  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
-  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
-  const int qb = qtile / tpb, qt = qtile - qb * tpb;
-  const int64_t gq = st.q_block_global[qb];
-  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
-  const int rows_here = min(BM, nr - qt * BM);
-  if (rows_here <= 0) return;
+  QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
+  if (!q_item_begin<BM>(st, item)) return;
+  const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
+  const int64_t gq = item.gq;
   TileRing &ring = *reinterpret_cast<TileRing *>(smem + S::kRingOff);
   if (tid == 0) {
     ring.start(st, h, qb, gq, qt * BM, rows_here);
@@ -322,15 +318,14 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a) {
   using K = FwdKind<D, KIND>;
   using S = FwdShape<D, K::NW, K::WM, K::QREG>;
-  static std::atomic<unsigned long long> smem_set{0};
-  constexpr int smem = S::kSmem;
-  const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
+  static cuda_smem_attr_t attr;
+  const int64_t items = cuda_q_items(st, S::BM);
   if (items <= 0) return MTRAIN_SUCCESS;
   auto kern = mma2_fwd_kernel<D, T, K::NW, K::WM, K::QREG, K::MINB>;
-  mtrain_status_t rc = mma1::prepare_launch(s, (const void *)kern, smem, items, smem_set,
-                                            "variant 2", "mma2_fwd_kernel");
+  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)kern, "variant 2", "mma2_fwd_kernel",
+                                           items, 1, S::kSmem, &attr);
   if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
+  kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
       (float *)a->lse_acc);
   return cuda_check_launch("mma2_fwd_kernel");
@@ -351,23 +346,42 @@ static mtrain_status_t fwd_kind(cuda_state_t *s, const cuda_step_t *st,
 
 } /* namespace mma2 */
 
-/* Variant 2 computes the calls that variant 1 does (cuda_mma_supports). */
+extern "C" mtrain_status_t cuda_mma2_config_from_env(int *index) {
+  const char *e = getenv("MTRAIN_CUDA_MMA2_CONFIG");
+  *index = 0;
+  if (!e || !*e) return MTRAIN_SUCCESS;
+  if (e[0] >= '0' && e[0] < '0' + CUDA_MMA2_NUM_CONFIGS && e[1] == '\0') {
+    *index = e[0] - '0';
+    return MTRAIN_SUCCESS;
+  }
+  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                      "backend 'cuda': environment variable MTRAIN_CUDA_MMA2_CONFIG='%s': "
+                      "expected 0 (4 warps x 32 query rows forward, 128-row dQ, 128-key dK/dV), "
+                      "1 (8 warps x 16 query rows forward, 64-row dQ, 128-key dK/dV) or 2 "
+                      "(64-row and 64-key tiles everywhere)",
+                      e);
+}
+
+/* The shapes of every tensor-core variant (variant 3 and the development
+ * variant 1 take the same). */
 extern "C" int cuda_mma2_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why) {
-  return cuda_mma_supports(dtype, d, G, why);
+  const char *reason = NULL;
+  if (dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
+    reason = "the tensor-core variants compute bf16 and fp16 inputs only";
+  else if (d != 64 && d != 128)
+    reason = "the tensor-core variants compute head_dim 64 and 128 only";
+  else if (G <= 0 || G % 64 != 0)
+    reason = "the tensor-core variants need a granularity that is a multiple of 64";
+  if (reason) {
+    if (why) *why = reason;
+    return 0;
+  }
+  return 1;
 }
 
 extern "C" mtrain_status_t cuda_mma2_fwd(cuda_state_t *s, const cuda_step_t *st,
                                          const mtrain_fwd_step_args_t *a) {
-  const char *why = NULL;
-  if (!cuda_mma2_supports(a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 forward: %s", why);
-  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15u) != 0)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 2 forward: q, k and v must be 16-byte aligned");
-  int index = 0;
-  mtrain_status_t rc = mma2::config_from_env("cuda variant 2 forward", &index);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  const int kind = mma2::effective_config(index, st->G).fwd;
+  const int kind = mma2::effective_config(s->mma2_config, st->G).fwd;
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
     return bf16 ? mma2::fwd_kind<64, __nv_bfloat16>(s, st, a, kind)

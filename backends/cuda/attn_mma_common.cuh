@@ -1,11 +1,10 @@
-/* attn_mma_common.cuh (private): device code shared by the tensor-core
- * variant (variant 1) of the CUDA attention kernels: the PTX wrappers
- * (cp.async, ldmatrix, mma.sync m16n8k16 with bf16/fp16 inputs and fp32
- * accumulators), the swizzled shared-memory layout of a 64-row tile, the
- * row loaders (contiguous rows and gathered bar rows, zero-filled past the
- * valid rows), the walk over the key tiles of a (head, query tile) item
- * that the forward and dQ kernels share, and the host-side helper that
- * raises a kernel's dynamic shared-memory limit once per device.
+/* attn_mma_common.cuh (private): the mma.sync building blocks of the
+ * tensor-core kernels (namespace mma), used by variants 2 and 3
+ * (attn_mma2_*.cu, attn_wgmma_*.cu) and by the development variant 1
+ * (dev/): the PTX wrappers (cp.async, ldmatrix, mma.sync m16n8k16 with
+ * bf16/fp16 inputs and fp32 accumulators, ex2), the packing of C fragments
+ * into A fragments, the ldmatrix addressing of the swizzled shared-memory
+ * layout of a tile, and the bar cursor of a query block's segments.
  *
  * Fragment layouts of mma.sync.aligned.m16n8k16 (g = lane / 4, t = lane % 4,
  * "{x, y}" = one 32-bit register holding two 16-bit values, x in the low
@@ -42,27 +41,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <atomic>
+namespace mma {
 
-#include "backends/cuda/cuda_device.cuh"
-
-extern "C" {
-#include "mtrain/mtrain_error.h"
-}
-
-namespace mma1 {
-
-constexpr int kThreads = 128; /* 4 warps per CTA */
-constexpr int kTile = 64;     /* rows of a query tile and of a key tile */
-/* Minimum resident CTAs per SM asked of ptxas (__launch_bounds__): 3 caps
- * the forward at 168 registers (no spills; 3 x 64 KB shared memory at
- * d = 128); the backward kernels spill below 2. */
-constexpr int kFwdMinBlocks = 3;
-constexpr int kBwdMinBlocks = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-/* ---- PTX wrappers (the only inline assembly of the variant) ---- */
+/* ---- PTX wrappers (the only inline assembly of this file) ---- */
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   return (uint32_t)__cvta_generic_to_shared(p);
@@ -203,35 +187,6 @@ template <int D> __device__ __forceinline__ uint32_t toff(int row, int pchunk) {
   return (uint32_t)(row * (D * 2) + (pchunk << 4));
 }
 
-/* Loads 64 rows into a swizzled tile at shared address sdst: tile row i
- * comes from g + rows[.] * stride (elements), zero-filled where the row is
- * -1. Thread tid handles rows i = tid/8 + 16r (r < 4), chunks tid%8 + 8j:
- * 8 threads read one row's 128 contiguous bytes per instruction. */
-template <int D, typename T>
-__device__ __forceinline__ void load_rows(uint32_t sdst, const T *g, int64_t stride,
-                                          const int64_t (&rows)[4], int tid) {
-  const int i0 = tid >> 3, c0 = tid & 7, cx = c0 ^ (i0 & 7);
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int i = i0 + 16 * r;
-    const bool ok = rows[r] >= 0;
-    const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
-#pragma unroll
-    for (int j = 0; j < D / 64; ++j)
-      cp_async16(sdst + toff<D>(i, 8 * j + cx), ok ? src + 64 * j : g, ok);
-  }
-}
-
-/* Rows of a tile whose valid rows are row0 + i for i < nvalid. */
-__device__ __forceinline__ void contiguous_rows(int64_t (&rows)[4], int64_t row0, int nvalid,
-                                                int tid) {
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int i = (tid >> 3) + 16 * r;
-    rows[r] = i < nvalid ? row0 + i : -1;
-  }
-}
-
 /* Moves the bar cursor (segment s, bar index b) p bars forward through the
  * segments [s, s_end) (segs[2s] <= b <= segs[2s+1]); past the last bar it
  * stops with s == s_end. p == 0 skips empty segments. */
@@ -247,149 +202,6 @@ __device__ __forceinline__ void seg_walk(const int32_t *segs, int s_end, int &s,
   }
 }
 
-/* One key tile of a query item: kind 1 = 64 consecutive key rows of a run
- * block (first row a), kind 2 = up to 64 bars from the cursor (segment a,
- * bar index b). Valid key columns are [0, nvalid); causal marks the tile
- * on the causal diagonal (same tile index in the block as the query tile):
- * there column c > row r is masked (both tile-local). */
-struct KTile {
-  int kind, nvalid, causal, a, b;
-};
-
-/* The key tiles of (head h, local query block qb, query tile qt of the
- * block), in the plan's order: each run block's 64-row tiles that hold valid
- * keys (on the diagonal block only tiles kt <= qt), then the bars of qb's
- * segments 64 at a time. Every thread of the CTA walks it identically. */
-struct KeyWalk {
-  const int32_t *runs, *segs, *bars;
-  int e, e_end, kb, kb_end, kt;
-  int s, s_end, b, bars_left;
-  int qt;
-  int64_t gq;
-
-  __device__ __forceinline__ void init(const head_view &hv, int qb, int64_t gq_, int qt_) {
-    runs = hv.runs;
-    segs = hv.segs;
-    bars = hv.bars;
-    gq = gq_;
-    qt = qt_;
-    e = hv.run_off[qb];
-    e_end = hv.run_off[qb + 1];
-    kb = kb_end = 0;
-    if (e < e_end) {
-      kb = runs[2 * e];
-      kb_end = runs[2 * e + 1];
-    }
-    kt = 0;
-    s = hv.seg_off[qb];
-    s_end = hv.seg_off[qb + 1];
-    bars_left = 0;
-    for (int x = s; x < s_end; ++x) bars_left += segs[2 * x + 1] - segs[2 * x];
-    b = s < s_end ? segs[2 * s] : 0;
-    seg_walk(segs, s_end, s, b, 0);
-  }
-
-  __device__ __forceinline__ bool next(const cuda_step_t &st, KTile &t) {
-    while (e < e_end) {
-      if (kb < kb_end) {
-        const int64_t gk = st.k_block_global[kb];
-        const int nc = block_rows_dev(st.k_tokens, st.G, kb, gk, st.seq_len);
-        const bool diag = gk == gq;
-        int lim = (nc + kTile - 1) / kTile;
-        if (diag && lim > qt + 1) lim = qt + 1;
-        if (kt < lim) {
-          t.kind = 1;
-          t.a = kb * st.G + kt * kTile;
-          t.nvalid = min(kTile, nc - kt * kTile);
-          t.causal = diag && kt == qt;
-          t.b = 0;
-          ++kt;
-          return true;
-        }
-        ++kb;
-        kt = 0;
-        continue;
-      }
-      if (++e < e_end) {
-        kb = runs[2 * e];
-        kb_end = runs[2 * e + 1];
-        kt = 0;
-      }
-    }
-    if (bars_left > 0) {
-      t.kind = 2;
-      t.nvalid = min(kTile, bars_left);
-      t.causal = 0;
-      t.a = s;
-      t.b = b;
-      seg_walk(segs, s_end, s, b, kTile);
-      bars_left -= kTile;
-      return true;
-    }
-    return false;
-  }
-};
-
-/* Issues the cp.async loads of key tile t of walk w into the K and V tiles at
- * sK and sV (kv head base pointers kbase, vbase; row stride in elements). */
-template <int D, typename T>
-__device__ __forceinline__ void load_kv_tile(uint32_t sK, uint32_t sV, const T *kbase,
-                                             const T *vbase, int64_t stride, const KeyWalk &w,
-                                             const KTile &t, int tid) {
-  int64_t rows[4];
-  if (t.kind == 1) {
-    contiguous_rows(rows, t.a, t.nvalid, tid);
-  } else {
-    const int i0 = tid >> 3;
-    int s = t.a, b = t.b;
-    seg_walk(w.segs, w.s_end, s, b, i0);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      rows[r] = i0 + 16 * r < t.nvalid ? (int64_t)w.bars[b] : -1;
-      if (r < 3) seg_walk(w.segs, w.s_end, s, b, 16);
-    }
-  }
-  load_rows<D>(sK, kbase, stride, rows, tid);
-  load_rows<D>(sV, vbase, stride, rows, tid);
-}
-
-/* ---- host side ---- */
-
-/* Raises kernel's dynamic shared-memory limit to `bytes` on the current
- * device, once per (kernel instantiation, device): `done` is the caller's
- * static bit set of devices already set. */
-inline cudaError_t set_smem_once(const void *kernel, int bytes,
-                                 std::atomic<unsigned long long> &done) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0ull;
-  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_acq_rel);
-  return err;
-}
-
-/* The checks before launching `kernel` (every tensor-core variant): `blocks`
- * thread blocks must fit a grid and `smem` bytes of dynamic shared memory
- * the device's opt-in limit, which is then raised for the kernel once per
- * device (set_smem_once). Errors are MTRAIN_ERR_NOT_SUPPORTED (the grid,
- * the shared memory) or the CUDA error, naming the variant and kernel. */
-inline mtrain_status_t prepare_launch(const cuda_state_t *s, const void *kernel, int smem,
-                                      int64_t blocks, std::atomic<unsigned long long> &done,
-                                      const char *variant, const char *name) {
-  if (blocks > 0x7fffffff)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda %s %s: %lld thread blocks, more than a grid holds", variant, name,
-                        (long long)blocks);
-  if (s->max_smem_optin > 0 && (size_t)smem > s->max_smem_optin)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda %s %s: needs %d bytes of shared memory per block, the device "
-                        "allows %zu",
-                        variant, name, smem, s->max_smem_optin);
-  return cuda_check((int)set_smem_once(kernel, smem, done), name);
-}
-
-} /* namespace mma1 */
+} /* namespace mma */
 
 #endif /* MTRAIN_ATTN_MMA_COMMON_CUH */

@@ -4,9 +4,11 @@
  * visited in the plan's order by one warp, so results do not depend on
  * scheduling. Written for exactness and coverage (fp32, bf16, fp16, any
  * head_dim that is a multiple of 32 up to 256, any granularity), not speed;
- * variant 1 (attn_mma_*.cu) is the fast path. */
+ * variants 2 and 3 (attn_mma2_*.cu, attn_wgmma_*.cu) are the fast paths. */
 #include <cuda_runtime.h>
 #include <math.h>
+
+#include <type_traits>
 
 #include "backends/cuda/cuda_device.cuh"
 #include "mtrain/mtrain_error.h"
@@ -219,10 +221,14 @@ template <int DPL, typename T>
 mtrain_status_t fwd_launch(cuda_state_t *s, const cuda_step_t *st,
                            const mtrain_fwd_step_args_t *a) {
   if (st->q_tokens == 0 || st->Hq == 0) return MTRAIN_SUCCESS;
-  dim3 grid((unsigned)((st->q_tokens + kWarps - 1) / kWarps), (unsigned)st->Hq);
-  fwd_kernel<DPL, T><<<grid, 32 * kWarps, 0, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
-      (float *)a->lse_acc);
+  const int64_t gx = (st->q_tokens + kWarps - 1) / kWarps;
+  mtrain_status_t e = cuda_prepare_launch(s, (const void *)fwd_kernel<DPL, T>, "variant 0",
+                                          "simt fwd_kernel", gx, st->Hq, 0, NULL);
+  if (e) return e;
+  fwd_kernel<DPL, T>
+      <<<dim3((unsigned)gx, (unsigned)st->Hq), 32 * kWarps, 0, (cudaStream_t)s->stream>>>(
+          *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
+          (float *)a->lse_acc);
   return cuda_check_launch("simt fwd_kernel");
 }
 
@@ -235,18 +241,28 @@ mtrain_status_t bwd_launch(cuda_state_t *s, const cuda_step_t *st, const mtrain_
   const float *lse = (const float *)a->lse_acc, *delta = (const float *)a->delta_acc;
   mtrain_status_t e;
   if (st->q_tokens > 0) {
-    dim3 grid((unsigned)((st->q_tokens + kWarps - 1) / kWarps), (unsigned)st->Hq);
-    dq_kernel<DPL, T>
-        <<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta, (float *)a->dq_acc);
+    const int64_t gx = (st->q_tokens + kWarps - 1) / kWarps;
+    if ((e = cuda_prepare_launch(s, (const void *)dq_kernel<DPL, T>, "variant 0", "simt dq_kernel",
+                                 gx, st->Hq, 0, NULL)))
+      return e;
+    dq_kernel<DPL, T><<<dim3((unsigned)gx, (unsigned)st->Hq), 32 * kWarps, 0, str>>>(
+        *st, q, k, v, dout, lse, delta, (float *)a->dq_acc);
     if ((e = cuda_check_launch("simt dq_kernel"))) return e;
   }
   if (st->k_tokens > 0) {
-    dim3 grid((unsigned)((st->k_tokens + kWarps - 1) / kWarps), (unsigned)st->Hkv);
-    dkdv_kernel<DPL, T><<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta,
-                                                       (float *)a->dk_acc, (float *)a->dv_acc);
+    const int64_t gx = (st->k_tokens + kWarps - 1) / kWarps;
+    if ((e = cuda_prepare_launch(s, (const void *)dkdv_kernel<DPL, T>, "variant 0",
+                                 "simt dkdv_kernel", gx, st->Hkv, 0, NULL)))
+      return e;
+    dkdv_kernel<DPL, T><<<dim3((unsigned)gx, (unsigned)st->Hkv), 32 * kWarps, 0, str>>>(
+        *st, q, k, v, dout, lse, delta, (float *)a->dk_acc, (float *)a->dv_acc);
     if ((e = cuda_check_launch("simt dkdv_kernel"))) return e;
   }
   if (st->num_bar_tiles > 0) {
+    if ((e = cuda_prepare_launch(s, (const void *)bars_kernel<DPL, T>, "variant 0",
+                                 "simt bars_kernel", st->num_bar_tiles, CUDA_BAR_TILE / kWarps, 0,
+                                 NULL)))
+      return e;
     dim3 grid((unsigned)st->num_bar_tiles, CUDA_BAR_TILE / kWarps);
     bars_kernel<DPL, T>
         <<<grid, 32 * kWarps, 0, str>>>(*st, q, k, v, dout, lse, delta, dk_bar, dv_bar);
@@ -255,89 +271,62 @@ mtrain_status_t bwd_launch(cuda_state_t *s, const cuda_step_t *st, const mtrain_
   return MTRAIN_SUCCESS;
 }
 
-template <typename T>
-mtrain_status_t fwd_by_dim(cuda_state_t *s, const cuda_step_t *st,
-                           const mtrain_fwd_step_args_t *a) {
-  switch (st->d / 32) {
+template <typename T> struct type_tag { using type = T; };
+
+/* Calls f(type_tag<T>(), std::integral_constant<int, d / 32>()) with T the
+ * storage type of dtype, for head_dim d = 32, 64, ..., 256: the one dispatch
+ * of a call's dtype and head_dim to the kernels' template arguments. */
+template <typename T, typename F> mtrain_status_t by_dim(int d, F &&f) {
+  const type_tag<T> t;
+  switch (d % 32 == 0 ? d / 32 : 0) {
   case 1:
-    return fwd_launch<1, T>(s, st, a);
+    return f(t, std::integral_constant<int, 1>());
   case 2:
-    return fwd_launch<2, T>(s, st, a);
+    return f(t, std::integral_constant<int, 2>());
   case 3:
-    return fwd_launch<3, T>(s, st, a);
+    return f(t, std::integral_constant<int, 3>());
   case 4:
-    return fwd_launch<4, T>(s, st, a);
+    return f(t, std::integral_constant<int, 4>());
   case 5:
-    return fwd_launch<5, T>(s, st, a);
+    return f(t, std::integral_constant<int, 5>());
   case 6:
-    return fwd_launch<6, T>(s, st, a);
+    return f(t, std::integral_constant<int, 6>());
   case 7:
-    return fwd_launch<7, T>(s, st, a);
+    return f(t, std::integral_constant<int, 7>());
   case 8:
-    return fwd_launch<8, T>(s, st, a);
+    return f(t, std::integral_constant<int, 8>());
   }
-  return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
+  return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", d);
 }
 
-template <typename T>
-mtrain_status_t bwd_by_dim(cuda_state_t *s, const cuda_step_t *st, const mtrain_bwd_step_args_t *a,
-                           float *dk_bar, float *dv_bar) {
-  switch (st->d / 32) {
-  case 1:
-    return bwd_launch<1, T>(s, st, a, dk_bar, dv_bar);
-  case 2:
-    return bwd_launch<2, T>(s, st, a, dk_bar, dv_bar);
-  case 3:
-    return bwd_launch<3, T>(s, st, a, dk_bar, dv_bar);
-  case 4:
-    return bwd_launch<4, T>(s, st, a, dk_bar, dv_bar);
-  case 5:
-    return bwd_launch<5, T>(s, st, a, dk_bar, dv_bar);
-  case 6:
-    return bwd_launch<6, T>(s, st, a, dk_bar, dv_bar);
-  case 7:
-    return bwd_launch<7, T>(s, st, a, dk_bar, dv_bar);
-  case 8:
-    return bwd_launch<8, T>(s, st, a, dk_bar, dv_bar);
+template <typename F> mtrain_status_t by_dtype_dim(mtrain_dtype_t dtype, int d, F &&f) {
+  switch (dtype) {
+  case MTRAIN_F32:
+    return by_dim<float>(d, f);
+  case MTRAIN_BF16:
+    return by_dim<__nv_bfloat16>(d, f);
+  case MTRAIN_F16:
+    return by_dim<__half>(d, f);
+  default:
+    break;
   }
-  return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
+  return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "cuda simt: dtype %s",
+                      mtrain_dtype_name(dtype));
 }
 
 } // namespace
 
 extern "C" mtrain_status_t cuda_simt_fwd(cuda_state_t *s, const cuda_step_t *st,
                                          const mtrain_fwd_step_args_t *a) {
-  if (st->d % 32 != 0 || st->d > 256)
-    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
-  switch (a->dtype) {
-  case MTRAIN_F32:
-    return fwd_by_dim<float>(s, st, a);
-  case MTRAIN_BF16:
-    return fwd_by_dim<__nv_bfloat16>(s, st, a);
-  case MTRAIN_F16:
-    return fwd_by_dim<__half>(s, st, a);
-  default:
-    break;
-  }
-  return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "cuda simt: dtype %s",
-                      mtrain_dtype_name(a->dtype));
+  return by_dtype_dim(a->dtype, st->d, [&](auto t, auto dpl) {
+    return fwd_launch<decltype(dpl)::value, typename decltype(t)::type>(s, st, a);
+  });
 }
 
 extern "C" mtrain_status_t cuda_simt_bwd(cuda_state_t *s, const cuda_step_t *st,
                                          const mtrain_bwd_step_args_t *a, float *dk_bar,
                                          float *dv_bar) {
-  if (st->d % 32 != 0 || st->d > 256)
-    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_HEAD_DIM, "cuda simt: head_dim %d", st->d);
-  switch (a->dtype) {
-  case MTRAIN_F32:
-    return bwd_by_dim<float>(s, st, a, dk_bar, dv_bar);
-  case MTRAIN_BF16:
-    return bwd_by_dim<__nv_bfloat16>(s, st, a, dk_bar, dv_bar);
-  case MTRAIN_F16:
-    return bwd_by_dim<__half>(s, st, a, dk_bar, dv_bar);
-  default:
-    break;
-  }
-  return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "cuda simt: dtype %s",
-                      mtrain_dtype_name(a->dtype));
+  return by_dtype_dim(a->dtype, st->d, [&](auto t, auto dpl) {
+    return bwd_launch<decltype(dpl)::value, typename decltype(t)::type>(s, st, a, dk_bar, dv_bar);
+  });
 }

@@ -26,8 +26,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
-
 #include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/attn_mma2_common.cuh"
 #include "backends/cuda/attn_wgmma.h"
@@ -36,13 +34,13 @@
 
 namespace wg {
 
-using mma1::cp_async16;
-using mma1::cp_async_commit;
-using mma1::cp_async_wait;
-using mma1::fast_exp2;
-using mma1::kLog2e;
-using mma1::pack2;
-using mma1::smem_u32;
+using mma::cp_async16;
+using mma::cp_async_commit;
+using mma::cp_async_wait;
+using mma::fast_exp2;
+using mma::kLog2e;
+using mma::pack2;
+using mma::smem_u32;
 using mma2::contiguous_rows_n;
 using mma2::kKT;
 using mma2::kRingBytesQ;
@@ -362,15 +360,14 @@ template <int D, typename T, int NWG, bool FUSED>
 static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar) {
   using S = BwdShape<D, NWG>;
-  static std::atomic<unsigned long long> smem_set{0};
-  /* one launch: the bar items (block indices [0, num_bar_tiles)), then the
-   * run key tiles */
-  const int64_t grid = (int64_t)st->num_k_blocks * (st->G / S::BN) * st->Hkv + st->num_bar_tiles;
+  static cuda_smem_attr_t attr;
+  /* one launch: the bar items, then the run key tiles */
+  const int64_t grid = cuda_kv_items(st, S::BN);
   if (grid <= 0) return MTRAIN_SUCCESS;
   auto kern = wgmma_bwd_kernel<D, T, NWG, FUSED>;
   const char *name = FUSED ? "wgmma_bwd_kernel (fused dQ)" : "wgmma_bwd_kernel";
   mtrain_status_t rc =
-      mma1::prepare_launch(s, (const void *)kern, S::kSmem, grid, smem_set, "variant 3", name);
+      cuda_prepare_launch(s, (const void *)kern, "variant 3", name, grid, 1, S::kSmem, &attr);
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)grid, S::NC, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
@@ -398,12 +395,6 @@ static mtrain_status_t bwd_g(cuda_state_t *s, const cuda_step_t *st,
 extern "C" mtrain_status_t cuda_wgmma_bwd(cuda_state_t *s, const cuda_step_t *st,
                                           const mtrain_bwd_step_args_t *a, float *dk_bar,
                                           float *dv_bar) {
-  const char *why = NULL;
-  if (!cuda_wgmma_supports(s, a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 backward: %s", why);
-  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->dout) & 15u) != 0)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 3 backward: q, k, v and dout must be 16-byte aligned");
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
     return bf16 ? wg::bwd_g<64, __nv_bfloat16>(s, st, a, dk_bar, dv_bar)

@@ -17,12 +17,11 @@
  *    read N-major;
  *  - the masks, the online softmax in the log2 domain, the skipped O
  *    rescale and the epilogue's merge into o_acc / lse_acc are variant 2's.
- * The backward of variant 3 is variant 2's (attn_mma2_bwd.cu). */
+ * The backward of variant 3 is attn_wgmma_bwd.cu. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
-
+#include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/attn_mma2_common.cuh"
 #include "backends/cuda/attn_wgmma.h"
 #include "backends/cuda/attn_wgmma_ptx.cuh"
@@ -30,15 +29,15 @@
 
 namespace wg {
 
-using mma1::cp_async16;
-using mma1::cp_async_commit;
-using mma1::cp_async_wait;
-using mma1::fast_exp2;
-using mma1::kLn2;
-using mma1::kLog2e;
-using mma1::ldsm_x4;
-using mma1::pack2;
-using mma1::smem_u32;
+using mma::cp_async16;
+using mma::cp_async_commit;
+using mma::cp_async_wait;
+using mma::fast_exp2;
+using mma::kLn2;
+using mma::kLog2e;
+using mma::ldsm_x4;
+using mma::pack2;
+using mma::smem_u32;
 using mma2::contiguous_rows_n;
 using mma2::KeyWalk2;
 using mma2::kKT;
@@ -49,8 +48,8 @@ using mma2::LoadShape;
 
 /* The forward kernel's CTA: NWG consumer warpgroups (64 query rows each)
  * and one producer warpgroup. Shared memory: kStages stages of (K, V) panel
- * tiles (stage x: K at 2 * TBK * x, V at + TBK); the Q tile (mma1's layout,
- * read once with ldmatrix); the control block (per stage: the tile's
+ * tiles (stage x: K at 2 * TBK * x, V at + TBK); the Q tile (the layout
+ * of attn_mma_common.cuh, read once with ldmatrix); the control block (per stage: the tile's
  * descriptor and the full / empty mbarriers). 1024 bytes of slack align
  * the base to the 128-byte swizzle's 1024-byte period. */
 /* Producer threads: one warpgroup, so that 4 warps keep the copies of
@@ -105,11 +104,11 @@ __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile
   } else {
     const int32_t *sg = st.idx + w.segs, *bl = st.idx + w.bars;
     int cs = t.a, cb = t.b;
-    mma1::seg_walk(sg, w.s_end, cs, cb, i0);
+    mma::seg_walk(sg, w.s_end, cs, cb, i0);
 #pragma unroll
     for (int r = 0; r < kPRows; ++r) {
       rows[r] = i0 + kPStep * r < t.nvalid ? (int64_t)bl[cb] : -1;
-      if (r + 1 < kPRows) mma1::seg_walk(sg, w.s_end, cs, cb, kPStep);
+      if (r + 1 < kPRows) mma::seg_walk(sg, w.s_end, cs, cb, kPStep);
     }
   }
 }
@@ -153,16 +152,10 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   constexpr int NO = D / 2;   /* O accumulators per thread (64 rows x D per warpgroup) */
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  /* item: heaviest (last) query tiles first, the heads of one tile together */
-  const int tpb = st.G / BM;
-  const int nqt = st.num_q_blocks * tpb;
-  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
-  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
-  const int qb = qtile / tpb, qt = qtile - qb * tpb;
-  const int64_t gq = st.q_block_global[qb];
-  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
-  const int rows_here = min(BM, nr - qt * BM);
-  if (rows_here <= 0) return;
+  mma2::QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
+  if (!mma2::q_item_begin<BM>(st, item)) return;
+  const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
+  const int64_t gq = item.gq;
   const uint32_t sraw = smem_u32(smem);
   const uint32_t s0 = (sraw + 1023u) & ~1023u;
   FwdCtl &ctl = *reinterpret_cast<FwdCtl *>(smem + (s0 - sraw) + S::kCtlOff);
@@ -245,7 +238,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   }
   cp_async_wait<0>();
   named_barrier(1, NC);
-  const mma1::Frag<D> fr(lane);
+  const mma::Frag<D> fr(lane);
   uint32_t qf[NKS][4];
 #pragma unroll
   for (int kk = 0; kk < NKS; ++kk)
@@ -391,15 +384,14 @@ template <int D, typename T, int NWG>
 static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a) {
   using S = FwdShape<D, NWG>;
-  static std::atomic<unsigned long long> smem_set{0};
-  constexpr int smem = S::kSmem;
-  const int64_t items = (int64_t)st->num_q_blocks * (st->G / S::BM) * st->Hq;
+  static cuda_smem_attr_t attr;
+  const int64_t items = cuda_q_items(st, S::BM);
   if (items <= 0) return MTRAIN_SUCCESS;
   auto kern = wgmma_fwd_kernel<D, T, NWG>;
-  mtrain_status_t rc = mma1::prepare_launch(s, (const void *)kern, smem, items, smem_set,
-                                            "variant 3", "wgmma_fwd_kernel");
+  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)kern, "variant 3", "wgmma_fwd_kernel",
+                                           items, 1, S::kSmem, &attr);
   if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)items, S::NT, smem, (cudaStream_t)s->stream>>>(
+  kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
       (float *)a->lse_acc);
   return cuda_check_launch("wgmma_fwd_kernel");
@@ -421,17 +413,12 @@ extern "C" int cuda_wgmma_supports(const cuda_state_t *s, mtrain_dtype_t dtype, 
       *why = "variant 3 uses Hopper instructions (wgmma): it needs a compute capability 9.0 GPU";
     return 0;
   }
-  return cuda_mma_supports(dtype, d, G, why); /* the shapes of variants 1 and 2 */
+  /* the shapes of variant 2, whose dQ kernel the deterministic backward runs */
+  return cuda_mma2_supports(dtype, d, G, why);
 }
 
 extern "C" mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,
                                           const mtrain_fwd_step_args_t *a) {
-  const char *why = NULL;
-  if (!cuda_wgmma_supports(s, a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 forward: %s", why);
-  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15u) != 0)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 3 forward: q, k and v must be 16-byte aligned");
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
     return bf16 ? wg::fwd_g<64, __nv_bfloat16>(s, st, a) : wg::fwd_g<64, __half>(s, st, a);

@@ -1,8 +1,8 @@
 /* cuda_absent.c: the public mtrain_cuda_* functions of a build without
  * CUDA: each reports MTRAIN_ERR_NOT_SUPPORTED (the device count is 0), so
  * programs link and run the same in every build. */
-#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_cuda.h"
+#include "mtrain/mtrain_error.h"
 
 static mtrain_status_t absent(const char *fn) {
   return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,

@@ -1,8 +1,11 @@
 /* cuda_backend.c: the "cuda" backend table: state (device, stream, staging
- * slots, scratch), memory operations on caller-owned device memory, the
- * variant dispatch of the attention steps, and the public mtrain_cuda_*
- * functions. Kernels live in the .cu files; the step metadata upload in
- * cuda_step.c. Every CUDA error is mapped to a status here (cuda_check). */
+ * slots, scratch; the device properties and the tile configuration read
+ * once at init), memory operations on caller-owned device memory, the
+ * variant dispatch of the attention steps (which checks once what a variant
+ * can compute), the launch checks of every kernel (cuda_prepare_launch), and
+ * the public mtrain_cuda_* functions. Kernels live in the .cu files; the
+ * step metadata upload in cuda_step.c. Every CUDA error is mapped to a
+ * status here (cuda_check). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,6 +16,9 @@
 #include "backends/cuda/attn_wgmma.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_internal.h"
+#ifdef MTRAIN_HAVE_CUDA_DEV_VARIANTS
+#include "backends/cuda/dev/attn_mma1.h"
+#endif
 #include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_error.h"
 #ifdef MTRAIN_HAVE_NCCL
@@ -20,10 +26,6 @@
 #endif
 
 #define CUDA_MAX_HEAD_DIM 256
-/* AUTO picks variant 2 over 1 once it has been measured faster on the GPU */
-#define MTRAIN_CUDA_AUTO_PREFERS_MMA2 1
-/* ... and variant 3 (wgmma forward and backward) over 2 likewise */
-#define MTRAIN_CUDA_AUTO_PREFERS_WGMMA 1
 
 mtrain_status_t cuda_check(int err, const char *what) {
   if (err == cudaSuccess) return MTRAIN_SUCCESS;
@@ -34,6 +36,29 @@ mtrain_status_t cuda_check(int err, const char *what) {
                         what, cudaGetErrorString(e));
   return mtrain_error(MTRAIN_ERR_BACKEND, "cuda: %s failed: %s (%s)", what, cudaGetErrorName(e),
                       cudaGetErrorString(e));
+}
+
+mtrain_status_t cuda_prepare_launch(const cuda_state_t *s, const void *kernel, const char *who,
+                                    const char *name, int64_t grid_x, int64_t grid_y, size_t smem,
+                                    cuda_smem_attr_t *attr) {
+  if (grid_x > 0x7fffffff || grid_y > 0xffff)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda %s %s: a grid of %lld x %lld thread blocks, more than a grid holds",
+                        who, name, (long long)grid_x, (long long)grid_y);
+  if (s->max_smem_optin > 0 && smem > s->max_smem_optin)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda %s %s: needs %zu bytes of shared memory per block, the device "
+                        "allows %zu",
+                        who, name, smem, s->max_smem_optin);
+  if (!attr || smem == 0) return MTRAIN_SUCCESS;
+  /* the kernel's limit on this device, raised at its first launch that
+   * needs more (a device past CUDA_MAX_DEVICES: at every launch) */
+  int *set = s->device >= 0 && s->device < CUDA_MAX_DEVICES ? &attr->bytes[s->device] : NULL;
+  if (set && (size_t)__atomic_load_n(set, __ATOMIC_ACQUIRE) >= smem) return MTRAIN_SUCCESS;
+  mtrain_status_t st = cuda_check(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem), name);
+  if (!st && set) __atomic_store_n(set, (int)smem, __ATOMIC_RELEASE);
+  return st;
 }
 
 static mtrain_status_t check_device_ptr(const void *p, const char *name);
@@ -110,6 +135,7 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   cuda_state_t *s = calloc(1, sizeof *s);
   if (!s) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "backend 'cuda': out of host memory");
   MTRAIN_TRY(parse_variant_env(&s->variant));
+  MTRAIN_TRY(cuda_mma2_config_from_env(&s->mma2_config));
   s->last_variant = -1;
   s->deterministic = config->deterministic;
   MTRAIN_TRY(cuda_check(cudaGetDevice(&s->device), "cudaGetDevice"));
@@ -249,43 +275,83 @@ static mtrain_status_t check_device_ptr(const void *p, const char *name) {
 
 /* ---- attention dispatch -------------------------------------------------------- */
 
-/* Variant 1 loads rows with 16-byte copies. */
+/* The tensor-core variants load rows with 16-byte copies. */
 static int aligned16(const void *a, const void *b, const void *c, const void *e) {
   return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)e) & 15u) == 0;
 }
 
+/* The one check of what variant v can compute (the variants' entry points
+ * rely on it): 1, or 0 and *why. */
+static int variant_can(const cuda_state_t *s, int v, mtrain_dtype_t dtype, int32_t d, int32_t G,
+                       int aligned, const char **why) {
+  switch (v) {
+  case MTRAIN_CUDA_VARIANT_SIMT:
+    return 1; /* every call that cuda_supports accepts */
+  case MTRAIN_CUDA_VARIANT_MMA:
+#ifndef MTRAIN_HAVE_CUDA_DEV_VARIANTS
+    *why = "this build leaves it out (a development variant: configure with "
+           "-DMTRAIN_CUDA_DEV_VARIANTS=ON, see backends/cuda/dev/README.md)";
+    return 0;
+#endif
+  case MTRAIN_CUDA_VARIANT_MMA2: /* variant 1 takes the same shapes */
+    if (!cuda_mma2_supports(dtype, d, G, why)) return 0;
+    break;
+  case MTRAIN_CUDA_VARIANT_WGMMA:
+    if (!cuda_wgmma_supports(s, dtype, d, G, why)) return 0;
+    break;
+  default:
+    *why = "unknown variant";
+    return 0;
+  }
+  if (!aligned) {
+    *why = "q, k, v (and dout) must be 16-byte aligned";
+    return 0;
+  }
+  return 1;
+}
+
+static const char *const variant_names[] = {"simt", "mma", "mma2", "wgmma"};
+
+/* The variant forced on the context, or for AUTO the fastest that can
+ * compute the call (measured: docs/PERFORMANCE.md): 3 (compute capability
+ * 9.0), else 2, else 0. AUTO never picks the development variant 1. */
 static mtrain_status_t pick_variant(cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, int32_t G,
                                     int aligned, int *variant) {
-  const char *why1 = NULL, *why2 = NULL, *why3 = NULL;
-  int ok1 = cuda_mma_supports(dtype, d, G, &why1);
-  int ok2 = cuda_mma2_supports(dtype, d, G, &why2);
-  /* variant 3's deterministic backward uses variant 2's dQ kernel */
-  int ok3 = cuda_wgmma_supports(s, dtype, d, G, &why3) && ok2;
-  if (!ok3 && !why3) why3 = why2;
-  if (!aligned) {
-    if (ok1) why1 = "q, k, v (and dout) must be 16-byte aligned";
-    if (ok2) why2 = "q, k, v (and dout) must be 16-byte aligned";
-    if (ok3) why3 = "q, k, v (and dout) must be 16-byte aligned";
-    ok1 = ok2 = ok3 = 0;
-  }
-  if (s->variant == MTRAIN_CUDA_VARIANT_MMA && !ok1)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 (mma) cannot compute this: %s",
-                        why1 ? why1 : "unsupported");
-  if (s->variant == MTRAIN_CUDA_VARIANT_MMA2 && !ok2)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 2 (mma2) cannot compute this: %s",
-                        why2 ? why2 : "unsupported");
-  if (s->variant == MTRAIN_CUDA_VARIANT_WGMMA && !ok3)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 3 (wgmma) cannot compute this: %s",
-                        why3 ? why3 : "unsupported");
-  if (s->variant != MTRAIN_CUDA_VARIANT_AUTO)
+  const char *why = NULL;
+  if (s->variant != MTRAIN_CUDA_VARIANT_AUTO) {
+    if (!variant_can(s, s->variant, dtype, d, G, aligned, &why))
+      return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant %d (%s) cannot compute this: %s",
+                          s->variant, variant_names[s->variant], why);
     *variant = s->variant;
-  else /* the fastest that applies (measured: docs/PERFORMANCE.md) */
-    *variant = ok3 && MTRAIN_CUDA_AUTO_PREFERS_WGMMA  ? 3
-               : ok2 && MTRAIN_CUDA_AUTO_PREFERS_MMA2 ? 2
-               : ok1                                  ? 1
-                                                      : 0;
+  } else {
+    static const int auto_order[] = {MTRAIN_CUDA_VARIANT_WGMMA, MTRAIN_CUDA_VARIANT_MMA2};
+    *variant = MTRAIN_CUDA_VARIANT_SIMT;
+    for (size_t i = 0; i < sizeof auto_order / sizeof auto_order[0]; i++)
+      if (variant_can(s, auto_order[i], dtype, d, G, aligned, &why)) {
+        *variant = auto_order[i];
+        break;
+      }
+  }
   s->last_variant = *variant;
   return MTRAIN_SUCCESS;
+}
+
+/* What the forward and backward steps do first: the inputs' memory, the
+ * variant, the step metadata (released by the caller through *slot). */
+static mtrain_status_t step_begin(cuda_state_t *s, const mtrain_step_view_t *view,
+                                  mtrain_dtype_t dtype, int32_t head_dim, int32_t num_kv_heads,
+                                  double scale, const void *q, const void *k, const void *v,
+                                  const void *dout, int backward, int *variant, cuda_step_t *step,
+                                  int *slot) {
+  mtrain_status_t st = check_device_ptr(q, "q");
+  if (!st) st = check_device_ptr(k, "k");
+  if (!st) st = check_device_ptr(v, "v");
+  if (!st && backward) st = check_device_ptr(dout, "dout");
+  if (!st)
+    st = pick_variant(s, dtype, head_dim, view->granularity,
+                      aligned16(q, k, v, backward ? dout : q), variant);
+  if (!st) st = cuda_step_upload(s, view, num_kv_heads, head_dim, scale, backward, step, slot);
+  return st;
 }
 
 static mtrain_status_t cuda_fwd_init_op(void *state, void *o_acc, void *lse_acc, int64_t rows,
@@ -298,16 +364,24 @@ static mtrain_status_t cuda_fwd_step(void *state, const mtrain_fwd_step_args_t *
   mtrain_status_t st = MTRAIN_SUCCESS;
   int variant = 0, slot = -1;
   cuda_step_t step;
-  MTRAIN_TRY(check_device_ptr(a->q, "q"));
-  MTRAIN_TRY(check_device_ptr(a->k, "k"));
-  MTRAIN_TRY(check_device_ptr(a->v, "v"));
-  MTRAIN_TRY(pick_variant(s, a->dtype, a->head_dim, a->view->granularity,
-                          aligned16(a->q, a->k, a->v, a->q), &variant));
-  MTRAIN_TRY(cuda_step_upload(s, a->view, a->num_kv_heads, a->head_dim, a->scale, 0, &step, &slot));
-  MTRAIN_TRY(variant == 3   ? cuda_wgmma_fwd(s, &step, a)
-             : variant == 2 ? cuda_mma2_fwd(s, &step, a)
-             : variant == 1 ? cuda_mma_fwd(s, &step, a)
-                            : cuda_simt_fwd(s, &step, a));
+  MTRAIN_TRY(step_begin(s, a->view, a->dtype, a->head_dim, a->num_kv_heads, a->scale, a->q, a->k,
+                        a->v, NULL, 0, &variant, &step, &slot));
+  switch (variant) {
+  case MTRAIN_CUDA_VARIANT_WGMMA:
+    st = cuda_wgmma_fwd(s, &step, a);
+    break;
+  case MTRAIN_CUDA_VARIANT_MMA2:
+    st = cuda_mma2_fwd(s, &step, a);
+    break;
+#ifdef MTRAIN_HAVE_CUDA_DEV_VARIANTS
+  case MTRAIN_CUDA_VARIANT_MMA:
+    st = cuda_mma_fwd(s, &step, a);
+    break;
+#endif
+  default:
+    st = cuda_simt_fwd(s, &step, a);
+    break;
+  }
 cleanup:
   if (slot >= 0) {
     mtrain_status_t st2 = cuda_step_release(s, slot);
@@ -330,13 +404,8 @@ static mtrain_status_t cuda_bwd_step(void *state, const mtrain_bwd_step_args_t *
   mtrain_status_t st = MTRAIN_SUCCESS;
   int variant = 0, slot = -1;
   cuda_step_t step;
-  MTRAIN_TRY(check_device_ptr(a->q, "q"));
-  MTRAIN_TRY(check_device_ptr(a->k, "k"));
-  MTRAIN_TRY(check_device_ptr(a->v, "v"));
-  MTRAIN_TRY(check_device_ptr(a->dout, "dout"));
-  MTRAIN_TRY(pick_variant(s, a->dtype, a->head_dim, a->view->granularity,
-                          aligned16(a->q, a->k, a->v, a->dout), &variant));
-  MTRAIN_TRY(cuda_step_upload(s, a->view, a->num_kv_heads, a->head_dim, a->scale, 1, &step, &slot));
+  MTRAIN_TRY(step_begin(s, a->view, a->dtype, a->head_dim, a->num_kv_heads, a->scale, a->q, a->k,
+                        a->v, a->dout, 1, &variant, &step, &slot));
   float *dk_bar = NULL, *dv_bar = NULL;
   if (step.total_bars > 0) {
     void *scr = NULL;
@@ -345,12 +414,24 @@ static mtrain_status_t cuda_bwd_step(void *state, const mtrain_bwd_step_args_t *
     dk_bar = scr;
     dv_bar = dk_bar + n;
   }
-  MTRAIN_TRY(variant == 3   ? cuda_wgmma_bwd(s, &step, a, dk_bar, dv_bar)
-             : variant == 2 ? cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar)
-             : variant == 1 ? cuda_mma_bwd(s, &step, a, dk_bar, dv_bar)
-                            : cuda_simt_bwd(s, &step, a, dk_bar, dv_bar));
-  if (step.total_bars > 0)
-    MTRAIN_TRY(cuda_bars_reduce(s, &step, dk_bar, dv_bar, a->dk_acc, a->dv_acc));
+  switch (variant) {
+  case MTRAIN_CUDA_VARIANT_WGMMA:
+    st = cuda_wgmma_bwd(s, &step, a, dk_bar, dv_bar);
+    break;
+  case MTRAIN_CUDA_VARIANT_MMA2:
+    st = cuda_mma2_bwd(s, &step, a, dk_bar, dv_bar);
+    break;
+#ifdef MTRAIN_HAVE_CUDA_DEV_VARIANTS
+  case MTRAIN_CUDA_VARIANT_MMA:
+    st = cuda_mma_bwd(s, &step, a, dk_bar, dv_bar);
+    break;
+#endif
+  default:
+    st = cuda_simt_bwd(s, &step, a, dk_bar, dv_bar);
+    break;
+  }
+  if (!st && step.total_bars > 0)
+    st = cuda_bars_reduce(s, &step, dk_bar, dv_bar, a->dk_acc, a->dv_acc);
 cleanup:
   if (slot >= 0) {
     mtrain_status_t st2 = cuda_step_release(s, slot);

@@ -10,8 +10,8 @@
 #include <atomic>
 
 #include "backends/cuda/cuda_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_cuda.h"
+#include "mtrain/mtrain_error.h"
 
 namespace {
 

@@ -1,7 +1,9 @@
 /* cuda_internal.h (private): the CUDA backend's state, the device-side copy
- * of one plan step that every attention kernel reads, and the entry points
- * of the kernel variants. Included by the C table file and the .cu files
- * (plain C types only; no CUDA headers here).
+ * of one plan step that every attention kernel reads, the launch checks and
+ * grid sizes that every kernel uses, and the entry points of variant 0 and
+ * of the element-wise kernels (variants 2 and 3: attn_mma2.h,
+ * attn_wgmma.h; the development variant 1: dev/attn_mma1.h). Included by
+ * the C files and the .cu files (plain C types only; no CUDA headers here).
  *
  * Work decomposition shared by every variant (SPEC.md sections 1 and 4):
  *  - forward and dQ are query-major: one work item per (query head h, local
@@ -16,7 +18,10 @@
  *    the tile and WRITES the tile's rows of a per-step scratch
  *    (bar_base[h] + b); the dispatcher then adds the scratch into
  *    dk_acc/dv_acc group position by group position (deterministic).
- * Padding rows and columns (mtrain_block_rows) never take part. */
+ * Padding rows and columns (mtrain_block_rows) never take part. The
+ * tensor-core kernels run one CTA per item: cuda_q_items and cuda_kv_items
+ * below count their grids, q_item_begin and kv_item_begin
+ * (attn_mma2_common.cuh) decode a CTA's item. */
 #ifndef MTRAIN_CUDA_INTERNAL_H
 #define MTRAIN_CUDA_INTERNAL_H
 
@@ -84,9 +89,11 @@ typedef struct cuda_state {
   int variant;      /* mtrain_cuda_variant_t requested */
   int last_variant; /* the variant the last step ran */
   int deterministic;
+  int mma2_config; /* variant 2's tile configuration (MTRAIN_CUDA_MMA2_CONFIG) */
+  /* read once from the device at init: */
   int num_sms;
   int cc_major, cc_minor; /* compute capability of the device */
-  size_t max_smem_optin;
+  size_t max_smem_optin;  /* dynamic shared memory a block may opt in to */
   cuda_stage_slot_t slots[CUDA_STAGE_SLOTS];
   int next_slot;
   void *scratch; /* device scratch for bar dK/dV (2 * total_bars * d floats) */
@@ -101,6 +108,40 @@ mtrain_status_t cuda_check(int err, const char *what);
 /* Checks the launch just queued (cudaGetLastError). */
 mtrain_status_t cuda_check_launch(const char *kernel);
 
+/* Devices whose kernel attributes are remembered (cuda_smem_attr_t). */
+#define CUDA_MAX_DEVICES 64
+
+/* The dynamic shared-memory limit a kernel has been raised to, per device
+ * (0: not yet): a zero-initialised static next to the kernel's launch, so
+ * that cudaFuncSetAttribute runs once per (kernel, device), not per launch. */
+typedef struct cuda_smem_attr {
+  int bytes[CUDA_MAX_DEVICES];
+} cuda_smem_attr_t;
+
+/* The checks before every attention and scores kernel launch, in one
+ * place: a grid of grid_x x grid_y blocks within the device's limits (x <
+ * 2^31, y < 2^16), `smem` bytes of dynamic shared memory within the opt-in
+ * limit read at init; then the kernel's dynamic shared-memory limit raised
+ * to `smem` on s->device unless *attr says it is already (attr NULL: the
+ * kernel uses at most the default 48 KB). Errors name `who` and the kernel:
+ * MTRAIN_ERR_NOT_SUPPORTED for the grid and the shared memory, the CUDA
+ * error (cuda_check) for the attribute. */
+mtrain_status_t cuda_prepare_launch(const cuda_state_t *s, const void *kernel, const char *who,
+                                    const char *name, int64_t grid_x, int64_t grid_y, size_t smem,
+                                    cuda_smem_attr_t *attr);
+
+/* Blocks of a query-major launch over query tiles of bm rows (bm divides
+ * G): one per (query tile, query head). */
+static inline int64_t cuda_q_items(const cuda_step_t *st, int32_t bm) {
+  return (int64_t)st->num_q_blocks * (st->G / bm) * st->Hq;
+}
+
+/* Blocks of a key-major launch over key items of bn keys (bn divides G):
+ * one per bar tile first, then one per (key tile, kv head). */
+static inline int64_t cuda_kv_items(const cuda_step_t *st, int32_t bn) {
+  return (int64_t)st->num_k_blocks * (st->G / bn) * st->Hkv + st->num_bar_tiles;
+}
+
 /* Builds and uploads a step's metadata (backward lists when `backward`). */
 mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, int32_t hkv,
                                  int32_t d, double scale, int backward, cuda_step_t *out,
@@ -108,21 +149,15 @@ mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, i
 /* Marks the slot's metadata as in use by the kernels queued so far. */
 mtrain_status_t cuda_step_release(cuda_state_t *s, int slot);
 
-/* Variant 0 (SIMT) and variant 1 (mma.sync). Each queues its kernels on
- * s->stream. fwd: merges the step into o_acc/lse_acc (fp32). bwd: adds dQ
- * into dq_acc, the runs' dK/dV into dk_acc/dv_acc, and WRITES every bar's
- * dK/dV to dk_bar/dv_bar [total_bars, d] fp32 (zero rows where a bar has no
- * entries). */
+/* Variant 0 (SIMT): any call that the backend accepts (cuda_supports).
+ * Every variant queues its kernels on s->stream. fwd: merges the step into
+ * o_acc/lse_acc (fp32). bwd: adds dQ into dq_acc, the runs' dK/dV into
+ * dk_acc/dv_acc, and WRITES every bar's dK/dV to dk_bar/dv_bar [total_bars,
+ * d] fp32 (zero rows where a bar has no entries). */
 mtrain_status_t cuda_simt_fwd(cuda_state_t *s, const cuda_step_t *st,
                               const mtrain_fwd_step_args_t *a);
 mtrain_status_t cuda_simt_bwd(cuda_state_t *s, const cuda_step_t *st,
                               const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
-/* 1 when variant 1 can compute (dtype, d, G); else 0 and *why (static). */
-int cuda_mma_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why);
-mtrain_status_t cuda_mma_fwd(cuda_state_t *s, const cuda_step_t *st,
-                             const mtrain_fwd_step_args_t *a);
-mtrain_status_t cuda_mma_bwd(cuda_state_t *s, const cuda_step_t *st,
-                             const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
 
 /* Adds the bar scratch into dk_acc/dv_acc ([k_tokens, Hkv, d] fp32). */
 mtrain_status_t cuda_bars_reduce(cuda_state_t *s, const cuda_step_t *st, const float *dk_bar,

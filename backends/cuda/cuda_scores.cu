@@ -8,6 +8,7 @@
  * and matches the CPU backends up to the last bits of exp(). */
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,16 +197,11 @@ extern "C" mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_sco
   p.k_block_global = (const int64_t *)dev;
   p.probs = (const uint8_t *)dev + nkb * sizeof(int64_t);
   const size_t smem = (size_t)R * p.G * sizeof(double) + (size_t)R * p.d * sizeof(float);
-  if (smem > s->max_smem_optin) {
-    cuda_step_release(s, slot);
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda scores: granularity %d with head_dim %d needs %zu bytes of shared "
-                        "memory (device limit %zu)",
-                        p.G, p.d, smem, s->max_smem_optin);
-  }
-  st = cuda_check(
-      cudaFuncSetAttribute(scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-      "cudaFuncSetAttribute (scores)");
+  static cuda_smem_attr_t attr;
+  char who[64];
+  snprintf(who, sizeof who, "scores (granularity %d, head_dim %d)", p.G, p.d);
+  st = cuda_prepare_launch(s, (const void *)scores_kernel, who, "scores_kernel", a->num_k_blocks,
+                           a->num_heads, smem, &attr);
   if (!st) {
     dim3 grid((unsigned)a->num_k_blocks, (unsigned)a->num_heads);
     scores_kernel<<<grid, kThreads, smem, (cudaStream_t)s->stream>>>(p);

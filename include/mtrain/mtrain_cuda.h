@@ -24,13 +24,17 @@ extern "C" {
 
 /** Kernel variants (numbered, each validated against cpu-ref before timing).
  *  AUTO picks the fastest variant that supports the call's dtype, head_dim
- *  and granularity: 3 (compute capability 9.0), else 2, else 1, else 0
- *  (measured: docs/PERFORMANCE.md). */
+ *  and granularity: 3 (compute capability 9.0), else 2, else 0 (measured:
+ *  docs/PERFORMANCE.md). Variant 1 is a development variant that AUTO never
+ *  picks, built only with the CMake option MTRAIN_CUDA_DEV_VARIANTS=ON
+ *  (backends/cuda/dev/README.md). */
 typedef enum mtrain_cuda_variant {
   MTRAIN_CUDA_VARIANT_AUTO = -1,
   MTRAIN_CUDA_VARIANT_SIMT = 0,  /**< one warp per row, any d % 32 == 0 up to 256, fp32/bf16/fp16 */
   MTRAIN_CUDA_VARIANT_MMA = 1,   /**< tensor cores (mma.sync m16n8k16): bf16/fp16, d 64 or 128,
-                                      granularity a multiple of 64 */
+                                      granularity a multiple of 64; only in builds with
+                                      MTRAIN_CUDA_DEV_VARIANTS=ON (otherwise every call forced
+                                      to it fails with MTRAIN_ERR_NOT_SUPPORTED) */
   MTRAIN_CUDA_VARIANT_MMA2 = 2,  /**< tensor cores, tuned: 128-row query tiles, and with
                                       config.deterministic = 0 a fused backward with atomic dQ;
                                       bf16/fp16, d 64 or 128, granularity a multiple of 64
@@ -53,7 +57,10 @@ MTRAIN_API mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *s
 /** Selects the kernel variant for later calls on ctx (default AUTO, or the
  *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1|2|3 read at context
  *  creation). A forced variant that cannot compute a call makes that call
- *  fail with MTRAIN_ERR_NOT_SUPPORTED naming the reason. */
+ *  fail with MTRAIN_ERR_NOT_SUPPORTED naming the reason; so does a variant
+ *  that this build leaves out (variant 1 without MTRAIN_CUDA_DEV_VARIANTS:
+ *  the message names the option). Fails with MTRAIN_ERR_INVALID_ARGUMENT for
+ *  a value that is no variant. */
 MTRAIN_API mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx,
                                                    mtrain_cuda_variant_t variant);
 

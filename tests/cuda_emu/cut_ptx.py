@@ -29,11 +29,9 @@ def main():
             open(path, 'w').write(s)
 
     s = read('attn_mma_common.cuh')
-    pre, post = cut(s, '/* ---- PTX wrappers (the only inline assembly of the variant) ---- */',
+    pre, post = cut(s, '/* ---- PTX wrappers (the only inline assembly of this file) ---- */',
                     '/* ---- end of PTX wrappers ---- */', 'attn_mma_common.cuh')
-    s = pre + '#include "emu_ptx_mma1.h"\n' + post
-    pre, post = cut(s, '/* ---- host side ---- */', '} /* namespace mma1 */', 'attn_mma_common.cuh')
-    write('attn_mma_common.cuh', pre + '} /* namespace mma1 */' + post)
+    write('attn_mma_common.cuh', pre + '#include "emu_ptx_mma1.h"\n' + post)
 
     s = read('attn_mma2_common.cuh')
     pre, post = cut(s, '/* ---- PTX wrappers of variant 2 ---- */',

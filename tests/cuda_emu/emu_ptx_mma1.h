@@ -1,4 +1,4 @@
-// emu_ptx_mma1.h: the emulated PTX wrappers of attn_mma_common.cuh (inside namespace mma1).
+// emu_ptx_mma1.h: the emulated PTX wrappers of attn_mma_common.cuh (inside namespace mma).
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   const unsigned char *b = emu::smem_base();
   const unsigned char *c = (const unsigned char *)p;

@@ -372,7 +372,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
   if (kind == KIND) {                                                                              \
     using K = mma2::FwdKind<D, KIND>;                                                              \
     using S = mma2::FwdShape<D, K::NW, K::WM, K::QREG>;                                            \
-    items = nqb * (G / S::BM) * Hq;                                                                \
+    items = (int)cuda_q_items(&st, S::BM);                                                         \
     smem = S::kSmem;                                                                               \
     nt = S::NT;                                                                                    \
     fn = [&]() {                                                                                   \
@@ -395,13 +395,13 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
       std::function<void()> fn;
       if (nwg == 1) {
         using S = wg::FwdShape<D, 1>;
-        items = nqb * (G / S::BM) * Hq;
+        items = (int)cuda_q_items(&st, S::BM);
         smem = S::kSmem;
         nt = S::NT;
         fn = [&]() { wg::wgmma_fwd_kernel<D, T, 1>(st, qp, kp, vp, op, lp); };
       } else {
         using S = wg::FwdShape<D, 2>;
-        items = nqb * (G / S::BM) * Hq;
+        items = (int)cuda_q_items(&st, S::BM);
         smem = S::kSmem;
         nt = S::NT;
         fn = [&]() { wg::wgmma_fwd_kernel<D, T, 2>(st, qp, kp, vp, op, lp); };
@@ -482,13 +482,13 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
         if (bv.dq_nw == 8) {
           using S = mma2::DqShape<D, 8>;
           emu::launch(
-              nqb * (G / S::BM) * Hq, S::kSmem,
+              (int)cuda_q_items(&st, S::BM), S::kSmem,
               [&]() { mma2::mma2_bwd_dq_kernel<D, T, 8>(st, qp, kp, vp, dp, lp, dlp, dqp); }, true,
               S::NT);
         } else {
           using S = mma2::DqShape<D, 4>;
           emu::launch(
-              nqb * (G / S::BM) * Hq, S::kSmem,
+              (int)cuda_q_items(&st, S::BM), S::kSmem,
               [&]() { mma2::mma2_bwd_dq_kernel<D, T, 4>(st, qp, kp, vp, dp, lp, dlp, dqp); }, true,
               S::NT);
         }
@@ -496,24 +496,22 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
 #define KV_LAUNCH(NW, FU)                                                                          \
   {                                                                                                \
     using S = mma2::KvShape<D, NW>;                                                                \
-    emu::launch(                                                                                   \
-        nkb *(G / S::BN) * Hkv + num_bar_tiles, S::kSmem,                                          \
-        [&]() {                                                                                    \
-          mma2::mma2_bwd_kv_kernel<D, T, NW, FU>(st, qp, kp, vp, dp, lp, dlp, dqp, dkp, dvp, dkbp, \
-                                                 dvbp);                                            \
-        },                                                                                         \
-        true, S::NT);                                                                              \
+    emu::launch((int)cuda_kv_items(&st, S::BN), S::kSmem,                                          \
+                [&]() {                                                                            \
+                  mma2::mma2_bwd_kv_kernel<D, T, NW, FU>(st, qp, kp, vp, dp, lp, dlp, dqp, dkp,    \
+                                                         dvp, dkbp, dvbp);                         \
+                },                                                                                 \
+                true, S::NT);                                                                      \
   }
 #define WG_LAUNCH(NWG, FU)                                                                         \
   {                                                                                                \
     using S = wg::BwdShape<D, NWG>;                                                                \
-    emu::launch(                                                                                   \
-        nkb *(G / S::BN) * Hkv + num_bar_tiles, S::kSmem,                                          \
-        [&]() {                                                                                    \
-          wg::wgmma_bwd_kernel<D, T, NWG, FU>(st, qp, kp, vp, dp, lp, dlp, dqp, dkp, dvp, dkbp,    \
-                                              dvbp);                                               \
-        },                                                                                         \
-        true, S::NC);                                                                              \
+    emu::launch((int)cuda_kv_items(&st, S::BN), S::kSmem,                                          \
+                [&]() {                                                                            \
+                  wg::wgmma_bwd_kernel<D, T, NWG, FU>(st, qp, kp, vp, dp, lp, dlp, dqp, dkp, dvp,  \
+                                                      dkbp, dvbp);                                 \
+                },                                                                                 \
+                true, S::NC);                                                                      \
   }
       if (bv.kv_nw == 0) {
         if (G % 128 == 0) {

@@ -1,5 +1,5 @@
-/* attn_mma_fwd.cu: the forward step of the tensor-core variant (variant 1):
- * cuda_mma_supports and cuda_mma_fwd. One CTA of 4 warps per (query head,
+/* attn_mma_fwd.cu (development build only, see README.md): the forward step
+ * of variant 1, the first tensor-core variant: cuda_mma_fwd. One CTA of 4 warps per (query head,
  * 64-row query tile); each warp owns 16 query rows, keeps its Q fragments,
  * the online-softmax state and the output accumulator in registers, and
  * streams the item's key tiles (run blocks 64 keys at a time, then the bars
@@ -9,14 +9,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
-
-#include "backends/cuda/attn_mma_common.cuh"
+#include "backends/cuda/attn_mma2_common.cuh"
 #include "backends/cuda/cuda_internal.h"
-
-extern "C" {
-#include "mtrain/mtrain_error.h"
-}
+#include "backends/cuda/dev/attn_mma1.cuh"
+#include "backends/cuda/dev/attn_mma1.h"
 
 namespace mma1 {
 
@@ -38,16 +34,10 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  /* item: heaviest (last) query tiles first, the heads of one tile together */
-  const int tpb = st.G / kTile;
-  const int nqt = st.num_q_blocks * tpb;
-  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
-  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
-  const int qb = qtile / tpb, qt = qtile - qb * tpb;
-  const int64_t gq = st.q_block_global[qb];
-  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
-  const int rows_here = min(kTile, nr - qt * kTile);
-  if (rows_here <= 0) return;
+  mma2::QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
+  if (!mma2::q_item_begin<kTile>(st, item)) return;
+  const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
+  const int64_t gq = item.gq;
   const head_view hv = head_of(st, h);
   KeyWalk walk;
   walk.init(hv, qb, gq, qt);
@@ -215,11 +205,13 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
 
 template <int D, typename T>
 static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
-                                  const mtrain_fwd_step_args_t *a, int64_t items) {
-  static std::atomic<unsigned long long> smem_set{0};
+                                  const mtrain_fwd_step_args_t *a) {
+  static cuda_smem_attr_t attr;
   constexpr int smem = fwd_smem_bytes<D>();
-  mtrain_status_t rc = prepare_launch(s, (const void *)mma_fwd_kernel<D, T>, smem, items, smem_set,
-                                      "variant 1", "mma_fwd_kernel");
+  const int64_t items = cuda_q_items(st, kTile);
+  if (items <= 0) return MTRAIN_SUCCESS;
+  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)mma_fwd_kernel<D, T>, "variant 1",
+                                           "mma_fwd_kernel", items, 1, smem, &attr);
   if (rc != MTRAIN_SUCCESS) return rc;
   mma_fwd_kernel<D, T><<<(unsigned)items, kThreads, smem, (cudaStream_t)s->stream>>>(
       *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
@@ -229,35 +221,12 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
 
 } /* namespace mma1 */
 
-extern "C" int cuda_mma_supports(mtrain_dtype_t dtype, int32_t d, int32_t G, const char **why) {
-  const char *reason = NULL;
-  if (dtype != MTRAIN_BF16 && dtype != MTRAIN_F16)
-    reason = "the tensor-core variants compute bf16 and fp16 inputs only";
-  else if (d != 64 && d != 128)
-    reason = "the tensor-core variants compute head_dim 64 and 128 only";
-  else if (G <= 0 || G % 64 != 0)
-    reason = "the tensor-core variants need a granularity that is a multiple of 64";
-  if (reason) {
-    if (why) *why = reason;
-    return 0;
-  }
-  return 1;
-}
-
 extern "C" mtrain_status_t cuda_mma_fwd(cuda_state_t *s, const cuda_step_t *st,
                                         const mtrain_fwd_step_args_t *a) {
-  const char *why = NULL;
-  if (!cuda_mma_supports(a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 forward: %s", why);
-  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v) & 15u) != 0)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 1 forward: q, k and v must be 16-byte aligned");
-  const int64_t items = (int64_t)st->num_q_blocks * (st->G / mma1::kTile) * st->Hq;
-  if (items <= 0) return MTRAIN_SUCCESS;
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
-    return bf16 ? mma1::launch_fwd<64, __nv_bfloat16>(s, st, a, items)
-                : mma1::launch_fwd<64, __half>(s, st, a, items);
-  return bf16 ? mma1::launch_fwd<128, __nv_bfloat16>(s, st, a, items)
-              : mma1::launch_fwd<128, __half>(s, st, a, items);
+    return bf16 ? mma1::launch_fwd<64, __nv_bfloat16>(s, st, a)
+                : mma1::launch_fwd<64, __half>(s, st, a);
+  return bf16 ? mma1::launch_fwd<128, __nv_bfloat16>(s, st, a)
+              : mma1::launch_fwd<128, __half>(s, st, a);
 }

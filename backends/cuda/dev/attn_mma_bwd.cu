@@ -1,5 +1,6 @@
-/* attn_mma_bwd.cu: the backward step of the tensor-core variant (variant 1):
- * cuda_mma_bwd, two deterministic kernels (no floating-point atomics):
+/* attn_mma_bwd.cu (development build only, see README.md): the backward
+ * step of variant 1, the first tensor-core variant: cuda_mma_bwd, two deterministic kernels (no
+ * floating-point atomics):
  *  - mma_bwd_dq_kernel, query-major: one CTA per (query head, 64-row query
  *    tile) keeps Q, dO in shared memory and its dQ accumulator in registers
  *    while it streams the item's key tiles (the forward's walk) through
@@ -20,14 +21,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
-
-#include "backends/cuda/attn_mma_common.cuh"
+#include "backends/cuda/attn_mma2_common.cuh"
 #include "backends/cuda/cuda_internal.h"
-
-extern "C" {
-#include "mtrain/mtrain_error.h"
-}
+#include "backends/cuda/dev/attn_mma1.cuh"
+#include "backends/cuda/dev/attn_mma1.h"
 
 namespace mma1 {
 
@@ -56,16 +53,10 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
 
-  /* item, as in the forward */
-  const int tpb = st.G / kTile;
-  const int nqt = st.num_q_blocks * tpb;
-  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
-  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
-  const int qb = qtile / tpb, qt = qtile - qb * tpb;
-  const int64_t gq = st.q_block_global[qb];
-  const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
-  const int rows_here = min(kTile, nr - qt * kTile);
-  if (rows_here <= 0) return;
+  mma2::QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
+  if (!mma2::q_item_begin<kTile>(st, item)) return;
+  const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
+  const int64_t gq = item.gq;
   const head_view hv = head_of(st, h);
   KeyWalk walk;
   walk.init(hv, qb, gq, qt);
@@ -529,33 +520,30 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
 template <int D, typename T>
 static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar) {
-  static std::atomic<unsigned long long> set_dq{0}, set_kv{0};
+  static cuda_smem_attr_t attr_dq, attr_kv;
   const cudaStream_t stream = (cudaStream_t)s->stream;
   const T *q = (const T *)a->q, *k = (const T *)a->k, *v = (const T *)a->v;
   const T *dout = (const T *)a->dout;
   const float *lse = (const float *)a->lse_acc, *delta = (const float *)a->delta_acc;
-  const int tpb = st->G / kTile;
   mtrain_status_t rc;
 
-  const int64_t dq_items = (int64_t)st->num_q_blocks * tpb * st->Hq;
-  const int64_t kv_items = (int64_t)st->num_k_blocks * tpb * st->Hkv;
+  const int64_t dq_items = cuda_q_items(st, kTile);
   if (dq_items > 0) {
     constexpr int smem = dq_smem_bytes<D>();
-    rc = prepare_launch(s, (const void *)mma_bwd_dq_kernel<D, T>, smem, dq_items, set_dq,
-                        "variant 1", "mma_bwd_dq_kernel");
+    rc = cuda_prepare_launch(s, (const void *)mma_bwd_dq_kernel<D, T>, "variant 1",
+                             "mma_bwd_dq_kernel", dq_items, 1, smem, &attr_dq);
     if (rc != MTRAIN_SUCCESS) return rc;
     mma_bwd_dq_kernel<D, T><<<(unsigned)dq_items, kThreads, smem, stream>>>(
         *st, q, k, v, dout, lse, delta, (float *)a->dq_acc);
     rc = cuda_check_launch("mma_bwd_dq_kernel");
     if (rc != MTRAIN_SUCCESS) return rc;
   }
-  /* one launch: the bar tiles (block indices [0, num_bar_tiles)), then the
-   * run key tiles */
-  const int64_t kv_grid = kv_items + st->num_bar_tiles;
+  /* one launch: the bar tiles, then the run key tiles */
+  const int64_t kv_grid = cuda_kv_items(st, kTile);
   if (kv_grid > 0) {
     constexpr int smem = dkdv_smem_bytes<D>();
-    rc = prepare_launch(s, (const void *)mma_bwd_dkdv_kernel<D, T>, smem, kv_grid, set_kv,
-                        "variant 1", "mma_bwd_dkdv_kernel");
+    rc = cuda_prepare_launch(s, (const void *)mma_bwd_dkdv_kernel<D, T>, "variant 1",
+                             "mma_bwd_dkdv_kernel", kv_grid, 1, smem, &attr_kv);
     if (rc != MTRAIN_SUCCESS) return rc;
     mma_bwd_dkdv_kernel<D, T><<<(unsigned)kv_grid, kThreads, smem, stream>>>(
         *st, q, k, v, dout, lse, delta, (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
@@ -570,12 +558,6 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
 extern "C" mtrain_status_t cuda_mma_bwd(cuda_state_t *s, const cuda_step_t *st,
                                         const mtrain_bwd_step_args_t *a, float *dk_bar,
                                         float *dv_bar) {
-  const char *why = NULL;
-  if (!cuda_mma_supports(a->dtype, st->d, st->G, &why))
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "cuda variant 1 backward: %s", why);
-  if ((((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->dout) & 15u) != 0)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda variant 1 backward: q, k, v and dout must be 16-byte aligned");
   const bool bf16 = a->dtype == MTRAIN_BF16;
   if (st->d == 64)
     return bf16 ? mma1::launch_bwd<64, __nv_bfloat16>(s, st, a, dk_bar, dv_bar)
