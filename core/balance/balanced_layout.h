@@ -3,7 +3,8 @@
 #ifndef MTRAIN_CORE_BALANCED_LAYOUT_H
 #define MTRAIN_CORE_BALANCED_LAYOUT_H
 
-#include "core/layout/layout_internal.h"
+#include "core/layout/owner_maps.h"
+#include "mtrain/mtrain_layout.h"
 
 /** Checks the workload of the balance options against the layout's shape. */
 mtrain_status_t mtrain_balanced_layout_check(const mtrain_balance_options_t *b, int64_t seq_len,
