@@ -353,13 +353,22 @@ static mtrain_status_t host_collective(nccl_state_t *s, const void *in, size_t i
                        ? ncclAllGather(dev_in, dev_out, in_bytes, ncclUint8, s->ch[CH_COLL], str)
                        : ncclAllReduce(dev_in, dev_out, count, type, op, s->ch[CH_COLL], str);
   if ((st = settle(s, s->ch[CH_COLL], r, what))) return st;
-  e = cudaMemcpyAsync(outp, dev_out, out_bytes, cudaMemcpyDeviceToHost, str);
-  if (e != cudaSuccess) return cuda_failed(s, e, what);
+  /* the collective itself is waited for (bounded) before the copy out: a
+   * copy to pageable host memory returns only once the stream has reached
+   * it, so behind a collective that a stalled peer holds up it would block
+   * the host for ever, past the timeout */
   cudaEvent_t ev;
   if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess)
     return cuda_failed(s, e, what);
   cudaEventRecord(ev, str);
   st = wait_event(s, ev, CH_COLL, what, -1);
+  if (!st &&
+      (e = cudaMemcpyAsync(outp, dev_out, out_bytes, cudaMemcpyDeviceToHost, str)) != cudaSuccess)
+    st = cuda_failed(s, e, what);
+  if (!st) {
+    cudaEventRecord(ev, str);
+    st = wait_event(s, ev, CH_COLL, what, -1);
+  }
   cudaEventDestroy(ev);
   return st;
 }
@@ -594,13 +603,51 @@ mtrain_status_t mtrain_comm_nccl_set_data_stream(mtrain_comm_t *comm, void *stre
 int mtrain_comm_is_nccl(const mtrain_comm_t *comm) { return comm && comm->ops == &nccl_ops; }
 
 #ifdef MTRAIN_HAVE_MPI
+/* Polls a non-blocking MPI collective on the caller's communicator until it
+ * completes or the timeout passes. On timeout it is abandoned, not cancelled
+ * (MPI cannot cancel a collective), and MTRAIN_ERR_TIMEOUT names it; its
+ * buffers must then stay allocated. */
+static mtrain_status_t mpi_bounded(MPI_Request *req, double timeout, int rank, const char *what) {
+  const double deadline = now() + timeout;
+  struct timespec t = {0, 10000};
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+      return mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: MPI %s failed", rank, what);
+    if (done) return MTRAIN_SUCCESS;
+    if (now() > deadline)
+      return mtrain_error(MTRAIN_ERR_TIMEOUT,
+                          "rank %d: nccl: the MPI %s did not complete within %.1f s (a rank died "
+                          "or stopped answering); abandoned",
+                          rank, what, timeout);
+    nap(&t);
+  }
+}
+
 mtrain_status_t mtrain_comm_create_nccl_mpi(MPI_Comm comm, int device, double timeout_seconds,
                                             mtrain_comm_t **out) {
   MTRAIN_CHECK_NOT_NULL(out);
   int rank = 0, size = 0;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
+  mtrain_status_t st = resolve_timeout(&timeout_seconds);
+  if (st) return st;
+  /* the MPI collectives below are bounded by the timeout: non-blocking, on
+   * heap buffers that an abandoned one keeps (MPI may still write them) */
+  struct {
+    int ok, all_ok;
+    unsigned char id[MTRAIN_NCCL_ID_BYTES];
+  } *x = calloc(1, sizeof *x);
+  if (!x) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "nccl: out of memory");
+  MPI_Request req;
   if (device < 0) {
+    /* MPI_Comm_split_type blocks: it starts once every rank has arrived */
+    if (MPI_Ibarrier(comm, &req) != MPI_SUCCESS) {
+      free(x);
+      return mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: MPI_Ibarrier failed", rank);
+    }
+    if ((st = mpi_bounded(&req, timeout_seconds, rank, "barrier before MPI_Comm_split_type")))
+      return st;
     MPI_Comm host;
     int local = 0, ndev = 0;
     MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host);
@@ -608,21 +655,31 @@ mtrain_status_t mtrain_comm_create_nccl_mpi(MPI_Comm comm, int device, double ti
     MPI_Comm_free(&host);
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
       cudaGetLastError();
+      free(x);
       return mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: no CUDA device", rank);
     }
     device = local % ndev;
   }
-  unsigned char id[MTRAIN_NCCL_ID_BYTES];
-  memset(id, 0, sizeof id);
-  mtrain_status_t st = MTRAIN_SUCCESS;
-  if (rank == 0) st = mtrain_nccl_unique_id(id);
-  int ok = st == MTRAIN_SUCCESS, all_ok = 0;
-  MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, comm);
-  if (!all_ok)
+  if (rank == 0) st = mtrain_nccl_unique_id(x->id);
+  x->ok = st == MTRAIN_SUCCESS;
+  if (MPI_Iallreduce(&x->ok, &x->all_ok, 1, MPI_INT, MPI_MIN, comm, &req) != MPI_SUCCESS) {
+    free(x);
+    return mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: MPI_Iallreduce failed", rank);
+  }
+  mtrain_status_t wst = mpi_bounded(&req, timeout_seconds, rank, "all-reduce of the id's status");
+  if (wst) return wst;
+  if (!x->all_ok) {
+    free(x);
     return st ? st
               : mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: rank 0 could not make an id", rank);
-  if (MPI_Bcast(id, MTRAIN_NCCL_ID_BYTES, MPI_BYTE, 0, comm) != MPI_SUCCESS)
-    return mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: MPI_Bcast of the unique id failed", rank);
-  return mtrain_comm_create_nccl(id, size, rank, device, timeout_seconds, out);
+  }
+  if (MPI_Ibcast(x->id, MTRAIN_NCCL_ID_BYTES, MPI_BYTE, 0, comm, &req) != MPI_SUCCESS) {
+    free(x);
+    return mtrain_error(MTRAIN_ERR_COMM, "rank %d: nccl: MPI_Ibcast of the unique id failed", rank);
+  }
+  if ((wst = mpi_bounded(&req, timeout_seconds, rank, "broadcast of the unique id"))) return wst;
+  st = mtrain_comm_create_nccl(x->id, size, rank, device, timeout_seconds, out);
+  free(x);
+  return st;
 }
 #endif
