@@ -8,6 +8,7 @@
  * peaks equal the terms). */
 #include <stdint.h>
 
+#include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
@@ -36,7 +37,7 @@ mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_CHECK_NOT_NULL(ctx);
   MTRAIN_CHECK_NOT_NULL(plan);
   MTRAIN_CHECK_NOT_NULL(out);
-  const size_t e = mtrain_dtype_size(dtype), a = mtrain_dtype_size(ctx->backend->acc_dtype);
+  const size_t e = mtrain_dtype_size(dtype), a = mtrain_dtype_size(mtrain_be_acc_dtype(ctx));
   if (e == 0) return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "memory bound: unknown dtype");
   if (kv_heads < 1 || plan->num_heads % kv_heads != 0 || head_dim < 1 || last_q < 0)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,

@@ -1,7 +1,7 @@
 /* mtrain_backend.h: the backend table, for authors of backends.
  *
  * A backend is a const table of function pointers plus an opaque state. The
- * core reaches it only through checked wrappers (core/backend.c); it never
+ * core reaches it only through checked wrappers (core/runtime/backend.c); it never
  * contains kernel math, and backends never contain schedule logic: a backend
  * computes exactly the (query, key) pairs a plan step view lists.
  *
@@ -155,8 +155,12 @@ typedef enum mtrain_memory_space {
 } mtrain_memory_space_t;
 
 /** The backend table. Slots marked optional may be NULL; the core reports
- *  MTRAIN_ERR_NOT_SUPPORTED when one is needed. Every slot returns a status
- *  and sets the last-error message on failure. */
+ *  MTRAIN_ERR_NOT_SUPPORTED when one is needed. Every other slot is
+ *  required: mtrain_context_create refuses, with MTRAIN_ERR_INVALID_CONFIG
+ *  naming the table and the field, a table whose api_version is not
+ *  MTRAIN_API_VERSION or whose required slot is NULL (and one that sets only
+ *  one of the two timer slots). Every slot returns a status and sets the
+ *  last-error message on failure. */
 typedef struct mtrain_backend_ops {
   int32_t api_version; /**< MTRAIN_API_VERSION */
   const char *name;

@@ -32,6 +32,10 @@ typedef enum mtrain_comm_tag {
   MTRAIN_TAG_USER = 1 << 20,          /**< first tag free for other users of the table */
 } mtrain_comm_tag_t;
 
+/** The communicator table. Every slot but set_data_stream is required:
+ *  mtrain_context_create refuses, with MTRAIN_ERR_INVALID_CONFIG naming the
+ *  table and the field, a table whose api_version is not MTRAIN_API_VERSION
+ *  or whose required slot is NULL. */
 typedef struct mtrain_comm_ops {
   int32_t api_version; /**< MTRAIN_API_VERSION */
   const char *name;
