@@ -8,6 +8,7 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -288,8 +289,29 @@ static void test_bad_plans(void **state) {
   mtrain_pattern_destroy(other);
 }
 
+/* Element counts of tensor descriptors: an empty or negative extent counts
+ * 0 elements, a product past int64 -1 (it wrapped to 0 before: (2^40, 2^40,
+ * 1) counted 0 elements), never a count to allocate. */
+static void test_tensor_numel(void **state) {
+  (void)state;
+  const mtrain_tensor_t ok = mtrain_tensor_3d(NULL, MTRAIN_F32, 2, 3, 4);
+  assert_int_equal(mtrain_tensor_numel(&ok), 24);
+  const mtrain_tensor_t empty = mtrain_tensor_3d(NULL, MTRAIN_F32, (int64_t)1 << 40, 0, 64);
+  assert_int_equal(mtrain_tensor_numel(&empty), 0);
+  const mtrain_tensor_t negative = mtrain_tensor_3d(NULL, MTRAIN_F32, 5, -1, 64);
+  assert_int_equal(mtrain_tensor_numel(&negative), 0);
+  const mtrain_tensor_t wraps =
+      mtrain_tensor_3d(NULL, MTRAIN_F32, (int64_t)1 << 40, (int64_t)1 << 40, 1);
+  assert_int_equal(mtrain_tensor_numel(&wraps), -1);
+  const mtrain_tensor_t big = mtrain_tensor_3d(NULL, MTRAIN_F32, INT64_MAX, 2, 1);
+  assert_int_equal(mtrain_tensor_numel(&big), -1);
+  const mtrain_tensor_t edge = mtrain_tensor_2d(NULL, MTRAIN_F32, INT64_MAX, 1);
+  assert_int_equal(mtrain_tensor_numel(&edge), INT64_MAX);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_tensor_numel),
       cmocka_unit_test_setup_teardown(test_forward_succeeds_on_good_input, setup, teardown),
       cmocka_unit_test_setup_teardown(test_null_arguments, setup, teardown),
       cmocka_unit_test_setup_teardown(test_shape_mismatches, setup, teardown),

@@ -3,7 +3,9 @@
  * (format 1.0, 2.0 and 3.0, embedded byte for byte), the header parser's
  * tolerance, read_as (shape checks and conversion) and one test per class of
  * malformed input, checking the status and that the message names the file
- * and the reason. */
+ * and the reason; empty arrays (an extent 0) are read by mtrain_npy_read and
+ * refused at once by mtrain_npy_read_as. */
+#define _POSIX_C_SOURCE 200809L
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "mtrain/mtrain_io.h"
 
@@ -626,6 +629,65 @@ static void test_overflowing_shape(void **state) {
                    "overflows", "header key 'shape'");
 }
 
+/* Empty arrays (an extent 0, no data bytes): mtrain_npy_read reads them,
+ * but the product of their other extents must stay addressable; the tensor
+ * reader mtrain_npy_read_as refuses every one of them at once, naming the
+ * file and the dimension, before any caller loops over the extents (a
+ * (2^40, 0, 64) file made mtrain-run loop over 2^40 empty rows; a
+ * (10^7, 4, 0) one took 74 s before head_dim 0 was refused). */
+static double seconds_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void test_empty_dimensions(void **state) {
+  (void)state;
+  const struct {
+    const char *name, *shape;
+    int dim;
+    const char *value;
+  } cases[] = {
+      {"empty_rows.npy", "(1099511627776, 0, 64)", 1, "dimension 1 is 0"},
+      {"empty_dim.npy", "(10000000, 4, 0)", 2, "dimension 2 is 0"},
+      {"empty_tokens.npy", "(0, 4, 64)", 0, "dimension 0 is 0"},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+    char path[512], dict[160];
+    tmp_path(path, sizeof path, cases[c].name);
+    snprintf(dict, sizeof dict, "{'descr': '<f4', 'fortran_order': False, 'shape': %s, }",
+             cases[c].shape);
+    write_npy_raw(path, 1, dict, 64, NULL, 0);
+    /* the plain reader: a valid empty array */
+    mtrain_npy_t npy;
+    assert_int_equal(mtrain_npy_read(path, &npy), MTRAIN_SUCCESS);
+    assert_int_equal(npy.tensor.shape[cases[c].dim], 0);
+    mtrain_npy_free(&npy);
+    /* the tensor reader: refused, at once, whatever the other extents */
+    const int64_t any[3] = {-1, -1, -1};
+    const mtrain_dtype_t as[2] = {MTRAIN_F32, MTRAIN_F64};
+    for (int a = 0; a < 2; a++) {
+      int sentinel = 0;
+      npy.tensor.data = &sentinel;
+      const double t0 = seconds_now();
+      mtrain_status_t st = mtrain_npy_read_as(path, as[a], 3, a ? any : NULL, &npy);
+      const double took = seconds_now() - t0;
+      expect_error(st, MTRAIN_ERR_SHAPE_MISMATCH, path, cases[c].value, cases[c].shape,
+                   "at least 1", NULL);
+      assert_ptr_equal(npy.tensor.data, &sentinel);
+      if (took > 0.5) fail_msg("%s: refused after %.2f s, not at once", cases[c].name, took);
+    }
+  }
+  /* an empty array whose other extents overflow: refused by both readers */
+  check_bad_header("empty_ovf.npy",
+                   "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 0, "
+                   "1024), }",
+                   0, "overflows", "header key 'shape'");
+  check_bad_header("empty_ovf2.npy",
+                   "{'descr': '<f8', 'fortran_order': False, 'shape': (0, 2305843009213693952), }",
+                   0, "overflows", "header key 'shape'");
+}
+
 static void test_bad_header_syntax(void **state) {
   (void)state;
   check_bad_header("nodict.npy", "['descr', '<f4']", 0, "expected a dict", "header");
@@ -724,6 +786,7 @@ int main(void) {
       cmocka_unit_test(test_scalar_shape),
       cmocka_unit_test(test_negative_shape),
       cmocka_unit_test(test_overflowing_shape),
+      cmocka_unit_test(test_empty_dimensions),
       cmocka_unit_test(test_bad_header_syntax),
       cmocka_unit_test(test_write_errors),
       cmocka_unit_test(test_write_to_full_device),

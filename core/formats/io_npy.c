@@ -84,16 +84,21 @@ static const char *npy_descr(mtrain_dtype_t dtype) {
   return NULL;
 }
 
-/* Element count of a shape; -1 when it overflows int64. */
+/* Element count of a shape; -1 when it overflows int64. The product of the
+ * non-zero extents must fit even when one extent is 0 (the array is empty):
+ * a shape such as (2^62, 0, 2^10) is refused, not read as 0 elements. */
 static int64_t shape_numel(const int64_t *shape, int32_t ndim) {
   int64_t numel = 1;
-  for (int32_t d = 0; d < ndim; d++)
-    if (shape[d] == 0) return 0;
+  int empty = 0;
   for (int32_t d = 0; d < ndim; d++) {
+    if (shape[d] == 0) {
+      empty = 1;
+      continue;
+    }
     if (numel > INT64_MAX / shape[d]) return -1;
     numel *= shape[d];
   }
-  return numel;
+  return empty ? 0 : numel;
 }
 
 /* Bytes of numel elements of `width` bytes; -1 when it overflows int64 or
@@ -429,8 +434,15 @@ static mtrain_status_t check_data_size(const char *path, const npy_header_t *h, 
   char shape[128];
   shape_text(h->shape, h->ndim, shape, sizeof shape);
   size_t width = mtrain_dtype_size(h->dtype);
-  *bytes = data_bytes(shape_numel(h->shape, h->ndim), width);
-  if (*bytes < 0)
+  /* the extents of a non-empty array are bounded by the data they need,
+   * which the file must hold; those of an empty array (an extent 0) by the
+   * same rule on its non-zero extents, so that they stay addressable too */
+  const int64_t numel = shape_numel(h->shape, h->ndim);
+  int64_t nonzero = 1;
+  for (int32_t d = 0; numel >= 0 && d < h->ndim; d++)
+    if (h->shape[d] > 0) nonzero *= h->shape[d]; /* fits: shape_numel checked it */
+  *bytes = data_bytes(numel, width);
+  if (*bytes < 0 || data_bytes(nonzero, width) < 0)
     return mtrain_error(MTRAIN_ERR_FORMAT,
                         "%s: header key 'shape' (byte offset %lld): shape %s of %zu-byte elements "
                         "overflows the addressable size",
@@ -492,12 +504,19 @@ mtrain_status_t mtrain_npy_read(const char *path, mtrain_npy_t *out) {
 
 static mtrain_status_t check_expected_shape(const char *path, const mtrain_tensor_t *t,
                                             int32_t ndim, const int64_t *expect_shape) {
-  if (t->ndim != ndim) {
-    char shape[128];
-    shape_text(t->shape, t->ndim, shape, sizeof shape);
+  char shape[128];
+  shape_text(t->shape, t->ndim, shape, sizeof shape);
+  if (t->ndim != ndim)
     return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "%s: has %d dimensions (shape %s), expected %d",
                         path, t->ndim, shape, ndim);
-  }
+  /* a tensor for the API has no empty dimension: refused here, before any
+   * caller loops over the extents of an array that holds nothing */
+  for (int32_t d = 0; d < ndim; d++)
+    if (t->shape[d] < 1)
+      return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                          "%s: dimension %d is %lld (shape %s, no data): every dimension of a "
+                          "tensor must be at least 1",
+                          path, d, (long long)t->shape[d], shape);
   for (int32_t d = 0; expect_shape && d < ndim; d++)
     if (expect_shape[d] >= 0 && t->shape[d] != expect_shape[d])
       return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "%s: dimension %d is %lld, expected %lld",

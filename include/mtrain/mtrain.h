@@ -114,7 +114,8 @@ MTRAIN_API mtrain_tensor_t mtrain_tensor_3d(void *data, mtrain_dtype_t dtype, in
 /** Convenience: a [tokens, heads] descriptor (for lse). */
 MTRAIN_API mtrain_tensor_t mtrain_tensor_2d(void *data, mtrain_dtype_t dtype, int64_t tokens,
                                             int64_t heads);
-/** Number of elements (product of the shape); 0 when ndim is out of range. */
+/** Number of elements (product of the shape); 0 when ndim is out of range
+ *  or an extent is negative or 0; -1 when the product overflows int64. */
 MTRAIN_API int64_t mtrain_tensor_numel(const mtrain_tensor_t *t);
 
 /** Host-side conversions between storage types (round to nearest even).

@@ -23,11 +23,15 @@ typedef struct mtrain_npy {
   mtrain_tensor_t tensor;
 } mtrain_npy_t;
 
-/** Reads a .npy file. */
+/** Reads a .npy file. An array with an extent 0 (empty, no data) is read;
+ *  the product of its other extents must still be addressable, as the
+ *  extents of every array (MTRAIN_ERR_FORMAT otherwise). */
 MTRAIN_API mtrain_status_t mtrain_npy_read(const char *path, mtrain_npy_t *out);
-/** Reads a .npy file and checks its number of dimensions (and, for each
- *  shape entry >= 0 in `expect_shape`, its extent); then converts it to
- *  `dtype`. Messages name the file and the dimension that disagrees. */
+/** Reads a .npy file and checks its number of dimensions, that every
+ *  dimension is at least 1 (a tensor of the API is never empty), and, for
+ *  each shape entry >= 0 in `expect_shape`, its extent; then converts it to
+ *  `dtype`. MTRAIN_ERR_SHAPE_MISMATCH with a message naming the file and the
+ *  dimension that disagrees, before any element is converted. */
 MTRAIN_API mtrain_status_t mtrain_npy_read_as(const char *path, mtrain_dtype_t dtype, int32_t ndim,
                                               const int64_t *expect_shape, mtrain_npy_t *out);
 MTRAIN_API void mtrain_npy_free(mtrain_npy_t *npy);
