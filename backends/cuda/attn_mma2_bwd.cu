@@ -82,14 +82,8 @@ __global__ void __launch_bounds__(32 * NW, DqShape<D, NW>::kMinBlocks)
   QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
   if (!q_item_begin<BM>(st, item)) return;
   const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
-  const int64_t gq = item.gq;
   TileRing &ring = *reinterpret_cast<TileRing *>(smem + S::kRingOff);
-  if (tid == 0) {
-    ring.start(st, h, qb, gq, qt * BM, rows_here);
-    ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-    ring.rows = rows_here;
-    ring.h = h;
-  }
+  if (tid == 0) ring.start(st, item, BM);
   __syncthreads();
   if (ring.d[0].kind == 0) return;
 
@@ -586,16 +580,8 @@ static mtrain_status_t launch_dq(cuda_state_t *s, const cuda_step_t *st,
                                  const mtrain_bwd_step_args_t *a) {
   using S = DqShape<D, NW>;
   static cuda_smem_attr_t attr;
-  const int64_t items = cuda_q_items(st, S::BM);
-  if (items <= 0) return MTRAIN_SUCCESS;
-  auto kern = mma2_bwd_dq_kernel<D, T, NW>;
-  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)kern, "variant 2", "mma2_bwd_dq_kernel",
-                                           items, 1, S::kSmem, &attr);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
-      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc);
-  return cuda_check_launch("mma2_bwd_dq_kernel");
+  return launch_dq_kernel(s, mma2_bwd_dq_kernel<D, T, NW>, "variant 2", "mma2_bwd_dq_kernel",
+                          cuda_q_items(st, S::BM), S::NT, S::kSmem, &attr, st, a);
 }
 
 template <int D, typename T, int NW, bool FUSED>
@@ -604,18 +590,9 @@ static mtrain_status_t launch_kv(cuda_state_t *s, const cuda_step_t *st,
   using S = KvShape<D, NW>;
   static cuda_smem_attr_t attr;
   /* one launch: the bar items, then the run key tiles */
-  const int64_t grid = cuda_kv_items(st, S::BN);
-  if (grid <= 0) return MTRAIN_SUCCESS;
-  auto kern = mma2_bwd_kv_kernel<D, T, NW, FUSED>;
-  const char *name = FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel";
-  mtrain_status_t rc =
-      cuda_prepare_launch(s, (const void *)kern, "variant 2", name, grid, 1, S::kSmem, &attr);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)grid, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
-      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc,
-      (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
-  return cuda_check_launch(name);
+  return launch_kv_kernel(s, mma2_bwd_kv_kernel<D, T, NW, FUSED>, "variant 2",
+                          FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel",
+                          cuda_kv_items(st, S::BN), S::NT, S::kSmem, &attr, st, a, dk_bar, dv_bar);
 }
 
 template <int D, typename T>

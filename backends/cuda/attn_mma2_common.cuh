@@ -358,16 +358,18 @@ struct TileRing {
   int64_t row0;
   int rows, h;
 
-  /* thread 0: the walk of (head h, local query block qb, query rows [q0,
-   * q0 + nq) of the block) and its first two tiles */
-  __device__ __forceinline__ void start(const cuda_step_t &st, int h, int qb, int64_t gq, int q0,
-                                        int nq) {
-    w.init(st, h, qb, gq, q0, nq);
+  /* thread 0: the walk of query item it (q_item_begin, tiles of BM rows),
+   * its first two tiles, and the item's rows for the epilogue */
+  __device__ __forceinline__ void start(const cuda_step_t &st, const QItem &it, int BM) {
+    w.init(st, it.h, it.qb, it.gq, it.qt * BM, it.rows);
     segs = w.segs;
     bars = w.bars;
     s_end = w.s_end;
     produce(st, 0);
     produce(st, 1);
+    row0 = (int64_t)it.qb * st.G + (int64_t)it.qt * BM;
+    rows = it.rows;
+    h = it.h;
   }
 
   /* thread 0: the next tile of the walk into d[slot] */
@@ -637,6 +639,71 @@ __device__ __forceinline__ void load_ld(uint32_t sl, const cuda_step_t &st, cons
     const float *src = tid < kKT ? lse_acc : delta_acc;
     cp_async4(sl + (uint32_t)(tid * 4), ok ? src + (t.row0 + i) * st.Hq + t.h : src, ok);
   }
+}
+
+/* ---- host side ---- */
+
+/* The launches of the tensor-core kernels, one per kernel signature: the
+ * checks of cuda_prepare_launch, then `blocks` CTAs (cuda_q_items or
+ * cuda_kv_items; none: nothing to do) of `threads` threads with `smem`
+ * bytes of dynamic shared memory on s->stream, then cuda_check_launch.
+ * *attr is the kernel's record of its shared-memory attribute. */
+
+/* Forward kernels: (step, q, k, v, o_acc, lse_acc). */
+template <typename T>
+inline mtrain_status_t
+launch_fwd_kernel(cuda_state_t *s,
+                  void (*kern)(cuda_step_t, const T *, const T *, const T *, float *, float *),
+                  const char *who, const char *name, int64_t blocks, int threads, int smem,
+                  cuda_smem_attr_t *attr, const cuda_step_t *st, const mtrain_fwd_step_args_t *a) {
+  if (blocks <= 0) return MTRAIN_SUCCESS;
+  mtrain_status_t rc =
+      cuda_prepare_launch(s, (const void *)kern, who, name, blocks, 1, (size_t)smem, attr);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  kern<<<(unsigned)blocks, threads, smem, (cudaStream_t)s->stream>>>(
+      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
+      (float *)a->lse_acc);
+  return cuda_check_launch(name);
+}
+
+/* Query-major dQ kernels: (step, q, k, v, dout, lse, delta, dq_acc). */
+template <typename T>
+inline mtrain_status_t
+launch_dq_kernel(cuda_state_t *s,
+                 void (*kern)(cuda_step_t, const T *, const T *, const T *, const T *,
+                              const float *, const float *, float *),
+                 const char *who, const char *name, int64_t blocks, int threads, int smem,
+                 cuda_smem_attr_t *attr, const cuda_step_t *st, const mtrain_bwd_step_args_t *a) {
+  if (blocks <= 0) return MTRAIN_SUCCESS;
+  mtrain_status_t rc =
+      cuda_prepare_launch(s, (const void *)kern, who, name, blocks, 1, (size_t)smem, attr);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  kern<<<(unsigned)blocks, threads, smem, (cudaStream_t)s->stream>>>(
+      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
+      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc);
+  return cuda_check_launch(name);
+}
+
+/* Key-major backward kernels: (step, q, k, v, dout, lse, delta, dq_acc,
+ * dk_acc, dv_acc, dk_bar, dv_bar). */
+template <typename T>
+inline mtrain_status_t launch_kv_kernel(cuda_state_t *s,
+                                        void (*kern)(cuda_step_t, const T *, const T *, const T *,
+                                                     const T *, const float *, const float *,
+                                                     float *, float *, float *, float *, float *),
+                                        const char *who, const char *name, int64_t blocks,
+                                        int threads, int smem, cuda_smem_attr_t *attr,
+                                        const cuda_step_t *st, const mtrain_bwd_step_args_t *a,
+                                        float *dk_bar, float *dv_bar) {
+  if (blocks <= 0) return MTRAIN_SUCCESS;
+  mtrain_status_t rc =
+      cuda_prepare_launch(s, (const void *)kern, who, name, blocks, 1, (size_t)smem, attr);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  kern<<<(unsigned)blocks, threads, smem, (cudaStream_t)s->stream>>>(
+      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
+      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc,
+      (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
+  return cuda_check_launch(name);
 }
 
 } /* namespace mma2 */

@@ -87,14 +87,8 @@ __global__ void __launch_bounds__(32 * NW, MINB)
   QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
   if (!q_item_begin<BM>(st, item)) return;
   const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
-  const int64_t gq = item.gq;
   TileRing &ring = *reinterpret_cast<TileRing *>(smem + S::kRingOff);
-  if (tid == 0) {
-    ring.start(st, h, qb, gq, qt * BM, rows_here);
-    ring.row0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-    ring.rows = rows_here;
-    ring.h = h;
-  }
+  if (tid == 0) ring.start(st, item, BM);
   __syncthreads();
   if (ring.d[0].kind == 0) return; /* no key for any row: nothing changes */
 
@@ -319,16 +313,9 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
   using K = FwdKind<D, KIND>;
   using S = FwdShape<D, K::NW, K::WM, K::QREG>;
   static cuda_smem_attr_t attr;
-  const int64_t items = cuda_q_items(st, S::BM);
-  if (items <= 0) return MTRAIN_SUCCESS;
-  auto kern = mma2_fwd_kernel<D, T, K::NW, K::WM, K::QREG, K::MINB>;
-  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)kern, "variant 2", "mma2_fwd_kernel",
-                                           items, 1, S::kSmem, &attr);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
-      (float *)a->lse_acc);
-  return cuda_check_launch("mma2_fwd_kernel");
+  return launch_fwd_kernel(s, mma2_fwd_kernel<D, T, K::NW, K::WM, K::QREG, K::MINB>, "variant 2",
+                           "mma2_fwd_kernel", cuda_q_items(st, S::BM), S::NT, S::kSmem, &attr, st,
+                           a);
 }
 
 template <int D, typename T>

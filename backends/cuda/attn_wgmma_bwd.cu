@@ -362,18 +362,10 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
   using S = BwdShape<D, NWG>;
   static cuda_smem_attr_t attr;
   /* one launch: the bar items, then the run key tiles */
-  const int64_t grid = cuda_kv_items(st, S::BN);
-  if (grid <= 0) return MTRAIN_SUCCESS;
-  auto kern = wgmma_bwd_kernel<D, T, NWG, FUSED>;
-  const char *name = FUSED ? "wgmma_bwd_kernel (fused dQ)" : "wgmma_bwd_kernel";
-  mtrain_status_t rc =
-      cuda_prepare_launch(s, (const void *)kern, "variant 3", name, grid, 1, S::kSmem, &attr);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)grid, S::NC, S::kSmem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
-      (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc,
-      (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
-  return cuda_check_launch(name);
+  return mma2::launch_kv_kernel(s, wgmma_bwd_kernel<D, T, NWG, FUSED>, "variant 3",
+                                FUSED ? "wgmma_bwd_kernel (fused dQ)" : "wgmma_bwd_kernel",
+                                cuda_kv_items(st, S::BN), S::NC, S::kSmem, &attr, st, a, dk_bar,
+                                dv_bar);
 }
 
 template <int D, typename T>

@@ -385,16 +385,8 @@ static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a) {
   using S = FwdShape<D, NWG>;
   static cuda_smem_attr_t attr;
-  const int64_t items = cuda_q_items(st, S::BM);
-  if (items <= 0) return MTRAIN_SUCCESS;
-  auto kern = wgmma_fwd_kernel<D, T, NWG>;
-  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)kern, "variant 3", "wgmma_fwd_kernel",
-                                           items, 1, S::kSmem, &attr);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  kern<<<(unsigned)items, S::NT, S::kSmem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
-      (float *)a->lse_acc);
-  return cuda_check_launch("wgmma_fwd_kernel");
+  return mma2::launch_fwd_kernel(s, wgmma_fwd_kernel<D, T, NWG>, "variant 3", "wgmma_fwd_kernel",
+                                 cuda_q_items(st, S::BM), S::NT, S::kSmem, &attr, st, a);
 }
 
 template <int D, typename T>

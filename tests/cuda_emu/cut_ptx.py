@@ -36,7 +36,9 @@ def main():
     s = read('attn_mma2_common.cuh')
     pre, post = cut(s, '/* ---- PTX wrappers of variant 2 ---- */',
                     '/* ---- end of PTX wrappers of variant 2 ---- */', 'attn_mma2_common.cuh')
-    write('attn_mma2_common.cuh', pre + '#include "emu_ptx_mma2.h"\n' + post)
+    s = pre + '#include "emu_ptx_mma2.h"\n' + post
+    pre, post = cut(s, '/* ---- host side ---- */', '} /* namespace mma2 */', 'attn_mma2_common.cuh')
+    write('attn_mma2_common.cuh', pre + '} /* namespace mma2 */' + post)
 
     s = read('attn_wgmma_ptx.cuh')
     pre, post = cut(s, '/* ---- PTX wrappers of variant 3 ---- */',

@@ -527,17 +527,10 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
   const float *lse = (const float *)a->lse_acc, *delta = (const float *)a->delta_acc;
   mtrain_status_t rc;
 
-  const int64_t dq_items = cuda_q_items(st, kTile);
-  if (dq_items > 0) {
-    constexpr int smem = dq_smem_bytes<D>();
-    rc = cuda_prepare_launch(s, (const void *)mma_bwd_dq_kernel<D, T>, "variant 1",
-                             "mma_bwd_dq_kernel", dq_items, 1, smem, &attr_dq);
-    if (rc != MTRAIN_SUCCESS) return rc;
-    mma_bwd_dq_kernel<D, T><<<(unsigned)dq_items, kThreads, smem, stream>>>(
-        *st, q, k, v, dout, lse, delta, (float *)a->dq_acc);
-    rc = cuda_check_launch("mma_bwd_dq_kernel");
-    if (rc != MTRAIN_SUCCESS) return rc;
-  }
+  rc = mma2::launch_dq_kernel(s, mma_bwd_dq_kernel<D, T>, "variant 1", "mma_bwd_dq_kernel",
+                              cuda_q_items(st, kTile), kThreads, dq_smem_bytes<D>(), &attr_dq, st,
+                              a);
+  if (rc != MTRAIN_SUCCESS) return rc;
   /* one launch: the bar tiles, then the run key tiles */
   const int64_t kv_grid = cuda_kv_items(st, kTile);
   if (kv_grid > 0) {

@@ -207,16 +207,9 @@ template <int D, typename T>
 static mtrain_status_t launch_fwd(cuda_state_t *s, const cuda_step_t *st,
                                   const mtrain_fwd_step_args_t *a) {
   static cuda_smem_attr_t attr;
-  constexpr int smem = fwd_smem_bytes<D>();
-  const int64_t items = cuda_q_items(st, kTile);
-  if (items <= 0) return MTRAIN_SUCCESS;
-  mtrain_status_t rc = cuda_prepare_launch(s, (const void *)mma_fwd_kernel<D, T>, "variant 1",
-                                           "mma_fwd_kernel", items, 1, smem, &attr);
-  if (rc != MTRAIN_SUCCESS) return rc;
-  mma_fwd_kernel<D, T><<<(unsigned)items, kThreads, smem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (float *)a->o_acc,
-      (float *)a->lse_acc);
-  return cuda_check_launch("mma_fwd_kernel");
+  return mma2::launch_fwd_kernel(s, mma_fwd_kernel<D, T>, "variant 1", "mma_fwd_kernel",
+                                 cuda_q_items(st, kTile), kThreads, fwd_smem_bytes<D>(), &attr, st,
+                                 a);
 }
 
 } /* namespace mma1 */
