@@ -1,6 +1,15 @@
 /* config.c: validation of the context configuration and its MTRAIN_*
- * environment overrides (read once per process, NCCL-style). */
+ * environment overrides (read once per process, NCCL-style).
+ *
+ * Threads: a context runs at most max_threads() OpenMP threads,
+ * min(omp_get_thread_limit(), 4 x omp_get_num_procs()). The first is what
+ * OpenMP itself allows (OMP_THREAD_LIMIT); the second keeps oversubscription
+ * sane: thread counts in the tens of thousands were accepted before and then
+ * crashed or ended the process inside libgomp (65536: a segmentation fault;
+ * 32768: libgomp exits). config.num_threads, MTRAIN_NUM_THREADS and, when
+ * num_threads is 0, OpenMP's default (OMP_NUM_THREADS) are all checked. */
 #include <errno.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,14 +61,28 @@ static mtrain_status_t parse_int_env(const char *name, const char *text, int32_t
   return MTRAIN_SUCCESS;
 }
 
+/* The most threads a context may use (see the top of this file). */
+static int32_t max_threads(void) {
+  const int limit = omp_get_thread_limit(), procs = omp_get_num_procs();
+  const int64_t cap = 4 * (int64_t)(procs > 0 ? procs : 1);
+  return (int32_t)(limit > 0 && limit < cap ? limit : cap);
+}
+
 mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config) {
   pthread_once(&env_once, read_env_once);
   mtrain_status_t st = MTRAIN_SUCCESS;
   if (env.has_backend) config->backend = env.backend;
   if (env.granularity)
     st = parse_int_env("MTRAIN_GRANULARITY", env.granularity, 1, 1 << 20, &config->granularity);
-  if (st == MTRAIN_SUCCESS && env.num_threads)
+  if (st == MTRAIN_SUCCESS && env.num_threads) {
     st = parse_int_env("MTRAIN_NUM_THREADS", env.num_threads, 0, 1 << 16, &config->num_threads);
+    const int32_t most = max_threads();
+    if (st == MTRAIN_SUCCESS && config->num_threads > most)
+      st = mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "environment variable MTRAIN_NUM_THREADS='%s' exceeds the %d threads a "
+                        "context may use (min(omp_get_thread_limit() = %d, 4 x %d processors))",
+                        env.num_threads, most, omp_get_thread_limit(), omp_get_num_procs());
+  }
   if (st == MTRAIN_SUCCESS && env.check_inputs)
     st = parse_int_env("MTRAIN_CHECK_INPUTS", env.check_inputs, 0, 1, &config->check_inputs);
   if (st == MTRAIN_SUCCESS && env.deterministic)
@@ -81,6 +104,19 @@ mtrain_status_t mtrain_config_validate(const mtrain_config_t *c) {
   if (c->num_threads < 0)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.num_threads %d is negative",
                         c->num_threads);
+  const int32_t most = max_threads();
+  if (c->num_threads > most)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "config.num_threads %d exceeds the %d threads a context may use "
+                        "(min(omp_get_thread_limit() = %d, 4 x %d processors))",
+                        c->num_threads, most, omp_get_thread_limit(), omp_get_num_procs());
+  if (c->num_threads == 0 && omp_get_max_threads() > most)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "config.num_threads 0 takes OpenMP's default of %d threads "
+                        "(OMP_NUM_THREADS), which exceeds the %d threads a context may use "
+                        "(min(omp_get_thread_limit() = %d, 4 x %d processors)); set "
+                        "num_threads or OMP_NUM_THREADS lower",
+                        omp_get_max_threads(), most, omp_get_thread_limit(), omp_get_num_procs());
   if (c->check_inputs != 0 && c->check_inputs != 1)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG, "config.check_inputs %d is not 0 or 1",
                         c->check_inputs);

@@ -138,8 +138,12 @@ MTRAIN_API uint16_t mtrain_float_to_half(float x);
 typedef struct mtrain_config {
   int32_t api_version;   /**< must be MTRAIN_API_VERSION */
   const char *backend;   /**< "cpu" (default), "cpu-ref", "cuda" */
-  int32_t granularity;   /**< block size G of patterns and plans (default 128) */
-  int32_t num_threads;   /**< CPU threads; 0 = OpenMP's default */
+  int32_t granularity;   /**< block size G of patterns and plans (default 128; 1 to 2^20,
+                              all computed by the CPU backends; "cuda" refuses at context
+                              creation a G above its device's limit, naming it) */
+  int32_t num_threads;   /**< CPU threads; 0 = OpenMP's default. At most
+                              min(omp_get_thread_limit(), 4 x omp_get_num_procs()), OpenMP's
+                              default included (INVALID_CONFIG above it) */
   int32_t check_inputs;  /**< 1: reject NaN/Inf inputs with MTRAIN_ERR_NONFINITE (costs a pass) */
   double softmax_scale;  /**< 0 = 1/sqrt(head_dim) */
   int32_t deterministic; /**< 1 (default): two runs on the same inputs, world size and thread
