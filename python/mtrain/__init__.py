@@ -1,0 +1,65 @@
+"""mtrain for PyTorch: distributed dynamic sparse attention (MTraining) as
+torch ops over libmtrain. docs/PYTORCH.md describes the API.
+
+    import mtrain
+    o = mtrain.attention(q, k, v, budgets="data/budgets/...json", layer=3)
+"""
+
+from __future__ import annotations
+
+from . import _lib
+from ._core import (
+    Pattern,
+    TopK,
+    TopP,
+    block_mask_pattern,
+    dense_pattern,
+    load_pattern,
+    parse_pattern,
+    reset,
+    vertical_slash_pattern,
+)
+from .api import SparsePlan, attention, estimate_pattern
+from .dispatch import Dispatched, DispatchInfo, dispatch, undispatch
+from .errors import MtrainError
+from .hf import register_transformers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DispatchInfo",
+    "Dispatched",
+    "MtrainError",
+    "Pattern",
+    "SparsePlan",
+    "TopK",
+    "TopP",
+    "__version__",
+    "attention",
+    "backends",
+    "block_mask_pattern",
+    "dense_pattern",
+    "dispatch",
+    "estimate_pattern",
+    "library_path",
+    "load_pattern",
+    "parse_pattern",
+    "register_transformers",
+    "reset",
+    "undispatch",
+    "vertical_slash_pattern",
+]
+
+
+def backends() -> list[str]:
+    """The backends compiled into the loaded libmtrain ("cpu-ref", "cpu", "cuda")."""
+    import ctypes
+
+    names = (ctypes.c_char_p * 16)()
+    n = _lib.lib().backend_list(names, 16)
+    return [names[i].decode() for i in range(min(n, 16)) if names[i]]
+
+
+def library_path() -> str:
+    """The libmtrain.so this package loaded."""
+    return _lib.lib().path

@@ -1,0 +1,794 @@
+"""mtrain's objects on the Python side: patterns, budgets, contexts and plans.
+
+A plan (mtrain_plan_t) is what the forward and the backward of one step
+share. The torch ops cannot take Python objects, so plans and patterns are
+named by small int64 "handle" tensors ([MAGIC, id] on the CPU) that travel
+through the ops (and through torch.compile graphs) as ordinary tensors; the
+registry here maps them back. A plan lives as long as its handle tensor (the
+autograd graph keeps it for the backward); a pattern as long as its Pattern
+object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import json
+import math
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _lib as L
+from .errors import MtrainError
+
+MAGIC = 0x6D747261  # "mtra"
+KIND_PLAN = 1
+KIND_PATTERN = 2
+
+_ids = itertools.count(1)
+_plans: dict[int, Plan] = {}
+_patterns: weakref.WeakValueDictionary[int, Pattern] = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+
+
+def _new_handle(kind: int) -> tuple[int, torch.Tensor]:
+    i = next(_ids)
+    return i, torch.tensor([MAGIC, kind, i], dtype=torch.int64)
+
+
+def _handle_id(handle: torch.Tensor, kind: int, what: str) -> int:
+    if (
+        not isinstance(handle, torch.Tensor)
+        or handle.dtype != torch.int64
+        or handle.device.type != "cpu"
+        or tuple(handle.shape) != (3,)
+    ):
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"{what} is not an mtrain handle tensor")
+    magic, k, i = (int(x) for x in handle.tolist())
+    if magic != MAGIC or k != kind:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"{what} is not an mtrain handle of this kind")
+    return i
+
+
+# ---------------------------------------------------------------------------
+# Patterns
+# ---------------------------------------------------------------------------
+
+
+class Pattern:
+    """A sparse pattern of one sequence (mtrain_pattern_t, docs/SPEC.md section 1):
+    per query head either block diagonals plus vertical key positions, or a
+    block mask. Immutable once built; pass it as ``pattern=`` to
+    mtrain.attention."""
+
+    def __init__(self, ptr: int) -> None:
+        self._ptr = ctypes.c_void_p(ptr)
+        self.id, self.handle = _new_handle(KIND_PATTERN)
+        _patterns[self.id] = self
+
+    def __del__(self) -> None:
+        ptr = getattr(self, "_ptr", None)
+        if ptr is not None and ptr.value and L._lib is not None:
+            L.lib().pattern_destroy(ptr)
+            self._ptr = ctypes.c_void_p(0)
+
+    @property
+    def ptr(self) -> ctypes.c_void_p:
+        """The mtrain_pattern_t pointer (borrowed)."""
+        return self._ptr
+
+    @property
+    def seq_len(self) -> int:
+        return int(L.lib().pattern_seq_len(self._ptr))
+
+    @property
+    def num_heads(self) -> int:
+        return int(L.lib().pattern_num_heads(self._ptr))
+
+    @property
+    def granularity(self) -> int:
+        return int(L.lib().pattern_granularity(self._ptr))
+
+    @property
+    def num_blocks(self) -> int:
+        return int(L.lib().pattern_num_blocks(self._ptr))
+
+    def is_block_mask(self, head: int) -> bool:
+        """True when head `head` is in block-mask form."""
+        self._check_head(head)
+        return bool(L.lib().pattern_head_is_block_mask(self._ptr, head))
+
+    def head(self, head: int) -> tuple[list[int], list[int]]:
+        """(block diagonals, vertical positions) of a vertical-slash head."""
+        self._check_head(head)
+        dp = ctypes.POINTER(ctypes.c_int32)()
+        vp = ctypes.POINTER(ctypes.c_int64)()
+        nd, nv = ctypes.c_int32(), ctypes.c_int32()
+        L.check(
+            L.lib().pattern_get_head(
+                self._ptr, head, ctypes.byref(dp), ctypes.byref(nd), ctypes.byref(vp),
+                ctypes.byref(nv),
+            )
+        )  # fmt: skip
+        return [dp[i] for i in range(nd.value)], [vp[i] for i in range(nv.value)]
+
+    def count_pairs(self, head: int) -> int:
+        """Allowed (query, key) pairs of a head."""
+        self._check_head(head)
+        return int(L.lib().pattern_count_pairs(self._ptr, head))
+
+    def density(self) -> float:
+        """Allowed pairs over the dense causal pairs, averaged over heads."""
+        n = self.seq_len
+        dense = n * (n + 1) // 2
+        return sum(self.count_pairs(h) for h in range(self.num_heads)) / (dense * self.num_heads)
+
+    def mask(self) -> torch.Tensor:
+        """The allowed(h, i, j) predicate as a bool tensor [H, N, N] (for
+        references and tests: O(H N^2) memory)."""
+        n, g, nb = self.seq_len, self.granularity, self.num_blocks
+        i = torch.arange(n)
+        causal = i[:, None] >= i[None, :]
+        qb = (i // g)[:, None]
+        kb = (i // g)[None, :]
+        out = torch.zeros(self.num_heads, n, n, dtype=torch.bool)
+        for h in range(self.num_heads):
+            if self.is_block_mask(h):
+                blocks = torch.zeros(nb, nb, dtype=torch.bool)
+                for a in range(nb):
+                    for b in range(a + 1):
+                        blocks[a, b] = bool(
+                            L.lib().pattern_allowed(self._ptr, h, min(a * g, n - 1), b * g)
+                        )
+                out[h] = blocks[qb, kb] & causal
+                continue
+            diagonals, verticals = self.head(h)
+            on_diag = torch.zeros(nb, dtype=torch.bool)
+            on_diag[torch.tensor(diagonals, dtype=torch.long)] = True
+            allowed = on_diag[qb - kb.clamp(max=qb)] & (qb >= kb)
+            if verticals:
+                vert = torch.zeros(n, dtype=torch.bool)
+                vert[torch.tensor(verticals, dtype=torch.long)] = True
+                allowed = allowed | (vert[None, :] & (kb < qb))
+            out[h] = allowed & causal
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes the pattern JSON (docs/SPEC.md section 8)."""
+        L.check(L.lib().pattern_write_json(os.fsencode(path), self._ptr))
+
+    def _check_head(self, head: int) -> None:
+        if not 0 <= head < self.num_heads:
+            raise L.fail(L.ERR_INVALID_ARGUMENT, f"head {head} out of range [0, {self.num_heads})")
+
+    def __repr__(self) -> str:
+        return (
+            f"mtrain.Pattern(seq_len={self.seq_len}, num_heads={self.num_heads}, "
+            f"granularity={self.granularity}, density={self.density():.4f})"
+        )
+
+
+def _make_pattern(fn: Any, *args: Any) -> Pattern:
+    out = ctypes.c_void_p()
+    L.check(fn(*args, ctypes.byref(out)))
+    return Pattern(int(out.value or 0))
+
+
+def load_pattern(path: str | os.PathLike[str]) -> Pattern:
+    """Reads a pattern JSON file (docs/SPEC.md section 8; mtrain_pattern_read_json)."""
+    return _make_pattern(L.lib().pattern_read_json, os.fsencode(path))
+
+
+def parse_pattern(text: str, origin: str = "<string>") -> Pattern:
+    """Parses the pattern JSON format from a string."""
+    return _make_pattern(L.lib().pattern_parse_json, text.encode(), origin.encode())
+
+
+def dense_pattern(seq_len: int, num_heads: int, granularity: int = 128) -> Pattern:
+    """The dense causal pattern (every block diagonal)."""
+    return _make_pattern(L.lib().pattern_create_dense, seq_len, num_heads, granularity)
+
+
+def vertical_slash_pattern(
+    seq_len: int,
+    heads: Sequence[tuple[Sequence[int], Sequence[int]]],
+    granularity: int = 128,
+) -> Pattern:
+    """A vertical-slash pattern: heads[h] = (block diagonals, vertical key
+    positions), both strictly increasing (diagonal 0 is added)."""
+    p = _make_pattern(L.lib().pattern_create, seq_len, len(heads), granularity)
+    for h, (diagonals, verticals) in enumerate(heads):
+        d = (ctypes.c_int32 * max(1, len(diagonals)))(*diagonals)
+        v = (ctypes.c_int64 * max(1, len(verticals)))(*verticals)
+        L.check(
+            L.lib().pattern_set_head(p.ptr, h, d, len(diagonals), v, len(verticals)),
+            f"head {h}",
+        )
+    return p
+
+
+def block_mask_pattern(mask: torch.Tensor, seq_len: int, granularity: int = 128) -> Pattern:
+    """A block-mask pattern from a bool tensor [H, nb, nb] (query block, key
+    block; nb = ceil(seq_len / granularity)): nonzero blocks are computed.
+    Blocks above the diagonal are rejected; the diagonal is always on."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 3:
+        raise L.fail(L.ERR_SHAPE_MISMATCH, "block mask must be a tensor [heads, blocks, blocks]")
+    nb = -(-seq_len // granularity)
+    if mask.shape[1] != nb or mask.shape[2] != nb:
+        raise L.fail(
+            L.ERR_SHAPE_MISMATCH,
+            f"block mask is {tuple(mask.shape)} but seq_len {seq_len} at granularity "
+            f"{granularity} has {nb} blocks: expected [heads, {nb}, {nb}]",
+        )
+    heads = int(mask.shape[0])
+    p = _make_pattern(L.lib().pattern_create, seq_len, heads, granularity)
+    data = mask.detach().to("cpu", torch.uint8).contiguous()
+    for h in range(heads):
+        ptr = ctypes.cast(data[h].data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        L.check(L.lib().pattern_set_block_mask(p.ptr, h, ptr), f"block mask head {h}")
+    return p
+
+
+def resolve_pattern(handle: torch.Tensor) -> Pattern:
+    i = _handle_id(handle, KIND_PATTERN, "pattern")
+    p = _patterns.get(i)
+    if p is None:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"pattern handle {i} no longer has its Pattern")
+    return p
+
+
+# ---------------------------------------------------------------------------
+# Budgets (docs/SPEC.md section 2 and section 8)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Static top-k budget: keep v_size verticals and s_size slashes."""
+
+    v_size: int
+    s_size: int
+
+
+@dataclass(frozen=True)
+class TopP:
+    """Top-p budget: keep the fewest verticals (slashes) whose mass stays below
+    p_v (p_s), at most cap_v (cap_s)."""
+
+    p_v: float
+    p_s: float
+    cap_v: int = 4096
+    cap_s: int = 4096
+
+
+Budget = TopK | TopP
+
+
+def budgets_spec(budgets: Any, layer: int | None) -> dict[str, Any]:
+    """The JSON-able description of a budget argument (the ops' options)."""
+    if isinstance(budgets, (str, os.PathLike)):
+        if layer is None:
+            raise L.fail(L.ERR_INVALID_ARGUMENT, "a budget file needs layer=")
+        return {"file": str(Path(budgets).resolve()), "layer": int(layer)}
+    if isinstance(budgets, (TopK, TopP)):
+        return {"heads": [_budget_json(budgets)]}
+    if (
+        isinstance(budgets, Sequence)
+        and budgets
+        and all(isinstance(b, (TopK, TopP)) for b in budgets)
+    ):
+        return {"heads": [_budget_json(b) for b in budgets]}
+    raise L.fail(
+        L.ERR_INVALID_ARGUMENT,
+        "budgets= must be a budget file path (with layer=), mtrain.TopK, mtrain.TopP, or a list "
+        f"of them (one per query head); got {type(budgets).__name__}",
+    )
+
+
+def _budget_json(b: Budget) -> list[Any]:
+    if isinstance(b, TopK):
+        return ["topk", int(b.v_size), int(b.s_size)]
+    return ["topp", float(b.p_v), float(b.p_s), int(b.cap_v), int(b.cap_s)]
+
+
+class _Budgets:
+    """A budget file read by mtrain_budgets_read (kept for the process)."""
+
+    def __init__(self, path: str) -> None:
+        out = ctypes.c_void_p()
+        L.check(L.lib().budgets_read(path.encode(), ctypes.byref(out)))
+        self.ptr = out
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
+            L.lib().budgets_destroy(self.ptr)
+
+
+@functools.lru_cache(maxsize=16)
+def _budget_file(path: str) -> _Budgets:
+    return _Budgets(path)
+
+
+def head_budgets(spec: dict[str, Any], num_heads: int) -> ctypes.Array[L.HeadBudget]:
+    """The per-query-head budget array of a spec, checked against num_heads."""
+    arr = (L.HeadBudget * num_heads)()
+    if "file" in spec:
+        b = _budget_file(spec["file"])
+        layer = int(spec["layer"])
+        nl = int(L.lib().budgets_num_layers(b.ptr))
+        if not 0 <= layer < nl:
+            raise L.fail(
+                L.ERR_INVALID_ARGUMENT,
+                f"budget file {spec['file']}: layer {layer} not in [0, {nl})",
+            )
+        nh = int(L.lib().budgets_num_heads(b.ptr, layer))
+        if nh != num_heads:
+            raise L.fail(
+                L.ERR_HEAD_MISMATCH,
+                f"budget file {spec['file']} layer {layer} has {nh} heads but q has {num_heads} "
+                "query heads",
+            )
+        for h in range(num_heads):
+            L.check(L.lib().budgets_get(b.ptr, layer, h, ctypes.byref(arr[h])))
+        return arr
+    heads = spec["heads"]
+    if len(heads) == 1:
+        heads = heads * num_heads
+    if len(heads) != num_heads:
+        raise L.fail(L.ERR_HEAD_MISMATCH, f"{len(heads)} budgets given for {num_heads} query heads")
+    for h, b in enumerate(heads):
+        if b[0] == "topk":
+            arr[h].kind, arr[h].v_size, arr[h].s_size = L.BUDGET_TOP_K, b[1], b[2]
+        else:
+            arr[h].kind = L.BUDGET_TOP_P
+            arr[h].p_v, arr[h].p_s, arr[h].cap_v, arr[h].cap_s = b[1], b[2], b[3], b[4]
+        L.check(L.lib().head_budget_validate(ctypes.byref(arr[h])), f"budget of head {h}")
+    return arr
+
+
+# ---------------------------------------------------------------------------
+# Options of the ops (one JSON string, a constant in compiled graphs)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    backend: str = ""  # "" = by device and dtype
+    granularity: int = 128
+    scale: float = 0.0  # 0 = 1/sqrt(d)
+    deterministic: int = 1
+    group: str = ""  # "" = one rank; else a registered process group's name
+    layout: str = "striped"
+    ranks_per_node: int = 0
+    pattern: str = "given"  # "given" | "dense" | "estimate"
+    budgets: str = ""  # json of budgets_spec
+    last_q: int = 64
+    num_sinks: int = 30
+    window: int = 100
+
+    def encode(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=256)
+def decode_options(text: str) -> Options:
+    try:
+        return Options(**json.loads(text))
+    except (TypeError, ValueError) as e:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"malformed mtrain options {text!r}: {e}") from e
+
+
+# ---------------------------------------------------------------------------
+# Contexts
+# ---------------------------------------------------------------------------
+
+_DTYPES = {torch.float32: L.F32, torch.bfloat16: L.BF16, torch.float16: L.F16, torch.float64: L.F64}
+
+
+def mtrain_dtype(t: torch.dtype) -> int:
+    try:
+        return _DTYPES[t]
+    except KeyError:
+        raise L.fail(
+            L.ERR_UNSUPPORTED_DTYPE,
+            f"dtype {t} is not supported (bfloat16, float16, float32; float64 on the CPU)",
+        ) from None
+
+
+def backend_for(opts: Options, device: torch.device, dtype: torch.dtype) -> str:
+    if opts.backend:
+        return opts.backend
+    if device.type == "cuda":
+        return "cuda"
+    return "cpu-ref" if dtype == torch.float64 else "cpu"
+
+
+class Context:
+    """An mtrain_context_t with its communicator (None: one rank)."""
+
+    def __init__(self, backend: str, opts: Options, device: torch.device) -> None:
+        from . import _comm
+
+        self.comm = _comm.communicator(opts.group, device) if opts.group else None
+        cfg = L.Config(
+            api_version=L.API_VERSION,
+            backend=backend.encode(),
+            granularity=opts.granularity,
+            num_threads=int(os.environ.get("MTRAIN_NUM_THREADS", "0") or 0),
+            check_inputs=0,
+            softmax_scale=opts.scale,
+            deterministic=opts.deterministic,
+        )
+        out = ctypes.c_void_p()
+        comm_ptr = (
+            ctypes.cast(ctypes.pointer(self.comm.struct), ctypes.c_void_p) if self.comm else None
+        )
+        with _device_guard(device):
+            L.check(L.lib().context_create(ctypes.byref(cfg), comm_ptr, ctypes.byref(out)))
+        self.ptr = out
+        self.backend = backend
+        self.device = device
+        self.rank = int(L.lib().context_rank(out))
+        self.world = int(L.lib().context_world(out))
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
+            L.lib().context_destroy(self.ptr)
+
+    def bind_stream(self) -> None:
+        """Queues the context's CUDA work on the caller's current stream."""
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            L.check(L.lib().cuda_set_stream(self.ptr, ctypes.c_void_p(stream)))
+
+
+_contexts: dict[tuple[Any, ...], Context] = {}
+
+
+class _NullGuard:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _device_guard(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return _NullGuard()
+
+
+def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
+    """The cached context for these options, device and dtype's backend."""
+    backend = backend_for(opts, device, dtype)
+    index = device.index if device.type == "cuda" else None
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    key = (
+        backend,
+        opts.granularity,
+        opts.scale,
+        opts.deterministic,
+        opts.group,
+        device.type,
+        index,
+    )
+    with _lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            ctx = Context(
+                backend, opts, torch.device(device.type, index) if index is not None else device
+            )
+            _contexts[key] = ctx
+        return ctx
+
+
+def reset() -> None:
+    """Destroys the cached contexts, communicators and plans (for example
+    before destroying a process group that mtrain used)."""
+    from . import _comm
+
+    with _lock:
+        _plan_cache.clear()
+        _contexts.clear()
+        _layouts.clear()
+        _comm.reset()
+
+
+# ---------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------
+
+
+def descriptor(t: torch.Tensor, rows: tuple[int, int] | None = None) -> L.Tensor:
+    """The mtrain_tensor_t of a contiguous tensor (optionally rows [a, b) of dim 0)."""
+    d = L.Tensor()
+    ptr = t.data_ptr()
+    shape = list(t.shape)
+    if rows is not None:
+        a, b = rows
+        ptr += a * (t.stride(0) * t.element_size())
+        shape[0] = b - a
+    d.data = ptr
+    d.dtype = mtrain_dtype(t.dtype)
+    d.ndim = len(shape)
+    for i, s in enumerate(shape):
+        d.shape[i] = s
+    return d
+
+
+# ---------------------------------------------------------------------------
+# Layouts and plans
+# ---------------------------------------------------------------------------
+
+
+class Layout:
+    """An mtrain_layout_t of one sequence."""
+
+    def __init__(self, kind: str, seq_len: int, granularity: int, world: int) -> None:
+        if kind not in L.LAYOUT_KINDS:
+            raise L.fail(
+                L.ERR_INVALID_ARGUMENT,
+                f"layout {kind!r} is not one of {', '.join(L.LAYOUT_KINDS)}",
+            )
+        out = ctypes.c_void_p()
+        L.check(
+            L.lib().layout_create(
+                L.LAYOUT_KINDS[kind], seq_len, granularity, world, None, ctypes.byref(out)
+            ),
+            f"{kind} layout of {seq_len} tokens over {world} ranks",
+        )
+        self.ptr = out
+        self.kind, self.seq_len, self.granularity, self.world = kind, seq_len, granularity, world
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
+            L.lib().layout_destroy(self.ptr)
+
+    def local_tokens(self, rank: int) -> int:
+        return int(L.lib().layout_local_tokens(self.ptr, rank))
+
+    def token_index(self, rank: int) -> torch.Tensor:
+        """Global position of each local slot of `rank` (>= seq_len: padding)."""
+        n = self.local_tokens(rank)
+        out = torch.empty(n, dtype=torch.int64)
+        L.check(
+            L.lib().layout_rank_token_index(
+                self.ptr, rank, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_int64))
+            )
+        )
+        return out
+
+
+_layouts: dict[tuple[str, int, int, int], Layout] = {}
+
+
+def layout(kind: str, seq_len: int, granularity: int, world: int) -> Layout:
+    key = (kind, seq_len, granularity, world)
+    with _lock:
+        lay = _layouts.get(key)
+        if lay is None:
+            lay = Layout(kind, seq_len, granularity, world)
+            _layouts[key] = lay
+        return lay
+
+
+class Plan:
+    """An mtrain_plan_t with everything it was built from."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        ptr: ctypes.c_void_p,
+        patterns: list[Pattern],
+        seq_lens: list[int],
+        layouts: list[Layout] | None,
+    ) -> None:
+        self.ctx = ctx
+        self.ptr = ptr
+        self.patterns = patterns
+        self.seq_lens = seq_lens
+        self.layouts = layouts
+        self.local_tokens = int(L.lib().plan_local_tokens(ptr))
+        self.num_heads = int(L.lib().plan_num_heads(ptr))
+        self.computed_pairs = int(L.lib().plan_computed_pairs(ptr))
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
+            L.lib().plan_destroy(self.ptr)
+
+
+def register_plan(plan: Plan) -> torch.Tensor:
+    """A handle tensor for plan; the plan lives until the handle is collected."""
+    i, handle = _new_handle(KIND_PLAN)
+    _plans[i] = plan
+    weakref.finalize(handle, _plans.pop, i, None)
+    return handle
+
+
+def resolve_plan(handle: torch.Tensor) -> Plan:
+    i = _handle_id(handle, KIND_PLAN, "plan")
+    p = _plans.get(i)
+    if p is None:
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"plan handle {i} is no longer alive (its handle tensor was freed; keep the "
+            "SparsePlan of the step until its backward ran)",
+        )
+    return p
+
+
+def seq_lens_of(cu_seqlens: torch.Tensor | None, tokens: int, world: int) -> list[int]:
+    """Global sequence lengths from FlashAttention offsets (None: one sequence)."""
+    if cu_seqlens is None:
+        return [tokens * world]
+    if cu_seqlens.device.type != "cpu":
+        # a copy to the host: the plan is host data (docs/PYTORCH.md: pass CPU offsets)
+        cu_seqlens = cu_seqlens.cpu()
+    offs = [int(x) for x in cu_seqlens.tolist()]
+    if len(offs) < 2 or offs[0] != 0 or any(b <= a for a, b in itertools.pairwise(offs)):
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"cu_seqlens {offs[:8]}{'...' if len(offs) > 8 else ''} must start at 0 and "
+            "increase strictly (FlashAttention's varlen offsets)",
+        )
+    return [b - a for a, b in itertools.pairwise(offs)]
+
+
+_plan_cache: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
+_PLAN_CACHE_SIZE = 64
+
+
+def _seqs(seq_lens: list[int]) -> tuple[L.Seqs, ctypes.Array[ctypes.c_int64]]:
+    offs = (ctypes.c_int64 * (len(seq_lens) + 1))(0, *itertools.accumulate(seq_lens))
+    return L.Seqs(num_seqs=len(seq_lens), offsets=offs), offs
+
+
+def build_plan(
+    ctx: Context,
+    opts: Options,
+    tokens: int,
+    num_heads: int,
+    seq_lens: list[int],
+    patterns: list[Pattern] | None,
+    q: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+) -> Plan:
+    """Builds the plan of a batch: given patterns (one per sequence, or one for
+    all), the dense pattern, or patterns estimated from q and k."""
+    world, rank, g = ctx.world, ctx.rank, opts.granularity
+    layouts = [layout(opts.layout, n, g, world) for n in seq_lens] if world > 1 else None
+    local = [lay.local_tokens(rank) for lay in layouts] if layouts else list(seq_lens)
+    if sum(local) != tokens:
+        where = (
+            f"rank {rank} holds {sum(local)} slots of the {opts.layout} layout of sequences "
+            f"{seq_lens} over {world} ranks (padding included; mtrain.dispatch makes them)"
+            if layouts
+            else f"the sequences {seq_lens} hold {sum(local)} tokens"
+        )
+        raise L.fail(L.ERR_SHAPE_MISMATCH, f"q has {tokens} tokens but {where}")
+    if opts.pattern == "dense":
+        patterns = [dense_pattern(n, num_heads, g) for n in seq_lens]
+    elif opts.pattern == "estimate":
+        assert q is not None and k is not None
+        patterns = _estimate(ctx, opts, q, k, seq_lens, local, layouts)
+    assert patterns is not None
+    if len(patterns) == 1 and len(seq_lens) > 1:
+        patterns = patterns * len(seq_lens)
+    if len(patterns) != len(seq_lens):
+        raise L.fail(
+            L.ERR_SHAPE_MISMATCH, f"{len(patterns)} patterns for {len(seq_lens)} sequences"
+        )
+    for s, (p, n) in enumerate(zip(patterns, seq_lens, strict=True)):
+        if p.seq_len != n or p.num_heads != num_heads or p.granularity != g:
+            raise L.fail(
+                L.ERR_SHAPE_MISMATCH if p.seq_len != n else L.ERR_HEAD_MISMATCH
+                if p.num_heads != num_heads else L.ERR_INVALID_PATTERN,
+                f"pattern of sequence {s} has seq_len {p.seq_len}, {p.num_heads} heads and "
+                f"granularity {p.granularity}; the batch needs seq_len {n}, {num_heads} heads and "
+                f"granularity {g}",
+            )  # fmt: skip
+    arr = (ctypes.c_void_p * len(patterns))(*[p.ptr.value for p in patterns])
+    seqs, _keep = _seqs(seq_lens)
+    out = ctypes.c_void_p()
+    if layouts is None:
+        L.check(L.lib().plan_create(ctx.ptr, ctypes.byref(seqs), arr, ctypes.byref(out)), "plan")
+    else:
+        lay = (ctypes.c_void_p * len(layouts))(*[x.ptr.value for x in layouts])
+        L.check(
+            L.lib().plan_create_ring(
+                ctx.ptr, ctypes.byref(seqs), lay, opts.ranks_per_node, arr, ctypes.byref(out)
+            ),
+            "ring plan",
+        )
+    return Plan(ctx, out, patterns, seq_lens, layouts)
+
+
+def cached_plan(
+    ctx: Context,
+    opts: Options,
+    tokens: int,
+    num_heads: int,
+    seq_lens: list[int],
+    patterns: list[Pattern] | None,
+) -> Plan:
+    """build_plan for given or dense patterns, cached (the same patterns and
+    batch give the same plan)."""
+    key = (
+        id(ctx),
+        opts.encode(),
+        tokens,
+        num_heads,
+        tuple(seq_lens),
+        tuple(p.id for p in patterns) if patterns is not None else None,
+    )
+    with _lock:
+        plan = _plan_cache.get(key)
+        if plan is not None:
+            _plan_cache.move_to_end(key)
+            return plan
+    plan = build_plan(ctx, opts, tokens, num_heads, seq_lens, patterns)
+    with _lock:
+        _plan_cache[key] = plan
+        while len(_plan_cache) > _PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return plan
+
+
+def _estimate(
+    ctx: Context,
+    opts: Options,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seq_lens: list[int],
+    local: list[int],
+    layouts: list[Layout] | None,
+) -> list[Pattern]:
+    num_heads = int(q.shape[1])
+    budgets = head_budgets(json.loads(opts.budgets), num_heads)
+    eo = L.EstimateOptions(last_q=opts.last_q, num_sinks=opts.num_sinks, window=opts.window)
+    out: list[Pattern] = []
+    row = 0
+    ctx.bind_stream()
+    with _device_guard(q.device):
+        for s, n in enumerate(local):
+            qd = descriptor(q, (row, row + n))
+            kd = descriptor(k, (row, row + n))
+            res = ctypes.c_void_p()
+            if layouts is None:
+                st = L.lib().pattern_estimate(
+                    ctx.ptr, ctypes.byref(qd), ctypes.byref(kd), budgets, ctypes.byref(eo),
+                    ctypes.byref(res),
+                )  # fmt: skip
+            else:
+                st = L.lib().pattern_estimate_ring(
+                    ctx.ptr, layouts[s].ptr, ctypes.byref(qd), ctypes.byref(kd), budgets,
+                    ctypes.byref(eo), ctypes.byref(res),
+                )  # fmt: skip
+            L.check(st, f"estimating the pattern of sequence {s} ({seq_lens[s]} tokens)")
+            out.append(Pattern(int(res.value or 0)))
+            row += n
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_library() -> MtrainError | None:
+    """None when the library loads, else the error (for diagnostics)."""
+    try:
+        L.lib()
+    except MtrainError as e:
+        return e
+    return None

@@ -1,0 +1,330 @@
+"""The public calls: mtrain.attention and mtrain.estimate_pattern.
+
+Both take q, k, v token-major, either packed ``[T, H, d]`` (with FlashAttention
+``cu_seqlens`` for several sequences) or batched ``[B, N, H, d]`` (B sequences
+of N tokens). With ``group=`` (a torch.distributed process group) the tensors
+are this rank's slots of the layout (mtrain.dispatch makes them) and the calls
+are collective over the group.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _comm
+from . import _core as C
+from . import _lib as L
+from . import ops as _ops  # registers the ops
+
+__all__ = ["SparsePlan", "attention", "estimate_pattern"]
+
+del _ops
+
+
+class SparsePlan(NamedTuple):
+    """The plan of one step (mtrain_plan_t): what mtrain.estimate_pattern
+    returns and what the forward and the backward of that step share. Pass it
+    as ``pattern=`` to mtrain.attention. Keep it until the backward ran."""
+
+    handle: torch.Tensor
+    options: str
+
+    def _plan(self) -> C.Plan:
+        return C.resolve_plan(self.handle)
+
+    @property
+    def patterns(self) -> list[C.Pattern]:
+        """The pattern of each sequence of the batch."""
+        return list(self._plan().patterns)
+
+    @property
+    def computed_pairs(self) -> int:
+        """(query, key) pairs this rank computes, over heads and ring steps."""
+        return self._plan().computed_pairs
+
+    @property
+    def local_tokens(self) -> int:
+        return self._plan().local_tokens
+
+
+def _is_compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def _group_name(group: Any) -> str:
+    if group is None:
+        return ""
+    return _comm.register_group(group)
+
+
+def _world(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group))
+
+
+def _flatten(
+    q: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    seq_len: int | None,
+    world: int,
+    name: str = "q",
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...] | None]:
+    """[B, N, H, d] -> [B*N, H, d] and its offsets (global ones under a group)."""
+    if not isinstance(q, torch.Tensor):
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"{name} is not a tensor ({type(q).__name__})")
+    if q.ndim == 3:
+        return q, cu_seqlens, None
+    if q.ndim != 4:
+        raise L.fail(
+            L.ERR_SHAPE_MISMATCH,
+            f"{name} has shape {tuple(q.shape)}: expected [tokens, heads, head_dim] or "
+            "[batch, tokens, heads, head_dim]",
+        )
+    if cu_seqlens is not None:
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            "cu_seqlens is for packed [tokens, heads, head_dim] tensors, not batched ones",
+        )
+    b, n = int(q.shape[0]), int(q.shape[1])
+    if not q.is_contiguous():
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"{name} is not contiguous (shape {tuple(q.shape)}, strides {q.stride()}): call "
+            ".contiguous() (for [B, H, N, d] inputs: .transpose(1, 2).contiguous())",
+        )
+    glob = seq_len if seq_len is not None else n * world
+    cu = torch.arange(b + 1, dtype=torch.int64) * glob if (b > 1 or world > 1) else None
+    return q.reshape(b * n, *q.shape[2:]), cu, tuple(q.shape[:2])
+
+
+def _options(
+    q: torch.Tensor,
+    *,
+    group: Any,
+    layout: str,
+    ranks_per_node: int,
+    granularity: int,
+    softmax_scale: float | None,
+    backend: str | None,
+    deterministic: bool,
+    pattern: str,
+    budgets: str = "",
+    last_q: int = 64,
+    num_sinks: int = 30,
+    window: int = 100,
+) -> str:
+    d = int(q.shape[-1])
+    scale = 0.0
+    if softmax_scale is not None:
+        scale = float(softmax_scale)
+        if not scale > 0 or not math.isfinite(scale):
+            raise L.fail(L.ERR_INVALID_ARGUMENT, f"softmax_scale {softmax_scale} must be > 0")
+        if d > 0 and abs(scale * math.sqrt(d) - 1.0) < 1e-12:
+            scale = 0.0  # the default, one context for both spellings
+    if layout not in L.LAYOUT_KINDS:
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT, f"layout {layout!r} is not one of {', '.join(L.LAYOUT_KINDS)}"
+        )
+    return C.Options(
+        backend=backend or "",
+        granularity=int(granularity),
+        scale=scale,
+        deterministic=1 if deterministic else 0,
+        group=_group_name(group),
+        layout=layout,
+        ranks_per_node=int(ranks_per_node),
+        pattern=pattern,
+        budgets=budgets,
+        last_q=int(last_q),
+        num_sinks=int(num_sinks),
+        window=int(window),
+    ).encode()
+
+
+def estimate_pattern(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    budgets: Any,
+    layer: int | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    group: Any = None,
+    layout: str = "striped",
+    ranks_per_node: int = 0,
+    seq_len: int | None = None,
+    granularity: int = 128,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    deterministic: bool = True,
+    last_q: int = 64,
+    num_sinks: int = 30,
+    window: int = 100,
+) -> SparsePlan:
+    """Estimates every sequence's vertical-slash pattern from post-RoPE q and k
+    (docs/SPEC.md section 2) and builds the step's plan.
+
+    Args:
+        q, k: [T, Hq, d] and [T, Hkv, d] (or [B, N, H, d]); no gradient flows.
+        budgets: a budget file (data/budgets/*.json, with ``layer=``), mtrain.TopK,
+            mtrain.TopP, or a list of those with one per query head.
+        layer: the budget file's layer.
+        cu_seqlens: FlashAttention offsets of packed sequences (global ones under a
+            group); a CPU tensor avoids a device-to-host copy.
+        group: a torch.distributed process group: context parallel (collective).
+        layout, ranks_per_node: the layout of the local tensors and the ring.
+        seq_len: batched inputs under a group: the global length of each sequence
+            (default: local length x world size).
+        granularity: the block size G.
+        last_q, num_sinks, window: the estimation's options (SPEC.md section 2).
+
+    Returns:
+        The SparsePlan to pass as ``pattern=`` to mtrain.attention.
+    """
+    spec = json.dumps(C.budgets_spec(budgets, layer), sort_keys=True)
+    world = _world(group)
+    q3, cu, _ = _flatten(q, cu_seqlens, seq_len, world, "q")
+    k3, _, _ = _flatten(k, None if q.ndim == 4 else cu_seqlens, seq_len, world, "k")
+    options = _options(
+        q3, group=group, layout=layout, ranks_per_node=ranks_per_node, granularity=granularity,
+        softmax_scale=softmax_scale, backend=backend, deterministic=deterministic,
+        pattern="estimate", budgets=spec, last_q=last_q, num_sinks=num_sinks, window=window,
+    )  # fmt: skip
+    handle = torch.ops.mtrain.estimate_plan(q3.detach(), k3.detach(), cu, options)
+    return SparsePlan(handle, options)
+
+
+@functools.lru_cache(maxsize=64)
+def _pattern_file(path: str, mtime: float) -> C.Pattern:
+    del mtime  # part of the key: a rewritten file is read again
+    return C.load_pattern(path)
+
+
+def _as_patterns(pattern: Any, seq_len: int, granularity: int) -> list[C.Pattern]:
+    if isinstance(pattern, C.Pattern):
+        return [pattern]
+    if isinstance(pattern, (str, os.PathLike)):
+        p = Path(pattern).resolve()
+        return [_pattern_file(str(p), p.stat().st_mtime if p.exists() else 0.0)]
+    if isinstance(pattern, torch.Tensor):
+        return [C.block_mask_pattern(pattern, seq_len, granularity)]
+    if (
+        isinstance(pattern, (list, tuple))
+        and pattern
+        and all(isinstance(p, C.Pattern) for p in pattern)
+    ):
+        return list(pattern)
+    raise L.fail(
+        L.ERR_INVALID_ARGUMENT,
+        "pattern= must be None (dense, or estimated with budgets=), an mtrain.Pattern, a list "
+        "of them (one per sequence), a pattern JSON path, a bool block mask [H, nb, nb] or the "
+        f"SparsePlan of mtrain.estimate_pattern; got {type(pattern).__name__}",
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Any = None,
+    group: Any = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    budgets: Any = None,
+    layer: int | None = None,
+    layout: str = "striped",
+    ranks_per_node: int = 0,
+    seq_len: int | None = None,
+    granularity: int | None = None,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    deterministic: bool = True,
+    last_q: int = 64,
+    num_sinks: int = 30,
+    window: int = 100,
+    return_lse: bool = False,
+) -> Any:
+    """Causal sparse attention (docs/SPEC.md section 1), differentiable in q, k, v.
+
+    Args:
+        q: [T, Hq, d] packed or [B, N, Hq, d] batched; bfloat16, float16, float32
+            (float64 on the CPU: the cpu-ref oracle). Contiguous.
+        k, v: [T, Hkv, d] or [B, N, Hkv, d], Hq a multiple of Hkv (GQA).
+        pattern: what is computed: None (dense causal; or estimated now when
+            ``budgets=`` is given), the SparsePlan of mtrain.estimate_pattern, an
+            mtrain.Pattern (or one per sequence), a pattern JSON path, or a bool
+            block mask [Hq, nb, nb].
+        group: a torch.distributed process group (gloo, CPU tensors) for context
+            parallel: q, k, v are this rank's slots (mtrain.dispatch); collective.
+        cu_seqlens: FlashAttention offsets of packed sequences (global under a group).
+        budgets, layer: estimate the pattern online (see estimate_pattern).
+        layout, ranks_per_node, seq_len: the context-parallel layout and ring.
+        granularity: block size G (default: the pattern's, else 128).
+        softmax_scale: default 1/sqrt(d).
+        backend: "cpu", "cpu-ref", "cuda" (default: by device and dtype).
+        deterministic: bitwise reproducible backward (docs/USAGE.md).
+        return_lse: also return the log-sum-exp [T, Hq] (or [B, N, Hq]).
+
+    Returns:
+        o shaped like q (and lse when return_lse).
+    """
+    world = _world(group)
+    q3, cu, batched = _flatten(q, cu_seqlens, seq_len, world, "q")
+    k3, _, _ = _flatten(k, None if q.ndim == 4 else cu_seqlens, seq_len, world, "k")
+    v3, _, _ = _flatten(v, None if q.ndim == 4 else cu_seqlens, seq_len, world, "v")
+    if k.ndim != q.ndim or v.ndim != q.ndim:
+        raise L.fail(
+            L.ERR_SHAPE_MISMATCH,
+            f"q, k, v have {q.ndim}, {k.ndim}, {v.ndim} dimensions: they must agree",
+        )
+    if isinstance(pattern, SparsePlan):
+        if budgets is not None:
+            raise L.fail(L.ERR_INVALID_ARGUMENT, "pattern= is a SparsePlan: budgets= must be None")
+        handle = pattern.handle
+    else:
+        common = {
+            "group": group,
+            "layout": layout,
+            "ranks_per_node": ranks_per_node,
+            "softmax_scale": softmax_scale,
+            "backend": backend,
+            "deterministic": deterministic,
+        }
+        if pattern is None and budgets is not None:
+            plan = estimate_pattern(
+                q3, k3, budgets, layer, cu_seqlens=cu, granularity=granularity or 128,
+                last_q=last_q, num_sinks=num_sinks, window=window, **common,
+            )  # fmt: skip
+            handle = plan.handle
+        elif pattern is None:
+            opts = _options(q3, granularity=granularity or 128, pattern="dense", **common)
+            handle = torch.ops.mtrain.pattern_plan(q3, [], cu, opts)
+        else:
+            if budgets is not None:
+                raise L.fail(L.ERR_INVALID_ARGUMENT, "give pattern= or budgets=, not both")
+            n = int(batched[1]) * world if batched else int(q3.shape[0]) * world
+            if seq_len is not None:
+                n = seq_len
+            pats = _as_patterns(pattern, n, granularity or 128)
+            g = pats[0].granularity
+            if granularity is not None and granularity != g:
+                raise L.fail(
+                    L.ERR_INVALID_ARGUMENT,
+                    f"granularity={granularity} but the pattern's granularity is {g}",
+                )
+            opts = _options(q3, granularity=g, pattern="given", **common)
+            handle = torch.ops.mtrain.pattern_plan(q3, [p.handle for p in pats], cu, opts)
+    o, lse = torch.ops.mtrain.attn_fwd(q3, k3, v3, handle)
+    if batched is not None:
+        o = o.view(q.shape)
+        lse = lse.view(*batched, lse.shape[-1])
+    return (o, lse) if return_lse else o
