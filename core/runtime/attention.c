@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
@@ -101,7 +102,7 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
   if (mtrain_dtype_size(q->dtype) == 0)
     return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "tensor 'q' has unknown dtype %d",
                         (int)q->dtype);
-  if ((st = ctx->backend->supports(ctx->backend_state, q->dtype, (int32_t)d))) return st;
+  if ((st = mtrain_be_supports(ctx, q->dtype, (int32_t)d))) return st;
   dims->tokens = plan->local_tokens;
   dims->hq = plan->num_heads;
   dims->hkv = (int32_t)hkv;
@@ -117,9 +118,8 @@ static mtrain_status_t scan_rows(mtrain_context_t *ctx, const char *name, const 
   const int64_t width = mtrain_tensor_numel(t) / (t->shape[0] > 0 ? t->shape[0] : 1);
   const size_t esz = mtrain_dtype_size(t->dtype);
   int64_t bad = -1;
-  mtrain_status_t st = ctx->backend->find_nonfinite(
-      ctx->backend_state, (const char *)t->data + (size_t)(row0 * width) * esz, t->dtype,
-      rows * width, &bad);
+  mtrain_status_t st = mtrain_be_find_nonfinite(
+      ctx, (const char *)t->data + (size_t)(row0 * width) * esz, t->dtype, rows * width, &bad);
   if (st) return st;
   if (bad >= 0) {
     bad += row0 * width;
@@ -179,10 +179,10 @@ static mtrain_status_t check_output(mtrain_context_t *ctx, const mtrain_plan_t *
 
 /* Backend memory, counted per context (memory_stats.c). */
 static mtrain_status_t backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
-  return mtrain_backend_alloc(ctx, bytes ? bytes : 1, ptr);
+  return mtrain_be_alloc(ctx, bytes ? bytes : 1, ptr);
 }
 
-static void backend_free(mtrain_context_t *ctx, void *ptr) { mtrain_backend_free(ctx, ptr); }
+static void backend_free(mtrain_context_t *ctx, void *ptr) { mtrain_be_free(ctx, ptr); }
 
 /* Pointer to token `row` of a [tokens, width] buffer of `elem`-byte elements. */
 static void *row_at(const void *base, int64_t row, int64_t width, size_t elem) {
@@ -208,24 +208,22 @@ static mtrain_status_t gather_bars(mtrain_context_t *ctx, const mtrain_plan_t *p
                                    const attn_dims_t *dm, const mtrain_tensor_t *k,
                                    const mtrain_tensor_t *v, void **kvbar) {
   const mtrain_plan_gathered_t *g = plan->gathered;
-  const mtrain_backend_ops_t *be = ctx->backend;
-  void *bs = ctx->backend_state;
   const size_t row = (size_t)dm->hkv * (size_t)dm->d * mtrain_dtype_size(dm->dtype);
   const size_t pack = 2 * (size_t)g->max_owned * row, world = (size_t)plan->world;
   void *send = NULL, *all = NULL, *host = malloc(pack * (world + 1) + 1);
   mtrain_status_t st = MTRAIN_SUCCESS;
   MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of host memory");
   MTRAIN_TRY(backend_alloc(ctx, pack, &send));
-  MTRAIN_TRY(be->permute(bs, send, k->data, row, g->pack_rows, g->max_owned, dm->tokens, 0));
-  MTRAIN_TRY(be->permute(bs, (char *)send + pack / 2, v->data, row, g->pack_rows, g->max_owned,
-                         dm->tokens, 0));
-  MTRAIN_TRY(be->copy_to_host(bs, host, send, pack));
-  MTRAIN_TRY(ctx->comm->ops->allgather(ctx->comm->state, host, (char *)host + pack, pack));
+  MTRAIN_TRY(mtrain_be_permute(ctx, send, k->data, row, g->pack_rows, g->max_owned, dm->tokens, 0));
+  MTRAIN_TRY(mtrain_be_permute(ctx, (char *)send + pack / 2, v->data, row, g->pack_rows,
+                               g->max_owned, dm->tokens, 0));
+  MTRAIN_TRY(mtrain_be_copy_to_host(ctx, host, send, pack));
+  MTRAIN_TRY(mtrain_cm_allgather(ctx, host, (char *)host + pack, pack));
   MTRAIN_TRY(backend_alloc(ctx, pack * world, &all));
-  MTRAIN_TRY(be->copy_from_host(bs, all, (char *)host + pack, pack * world));
+  MTRAIN_TRY(mtrain_be_copy_from_host(ctx, all, (char *)host + pack, pack * world));
   MTRAIN_TRY(backend_alloc(ctx, 2 * (size_t)g->count * row, kvbar));
-  MTRAIN_TRY(be->permute(bs, *kvbar, all, row, g->unpack, 2 * g->count,
-                         2 * g->max_owned * plan->world, 0));
+  MTRAIN_TRY(mtrain_be_permute(ctx, *kvbar, all, row, g->unpack, 2 * g->count,
+                               2 * g->max_owned * plan->world, 0));
 cleanup:
   backend_free(ctx, send);
   backend_free(ctx, all);
@@ -240,28 +238,27 @@ static mtrain_status_t scatter_bar_grads(mtrain_context_t *ctx, const mtrain_pla
                                          const attn_dims_t *dm, void *dbar, void *dk_acc,
                                          void *dv_acc) {
   const mtrain_plan_gathered_t *g = plan->gathered;
-  const mtrain_backend_ops_t *be = ctx->backend;
-  void *bs = ctx->backend_state;
   const int64_t width = (int64_t)dm->hkv * dm->d;
-  const size_t row = (size_t)width * mtrain_dtype_size(be->acc_dtype);
+  const size_t row = (size_t)width * mtrain_dtype_size(mtrain_be_acc_dtype(ctx));
   const size_t bytes = 2 * (size_t)g->count * row, mine = (size_t)g->owned * row;
   void *host = malloc(bytes + 1), *theirs = NULL, *own = NULL;
   mtrain_status_t st = MTRAIN_SUCCESS;
   MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY, "bars gathered: out of host memory");
-  MTRAIN_TRY(be->copy_to_host(bs, host, dbar, bytes));
-  MTRAIN_TRY(ctx->comm->ops->allreduce(ctx->comm->state, host, 2 * g->count * width, be->acc_dtype,
-                                       MTRAIN_REDUCE_SUM));
-  MTRAIN_TRY(be->copy_from_host(bs, dbar, host, bytes));
+  MTRAIN_TRY(mtrain_be_copy_to_host(ctx, host, dbar, bytes));
+  MTRAIN_TRY(mtrain_cm_allreduce(ctx, host, 2 * g->count * width, mtrain_be_acc_dtype(ctx),
+                                 MTRAIN_REDUCE_SUM));
+  MTRAIN_TRY(mtrain_be_copy_from_host(ctx, dbar, host, bytes));
   if (g->owned > 0) {
     MTRAIN_TRY(backend_alloc(ctx, 2 * mine, &theirs));
     MTRAIN_TRY(backend_alloc(ctx, mine, &own));
-    MTRAIN_TRY(be->permute(bs, theirs, dbar, row, g->owned_bars, 2 * g->owned, 2 * g->count, 0));
+    MTRAIN_TRY(
+        mtrain_be_permute(ctx, theirs, dbar, row, g->owned_bars, 2 * g->owned, 2 * g->count, 0));
     void *const acc[2] = {dk_acc, dv_acc};
     for (int x = 0; x < 2; x++) {
-      MTRAIN_TRY(be->permute(bs, own, acc[x], row, g->pack_rows, g->owned, dm->tokens, 0));
-      MTRAIN_TRY(
-          be->add(bs, own, (char *)theirs + (size_t)x * mine, be->acc_dtype, g->owned * width));
-      MTRAIN_TRY(be->permute(bs, acc[x], own, row, g->pack_rows, g->owned, dm->tokens, 1));
+      MTRAIN_TRY(mtrain_be_permute(ctx, own, acc[x], row, g->pack_rows, g->owned, dm->tokens, 0));
+      MTRAIN_TRY(mtrain_be_add(ctx, own, (char *)theirs + (size_t)x * mine,
+                               mtrain_be_acc_dtype(ctx), g->owned * width));
+      MTRAIN_TRY(mtrain_be_permute(ctx, acc[x], own, row, g->pack_rows, g->owned, dm->tokens, 1));
     }
   }
 cleanup:
@@ -279,7 +276,8 @@ static mtrain_status_t step_fwd(mtrain_context_t *ctx, const mtrain_plan_t *plan
   (void)dv;
   const ring_call_t *rc = user;
   const attn_dims_t *dm = rc->dm;
-  const size_t esz = mtrain_dtype_size(dm->dtype), acc = mtrain_dtype_size(ctx->backend->acc_dtype);
+  const size_t esz = mtrain_dtype_size(dm->dtype),
+               acc = mtrain_dtype_size(mtrain_be_acc_dtype(ctx));
   const int64_t qw = (int64_t)dm->hq * dm->d, kw = (int64_t)dm->hkv * dm->d;
   mtrain_status_t st = MTRAIN_SUCCESS;
   for (int32_t s = 0; st == MTRAIN_SUCCESS && s < plan->num_seqs; s++) {
@@ -295,12 +293,12 @@ static mtrain_status_t step_fwd(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                 .v = row_at(v, koff, kw, esz),
                                 .o_acc = row_at(rc->o_acc, off, qw, acc),
                                 .lse_acc = row_at(rc->lse_acc, off, dm->hq, acc)};
-    st = ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+    st = mtrain_be_attn_fwd_step(ctx, &a);
     if (st || !ps->bar_steps) continue;
     a.view = &ps->bar_steps[t].view; /* this step's share of the gathered bars */
     a.k = row_at(rc->kbar, ps->bar_base, kw, esz);
     a.v = row_at(rc->vbar, ps->bar_base, kw, esz);
-    st = ctx->backend->attn_fwd_step(ctx->backend_state, &a);
+    st = mtrain_be_attn_fwd_step(ctx, &a);
   }
   return st;
 }
@@ -309,7 +307,8 @@ static mtrain_status_t step_bwd(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                 const void *k, const void *v, void *dk, void *dv, void *user) {
   const ring_call_t *rc = user;
   const attn_dims_t *dm = rc->dm;
-  const size_t esz = mtrain_dtype_size(dm->dtype), acc = mtrain_dtype_size(ctx->backend->acc_dtype);
+  const size_t esz = mtrain_dtype_size(dm->dtype),
+               acc = mtrain_dtype_size(mtrain_be_acc_dtype(ctx));
   const int64_t qw = (int64_t)dm->hq * dm->d, kw = (int64_t)dm->hkv * dm->d;
   mtrain_status_t st = MTRAIN_SUCCESS;
   for (int32_t s = 0; st == MTRAIN_SUCCESS && s < plan->num_seqs; s++) {
@@ -329,14 +328,14 @@ static mtrain_status_t step_bwd(mtrain_context_t *ctx, const mtrain_plan_t *plan
                                 .dq_acc = row_at(rc->dq_acc, off, qw, acc),
                                 .dk_acc = row_at(dk, koff, kw, acc),
                                 .dv_acc = row_at(dv, koff, kw, acc)};
-    st = ctx->backend->attn_bwd_step(ctx->backend_state, &a);
+    st = mtrain_be_attn_bwd_step(ctx, &a);
     if (st || !ps->bar_steps) continue;
     a.view = &ps->bar_steps[t].view;
     a.k = row_at(rc->kbar, ps->bar_base, kw, esz);
     a.v = row_at(rc->vbar, ps->bar_base, kw, esz);
     a.dk_acc = row_at(rc->dkbar, ps->bar_base, kw, acc);
     a.dv_acc = row_at(rc->dvbar, ps->bar_base, kw, acc);
-    st = ctx->backend->attn_bwd_step(ctx->backend_state, &a);
+    st = mtrain_be_attn_bwd_step(ctx, &a);
   }
   return st;
 }
@@ -347,11 +346,10 @@ static mtrain_status_t forward_ring(mtrain_context_t *ctx, const mtrain_plan_t *
                                     const attn_dims_t *dm, const mtrain_tensor_t *q,
                                     const mtrain_tensor_t *k, const mtrain_tensor_t *v, void *o_acc,
                                     void *lse_acc) {
-  const mtrain_backend_ops_t *be = ctx->backend;
   const size_t esz = mtrain_dtype_size(dm->dtype);
   void *kvbar = NULL;
   mtrain_status_t st = MTRAIN_SUCCESS;
-  MTRAIN_TRY(be->attn_fwd_init(ctx->backend_state, o_acc, lse_acc, dm->tokens, dm->hq, dm->d));
+  MTRAIN_TRY(mtrain_be_attn_fwd_init(ctx, o_acc, lse_acc, dm->tokens, dm->hq, dm->d));
   ring_call_t rc = {.dm = dm, .q = q->data, .o_acc = o_acc, .lse_acc = lse_acc};
   if (plan->gathered) {
     MTRAIN_TRY(gather_bars(ctx, plan, dm, k, v, &kvbar));
@@ -382,14 +380,14 @@ static mtrain_status_t backward_lse(mtrain_context_t *ctx, const mtrain_plan_t *
                                     const attn_dims_t *dm, const mtrain_tensor_t *q,
                                     const mtrain_tensor_t *k, const mtrain_tensor_t *v,
                                     const mtrain_tensor_t *lse, void *lse_acc) {
-  const mtrain_backend_ops_t *be = ctx->backend;
-  if (mtrain_dtype_size(be->acc_dtype) <= mtrain_dtype_size(lse->dtype))
-    return be->convert(ctx->backend_state, lse->data, lse->dtype, lse_acc, be->acc_dtype,
-                       dm->tokens * dm->hq);
+  if (mtrain_dtype_size(mtrain_be_acc_dtype(ctx)) <= mtrain_dtype_size(lse->dtype))
+    return mtrain_be_convert(ctx, lse->data, lse->dtype, lse_acc, mtrain_be_acc_dtype(ctx),
+                             dm->tokens * dm->hq);
   void *o_tmp = NULL;
   mtrain_status_t st = MTRAIN_SUCCESS;
   MTRAIN_TRY(backend_alloc(
-      ctx, (size_t)(dm->tokens * dm->hq * dm->d) * mtrain_dtype_size(be->acc_dtype), &o_tmp));
+      ctx, (size_t)(dm->tokens * dm->hq * dm->d) * mtrain_dtype_size(mtrain_be_acc_dtype(ctx)),
+      &o_tmp));
   MTRAIN_TRY(forward_ring(ctx, plan, dm, q, k, v, o_tmp, lse_acc));
 cleanup:
   backend_free(ctx, o_tmp);
@@ -414,17 +412,16 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   }
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
-  const mtrain_backend_ops_t *be = ctx->backend;
-  const size_t acc = mtrain_dtype_size(be->acc_dtype);
+  const size_t acc = mtrain_dtype_size(mtrain_be_acc_dtype(ctx));
   void *o_acc = NULL, *lse_acc = NULL;
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq * dm.d) * acc, &o_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)(dm.tokens * dm.hq) * acc, &lse_acc));
   MTRAIN_TRY(forward_ring(ctx, plan, &dm, q, k, v, o_acc, lse_acc));
-  MTRAIN_TRY(be->convert(ctx->backend_state, o_acc, be->acc_dtype, o->data, o->dtype,
-                         dm.tokens * dm.hq * dm.d));
-  MTRAIN_TRY(be->convert(ctx->backend_state, lse_acc, be->acc_dtype, lse->data, lse->dtype,
-                         dm.tokens * dm.hq));
-  MTRAIN_TRY(be->synchronize(ctx->backend_state));
+  MTRAIN_TRY(mtrain_be_convert(ctx, o_acc, mtrain_be_acc_dtype(ctx), o->data, o->dtype,
+                               dm.tokens * dm.hq * dm.d));
+  MTRAIN_TRY(mtrain_be_convert(ctx, lse_acc, mtrain_be_acc_dtype(ctx), lse->data, lse->dtype,
+                               dm.tokens * dm.hq));
+  MTRAIN_TRY(mtrain_be_synchronize(ctx));
   MTRAIN_TRY(check_output(ctx, plan, "forward", "lse", lse));
   MTRAIN_TRY(check_output(ctx, plan, "forward", "o", o));
   ctx->last_stats.seconds = mtrain_now() - call_start;
@@ -463,9 +460,7 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
     if ((st = check_finite(ctx, plan, "lse", lse))) return st;
     if ((st = check_finite(ctx, plan, "dout", dout))) return st;
   }
-  const mtrain_backend_ops_t *be = ctx->backend;
-  void *bs = ctx->backend_state;
-  const size_t acc = mtrain_dtype_size(be->acc_dtype), esz = mtrain_dtype_size(dm.dtype);
+  const size_t acc = mtrain_dtype_size(mtrain_be_acc_dtype(ctx)), esz = mtrain_dtype_size(dm.dtype);
   const int64_t nq = dm.tokens * dm.hq * dm.d, nk = dm.tokens * dm.hkv * dm.d;
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
@@ -478,11 +473,11 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nq * acc, &dq_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nk * acc, &dk_acc));
   MTRAIN_TRY(backend_alloc(ctx, (size_t)nk * acc, &dv_acc));
-  MTRAIN_TRY(be->memset_zero(bs, dq_acc, (size_t)nq * acc));
-  MTRAIN_TRY(be->memset_zero(bs, dk_acc, (size_t)nk * acc));
-  MTRAIN_TRY(be->memset_zero(bs, dv_acc, (size_t)nk * acc));
-  MTRAIN_TRY(
-      be->attn_bwd_prepare(bs, o->data, dout->data, dm.dtype, delta_acc, dm.tokens, dm.hq, dm.d));
+  MTRAIN_TRY(mtrain_be_memset_zero(ctx, dq_acc, (size_t)nq * acc));
+  MTRAIN_TRY(mtrain_be_memset_zero(ctx, dk_acc, (size_t)nk * acc));
+  MTRAIN_TRY(mtrain_be_memset_zero(ctx, dv_acc, (size_t)nk * acc));
+  MTRAIN_TRY(mtrain_be_attn_bwd_prepare(ctx, o->data, dout->data, dm.dtype, delta_acc, dm.tokens,
+                                        dm.hq, dm.d));
   ring_call_t rc = {.dm = &dm,
                     .q = q->data,
                     .dout = dout->data,
@@ -494,7 +489,7 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
     const size_t dbar_bytes = 2 * (size_t)nbar * acc;
     MTRAIN_TRY(gather_bars(ctx, plan, &dm, k, v, &kvbar));
     MTRAIN_TRY(backend_alloc(ctx, dbar_bytes, &dbar));
-    MTRAIN_TRY(be->memset_zero(bs, dbar, dbar_bytes));
+    MTRAIN_TRY(mtrain_be_memset_zero(ctx, dbar, dbar_bytes));
     rc.kbar = kvbar;
     rc.vbar = (const char *)kvbar + (size_t)nbar * esz;
     rc.dkbar = dbar;
@@ -511,10 +506,10 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
                            .user = &rc};
   MTRAIN_TRY(mtrain_ring_run(ctx, plan, &ra));
   if (plan->gathered) MTRAIN_TRY(scatter_bar_grads(ctx, plan, &dm, dbar, dk_acc, dv_acc));
-  MTRAIN_TRY(be->convert(bs, dq_acc, be->acc_dtype, dq->data, dq->dtype, nq));
-  MTRAIN_TRY(be->convert(bs, dk_acc, be->acc_dtype, dk->data, dk->dtype, nk));
-  MTRAIN_TRY(be->convert(bs, dv_acc, be->acc_dtype, dv->data, dv->dtype, nk));
-  MTRAIN_TRY(be->synchronize(bs));
+  MTRAIN_TRY(mtrain_be_convert(ctx, dq_acc, mtrain_be_acc_dtype(ctx), dq->data, dq->dtype, nq));
+  MTRAIN_TRY(mtrain_be_convert(ctx, dk_acc, mtrain_be_acc_dtype(ctx), dk->data, dk->dtype, nk));
+  MTRAIN_TRY(mtrain_be_convert(ctx, dv_acc, mtrain_be_acc_dtype(ctx), dv->data, dv->dtype, nk));
+  MTRAIN_TRY(mtrain_be_synchronize(ctx));
   MTRAIN_TRY(check_output(ctx, plan, "backward", "dq", dq));
   MTRAIN_TRY(check_output(ctx, plan, "backward", "dk", dk));
   MTRAIN_TRY(check_output(ctx, plan, "backward", "dv", dv));

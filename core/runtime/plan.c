@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/layout/schedule.h"
+#include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
 #include "core/runtime/pattern_internal.h"
 #include "core/runtime/plan_internal.h"
@@ -546,7 +547,7 @@ done:
  * the plans are compared before any transfer, and all ranks fail, naming two
  * ranks and their values. */
 static mtrain_status_t check_ring_plan_agrees(mtrain_context_t *ctx, const mtrain_plan_t *plan) {
-  const int size = mtrain_comm_size(ctx->comm);
+  const int size = mtrain_context_world(ctx);
   if (size <= 1) return MTRAIN_SUCCESS;
   enum { K = 6 };
   uint64_t lengths = 1469598103934665603ull; /* FNV-1a over the sequence lengths */
@@ -562,7 +563,7 @@ static mtrain_status_t check_ring_plan_agrees(mtrain_context_t *ctx, const mtrai
                            plan->local_tokens, (int64_t)(lengths >> 1)};
   int64_t *all = calloc((size_t)size * K, sizeof *all);
   if (!all) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  mtrain_status_t st = ctx->comm->ops->allgather(ctx->comm->state, mine, all, sizeof mine);
+  mtrain_status_t st = mtrain_cm_allgather(ctx, mine, all, sizeof mine);
   for (int r = 1; st == MTRAIN_SUCCESS && r < size; r++)
     if (memcmp(all, all + K * r, sizeof mine) != 0) {
       const int64_t *a = all, *b = all + K * r;
