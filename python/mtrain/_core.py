@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import itertools
 import json
 import math
 import os
+import struct
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,9 +37,10 @@ KIND_PLAN = 1
 KIND_PATTERN = 2
 
 _ids = itertools.count(1)
-_plans: dict[int, Plan] = {}
+_plans: dict[int, list[Any]] = {}  # plan id -> [Plan, live handle tensors]
+_plans_by_key: dict[tuple[Any, ...], int] = {}  # estimated plans by content
 _patterns: weakref.WeakValueDictionary[int, Pattern] = weakref.WeakValueDictionary()
-_lock = threading.Lock()
+_lock = threading.RLock()  # RLock: a handle finalizer may run inside
 
 
 def _new_handle(kind: int) -> tuple[int, torch.Tensor]:
@@ -251,16 +254,14 @@ def resolve_pattern(handle: torch.Tensor) -> Pattern:
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TopK:
+class TopK(NamedTuple):
     """Static top-k budget: keep v_size verticals and s_size slashes."""
 
     v_size: int
     s_size: int
 
 
-@dataclass(frozen=True)
-class TopP:
+class TopP(NamedTuple):
     """Top-p budget: keep the fewest verticals (slashes) whose mass stays below
     p_v (p_s), at most cap_v (cap_s)."""
 
@@ -602,6 +603,8 @@ class Plan:
         self.local_tokens = int(L.lib().plan_local_tokens(ptr))
         self.num_heads = int(L.lib().plan_num_heads(ptr))
         self.computed_pairs = int(L.lib().plan_computed_pairs(ptr))
+        self.id = 0  # set when registered
+        self.key: tuple[Any, ...] | None = None  # content key of an estimated plan
 
     def __del__(self) -> None:
         if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
@@ -609,23 +612,42 @@ class Plan:
 
 
 def register_plan(plan: Plan) -> torch.Tensor:
-    """A handle tensor for plan; the plan lives until the handle is collected."""
-    i, handle = _new_handle(KIND_PLAN)
-    _plans[i] = plan
-    weakref.finalize(handle, _plans.pop, i, None)
+    """A handle tensor for plan. Handles of one plan carry the same id (so an
+    op returns equal outputs for equal inputs); the plan stays registered
+    while any of its handle tensors lives."""
+    with _lock:
+        if plan.id == 0:
+            plan.id = next(_ids)
+        entry = _plans.setdefault(plan.id, [plan, 0])
+        entry[1] += 1
+    handle = torch.tensor([MAGIC, KIND_PLAN, plan.id], dtype=torch.int64)
+    weakref.finalize(handle, _release_plan, plan.id)
     return handle
+
+
+def _release_plan(i: int) -> None:
+    with _lock:
+        entry = _plans.get(i)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _plans[i]
+            key = entry[0].key
+            if key is not None and _plans_by_key.get(key) == i:
+                del _plans_by_key[key]
 
 
 def resolve_plan(handle: torch.Tensor) -> Plan:
     i = _handle_id(handle, KIND_PLAN, "plan")
-    p = _plans.get(i)
-    if p is None:
+    entry = _plans.get(i)
+    if entry is None:
         raise L.fail(
             L.ERR_INVALID_ARGUMENT,
             f"plan handle {i} is no longer alive (its handle tensor was freed; keep the "
             "SparsePlan of the step until its backward ran)",
         )
-    return p
+    return entry[0]
 
 
 def seq_lens_of(cu_seqlens: torch.Tensor | None, tokens: int, world: int) -> list[int]:
@@ -677,11 +699,18 @@ def build_plan(
             else f"the sequences {seq_lens} hold {sum(local)} tokens"
         )
         raise L.fail(L.ERR_SHAPE_MISMATCH, f"q has {tokens} tokens but {where}")
+    key = None
     if opts.pattern == "dense":
         patterns = [dense_pattern(n, num_heads, g) for n in seq_lens]
     elif opts.pattern == "estimate":
         assert q is not None and k is not None
         patterns = _estimate(ctx, opts, q, k, seq_lens, local, layouts)
+        # the same patterns give the same plan: reuse a live one (and its id)
+        key = (id(ctx), opts.encode(), tokens, tuple(seq_lens), *map(_content_key, patterns))
+        with _lock:
+            i = _plans_by_key.get(key)
+            if i is not None and i in _plans:
+                return _plans[i][0]
     assert patterns is not None
     if len(patterns) == 1 and len(seq_lens) > 1:
         patterns = patterns * len(seq_lens)
@@ -711,7 +740,37 @@ def build_plan(
             ),
             "ring plan",
         )
-    return Plan(ctx, out, patterns, seq_lens, layouts)
+    plan = Plan(ctx, out, patterns, seq_lens, layouts)
+    if key is not None:
+        plan.key = key
+        with _lock:
+            plan.id = next(_ids)
+            _plans.setdefault(plan.id, [plan, 0])
+            _plans_by_key[key] = plan.id
+    return plan
+
+
+def _content_key(p: Pattern) -> bytes:
+    """A digest of a vertical-slash pattern's sets (estimated patterns have
+    no block-mask heads)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<qii", p.seq_len, p.num_heads, p.granularity))
+    dp = ctypes.POINTER(ctypes.c_int32)()
+    vp = ctypes.POINTER(ctypes.c_int64)()
+    nd, nv = ctypes.c_int32(), ctypes.c_int32()
+    for head in range(p.num_heads):
+        L.check(
+            L.lib().pattern_get_head(
+                p.ptr, head, ctypes.byref(dp), ctypes.byref(nd), ctypes.byref(vp),
+                ctypes.byref(nv),
+            )
+        )  # fmt: skip
+        h.update(struct.pack("<ii", nd.value, nv.value))
+        if nd.value:
+            h.update(ctypes.string_at(dp, 4 * nd.value))
+        if nv.value:
+            h.update(ctypes.string_at(vp, 8 * nv.value))
+    return h.digest()
 
 
 def cached_plan(

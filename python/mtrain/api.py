@@ -21,11 +21,9 @@ import torch
 from . import _comm
 from . import _core as C
 from . import _lib as L
-from . import ops as _ops  # registers the ops
+from .ops import check_qkv as _check_qkv  # (importing ops registers them)
 
 __all__ = ["SparsePlan", "attention", "estimate_pattern"]
-
-del _ops
 
 
 class SparsePlan(NamedTuple):
@@ -107,8 +105,23 @@ def _flatten(
     return q.reshape(b * n, *q.shape[2:]), cu, tuple(q.shape[:2])
 
 
+@torch.compiler.assume_constant_result
+def _budgets_json(budgets: Any, layer: int | None) -> str:
+    """The budgets' JSON (a constant under torch.compile)."""
+    try:
+        return json.dumps(C.budgets_spec(budgets, layer), sort_keys=True)
+    except (IndexError, AttributeError) as e:
+        # torch.compile hands a TopK/TopP built inside the compiled code over empty
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            "under torch.compile, build mtrain.TopK / TopP outside the compiled function (for "
+            "example in the module's __init__) and pass them in",
+        ) from e
+
+
+@torch.compiler.assume_constant_result
 def _options(
-    q: torch.Tensor,
+    d: int,
     *,
     group: Any,
     layout: str,
@@ -123,7 +136,6 @@ def _options(
     num_sinks: int = 30,
     window: int = 100,
 ) -> str:
-    d = int(q.shape[-1])
     scale = 0.0
     if softmax_scale is not None:
         scale = float(softmax_scale)
@@ -190,14 +202,16 @@ def estimate_pattern(
     Returns:
         The SparsePlan to pass as ``pattern=`` to mtrain.attention.
     """
-    spec = json.dumps(C.budgets_spec(budgets, layer), sort_keys=True)
+    spec = _budgets_json(budgets, layer)
     world = _world(group)
     q3, cu, _ = _flatten(q, cu_seqlens, seq_len, world, "q")
     k3, _, _ = _flatten(k, None if q.ndim == 4 else cu_seqlens, seq_len, world, "k")
+    _check_qkv(q3, k3, None)
     options = _options(
-        q3, group=group, layout=layout, ranks_per_node=ranks_per_node, granularity=granularity,
-        softmax_scale=softmax_scale, backend=backend, deterministic=deterministic,
-        pattern="estimate", budgets=spec, last_q=last_q, num_sinks=num_sinks, window=window,
+        int(q3.shape[-1]), group=group, layout=layout, ranks_per_node=ranks_per_node,
+        granularity=granularity, softmax_scale=softmax_scale, backend=backend,
+        deterministic=deterministic, pattern="estimate", budgets=spec, last_q=last_q,
+        num_sinks=num_sinks, window=window,
     )  # fmt: skip
     handle = torch.ops.mtrain.estimate_plan(q3.detach(), k3.detach(), cu, options)
     return SparsePlan(handle, options)
@@ -286,6 +300,7 @@ def attention(
             L.ERR_SHAPE_MISMATCH,
             f"q, k, v have {q.ndim}, {k.ndim}, {v.ndim} dimensions: they must agree",
         )
+    _check_qkv(q3, k3, v3)
     if isinstance(pattern, SparsePlan):
         if budgets is not None:
             raise L.fail(L.ERR_INVALID_ARGUMENT, "pattern= is a SparsePlan: budgets= must be None")
@@ -306,7 +321,9 @@ def attention(
             )  # fmt: skip
             handle = plan.handle
         elif pattern is None:
-            opts = _options(q3, granularity=granularity or 128, pattern="dense", **common)
+            opts = _options(
+                int(q3.shape[-1]), granularity=granularity or 128, pattern="dense", **common
+            )
             handle = torch.ops.mtrain.pattern_plan(q3, [], cu, opts)
         else:
             if budgets is not None:
@@ -321,7 +338,7 @@ def attention(
                     L.ERR_INVALID_ARGUMENT,
                     f"granularity={granularity} but the pattern's granularity is {g}",
                 )
-            opts = _options(q3, granularity=g, pattern="given", **common)
+            opts = _options(int(q3.shape[-1]), granularity=g, pattern="given", **common)
             handle = torch.ops.mtrain.pattern_plan(q3, [p.handle for p in pats], cu, opts)
     o, lse = torch.ops.mtrain.attn_fwd(q3, k3, v3, handle)
     if batched is not None:
