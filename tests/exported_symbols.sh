@@ -34,7 +34,7 @@ headers="$work/prefix/include/mtrain"
 toolchain='^(_init|_fini|__bss_start|_edata|_end|__end__|__bss_start__|__bss_end__|_bss_end__)$'
 # Internal functions that must never be exported (white-box tests reach
 # them through the static mtrain_internal instead).
-internal='^(mtrain_plan_build_step_head|mtrain_plan_build_step_head_runs|mtrain_layout_from_owner|mtrain_cost_evaluate_owner|mtrain_select_[a-z_0-9]*|mtrain_token_to_block_diagonals|mtrain_cpu_backend|mtrain_cpu_ref_backend|mtrain_cuda_backend|mtrain_be_[a-z_0-9]*|mtrain_cm_[a-z_0-9]*|mtrain_backend_alloc|mtrain_config_validate|mtrain_now|mtrain_ring_run)$'
+internal='^(mtrain_plan_build_step_head|mtrain_plan_build_step_head_runs|mtrain_layout_from_owner|mtrain_cost_evaluate_owner|mtrain_select_[a-z_0-9]*|mtrain_token_to_block_diagonals|mtrain_cpu_backend|mtrain_cpu_ref_backend|mtrain_cuda_backend|mtrain_be_[a-z_0-9]*|mtrain_cm_[a-z_0-9]*|mtrain_memory_tracker_add|mtrain_config_validate|mtrain_now|mtrain_ring_run)$'
 
 nm -D --defined-only "$lib" | awk 'NF >= 3 {print $3}' | sed 's/@.*//' | sort -u > "$work/exported.txt"
 

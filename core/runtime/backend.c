@@ -145,12 +145,6 @@ void mtrain_be_free(mtrain_context_t *ctx, void *ptr) {
   ctx->backend->free(ctx->backend_state, ptr);
 }
 
-mtrain_status_t mtrain_backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
-  return mtrain_be_alloc(ctx, bytes, ptr);
-}
-
-void mtrain_backend_free(mtrain_context_t *ctx, void *ptr) { mtrain_be_free(ctx, ptr); }
-
 mtrain_status_t mtrain_be_memset_zero(mtrain_context_t *ctx, void *ptr, size_t bytes) {
   return ctx->backend->memset_zero(ctx->backend_state, ptr, bytes);
 }

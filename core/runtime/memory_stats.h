@@ -37,9 +37,4 @@ void mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr);
 /** Frees the accounting itself; the blocks must be freed already. */
 void mtrain_memory_tracker_clear(mtrain_memory_tracker_t *t);
 
-/** The former names of mtrain_be_alloc / mtrain_be_free (backend.h), for
- *  the call sites not yet switched to them (attention.c, ring.c). */
-mtrain_status_t mtrain_backend_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr);
-void mtrain_backend_free(mtrain_context_t *ctx, void *ptr);
-
 #endif /* MTRAIN_CORE_MEMORY_STATS_H */
