@@ -22,7 +22,7 @@ on "$4" && with_nccl=1
 rm -rf "$work"
 mkdir -p "$work"
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
-lib=$(ls "$work"/prefix/lib*/libmtrain.so 2> /dev/null | head -n 1 || true)
+lib=$(find "$work/prefix" -name libmtrain.so -path '*/lib*/*' | head -n 1)
 if [ -z "$lib" ]; then
   echo "exported symbols: no installed libmtrain.so under $work/prefix (static build?)" >&2
   exit 1
