@@ -38,7 +38,7 @@ typedef struct bwd_item {
   int32_t row0;             /* the chunk's first row within the query block */
 } bwd_item_t;
 
-static void bwd_tile(void *ctx, const cpu_tile_t *t) {
+MTRAIN_CPU_DISPATCH static void bwd_tile(void *ctx, const cpu_tile_t *t) {
   bwd_item_t *it = ctx;
   const cpu_step_inputs_t *in = it->in;
   const int32_t Hq = in->view->num_heads, n = t->count, nr = it->nr, d = it->d;

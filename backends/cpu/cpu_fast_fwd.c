@@ -44,7 +44,7 @@ typedef struct fwd_item {
   int32_t row0;   /* the chunk's first row within the query block */
 } fwd_item_t;
 
-static void fwd_tile(void *ctx, const cpu_tile_t *t) {
+MTRAIN_CPU_DISPATCH static void fwd_tile(void *ctx, const cpu_tile_t *t) {
   fwd_item_t *it = ctx;
   const cpu_step_inputs_t *in = it->in;
   const float *k, *v;

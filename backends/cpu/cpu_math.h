@@ -10,6 +10,31 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Runtime dispatch of the fast path's hot loops (the score tiles' softmax
+ * and gradient loops). A portable build (MTRAIN_NATIVE OFF: the x86-64
+ * baseline, SSE2, where rintf and so mtrain_fast_exp cannot vectorise) makes
+ * one clone of each such function per x86-64 level, and the loader picks the
+ * best the processor has (an ifunc). Not where the baseline already has AVX2
+ * (-march=native builds), not under sanitizers (their runtimes and ifunc
+ * resolvers do not mix), not on other architectures. MTRAIN_NO_CLONES turns
+ * it off. The clones give the same bits: ISO C mode (-std=c11) contracts no
+ * a * b + c into an FMA, and no loop reassociates a sum. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define MTRAIN_CPU_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) ||                         \
+    __has_feature(memory_sanitizer)
+#define MTRAIN_CPU_SANITIZED 1
+#endif
+#endif
+#if defined(__x86_64__) && defined(__linux__) && !defined(__AVX2__) &&                             \
+    !defined(MTRAIN_CPU_SANITIZED) && !defined(MTRAIN_NO_CLONES)
+#define MTRAIN_CPU_DISPATCH                                                                        \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "arch=x86-64-v2", "default")))
+#else
+#define MTRAIN_CPU_DISPATCH
+#endif
+
 static inline float mtrain_fast_exp(float x) {
   float t = x * 1.44269504088896341f;
   t = t < -127.0f ? -127.0f : t;
