@@ -34,7 +34,12 @@ from . import _lib as L
 from .errors import MtrainError
 
 DEFAULT_TIMEOUT = 300.0
-_TAG_SPAN = 1 << 23  # tags of one sub-communicator: [base, base + span)
+# Point-to-point tags on the group are offset far above small numbers: gloo
+# numbers some collectives' slots from 0 upwards, and a ring tag (11, 13,
+# 100 + o) equal to such a slot mixes the two streams of messages.
+_TAG_BASE = 1 << 30
+_TAG_SPAN = 1 << 30  # the group's communicator: tags [base, base + span)
+_SPLITS = 64  # a communicator's span holds 63 sub-communicators' spans
 _TAG_GATHER = L.TAG_USER + 1
 _TAG_SCATTER = L.TAG_USER + 2
 
@@ -95,17 +100,22 @@ class TorchComm:
     """One communicator: ranks `members` (global ranks) of `group`."""
 
     def __init__(
-        self, group: Any, members: list[int], tag_base: int, name: str, timeout: float
+        self,
+        group: Any,
+        members: list[int],
+        tags: tuple[int, int],
+        name: str,
+        timeout: float,
     ) -> None:
         self.group = group
         self.members = members
-        self.tag_base = tag_base
+        self.tag_base, self.tag_span = tags
         self.name = name
         self.timeout = timeout
         me = dist.get_rank()
         self.rank = members.index(me)
         self.size = len(members)
-        self.is_whole_group = tag_base == 0
+        self.is_whole_group = self.tag_base == _TAG_BASE
         self.broken = ""
         self.splits = 0
         self.requests: dict[int, _Request] = {}
@@ -216,13 +226,15 @@ class TorchComm:
         self._usable("an all-reduce")
         if dtype not in (L.F32, L.F64):
             raise L.fail(L.ERR_UNSUPPORTED_DTYPE, f"torch allreduce: dtype {dtype} not supported")
+        kind = _KIND_MAX if op == L.REDUCE_MAX else _KIND_SUM
+        self._agree(kind, count, dtype)
         if count <= 0:
             return
         tdt = torch.float32 if dtype == L.F32 else torch.float64
         t = torch.empty(count, dtype=tdt)
         nbytes = count * t.element_size()
         ctypes.memmove(t.data_ptr(), buf, nbytes)
-        what = f"an all-reduce ({'max' if op == L.REDUCE_MAX else 'sum'} of {count} values)"
+        what = _describe(kind, count, dtype)
         if self.is_whole_group:
             rop = dist.ReduceOp.MAX if op == L.REDUCE_MAX else dist.ReduceOp.SUM
             work = self._collective(
@@ -230,7 +242,7 @@ class TorchComm:
             )
             self._finish(work, t, what)
         else:
-            parts = self._gather_all(t.view(torch.uint8), what).view(tdt).view(self.size, count)
+            parts = self._gather_all(t.view(torch.uint8)).view(tdt).view(self.size, count)
             # fixed order (rank 0, 1, ...): the same bits on every rank
             res = parts[0].clone()
             for r in range(1, self.size):
@@ -240,29 +252,58 @@ class TorchComm:
 
     def allgather(self, send: int, recv: int, nbytes: int) -> None:
         self._usable("an all-gather")
+        self._agree(_KIND_GATHER, nbytes, 0)
         if nbytes == 0:
             return
         t = torch.empty(nbytes, dtype=torch.uint8)
         ctypes.memmove(t.data_ptr(), send, nbytes)
-        what = f"an all-gather ({nbytes} bytes per rank)"
-        if self.is_whole_group:
-            out = torch.empty(self.size * nbytes, dtype=torch.uint8)
-            views = list(out.view(self.size, nbytes).unbind(0))
-            work = self._collective(
-                lambda: dist.all_gather(views, t, self.group, async_op=True), what
-            )
-            self._finish(work, (out, t), what)
-        else:
-            out = self._gather_all(t, what)
+        what = _describe(_KIND_GATHER, nbytes, 0)
+        out = self._gather_bytes(t, what)
         ctypes.memmove(recv, out.data_ptr(), self.size * nbytes)
 
     def barrier(self) -> None:
         self._usable("a barrier")
-        if self.is_whole_group:
-            work = self._collective(lambda: dist.barrier(self.group, async_op=True), "a barrier")
-            self._finish(work, None, "a barrier")
-        else:
-            self._gather_all(torch.zeros(1, dtype=torch.uint8), "a barrier")
+        self._agree(_KIND_BARRIER, 0, 0)
+
+    def _gather_bytes(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """All-gather of a uint8 tensor: [size * n] in rank order."""
+        if not self.is_whole_group:
+            return self._gather_all(t)
+        n = t.numel()
+        out = torch.empty(self.size * n, dtype=torch.uint8)
+        views = list(out.view(self.size, n).unbind(0))
+        work = self._collective(lambda: dist.all_gather(views, t, self.group, async_op=True), what)
+        self._finish(work, (out, t), what)
+        return out
+
+    def agree_context(self, digest: bytes, cached: bool) -> tuple[bool, bool]:
+        """Collective (Python side, before a call that uses a context): whether
+        every rank asks for the same context configuration (digest), and
+        whether every rank has it already."""
+        self._usable("a context check")
+        self._agree(_KIND_CONTEXT, len(digest), 0)
+        mine = torch.frombuffer(bytearray(digest + bytes([1 if cached else 0])), dtype=torch.uint8)
+        rows = self._gather_bytes(mine.clone(), "a context check").view(self.size, -1)
+        same = bool((rows[:, :-1] == rows[self.rank, :-1]).all())
+        return same, bool((rows[:, -1] == 1).all())
+
+    def _agree(self, kind: int, count: int, dtype: int) -> None:
+        """Every rank must run the same collective on the same size: a header
+        of fixed size is compared first, so that ranks out of step get an
+        error (gloo ends the process on a size mismatch)."""
+        mine = torch.tensor([kind, count, dtype], dtype=torch.int64)
+        allv = self._gather_bytes(mine.view(torch.uint8), "a collective's header")
+        rows = allv.view(torch.int64).view(self.size, 3).tolist()
+        for r, row in enumerate(rows):
+            if row != rows[self.rank]:
+                raise self._break(
+                    L.fail(
+                        L.ERR_COMM,
+                        f"rank {self.rank}: the ranks are out of step: this rank runs "
+                        f"{_describe(*rows[self.rank])} while rank {r} runs {_describe(*row)} "
+                        "(the ranks must make the same calls with the same options and batch)",
+                    )
+                )
 
     def _collective(self, start: Any, what: str) -> Any:
         try:
@@ -277,7 +318,7 @@ class TorchComm:
             self.abandoned.append((work, keep))
             raise
 
-    def _gather_all(self, t: torch.Tensor, what: str) -> torch.Tensor:
+    def _gather_all(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather of a uint8 tensor through rank 0 of this communicator by
         point-to-point (for sub-communicators)."""
         n = t.numel()
@@ -296,7 +337,6 @@ class TorchComm:
         else:
             self.wait(self.post(t.data_ptr(), n, 0, _TAG_GATHER, True))
             self.wait(self.post(out.data_ptr(), out.numel(), 0, _TAG_SCATTER, False))
-        del what
         return out
 
     def split(self, color: int, key: int) -> TorchComm:
@@ -306,12 +346,31 @@ class TorchComm:
         self.allgather(mine.data_ptr(), allv.data_ptr(), 16)
         pairs = allv.view(self.size, 2).tolist()
         self.splits += 1
-        base = self.tag_base + self.splits * _TAG_SPAN
-        if base + _TAG_SPAN >= 1 << 31:
-            raise L.fail(L.ERR_NOT_SUPPORTED, "torch communicator: too many splits (tag space)")
+        span = self.tag_span // _SPLITS
+        if self.splits >= _SPLITS or span <= _TAG_SCATTER:
+            raise L.fail(
+                L.ERR_NOT_SUPPORTED,
+                f"torch communicator {self.name}: no tag range left for another split "
+                f"({self.splits - 1} splits, span {self.tag_span})",
+            )
+        tags = (self.tag_base + self.splits * span, span)
         ranks = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
         members = [self.members[r] for _, r in ranks]
-        return TorchComm(self.group, members, base, f"{self.name}/split{self.splits}", self.timeout)
+        return TorchComm(self.group, members, tags, f"{self.name}/split{self.splits}", self.timeout)
+
+
+_KIND_SUM, _KIND_MAX, _KIND_GATHER, _KIND_BARRIER, _KIND_CONTEXT = 1, 2, 3, 4, 5
+
+
+def _describe(kind: int, count: int, dtype: int) -> str:
+    if kind == _KIND_GATHER:
+        return f"an all-gather of {count} bytes per rank"
+    if kind == _KIND_BARRIER:
+        return "a barrier"
+    if kind == _KIND_CONTEXT:
+        return "the check of a call's context (mtrain's Python layer)"
+    name = "fp32" if dtype == L.F32 else "fp64"
+    return f"an all-reduce ({'max' if kind == _KIND_MAX else 'sum'} of {count} {name} values)"
 
 
 _keys = itertools.count(1)
@@ -342,7 +401,9 @@ def communicator(name: str, device: torch.device) -> TorchComm:
         if c is None:
             size = dist.get_world_size(group)
             members = [dist.get_global_rank(group, r) for r in range(size)]
-            c = TorchComm(group, members, 0, f"torch:{name}", default_timeout())
+            c = TorchComm(
+                group, members, (_TAG_BASE, _TAG_SPAN), f"torch:{name}", default_timeout()
+            )
             _comms[(name, device.type)] = c
         return c
 

@@ -470,7 +470,10 @@ def _device_guard(device: torch.device) -> Any:
 
 
 def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
-    """The cached context for these options, device and dtype's backend."""
+    """The cached context for these options, device and dtype's backend. With
+    a group, collective: the ranks first compare what they ask for; when they
+    differ, each creates a fresh context, so that the library's own
+    collective check reports the disagreement (MTRAIN_ERR_INVALID_CONFIG)."""
     backend = backend_for(opts, device, dtype)
     index = device.index if device.type == "cuda" else None
     if device.type == "cuda" and index is None:
@@ -484,14 +487,32 @@ def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
         device.type,
         index,
     )
+    dev = torch.device(device.type, index) if index is not None else device
     with _lock:
         ctx = _contexts.get(key)
-        if ctx is None:
-            ctx = Context(
-                backend, opts, torch.device(device.type, index) if index is not None else device
-            )
-            _contexts[key] = ctx
+        if not opts.group:
+            if ctx is None:
+                ctx = Context(backend, opts, dev)
+                _contexts[key] = ctx
+            return ctx
+    from . import _comm
+
+    comm = _comm.communicator(opts.group, dev)
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+    same, all_cached = comm.agree_context(digest, ctx is not None)
+    if same and all_cached:
+        assert ctx is not None
         return ctx
+    fresh = Context(backend, opts, dev)  # collective: the library compares the configs
+    if not same:
+        raise L.fail(
+            L.ERR_INVALID_CONFIG,
+            f"the ranks ask for different contexts (this rank: backend {backend}, granularity "
+            f"{opts.granularity}, softmax_scale {opts.scale}, deterministic {opts.deterministic})",
+        )
+    with _lock:
+        _contexts[key] = fresh
+    return fresh
 
 
 def reset() -> None:

@@ -1,0 +1,187 @@
+"""The ranks of the context-parallel tests (test_distributed.py): each case
+runs on every rank of a gloo group and rank 0 writes what it found to a
+file the test reads. Inputs come from fixed seeds, the same global batch on
+every rank."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import mtrain
+from mtrain import _core
+from mtrain import _lib as L
+
+G = 32
+LENS = [150, 330]
+HQ, HKV, D = 4, 2, 64
+BUDGET = mtrain.TopK(8, 48)
+LAST_Q = 32
+LAYOUTS = ("striped", "zigzag", "contiguous", "balanced")
+
+
+def global_batch(seed: int = 77) -> dict[str, torch.Tensor]:
+    """The packed batch every rank (and the single-process reference) uses."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(LENS)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g)
+
+    return {
+        "q": r(n, HQ, D),
+        "k": r(n, HKV, D),
+        "v": r(n, HKV, D),
+        "do": r(n, HQ, D),
+        "cu": torch.tensor([0, LENS[0], n]),
+    }
+
+
+def case_ring(rank: int, world: int) -> dict[str, Any]:
+    """Estimate on the ring, forward and backward, for every layout; the
+    outputs and gradients gathered back to global order."""
+    b = global_batch()
+    out: dict[str, Any] = {}
+    group = dist.group.WORLD
+    for layout in LAYOUTS:
+        ql, pos, info = mtrain.dispatch(
+            b["q"], group, layout=layout, cu_seqlens=b["cu"], granularity=G
+        )
+        kl, vl, dol = (mtrain.dispatch(b[x], info=info).local for x in ("k", "v", "do"))
+        ql, kl, vl = (t.clone().requires_grad_() for t in (ql, kl, vl))
+        plan = mtrain.estimate_pattern(ql, kl, BUDGET, last_q=LAST_Q, **info.attention_kwargs())
+        o, lse = mtrain.attention(ql, kl, vl, pattern=plan, return_lse=True)
+        o.backward(dol)
+        res = {
+            "o": mtrain.undispatch(o.detach(), info),
+            "lse": mtrain.undispatch(lse, info),
+            "dq": mtrain.undispatch(ql.grad, info),
+            "dk": mtrain.undispatch(kl.grad, info),
+            "dv": mtrain.undispatch(vl.grad, info),
+            "patterns": [[p.head(h) for h in range(HQ)] for p in plan.patterns],
+            "local_tokens": info.local_tokens,
+            "positions": pos,
+            "rows": info.rows,
+        }
+        out[layout] = res
+    # dense attention on a batched [B, N, H, d] input through the ring
+    g = torch.Generator().manual_seed(5)
+    q4, k4, v4 = (torch.randn(2, 100, h, D, generator=g) for h in (HQ, HKV, HKV))
+    ql, _, info = mtrain.dispatch(q4, group, layout="zigzag", seq_dim=1, granularity=G)
+    kl, vl = (mtrain.dispatch(t, info=info).local for t in (k4, v4))
+    o = mtrain.attention(ql, kl, vl, **info.attention_kwargs())
+    out["batched_dense"] = mtrain.undispatch(o, info)
+    # the gradient of undispatch flows back to each rank's slots
+    ql.requires_grad_()
+    full = mtrain.undispatch(ql * (rank + 1), info)
+    full.sum().backward()
+    # every rank's loss sees every slot: the gradient is world * (rank + 1) on
+    # real slots (as torch.distributed.nn's all-gather), 0 on padding
+    assert ql.grad is not None
+    real = info.rows.view(2, -1) >= 0
+    out["undispatch_grad"] = (ql.grad[real].unique().tolist(), ql.grad[~real].abs().sum().item())
+    return out
+
+
+def case_disagree(rank: int, world: int) -> dict[str, Any]:
+    """Ranks with different granularities: every rank fails, naming the field."""
+    del world
+    q = torch.randn(64, HQ, D)
+    k = torch.randn(64, HKV, D)
+    try:
+        mtrain.attention(q, k, k, group=dist.group.WORLD, granularity=16 if rank == 0 else 32)
+    except mtrain.MtrainError as e:
+        return {"status": e.status, "message": e.message}
+    return {"status": "none", "message": ""}
+
+
+def case_split(rank: int, world: int) -> dict[str, Any]:
+    """mtrain_comm_split on the torch communicator (3 ranks): the even ranks
+    {2, 0} (ordered by key) and {1}; contexts created on them check their
+    configs collectively through the sub-communicator (by point-to-point)."""
+    name = mtrain._comm.register_group(dist.group.WORLD)
+    comm = mtrain._comm.communicator(name, torch.device("cpu"))
+    lib = L.lib()
+    sub = ctypes.c_void_p()
+    L.check(
+        lib.comm_split(
+            ctypes.cast(ctypes.pointer(comm.struct), ctypes.c_void_p),
+            rank % 2,
+            -rank,
+            ctypes.byref(sub),
+        )
+    )
+    res: dict[str, Any] = {"rank": lib.comm_rank(sub), "size": lib.comm_size(sub)}
+    statuses = []
+    for granularity in (64, 32 if rank == 2 else 64):  # ranks 0 and 2 disagree in round 2
+        cfg = L.Config(
+            api_version=L.API_VERSION, backend=b"cpu", granularity=granularity, deterministic=1
+        )
+        ctx = ctypes.c_void_p()
+        st = lib.context_create(ctypes.byref(cfg), sub, ctypes.byref(ctx))
+        statuses.append(L.status_name(st))
+        if st == 0:
+            lib.context_destroy(ctx)
+    res["statuses"] = statuses
+    lib.comm_destroy(sub)
+    return res
+
+
+def case_timeout(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 plans with the others, then never runs the forward: rank 0's
+    ring receive times out naming its peer."""
+    del world
+    b = global_batch()
+    ql, _, info = mtrain.dispatch(b["q"], dist.group.WORLD, cu_seqlens=b["cu"], granularity=G)
+    kl = mtrain.dispatch(b["k"], info=info).local
+    plan = mtrain.estimate_pattern(ql, kl, BUDGET, last_q=LAST_Q, **info.attention_kwargs())
+    if rank == 1:
+        time.sleep(float(os.environ["MTRAIN_COMM_TIMEOUT"]) + 6)
+        return {}
+    t0 = time.monotonic()
+    try:
+        mtrain.attention(ql, kl, kl, pattern=plan)
+    except mtrain.MtrainError as e:
+        return {"status": e.status, "message": e.message, "seconds": time.monotonic() - t0}
+    return {"status": "none", "message": "", "seconds": time.monotonic() - t0}
+
+
+CASES = {
+    "ring": case_ring,
+    "disagree": case_disagree,
+    "split": case_split,
+    "timeout": case_timeout,
+}
+
+
+def main(rank: int, world: int, init_file: str, out_dir: str, cases: list[str]) -> None:
+    os.environ["MTRAIN_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    hard_exit = "timeout" in cases
+    try:
+        for case in cases:
+            try:
+                result: Any = CASES[case](rank, world)
+            except BaseException:
+                result = {"error": traceback.format_exc()}
+            torch.save(result, os.path.join(out_dir, f"{case}_{rank}.pt"))
+    finally:
+        if hard_exit:
+            # the group is out of step after a timeout: no orderly teardown
+            os._exit(0)
+        _core.reset()
+        dist.destroy_process_group()
