@@ -7,7 +7,9 @@
  * rank. Each rank generates only its own slots of the inputs. The set-up,
  * the inputs, the estimate, the timed run and the figures over the ranks
  * are mtrain-run's (ring_common.c, run_attention.c); this file holds the
- * options and the sweep, bench_report.c the table and the JSON. */
+ * options and the sweep, bench_report.c the table and the JSON. Every
+ * collective of the benchmark is timed (--timeout, ring_common.h), and a
+ * failure on one rank ends the job on every rank (MPI_Abort). */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +18,7 @@
 #include "bench_report.h"
 #include "mtrain/mtrain_cuda.h"
 #include "ring_common.h"
+#include "run_fault.h"
 #include "tool_common.h"
 
 static const char *prog = "mtrain-bench";
@@ -42,6 +45,7 @@ static const char usage[] =
     "  --granularity G        block size (default 128)\n"
     "  --seed S               seed of the generated inputs (default 1)\n"
     "  --input structured|normal   generated inputs (default structured)\n"
+    "  --input-scale S        multiply the generated q, k and v by S (default 1)\n"
     "The ring and the computation (as mtrain-run):\n"
     "  --layout contiguous|zigzag|striped|balanced   the sparse ring's layout (default\n"
     "                         striped)\n"
@@ -49,10 +53,14 @@ static const char usage[] =
     "  --ranks-per-node n     ranks per node of the hierarchical ring (needs --schedule hier;\n"
     "                         not given: detected from the ranks that share memory, and an\n"
     "                         error when all W ranks share one node)\n"
-    "  --backend cpu|cuda     backend (default cpu; cuda: one GPU per rank, needs NCCL)\n"
+    "  --backend cpu|cuda     backend (default cpu; cuda: one GPU per rank, needs NCCL;\n"
+    "                         MTRAIN_BACKEND overrides it)\n"
     "  --cuda-variant auto|0|1|2|3  CUDA kernel variant (see mtrain-run --help)\n"
     "  --dtype fp32|bf16|fp16 storage type (default fp32)\n"
     "  --threads T            OpenMP threads (default: OpenMP's)\n"
+    "  --timeout S            seconds a rank waits for the others (in the ring and the\n"
+    "                         benchmark's own reductions) before the job ends with a\n"
+    "                         timeout error (default: MTRAIN_COMM_TIMEOUT, else 300)\n"
     "  --help                 this text\n"
     "mtrain-run's --q, --k, --v, --do, --pattern, --seq-len (use --tokens-list), --layer\n"
     "(use --layers), --out, --check and --forward-only are not options of the benchmark.\n"
@@ -222,6 +230,9 @@ static int parse(int argc, char **argv, bench_opts_t *b) {
   return rc;
 }
 
+/* Warnings (rank 0) about options without effect: mtrain-run's, for a ring. */
+static void warn(const bench_opts_t *b, int rank) { run_options_warn(prog, &b->run, 0, rank == 0); }
+
 /* One layout's ring on this rank: the layout, the inputs in its slots and
  * outputs to match (device memory with cuda). */
 typedef struct ring_data {
@@ -255,7 +266,9 @@ static void ring_data_make(const ring_env_t *env, const run_options_t *o, mtrain
                      : run_outputs_alloc(h, h->q.dtype, &d->out);
   }
   if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
-  MPI_Allreduce(&d->in.seconds, &d->inputs_seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  d->inputs_seconds = d->in.seconds;
+  ring_allreduce(env, &d->inputs_seconds, 1, MTRAIN_REDUCE_MAX,
+                 "the inputs: the slowest rank's time");
 }
 
 /* The plan of `pattern`, the warm-up runs and the timed runs; the slowest
@@ -272,13 +285,15 @@ static void measure(const ring_env_t *env, const bench_opts_t *b, ring_data_t *d
                            env->ranks_per_node, (const mtrain_pattern_t *const[]){pattern}, &plan));
   run_options_t warm = b->run;
   warm.repeat = (int)b->warmup;
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (!rc && b->warmup > 0) rc = run_attention(prog, env->ctx, plan, work, &d->out, &warm, &r);
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (!rc) rc = run_attention(prog, env->ctx, plan, work, &d->out, &b->run, &r);
-  if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
+  ring_abort_if(env, rc);
+  ring_barrier(env, "before the warm-up");
+  if (b->warmup > 0) rc = run_attention(prog, env->ctx, plan, work, &d->out, &warm, &r);
+  ring_abort_if(env, rc);
+  ring_barrier(env, "before the timed runs");
+  ring_abort_if(env, run_attention(prog, env->ctx, plan, work, &d->out, &b->run, &r));
+  run_fault_point(prog, "report", env->rank);
   ring_totals_t t;
-  ring_totals_compute(plan, &r, 0, &t);
+  ring_totals_compute(env, plan, &r, 0, &t);
   *res = (bench_run_t){t.fwd, t.bwd, t.fwd_ratio, t.bwd_ratio};
   *pairs = t.pairs;
   mtrain_plan_destroy(plan);
@@ -341,6 +356,7 @@ int main(int argc, char **argv) {
     MPI_Finalize();
     return rc == 2 ? 0 : 2;
   }
+  warn(&b, rank);
   mtrain_layout_kind_t kind = MTRAIN_LAYOUT_STRIPED;
   ring_env_t env;
   rc = tool_failed(prog, "--layout", mtrain_layout_kind_parse(b.run.layout, &kind));
@@ -375,7 +391,7 @@ int main(int argc, char **argv) {
   }
   if (rank == 0) {
     const bench_info_t info = {
-        .backend = b.run.backend,
+        .backend = mtrain_context_backend_name(env.ctx),
         .dtype = mtrain_dtype_name(b.run.dtype),
         .input = b.run.input,
         .sparse_layout = mtrain_layout_kind_name(kind),

@@ -3,21 +3,21 @@
  * pattern, timed, optionally checked against the fp64 reference and written
  * out, with a text or JSON report. With --backend cuda the inputs are
  * copied to the device, the pattern is estimated and the attention computed
- * there, and the outputs are copied back for the check and the files. The
- * multi-rank form under mpiexec is run_ring.c (cuda there runs one GPU per
- * rank through the NCCL communicator). */
-#include <errno.h>
+ * there, and the outputs are copied back for the check and the files, which
+ * are written all or nothing (run_files.h). The multi-rank form under
+ * mpiexec is run_ring.c (cuda there runs one GPU per rank through the NCCL
+ * communicator). */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_io.h"
 #include "run_common.h"
+#include "run_files.h"
 #include "run_inputs.h"
 #include "run_options.h"
 #include "tool_common.h"
@@ -74,9 +74,11 @@ static int setup_cuda(mtrain_context_t *ctx, const run_options_t *o, const run_i
   return run_inputs_to_device(in, dev);
 }
 
-/* Runs cpu-ref in fp64 on the same (rounded) inputs and compares. */
-static int check_against_reference(const run_options_t *o, const mtrain_pattern_t *pattern,
-                                   run_inputs_t *in, run_outputs_t *out, run_result_t *r) {
+/* Runs cpu-ref in fp64 on the same (rounded) inputs and compares; `ctx` is
+ * the context under test (its backend and softmax scale set the floor). */
+static int check_against_reference(const run_options_t *o, const mtrain_context_t *ctx,
+                                   const mtrain_pattern_t *pattern, run_inputs_t *in,
+                                   run_outputs_t *out, run_result_t *r) {
   double t0 = tool_now();
   mtrain_context_t *ref = NULL;
   mtrain_plan_t *plan = NULL;
@@ -92,17 +94,14 @@ static int check_against_reference(const run_options_t *o, const mtrain_pattern_
   run_result_t scratch = {0};
   if (!rc) rc = run_attention(prog, ref, plan, &in64, &out64, &once, &scratch);
   if (!rc) {
-    /* the tools' one bound (tool_common.h; the unit tests apply the
-     * stricter FlashAttention rule) */
-    const double rel = tool_check_tolerance(in->q.dtype);
-    r->check_ok = 1;
+    /* the tools' one bound (tool_common.h, run_check.c; the unit tests apply
+     * the stricter FlashAttention rule) */
     const int n = o->forward_only ? 2 : 5;
-    for (int t = 0; t < n; t++) {
+    for (int t = 0; t < n; t++)
       run_compare(run_outputs_get(out, t), run_outputs_get(&out64, t), &r->err[t], &r->ref_max[t]);
-      r->bound[t] = rel * r->ref_max[t];
-      if (!(r->err[t] <= r->bound[t])) r->check_ok = 0;
-    }
-    r->checked = 1;
+    double norms[6];
+    run_inputs_norms(in, norms);
+    run_check_bounds(ctx, in->q.dtype, in->head_dim, norms, n, r);
   }
   run_outputs_free(&out64);
   run_inputs_free(&in64);
@@ -112,26 +111,25 @@ static int check_against_reference(const run_options_t *o, const mtrain_pattern_
   return rc;
 }
 
+/* The --out files, all or nothing (run_files.h). */
 static int write_outputs(const run_options_t *o, const run_outputs_t *out,
                          const mtrain_pattern_t *pattern) {
-  if (mkdir(o->out_dir, 0755) != 0 && errno != EEXIST) {
-    fprintf(stderr, "%s: cannot create --out directory '%s': %s\n", prog, o->out_dir,
-            strerror(errno));
-    return 1;
-  }
-  char path[4096];
-  const int n = o->forward_only ? 2 : 5;
-  for (int t = 0; t < n; t++) {
-    snprintf(path, sizeof path, "%s/%s.npy", o->out_dir, tensor_names[t]);
-    if (tool_failed(prog, path, run_write_f32(path, run_outputs_get(out, t)))) return 1;
-  }
-  snprintf(path, sizeof path, "%s/pattern.json", o->out_dir);
-  return tool_failed(prog, path, mtrain_pattern_write_json(path, pattern));
+  const char *names[RUN_FILES_MAX];
+  const int n = run_files_names(o->forward_only, names);
+  run_files_t files;
+  run_files_begin(&files, prog, o->out_dir);
+  int rc = 0;
+  for (int t = 0; t < n - 1 && !rc; t++)
+    rc = run_files_write_tensor(&files, names[t], run_outputs_get(out, t));
+  if (!rc) rc = run_files_write_pattern(&files, names[n - 1], pattern);
+  if (!rc) return run_files_commit(&files);
+  run_files_discard(&files);
+  return 1;
 }
 
 static void report_text(const run_options_t *o, const run_inputs_t *in, const run_result_t *r) {
   const double fwd_flops = tool_fwd_flops(r->pairs, in->head_dim);
-  printf("mtrain-run: backend %s, dtype %s, 1 rank\n", o->backend, mtrain_dtype_name(in->q.dtype));
+  printf("mtrain-run: backend %s, dtype %s, 1 rank\n", r->backend, mtrain_dtype_name(in->q.dtype));
   printf("  shape      N=%lld Hq=%d Hkv=%d d=%d G=%d\n", (long long)in->tokens, in->heads,
          in->kv_heads, in->head_dim, o->granularity);
   printf("  pattern    %s: %lld of %lld causal pairs computed, sparsity %.2f%%\n",
@@ -154,16 +152,14 @@ static void report_text(const run_options_t *o, const run_inputs_t *in, const ru
   if (r->checked) {
     printf("  check      against cpu-ref (fp64), %.3f s: %s\n", r->t_check,
            r->check_ok ? "PASS" : "FAIL");
-    for (int t = 0; t < (o->forward_only ? 2 : 5); t++)
-      printf("    %-4s max|err| %.3e  bound %.3e  (max|ref| %.3e)%s\n", tensor_names[t], r->err[t],
-             r->bound[t], r->ref_max[t], r->err[t] <= r->bound[t] ? "" : "  <-- FAIL");
+    for (int t = 0; t < (o->forward_only ? 2 : 5); t++) run_check_print(tensor_names[t], r, t);
   }
 }
 
 static void report_json(const run_options_t *o, const run_inputs_t *in, const run_result_t *r) {
   const double fwd_flops = tool_fwd_flops(r->pairs, in->head_dim);
   json_t *j = json_object();
-  json_object_set_new(j, "backend", json_string(o->backend));
+  json_object_set_new(j, "backend", json_string(r->backend));
   if (r->cuda_variant >= 0) json_object_set_new(j, "cuda_variant", json_integer(r->cuda_variant));
   json_object_set_new(j, "dtype", json_string(mtrain_dtype_name(in->q.dtype)));
   json_object_set_new(j, "world", json_integer(1));
@@ -197,6 +193,7 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
       json_object_set_new(e, "max_abs_error", json_real(r->err[t]));
       json_object_set_new(e, "bound", json_real(r->bound[t]));
       json_object_set_new(e, "max_abs_reference", json_real(r->ref_max[t]));
+      json_object_set_new(e, "floor", json_real(r->floor[t]));
       json_object_set_new(c, tensor_names[t], e);
     }
     json_object_set_new(j, "check", c);
@@ -227,8 +224,14 @@ static int run_single(const run_options_t *o_in) {
   mtrain_plan_t *plan = NULL;
   run_inputs_t *work_in = device ? &dev_in : &in;
   run_outputs_t *work_out = device ? &dev_out : &out;
-  rc = run_inputs_load_or_generate(&o, &in);
+  /* --out before the work: a directory that cannot be written stops the run now */
+  if (o.out_dir) {
+    const char *names[RUN_FILES_MAX];
+    rc = run_files_prepare(prog, o.out_dir, names, run_files_names(o.forward_only, names));
+  }
+  if (!rc) rc = run_inputs_load_or_generate(&o, &in);
   if (!rc) rc = run_make_context(prog, &o, o.backend, NULL, &ctx);
+  if (!rc) r.backend = mtrain_context_backend_name(ctx);
   if (!rc && device) rc = setup_cuda(ctx, &o, &in, &dev_in);
   if (!rc) rc = make_pattern(ctx, &o, work_in, &pattern, &r);
   if (!rc) {
@@ -249,7 +252,8 @@ static int run_single(const run_options_t *o_in) {
     r.cuda_variant = mtrain_cuda_last_variant(ctx);
     if (o.check || o.out_dir) rc = run_outputs_download(&dev_out, &out, o.forward_only ? 2 : 5);
   }
-  if (!rc && o.check) rc = check_against_reference(&o, pattern, &in, &out, &r);
+  if (!rc) run_perturb_outputs(&out, o.forward_only ? 2 : 5);
+  if (!rc && o.check) rc = check_against_reference(&o, ctx, pattern, &in, &out, &r);
   if (!rc && o.out_dir) rc = write_outputs(&o, &out, pattern);
   if (!rc) {
     if (o.json)
@@ -295,6 +299,7 @@ int main(int argc, char **argv) {
   }
   /* a --pattern file's granularity, unless --granularity says it */
   if (rc == 0) rc = run_options_resolve_pattern(prog, &o, rank == 0) ? 3 : 0;
+  if (rc == 0) run_options_warn(prog, &o, world == 1, rank == 0);
   if (rc == 0) {
 #ifdef MTRAIN_HAVE_MPI
     rc = world > 1 ? run_ring(&o, rank, world) : run_single(&o);

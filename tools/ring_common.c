@@ -1,19 +1,114 @@
 /* ring_common.c: the pieces of a W-rank run that mtrain-run's ring form and
  * mtrain-bench share (see ring_common.h): set-up of the communicators and
- * the context, each rank's inputs in a layout, the distributed estimate and
- * the timings combined over the ranks. Reports and tables are the callers'. */
+ * the context, the tools' timed collectives and the end of a failed job,
+ * each rank's inputs in a layout, the distributed estimate and the timings
+ * combined over the ranks. Reports and tables are the callers'. */
 #include "ring_common.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "mtrain/mtrain_comm.h"
 #include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_mpi.h"
 #ifdef MTRAIN_HAVE_NCCL
 #include "mtrain/mtrain_nccl.h"
 #endif
+#include "run_fault.h"
 #include "tool_common.h"
+
+/* ---- the tools' collectives ---------------------------------------------- */
+
+/* A collective of the tool failed (message: the last error): the
+ * communicator is unusable and a rank may be stalled, so the job ends. */
+static void collective_failed(const ring_env_t *env, const char *what, mtrain_status_t st) {
+  char message[1024];
+  snprintf(message, sizeof message, "%s", mtrain_last_error());
+  if (env->rank > 0) { /* let a lower rank that saw the same failure speak first */
+    const int steps = env->rank < 8 ? env->rank : 8;
+    const struct timespec wait = {steps / 2, (long)(steps % 2) * 500000000L};
+    nanosleep(&wait, NULL);
+  }
+  fprintf(stderr, "%s: rank %d: %s: %s: %s; ending the job on every rank\n", env->prog, env->rank,
+          what, mtrain_status_name(st), message);
+  fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+void ring_allreduce(const ring_env_t *env, double *buf, int n, mtrain_reduce_op_t op,
+                    const char *what) {
+  const mtrain_status_t st = env->comm->ops->allreduce(env->comm->state, buf, n, MTRAIN_F64, op);
+  if (st) collective_failed(env, what, st);
+}
+
+void ring_allgather(const ring_env_t *env, const void *send, void *recv, size_t bytes,
+                    const char *what) {
+  const mtrain_status_t st = env->comm->ops->allgather(env->comm->state, send, recv, bytes);
+  if (st) collective_failed(env, what, st);
+}
+
+void ring_barrier(const ring_env_t *env, const char *what) {
+  const mtrain_status_t st = env->comm->ops->barrier(env->comm->state);
+  if (st) collective_failed(env, what, st);
+}
+
+/* One message of the gather, in pieces of at most 1 GiB (the mpi
+ * communicator's messages are below 2 GiB). */
+static mtrain_status_t transfer(const ring_env_t *env, void *buf, size_t bytes, int peer,
+                                int send) {
+  const mtrain_comm_ops_t *ops = env->comm->ops;
+  const size_t piece = (size_t)1 << 30;
+  for (size_t at = 0; at < bytes || (bytes == 0 && at == 0); at += piece) {
+    const size_t n = bytes - at < piece ? bytes - at : piece;
+    mtrain_comm_request_t *req = NULL;
+    mtrain_status_t st =
+        send ? ops->isend(env->comm->state, (char *)buf + at, n, peer, MTRAIN_TAG_USER, &req)
+             : ops->irecv(env->comm->state, (char *)buf + at, n, peer, MTRAIN_TAG_USER, &req);
+    if (!st) st = ops->wait(env->comm->state, req);
+    if (st) return st;
+    if (bytes == 0) break;
+  }
+  return MTRAIN_SUCCESS;
+}
+
+void ring_gather(const ring_env_t *env, const void *send, void *recv, size_t bytes,
+                 const char *what) {
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (env->rank != 0) {
+    st = transfer(env, (void *)send, bytes, 0, 1);
+  } else {
+    if (bytes) memcpy(recv, send, bytes);
+    for (int r = 1; r < env->world && !st; r++)
+      st = transfer(env, (char *)recv + (size_t)r * bytes, bytes, r, 0);
+  }
+  if (st) collective_failed(env, what, st);
+}
+
+int ring_agree(const ring_env_t *env, int rc, const char *what) {
+  if (!env->comm) { /* no communicator: the others cannot be told */
+    if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
+    return 0;
+  }
+  /* whether a rank failed, and the lowest that did (as world - rank) */
+  double mine[2] = {rc ? 1.0 : 0.0, rc ? (double)(env->world - env->rank) : 0.0};
+  ring_allreduce(env, mine, 2, MTRAIN_REDUCE_MAX, what);
+  if (mine[0] == 0.0) return 0;
+  if (env->rank == 0)
+    fprintf(stderr, "%s: stopping every rank: rank %d failed while %s (its error above)\n",
+            env->prog, env->world - (int)mine[1], what);
+  return 1;
+}
+
+void ring_abort_if(const ring_env_t *env, int rc) {
+  (void)env;
+  if (!rc) return;
+  fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+/* ---- set-up --------------------------------------------------------------- */
 
 /* The hierarchical ring's ranks per node into env (0: the flat ring): the
  * option, or detected as the ranks that share memory with this one
@@ -22,6 +117,7 @@
  * rank 0. Collective; every rank decides alike. */
 static int hier_ranks_per_node(const char *prog, const run_options_t *o, int rank, int world,
                                ring_env_t *env) {
+  /* (the timed collectives below need env->comm: created first) */
   env->ranks_per_node = 0;
   env->ranks_per_node_detected = 0;
   if (!o->hierarchical) return 0;
@@ -38,25 +134,37 @@ static int hier_ranks_per_node(const char *prog, const run_options_t *o, int ran
     env->ranks_per_node = n;
     return 0;
   }
+  /* MPI_Comm_split_type blocks and has no timed form: every rank first
+   * meets the others in a timed barrier, so that the split starts only once
+   * all are there */
+  ring_barrier(env, "detecting the nodes (before MPI_Comm_split_type)");
   MPI_Comm shared;
-  int first = rank;
+  MPI_Group group, world_group;
+  int first = rank, zero = 0;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &shared);
   MPI_Comm_size(shared, &n);
-  MPI_Allreduce(&rank, &first, 1, MPI_INT, MPI_MIN, shared);
+  /* the node's first rank: rank 0 of `shared` (ordered by world rank), found
+   * without communicating */
+  MPI_Comm_group(shared, &group);
+  MPI_Comm_group(MPI_COMM_WORLD, &world_group);
+  MPI_Group_translate_ranks(group, 1, &zero, world_group, &first);
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
   MPI_Comm_free(&shared);
   /* the largest and smallest node, and whether every node is the block of
-   * ranks [k n, (k + 1) n) */
-  int mine[3] = {n, -n, first % n == 0 && rank - first < n}, all[3];
-  MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  MPI_Allreduce(&mine[2], &all[2], 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+   * ranks [k n, (k + 1) n) (max of its negation: the minimum) */
+  double all[3] = {n, -n, -(double)(first % n == 0 && rank - first < n)};
+  ring_allreduce(env, all, 3, MTRAIN_REDUCE_MAX, "detecting the nodes");
+  all[2] = -all[2];
   const char *how = "detected with MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)";
-  if (all[0] != -all[1] || !all[2]) {
+  if (all[0] != -all[1] || all[2] == 0.0) {
     if (rank == 0)
       fprintf(stderr,
               "%s: --schedule hier without --ranks-per-node: the nodes %s hold %d to %d ranks%s; "
               "the hierarchical ring needs nodes of equal size, each a block of consecutive "
               "ranks (give --ranks-per-node n, or place the ranks by slot)\n",
-              prog, how, -all[1], all[0], all[2] ? "" : ", not in consecutive blocks");
+              prog, how, (int)-all[1], (int)all[0],
+              all[2] != 0.0 ? "" : ", not in consecutive blocks");
     return 1;
   }
   if (n == world) {
@@ -75,17 +183,22 @@ static int hier_ranks_per_node(const char *prog, const run_options_t *o, int ran
 
 int ring_env_open(const char *prog, const run_options_t *o, int rank, int world, ring_env_t *env) {
   memset(env, 0, sizeof *env);
+  env->prog = prog;
   env->rank = rank;
   env->world = world;
   env->device = strcmp(o->backend, "cuda") == 0;
-  if (hier_ranks_per_node(prog, o, rank, world, env)) return 2;
-  if (tool_failed(prog, "MPI communicator", mtrain_comm_create_mpi(MPI_COMM_WORLD, 0, &env->comm)))
+  /* first the timed communicator: every later wait of the tool is bounded */
+  if (tool_failed(prog, "MPI communicator",
+                  mtrain_comm_create_mpi(MPI_COMM_WORLD, o->timeout, &env->comm))) {
+    env->comm = NULL;
     return 1;
+  }
+  if (hier_ranks_per_node(prog, o, rank, world, env)) return 2;
   if (env->device) {
 #ifdef MTRAIN_HAVE_NCCL
     /* one GPU per rank: the rank's index on its host picks the device */
     if (tool_failed(prog, "NCCL communicator",
-                    mtrain_comm_create_nccl_mpi(MPI_COMM_WORLD, -1, 0, &env->dev_comm)))
+                    mtrain_comm_create_nccl_mpi(MPI_COMM_WORLD, -1, o->timeout, &env->dev_comm)))
       return 1;
 #else
     if (rank == 0)
@@ -167,6 +280,7 @@ int ring_inputs_make(const char *prog, const ring_env_t *env, const run_options_
               : run_inputs_generate_rows(o, in->index, in->T, &in->host);
   in->seconds = tool_now() - t0;
   if (!rc && env->device) rc = run_inputs_to_device(&in->host, &in->dev);
+  run_fault_point(prog, "inputs", env->rank);
   return rc;
 }
 
@@ -189,7 +303,7 @@ int ring_estimate(const char *prog, const ring_env_t *env, const run_options_t *
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = o->last_q;
   run_inputs_t *work = ring_inputs_work(env, in);
-  MPI_Barrier(MPI_COMM_WORLD);
+  ring_barrier(env, "before the estimate");
   const double t0 = tool_now();
   int rc = tool_failed(
       prog, "estimating the pattern",
@@ -199,16 +313,15 @@ int ring_estimate(const char *prog, const ring_env_t *env, const run_options_t *
   return rc;
 }
 
-void ring_totals_compute(const mtrain_plan_t *plan, const run_result_t *r, int forward_only,
-                         ring_totals_t *t) {
+void ring_totals_compute(const ring_env_t *env, const mtrain_plan_t *plan, const run_result_t *r,
+                         int forward_only, ring_totals_t *t) {
   const double pairs = (double)mtrain_plan_computed_pairs(plan);
   const mtrain_call_stats_t *fs = &r->fwd_stats, *bs = &r->bwd_stats;
-  double sums[3] = {pairs, r->t_fwd, r->t_bwd}, all_sums[3];
-  double maxes[5] = {pairs, r->t_fwd, r->t_bwd, fs->ring_seconds / fs->compute_seconds,
-                     forward_only ? 0.0 : bs->ring_seconds / bs->compute_seconds};
-  double all_max[5];
-  MPI_Allreduce(sums, all_sums, 3, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  MPI_Allreduce(maxes, all_max, 5, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  double all_sums[3] = {pairs, r->t_fwd, r->t_bwd};
+  double all_max[5] = {pairs, r->t_fwd, r->t_bwd, fs->ring_seconds / fs->compute_seconds,
+                       forward_only ? 0.0 : bs->ring_seconds / bs->compute_seconds};
+  ring_allreduce(env, all_sums, 3, MTRAIN_REDUCE_SUM, "the report: summing the ranks' figures");
+  ring_allreduce(env, all_max, 5, MTRAIN_REDUCE_MAX, "the report: the slowest rank's figures");
   t->pairs = all_sums[0];
   t->fwd_sum = all_sums[1];
   t->bwd_sum = all_sums[2];

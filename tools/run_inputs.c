@@ -46,9 +46,9 @@ static int alloc_tensor(mtrain_tensor_t *t, mtrain_dtype_t dtype, int32_t ndim, 
 }
 
 /* Row r of t (width w) gets token index[r] (r when index is NULL) of a
- * tensor of n tokens that starts at number `first` of the seed's stream;
- * tokens >= n (padding) give zero rows. */
-static int normal_rows(uint64_t seed, uint64_t first, const int64_t *index, int64_t n,
+ * tensor of n tokens that starts at number `first` of the seed's stream,
+ * times `scale`; tokens >= n (padding) give zero rows. */
+static int normal_rows(uint64_t seed, uint64_t first, const int64_t *index, int64_t n, double scale,
                        mtrain_tensor_t *t) {
   const int64_t rows = t->shape[0], w = mtrain_tensor_numel(t) / (rows > 0 ? rows : 1);
   const size_t es = mtrain_dtype_size(t->dtype);
@@ -65,13 +65,33 @@ static int normal_rows(uint64_t seed, uint64_t first, const int64_t *index, int6
       if (!row) continue;
       const int64_t i = index ? index[r] : r;
       for (int64_t c = 0; c < w; c++)
-        row[c] = i < n ? normal_at(seed, first + (uint64_t)(i * w + c)) : 0.0;
+        row[c] = i < n ? scale * normal_at(seed, first + (uint64_t)(i * w + c)) : 0.0;
       mtrain_convert(row, MTRAIN_F64, (char *)t->data + (size_t)(r * w) * es, t->dtype, w);
     }
     free(row);
   }
   if (failed) fprintf(stderr, "%s: out of memory generating inputs\n", prog);
   return failed;
+}
+
+/* Multiplies every element of t by `scale` (in fp64, rounded once to the
+ * tensor's dtype). */
+static int scale_tensor(double scale, mtrain_tensor_t *t) {
+  const int64_t rows = t->shape[0], w = mtrain_tensor_numel(t) / (rows > 0 ? rows : 1);
+  const size_t es = mtrain_dtype_size(t->dtype);
+  double *row = malloc(sizeof(double) * (size_t)(w + 1));
+  if (!row) {
+    fprintf(stderr, "%s: out of memory scaling the inputs\n", prog);
+    return 1;
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    char *at = (char *)t->data + (size_t)(r * w) * es;
+    mtrain_convert(at, t->dtype, row, MTRAIN_F64, w);
+    for (int64_t c = 0; c < w; c++) row[c] *= scale;
+    mtrain_convert(row, MTRAIN_F64, at, t->dtype, w);
+  }
+  free(row);
+  return 0;
 }
 
 static int read_npy(const char *path, mtrain_dtype_t dtype, const int64_t *shape,
@@ -106,13 +126,19 @@ int run_inputs_generate_rows(const run_options_t *o, const int64_t *index, int64
     if (tool_failed(prog, "generating structured inputs",
                     mtrain_generate_structured_rows(&so, N, index, &in->q, &in->k, &in->v)))
       return 1;
+    if (o->input_scale != 1.0 &&
+        (scale_tensor(o->input_scale, &in->q) || scale_tensor(o->input_scale, &in->k) ||
+         scale_tensor(o->input_scale, &in->v)))
+      return 1;
   } else {
-    if (normal_rows(o->seed, 0, index, N, &in->q) || normal_rows(o->seed, nq, index, N, &in->k) ||
-        normal_rows(o->seed, nq + nk, index, N, &in->v))
+    const double s = o->input_scale;
+    if (normal_rows(o->seed, 0, index, N, s, &in->q) ||
+        normal_rows(o->seed, nq, index, N, s, &in->k) ||
+        normal_rows(o->seed, nq + nk, index, N, s, &in->v))
       return 1;
     dout_first = nq + 2 * nk;
   }
-  return normal_rows(o->seed, dout_first, index, N, &in->dout);
+  return normal_rows(o->seed, dout_first, index, N, 1.0, &in->dout);
 }
 
 int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
@@ -130,7 +156,38 @@ int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in) {
   const int64_t qshape[3] = {in->tokens, in->heads, in->head_dim};
   if (o->do_path) return read_npy(o->do_path, o->dtype, qshape, &in->dout);
   return alloc_tensor(&in->dout, o->dtype, 3, in->tokens, in->heads, in->head_dim) ||
-         normal_rows(o->seed, 0, NULL, in->tokens, &in->dout);
+         normal_rows(o->seed, 0, NULL, in->tokens, 1.0, &in->dout);
+}
+
+/* The largest L2 norm of a row of width shape[last] of t (host memory),
+ * and the largest |element| into *amax. */
+static double max_row_norm(const mtrain_tensor_t *t, double *amax) {
+  const int64_t d = t->shape[t->ndim - 1], rows = d > 0 ? mtrain_tensor_numel(t) / d : 0;
+  double *row = malloc(sizeof(double) * (size_t)(d + 1)), m = 0.0;
+  *amax = NAN;
+  if (!row) return NAN; /* no floor: the bound is NaN, and the check fails */
+  double a = 0.0;
+  for (int64_t r = 0; r < rows; r++) {
+    mtrain_convert((const char *)t->data + (size_t)(r * d) * mtrain_dtype_size(t->dtype), t->dtype,
+                   row, MTRAIN_F64, d);
+    double s = 0.0;
+    for (int64_t c = 0; c < d; c++) {
+      s += row[c] * row[c];
+      a = fmax(a, fabs(row[c]));
+    }
+    if (sqrt(s) > m) m = sqrt(s);
+  }
+  free(row);
+  *amax = a;
+  return m;
+}
+
+void run_inputs_norms(const run_inputs_t *in, double norms[6]) {
+  double unused;
+  norms[0] = max_row_norm(&in->q, &norms[4]);
+  norms[1] = max_row_norm(&in->k, &norms[5]);
+  norms[2] = max_row_norm(&in->v, &unused);
+  norms[3] = max_row_norm(&in->dout, &unused);
 }
 
 static int widen_one(const mtrain_tensor_t *src, mtrain_tensor_t *dst) {

@@ -29,6 +29,11 @@ int run_inputs_load_or_generate(const run_options_t *o, run_inputs_t *in);
  *  count. Returns 0 or 1 (message printed). */
 int run_inputs_generate_rows(const run_options_t *o, const int64_t *index, int64_t count,
                              run_inputs_t *in);
+/** The scales of --check's floor: the largest L2 norm over head_dim of a
+ *  row (over tokens and heads) of q, k, v and dout into norms[0..3], and the
+ *  largest |element| of q and k into norms[4..5] (zero rows, a layout's
+ *  padding, count as 0). */
+void run_inputs_norms(const run_inputs_t *in, double norms[6]);
 /** fp64 copies of the inputs (the values the run used, widened exactly). */
 int run_inputs_widen(const run_inputs_t *in, run_inputs_t *out);
 void run_inputs_free(run_inputs_t *in);

@@ -1,6 +1,8 @@
 /* run_options.c: parses the command line of mtrain-run with getopt_long;
  * every malformed value is reported naming the option. Also takes the
- * granularity of a --pattern file when --granularity is not given. */
+ * granularity of a --pattern file when --granularity is not given, applies
+ * MTRAIN_BACKEND to the backend under test, and warns about options that
+ * have no effect. */
 #include "run_options.h"
 
 #include <errno.h>
@@ -24,6 +26,7 @@ static const char usage[] =
     "  --seed S              seed of the generated inputs (default 1)\n"
     "  --input structured|normal   generated inputs: RoPE'd vertical-slash structure\n"
     "                        (default) or plain normal noise\n"
+    "  --input-scale S       multiply the generated q, k and v by S (default 1)\n"
     "Pattern (default: dense causal):\n"
     "  --pattern FILE.json   a fixed pattern (SPEC.md section 8)\n"
     "  --v-size N --s-size N estimate online, static top-k for every head\n"
@@ -42,8 +45,11 @@ static const char usage[] =
     "                        ranks that share memory (MPI_COMM_TYPE_SHARED), and the\n"
     "                        report says so; a run whose W ranks all share one node\n"
     "                        stops with an error (give --ranks-per-node, or use flat)\n"
+    "  --timeout S           seconds any rank waits for the others, in the ring and\n"
+    "                        in the tool's own gathers, before the job ends with a\n"
+    "                        timeout error (default: MTRAIN_COMM_TIMEOUT, else 300)\n"
     "Computation:\n"
-    "  --backend cpu|cpu-ref|cuda   backend (default cpu)\n"
+    "  --backend cpu|cpu-ref|cuda   backend (default cpu; MTRAIN_BACKEND overrides it)\n"
     "  --dtype fp32|bf16|fp16|fp64  storage type of the tensors (default fp32)\n"
     "  --cuda-variant auto|0|1|2|3  CUDA kernel variant: 0 SIMT, 2 tensor cores, 3 the\n"
     "                        Hopper (wgmma) kernels (2, 3: bf16/fp16, d 64/128); 1 only\n"
@@ -57,7 +63,9 @@ static const char usage[] =
     "  --out DIR             write o.npy lse.npy dq.npy dk.npy dv.npy pattern.json\n"
     "  --check               compare with the fp64 reference (cpu-ref); exit 3 on failure.\n"
     "                        Bound: max|err| <= tol * max|ref|, tol 1e-4 for fp32 and\n"
-    "                        fp64, 4 unit roundoffs for bf16 (4 * 2^-8) and fp16 (4 * 2^-11)\n"
+    "                        fp64, 4 unit roundoffs for bf16 (4 * 2^-8) and fp16 (4 * 2^-11);\n"
+    "                        dq and dk also have a floor from the accumulator's rounding\n"
+    "                        (docs/USAGE.md)\n"
     "  --json                print the report as one JSON object\n"
     "  --help                this text\n"
     "Exit status: 0 success, 1 error, 2 bad command line, 3 check failed.\n";
@@ -69,6 +77,19 @@ static int parse_i64(const char *name, const char *s, int64_t lo, int64_t hi, in
   if (errno || end == s || *end || v < lo || v > hi) {
     fprintf(stderr, "mtrain-run: --%s '%s' is not an integer in [%lld, %lld]\n", name, s,
             (long long)lo, (long long)hi);
+    return 1;
+  }
+  *out = v;
+  return 0;
+}
+
+/* A number in (0, hi]. */
+static int parse_positive(const char *name, const char *s, double hi, double *out) {
+  char *end = NULL;
+  errno = 0;
+  const double v = strtod(s, &end);
+  if (errno || end == s || *end || !(v > 0.0 && v <= hi)) {
+    fprintf(stderr, "mtrain-run: --%s '%s' is not a number in (0, %g]\n", name, s, hi);
     return 1;
   }
   *out = v;
@@ -100,6 +121,7 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   o->input = "structured";
   o->layout = "striped";
   o->cuda_variant = RUN_CUDA_VARIANT_UNSET;
+  o->input_scale = 1.0;
   static const struct option longs[] = {{"q", required_argument, 0, 'q'},
                                         {"k", required_argument, 0, 'k'},
                                         {"v", required_argument, 0, 'v'},
@@ -132,12 +154,15 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
                                         {"schedule", required_argument, 0, 'x'},
                                         {"ranks-per-node", required_argument, 0, 'R'},
                                         {"cuda-variant", required_argument, 0, 'u'},
+                                        {"input-scale", required_argument, 0, 'X'},
+                                        {"timeout", required_argument, 0, 'W'},
                                         {0, 0, 0, 0}};
   int c, bad = 0;
   int64_t seed = 0;
   int32_t repeat = 1;
   opterr = 0;
   while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
+    if (c > 0 && c < (int)sizeof o->given) o->given[c] = 1;
     switch (c) {
     case 'q':
       o->q_path = optarg;
@@ -259,6 +284,12 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
         bad = 1;
       }
       break;
+    case 'X':
+      bad = parse_positive("input-scale", optarg, 1e30, &o->input_scale);
+      break;
+    case 'W':
+      bad = parse_positive("timeout", optarg, 1e9, &o->timeout);
+      break;
     case 'h':
       fputs(usage, stdout);
       return 2;
@@ -271,6 +302,17 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
   if (optind < argc) {
     fprintf(stderr, "mtrain-run: unexpected argument '%s'\n", argv[optind]);
     return 1;
+  }
+  /* MTRAIN_BACKEND picks the backend under test, as the library's contexts
+   * would (include/mtrain/mtrain.h); taken here and removed, so that the
+   * tool's own contexts (the --check reference, cpu-ref) keep their backend */
+  static char env_backend[64];
+  const char *env = getenv("MTRAIN_BACKEND");
+  if (env) {
+    snprintf(env_backend, sizeof env_backend, "%s", env);
+    if (strcmp(env_backend, o->backend) != 0) o->backend_overridden = o->backend;
+    o->backend = env_backend;
+    unsetenv("MTRAIN_BACKEND");
   }
   const int files = (o->q_path != NULL) + (o->k_path != NULL) + (o->v_path != NULL);
   if (files != 0 && files != 3) {
@@ -337,4 +379,44 @@ int run_options_resolve_pattern(const char *prog, run_options_t *o, int verbose)
   }
   o->granularity = g;
   return 0;
+}
+
+/* One warning: the option and why it has no effect. */
+static void warn_one(const char *prog, const char *option, const char *why) {
+  fprintf(stderr, "%s: warning: %s has no effect: %s\n", prog, option, why);
+}
+
+void run_options_warn(const char *prog, const run_options_t *o, int single_rank, int verbose) {
+  if (!verbose) return;
+  if (o->backend_overridden)
+    fprintf(stderr,
+            "%s: note: MTRAIN_BACKEND=%s overrides --backend %s%s (the --check reference stays "
+            "cpu-ref)\n",
+            prog, o->backend, o->backend_overridden, o->given['b'] ? "" : " (the default)");
+  if (o->q_path) {
+    static const struct {
+      int c;
+      const char *name;
+    } generator[] = {{'N', "--seq-len"},  {'H', "--heads"}, {'K', "--kv-heads"},
+                     {'D', "--head-dim"}, {'I', "--input"}, {'X', "--input-scale"}};
+    for (size_t i = 0; i < sizeof generator / sizeof generator[0]; i++)
+      if (o->given[generator[i].c])
+        warn_one(prog, generator[i].name,
+                 "the inputs are read from --q/--k/--v (their shapes come from the files)");
+    if (o->do_path && o->given['s'])
+      warn_one(prog, "--seed", "--do gives dout (the seed only draws dout without --do)");
+  }
+  if (o->do_path && o->forward_only)
+    warn_one(prog, "--do", "--forward-only skips the backward, which alone reads dout");
+  if (o->given['Q'] && !run_options_estimate(o))
+    warn_one(prog, "--last-q",
+             "the pattern is not estimated (give --v-size/--s-size, --top-p or --budgets)");
+  if (o->given['C'] && !(o->top_p > 0))
+    warn_one(prog, "--top-p-cap", "it caps --top-p, which is not given");
+  if (single_rank) {
+    const char *text = "one rank has no ring (run under mpiexec -n W with W > 1 for the ring)";
+    if (o->given['y']) warn_one(prog, "--layout", text);
+    if (o->given['x']) warn_one(prog, "--schedule", text);
+    if (o->given['W']) warn_one(prog, "--timeout", text);
+  }
 }

@@ -5,7 +5,10 @@
  * against the distributed fp64 reference and gathers the outputs to rank 0;
  * rank 0 prints the per-rank and total report (sparsity, time per phase,
  * effective GFLOP/s, imbalance). Set-up shared with mtrain-bench:
- * ring_common.c. */
+ * ring_common.c. Every collective of the tool is timed (ring_common.h); a
+ * phase of local work ends in ring_agree, so that a failure on one rank
+ * stops every rank, and a failed collective call of the library ends the
+ * job (ring_abort_if). */
 #include "run_ring.h"
 
 #include <jansson.h>
@@ -20,6 +23,8 @@
 #include "mtrain/mtrain_layout.h"
 #include "ring_common.h"
 #include "run_common.h"
+#include "run_fault.h"
+#include "run_files.h"
 #include "tool_common.h"
 
 static const char *prog = "mtrain-run";
@@ -72,25 +77,28 @@ static int make_pattern(ring_run_t *rr) {
     return 1;
   if (mtrain_pattern_seq_len(rr->pattern) != N || mtrain_pattern_num_heads(rr->pattern) != heads ||
       mtrain_pattern_granularity(rr->pattern) != o->granularity) {
-    fprintf(stderr,
-            "%s: %s: the pattern (N=%lld, %d heads, G=%d) does not match the inputs "
-            "(N=%lld, %d heads, G=%d)\n",
-            prog, o->pattern_path, (long long)mtrain_pattern_seq_len(rr->pattern),
-            mtrain_pattern_num_heads(rr->pattern), mtrain_pattern_granularity(rr->pattern),
-            (long long)N, heads, o->granularity);
+    if (rr->env.rank == 0) /* alike on every rank */
+      fprintf(stderr,
+              "%s: %s: the pattern (N=%lld, %d heads, G=%d) does not match the inputs "
+              "(N=%lld, %d heads, G=%d)\n",
+              prog, o->pattern_path, (long long)mtrain_pattern_seq_len(rr->pattern),
+              mtrain_pattern_num_heads(rr->pattern), mtrain_pattern_granularity(rr->pattern),
+              (long long)N, heads, o->granularity);
     return 1;
   }
   return 0;
 }
 
 /* The distributed fp64 reference (cpu-ref over the same ring) and the
- * comparison of this rank's rows; errors combined over ranks. */
+ * comparison of this rank's rows; errors, the inputs' norms and the bounds
+ * combined over ranks. */
 static int check(ring_run_t *rr) {
   const double t0 = tool_now();
   mtrain_context_t *ref = NULL;
   mtrain_plan_t *plan = NULL;
   run_inputs_t in64 = {0};
   run_outputs_t out64 = {0};
+  /* the reference's context and plan, and its run, are collective */
   int rc = run_make_context(prog, rr->o, "cpu-ref", rr->env.comm, &ref);
   if (!rc)
     rc =
@@ -98,29 +106,30 @@ static int check(ring_run_t *rr) {
                     mtrain_plan_create_ring(ref, NULL, (const mtrain_layout_t *const[]){rr->layout},
                                             rr->env.ranks_per_node,
                                             (const mtrain_pattern_t *const[]){rr->pattern}, &plan));
-  if (!rc) rc = run_inputs_widen(&rr->in.host, &in64);
+  ring_abort_if(&rr->env, rc);
+  rc = run_inputs_widen(&rr->in.host, &in64);
   if (!rc) rc = run_outputs_alloc(&in64, MTRAIN_F64, &out64);
-  run_options_t once = *rr->o;
-  once.repeat = 1;
-  run_result_t scratch = {0};
-  if (!rc) rc = run_attention(prog, ref, plan, &in64, &out64, &once, &scratch);
-  if (!rc) {
-    const mtrain_dtype_t dt = rr->in.host.q.dtype;
-    const double rel = tool_check_tolerance(dt); /* the tools' one bound (tool_common.h) */
+  if (!ring_agree(&rr->env, rc, "preparing the reference")) {
+    run_options_t once = *rr->o;
+    once.repeat = 1;
+    run_result_t scratch = {0};
+    ring_abort_if(&rr->env, run_attention(prog, ref, plan, &in64, &out64, &once, &scratch));
     const int n = rr->o->forward_only ? 2 : 5;
-    double mine[10] = {0}, all[10];
+    /* per output: max|err| and max|ref| over this rank's rows, then the
+     * floor's scales (run_inputs_norms) */
+    double all[16] = {0};
     for (int t = 0; t < n; t++)
       compare_rows(run_outputs_get(&rr->out, t), run_outputs_get(&out64, t), rr->in.index, rr->in.N,
-                   &mine[2 * t], &mine[2 * t + 1]);
-    MPI_Allreduce(mine, all, 10, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    rr->r.check_ok = 1;
+                   &all[2 * t], &all[2 * t + 1]);
+    run_inputs_norms(&rr->in.host, &all[10]);
+    ring_allreduce(&rr->env, all, 16, MTRAIN_REDUCE_MAX, "the check: combining the errors");
     for (int t = 0; t < n; t++) {
       rr->r.err[t] = all[2 * t];
       rr->r.ref_max[t] = all[2 * t + 1];
-      rr->r.bound[t] = rel * all[2 * t + 1];
-      if (!(rr->r.err[t] <= rr->r.bound[t])) rr->r.check_ok = 0;
     }
-    rr->r.checked = 1;
+    run_check_bounds(rr->env.ctx, rr->in.host.q.dtype, rr->in.host.head_dim, &all[10], n, &rr->r);
+  } else {
+    rc = 1;
   }
   run_outputs_free(&out64);
   run_inputs_free(&in64);
@@ -131,42 +140,54 @@ static int check(ring_run_t *rr) {
 }
 
 /* Rank 0 gathers every rank's rows of each output and writes them in
- * global order, with the pattern. */
+ * global order, with the pattern, all or nothing (run_files.h). Every rank
+ * goes through every gather, also after a failed write on rank 0 (which
+ * then only receives). Returns this rank's status (rank 0: 1 when a write
+ * failed, message printed); ring_agree follows. */
 static int write_outputs(ring_run_t *rr) {
-  static const char *const names[5] = {"o", "lse", "dq", "dk", "dv"};
   const run_options_t *o = rr->o;
+  const char *names[RUN_FILES_MAX];
+  run_files_names(o->forward_only, names);
+  const int root = rr->env.rank == 0;
+  const int64_t slots = rr->in.T * rr->env.world;
+  run_files_t files;
+  run_files_begin(&files, prog, o->out_dir);
+  int64_t *all_index = root ? malloc(sizeof(int64_t) * (size_t)(slots + 1)) : NULL;
+  if (root && !all_index) fprintf(stderr, "%s: out of memory gathering the outputs\n", prog);
+  /* (rank 0 cannot receive without memory, and the others wait for it) */
+  ring_abort_if(&rr->env, root && !all_index);
+  ring_gather(&rr->env, rr->in.index, all_index, sizeof(int64_t) * (size_t)rr->in.T,
+              "writing the outputs: gathering the layout's token index");
   int rc = 0;
-  if (rr->env.rank == 0) mkdir(o->out_dir, 0755);
-  int64_t *all_index =
-      rr->env.rank == 0 ? malloc(sizeof(int64_t) * (size_t)(rr->in.T * rr->env.world)) : NULL;
-  MPI_Gather(rr->in.index, (int)rr->in.T, MPI_INT64_T, all_index, (int)rr->in.T, MPI_INT64_T, 0,
-             MPI_COMM_WORLD);
   for (int t = 0; t < (o->forward_only ? 2 : 5); t++) {
     const mtrain_tensor_t *loc = run_outputs_get(&rr->out, t);
     const size_t row =
         (size_t)(mtrain_tensor_numel(loc) / rr->in.T) * mtrain_dtype_size(loc->dtype);
-    char *all = rr->env.rank == 0 ? malloc(row * (size_t)(rr->in.T * rr->env.world)) : NULL;
-    MPI_Gather(loc->data, (int)(row * (size_t)rr->in.T), MPI_BYTE, all,
-               (int)(row * (size_t)rr->in.T), MPI_BYTE, 0, MPI_COMM_WORLD);
-    if (rr->env.rank == 0 && !rc) {
+    char *all = root ? malloc(row * (size_t)(slots + 1)) : NULL;
+    if (root && !all) fprintf(stderr, "%s: out of memory gathering %s\n", prog, names[t]);
+    ring_abort_if(&rr->env, root && !all);
+    char what[96];
+    snprintf(what, sizeof what, "writing the outputs: gathering %s", names[t]);
+    ring_gather(&rr->env, loc->data, all, row * (size_t)rr->in.T, what);
+    if (root && !rc) {
       mtrain_tensor_t g = *loc;
       g.shape[0] = rr->in.N;
-      g.data = malloc(row * (size_t)rr->in.N);
-      for (int64_t i = 0; i < rr->in.T * rr->env.world; i++)
+      g.data = malloc(row * (size_t)rr->in.N + 1);
+      if (!g.data) {
+        fprintf(stderr, "%s: out of memory writing %s\n", prog, names[t]);
+        rc = 1;
+      }
+      for (int64_t i = 0; !rc && i < slots; i++)
         if (all_index[i] < rr->in.N)
           memcpy((char *)g.data + (size_t)all_index[i] * row, all + (size_t)i * row, row);
-      char path[4096];
-      snprintf(path, sizeof path, "%s/%s.npy", o->out_dir, names[t]);
-      rc = tool_failed(prog, path, run_write_f32(path, &g));
+      if (!rc) rc = run_files_write_tensor(&files, names[t], &g);
       free(g.data);
     }
     free(all);
   }
-  if (rr->env.rank == 0 && !rc) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/pattern.json", o->out_dir);
-    rc = tool_failed(prog, path, mtrain_pattern_write_json(path, rr->pattern));
-  }
+  if (root && !rc) rc = run_files_write_pattern(&files, "pattern.json", rr->pattern);
+  if (root && !rc) rc = run_files_commit(&files);
+  if (root && rc) run_files_discard(&files);
   free(all_index);
   return rc;
 }
@@ -190,7 +211,7 @@ static int memory_gather(ring_run_t *rr, double mine[4], double *all) {
   mine[1] = (double)b.backend_bytes;
   mine[2] = (double)b.plan_bytes;
   mine[3] = (double)s.process_peak_rss_bytes;
-  MPI_Gather(mine, 4, MPI_DOUBLE, all, 4, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  ring_gather(&rr->env, mine, all, 4 * sizeof(double), "the report: gathering the memory figures");
   if (!rc && s.backend_peak_bytes > b.backend_bytes) {
     fprintf(stderr,
             "%s: rank %d: peak backend memory %zu bytes exceeds its bound %zu bytes "
@@ -205,6 +226,8 @@ static int memory_gather(ring_run_t *rr, double mine[4], double *all) {
  * rank's peak backend memory exceeds its bound (memory_gather). */
 static int report(ring_run_t *rr) {
   const run_options_t *o = rr->o;
+  run_fault_point(prog, "report", rr->env.rank);
+  const char *backend = mtrain_context_backend_name(rr->env.ctx);
   double mem[4];
   double *mem_all = rr->env.rank == 0 ? malloc(sizeof(double) * 4 * (size_t)rr->env.world) : NULL;
   const int mem_rc = memory_gather(rr, mem, mem_all);
@@ -217,10 +240,10 @@ static int report(ring_run_t *rr) {
   double mine[4] = {(double)mtrain_plan_computed_pairs(rr->plan), rr->r.t_fwd, rr->r.t_bwd,
                     rr->r.t_estimate};
   double *all = rr->env.rank == 0 ? malloc(sizeof(double) * 4 * (size_t)rr->env.world) : NULL;
-  MPI_Gather(mine, 4, MPI_DOUBLE, all, 4, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  ring_gather(&rr->env, mine, all, 4 * sizeof(double), "the report: gathering the per-rank times");
   /* the totals; communication hidden: ring time over the summed step compute */
   ring_totals_t tot;
-  ring_totals_compute(rr->plan, &rr->r, o->forward_only, &tot);
+  ring_totals_compute(&rr->env, rr->plan, &rr->r, o->forward_only, &tot);
   if (rr->env.rank != 0) return mem_rc;
   const int d = rr->in.host.head_dim;
   const double pairs = tot.pairs, max_pairs = tot.max_pairs, max_fwd = tot.fwd, max_bwd = tot.bwd;
@@ -230,7 +253,7 @@ static int report(ring_run_t *rr) {
   const char *sched = rr->env.ranks_per_node ? "hierarchical" : "flat";
   if (o->json) {
     json_t *j = json_object(), *ranks = json_array();
-    json_object_set_new(j, "backend", json_string(o->backend));
+    json_object_set_new(j, "backend", json_string(backend));
     json_object_set_new(j, "dtype", json_string(mtrain_dtype_name(rr->in.host.q.dtype)));
     json_object_set_new(j, "world", json_integer(rr->env.world));
     json_object_set_new(j, "layout", json_string(mtrain_layout_variant(rr->layout)));
@@ -287,6 +310,8 @@ static int report(ring_run_t *rr) {
         json_t *e = json_object();
         json_object_set_new(e, "max_abs_error", json_real(rr->r.err[t]));
         json_object_set_new(e, "bound", json_real(rr->r.bound[t]));
+        json_object_set_new(e, "max_abs_reference", json_real(rr->r.ref_max[t]));
+        json_object_set_new(e, "floor", json_real(rr->r.floor[t]));
         json_object_set_new(c, names[t], e);
       }
       json_object_set_new(j, "check", c);
@@ -296,7 +321,7 @@ static int report(ring_run_t *rr) {
     free(text);
     json_decref(j);
   } else {
-    printf("mtrain-run: backend %s, dtype %s, %d ranks, layout %s, %s ring\n", o->backend,
+    printf("mtrain-run: backend %s, dtype %s, %d ranks, layout %s, %s ring\n", backend,
            mtrain_dtype_name(rr->in.host.q.dtype), rr->env.world, mtrain_layout_variant(rr->layout),
            sched);
     if (rr->env.ranks_per_node) printf("  topology   %s\n", ring_env_topology(&rr->env));
@@ -340,10 +365,7 @@ static int report(ring_run_t *rr) {
       static const char *const names[5] = {"o", "lse", "dq", "dk", "dv"};
       printf("  check      against cpu-ref (fp64) on the same ring, %.3f s: %s\n", rr->r.t_check,
              rr->r.check_ok ? "PASS" : "FAIL");
-      for (int t = 0; t < (o->forward_only ? 2 : 5); t++)
-        printf("    %-4s max|err| %.3e  bound %.3e  (max|ref| %.3e)%s\n", names[t], rr->r.err[t],
-               rr->r.bound[t], rr->r.ref_max[t],
-               rr->r.err[t] <= rr->r.bound[t] ? "" : "  <-- FAIL");
+      for (int t = 0; t < (o->forward_only ? 2 : 5); t++) run_check_print(names[t], &rr->r, t);
     }
   }
   free(all);
@@ -358,51 +380,87 @@ int run_ring(const run_options_t *o, int rank, int world) {
   rr.o = o;
   run_inputs_t full = {0}; /* only with input files: read whole, then permuted */
   mtrain_layout_kind_t kind = MTRAIN_LAYOUT_STRIPED;
-  int rc = tool_failed(prog, "--layout", mtrain_layout_kind_parse(o->layout, &kind));
-  if (!rc && o->q_path) rc = run_inputs_load_or_generate(o, &full);
-  if (!rc) rc = ring_env_open(prog, o, rank, world, &rr.env);
-  if (rc == 2) { /* the schedule options cannot form the ring: every rank alike */
-    run_inputs_free(&full);
+  /* decided alike on every rank: rank 0 says it */
+  const mtrain_status_t layout_st = mtrain_layout_kind_parse(o->layout, &kind);
+  if (layout_st) {
+    if (rank == 0) tool_failed(prog, "--layout", layout_st);
+    return 1;
+  }
+  int rc = ring_env_open(prog, o, rank, world, &rr.env);
+  if (rc == 2 || ring_agree(&rr.env, rc, "creating the communicators and the context")) {
     ring_env_close(&rr.env);
     return 1;
   }
+  /* --out before the work: a directory that cannot be written stops the run now */
+  const char *names[RUN_FILES_MAX];
+  const int n_names = run_files_names(o->forward_only, names);
+  rc = o->out_dir && rank == 0 ? run_files_prepare(prog, o->out_dir, names, n_names) : 0;
+  if (ring_agree(&rr.env, rc, "preparing the --out directory")) {
+    rc = 1;
+    goto done;
+  }
+  if (o->q_path) rc = run_inputs_load_or_generate(o, &full);
   const int64_t N = o->q_path ? full.tokens : o->seq_len;
   if (!rc)
     rc = tool_failed(prog, "layout",
                      mtrain_layout_create(kind, N, o->granularity, world, NULL, &rr.layout));
   if (!rc) rc = ring_inputs_make(prog, &rr.env, o, rr.layout, o->q_path ? &full : NULL, &rr.in);
   run_inputs_free(&full);
-  if (!rc) MPI_Allreduce(&rr.in.seconds, &rr.t_inputs, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  if (!rc) rc = make_pattern(&rr);
-  if (!rc) {
-    const double t0 = tool_now();
-    rc = tool_failed(
-        prog, "building the plan",
-        mtrain_plan_create_ring(rr.env.ctx, NULL, (const mtrain_layout_t *const[]){rr.layout},
-                                rr.env.ranks_per_node,
-                                (const mtrain_pattern_t *const[]){rr.pattern}, &rr.plan));
-    rr.r.t_plan = tool_now() - t0;
+  if (ring_agree(&rr.env, rc, "making the inputs")) {
+    rc = 1;
+    goto done;
   }
+  rr.t_inputs = rr.in.seconds;
+  ring_allreduce(&rr.env, &rr.t_inputs, 1, MTRAIN_REDUCE_MAX,
+                 "the inputs: the slowest rank's time");
+  if (run_options_estimate(o)) {
+    ring_abort_if(&rr.env, make_pattern(&rr)); /* the estimate is collective */
+  } else if (ring_agree(&rr.env, make_pattern(&rr), "reading or making the pattern")) {
+    rc = 1;
+    goto done;
+  }
+  const double t0 = tool_now();
+  ring_abort_if(&rr.env,
+                tool_failed(prog, "building the plan",
+                            mtrain_plan_create_ring(
+                                rr.env.ctx, NULL, (const mtrain_layout_t *const[]){rr.layout},
+                                rr.env.ranks_per_node,
+                                (const mtrain_pattern_t *const[]){rr.pattern}, &rr.plan)));
+  rr.r.t_plan = tool_now() - t0;
   run_inputs_t *work = ring_inputs_work(&rr.env, &rr.in);
-  if (!rc) rc = run_outputs_alloc(&rr.in.host, rr.in.host.q.dtype, &rr.out);
+  rc = run_outputs_alloc(&rr.in.host, rr.in.host.q.dtype, &rr.out);
   if (!rc && rr.env.device)
     rc = run_outputs_alloc_device(&rr.in.host, rr.in.host.q.dtype, &rr.dev_out);
-  if (!rc) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    rc = run_attention(prog, rr.env.ctx, rr.plan, work, rr.env.device ? &rr.dev_out : &rr.out, o,
-                       &rr.r);
+  if (ring_agree(&rr.env, rc, "allocating the outputs")) {
+    rc = 1;
+    goto done;
   }
-  if (!rc && rr.env.device) {
+  ring_barrier(&rr.env, "before the timed run");
+  /* a rank that failed inside the ring ends the job: the others may be
+   * waiting for it inside a collective call, and a training job must not go
+   * on without it */
+  ring_abort_if(&rr.env, run_attention(prog, rr.env.ctx, rr.plan, work,
+                                       rr.env.device ? &rr.dev_out : &rr.out, o, &rr.r));
+  if (rr.env.device) {
     rr.r.cuda_variant = mtrain_cuda_last_variant(rr.env.ctx);
     rc = run_outputs_download(&rr.dev_out, &rr.out, o->forward_only ? 2 : 5);
+    if (ring_agree(&rr.env, rc, "copying the outputs from the device")) {
+      rc = 1;
+      goto done;
+    }
   }
-  /* a rank that failed ends the job: the others may be waiting for it inside
-   * a collective call, and a training job must not go on without it */
-  if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
-  if (o->check) rc = check(&rr);
-  if (rc) MPI_Abort(MPI_COMM_WORLD, 1);
-  if (o->out_dir) rc = write_outputs(&rr);
-  if (!rc) rc = report(&rr);
+  if (rank == 0) run_perturb_outputs(&rr.out, o->forward_only ? 2 : 5);
+  if (o->check && check(&rr)) {
+    rc = 1;
+    goto done;
+  }
+  if (o->out_dir && ring_agree(&rr.env, write_outputs(&rr), "writing the outputs")) {
+    rc = 1;
+    goto done;
+  }
+  rc = report(&rr);
+done:
+  run_inputs_free(&full);
   run_outputs_free_device(&rr.dev_out);
   run_outputs_free(&rr.out);
   ring_inputs_free(&rr.in);

@@ -1,12 +1,13 @@
 /* tool_common.h: small helpers shared by the command-line tools: a
  * monotonic clock, reporting a failed mtrain call, medians, effective FLOP
- * counts, and the correctness tolerance of the tools' checks (defined here
- * once). */
+ * counts, and the correctness tolerance of the tools' checks and its floor
+ * (defined here once). */
 #ifndef MTRAIN_TOOL_COMMON_H
 #define MTRAIN_TOOL_COMMON_H
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "mtrain/mtrain.h"
@@ -58,6 +59,27 @@ static inline double tool_check_tolerance(mtrain_dtype_t dtype) {
   default:
     return 1e-4;
   }
+}
+
+/** The unit roundoff of the accumulator of backend `name`: 2^-53 for
+ *  cpu-ref (fp64 throughout), 2^-24 for cpu and cuda (fp32 accumulation). */
+static inline double tool_accumulator_unit_roundoff(const char *name) {
+  return name && strcmp(name, "cpu-ref") == 0 ? 0x1p-53 : 0x1p-24;
+}
+
+/** The absolute floor of the check's bound for dQ (kq_max = max |k|) and dK
+ *  (kq_max = max |q|) (docs/SPEC.md section 7, docs/USAGE.md): 8 * u_acc * S
+ *  with S = scale * max ||dout|| * max ||v|| * kq_max, the norms L2 over
+ *  head_dim, maxima over rows and heads, kq_max the largest |element|. By
+ *  Cauchy-Schwarz |dP| and |delta| are at most max ||dout|| * max ||v||;
+ *  dS = P (dP - delta) cancels when the softmax saturates, leaving the
+ *  rounding of dP - delta, a few u_acc of that size, which dQ = scale dS K
+ *  (dK = scale dS^T Q) carries, element by element, times k's (q's)
+ *  elements, with the weights of P. The bound is max(tol(dtype) * max|ref|,
+ *  floor): unchanged wherever the floor is below the relative term. */
+static inline double tool_check_floor(double u_acc, double scale, double dout_norm, double v_norm,
+                                      double kq_max) {
+  return 8.0 * u_acc * scale * dout_norm * v_norm * kq_max;
 }
 
 /** The same bound between two computations that each satisfy
