@@ -34,9 +34,9 @@ from . import _lib as L
 from .errors import MtrainError
 
 DEFAULT_TIMEOUT = 300.0
-# Point-to-point tags on the group are offset far above small numbers: gloo
-# numbers some collectives' slots from 0 upwards, and a ring tag (11, 13,
-# 100 + o) equal to such a slot mixes the two streams of messages.
+# Point-to-point tags on the group are offset far above small numbers, so that
+# mtrain's messages never share a tag with other point-to-point traffic of the
+# caller on the same group (which typically uses small tags).
 _TAG_BASE = 1 << 30
 _TAG_SPAN = 1 << 30  # the group's communicator: tags [base, base + span)
 _SPLITS = 64  # a communicator's span holds 63 sub-communicators' spans

@@ -153,11 +153,63 @@ def case_timeout(rank: int, world: int) -> dict[str, Any]:
     return {"status": "none", "message": "", "seconds": time.monotonic() - t0}
 
 
+def hf_model(seed: int = 11) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=HQ * D, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=HQ, num_key_value_heads=HKV, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config)
+    model.config._attn_implementation = mtrain.register_transformers("mtrain_cp", granularity=G)
+    return model
+
+
+def hf_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """input ids [1, N] and next-token labels (-100 at the end)."""
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    return ids, labels
+
+
+def hf_loss(
+    model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, **kw: Any
+) -> torch.Tensor:
+    logits = model(input_ids=ids, **kw).logits
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def case_hf(rank: int, world: int) -> dict[str, Any]:
+    """A Qwen2 model on the ring: tokens dispatched (zigzag), RoPE positions
+    from dispatch, the DispatchInfo passed through transformers to the
+    attention; the loss summed over ranks, the gradients all-reduced."""
+    del rank
+    model = hf_model()
+    ids, labels = hf_batch()
+    group = dist.group.WORLD
+    ids_l, pos, info = mtrain.dispatch(ids, group, layout="zigzag", seq_dim=1, granularity=G)
+    labels_l = mtrain.dispatch(labels, info=info, pad_value=-100).local
+    loss = hf_loss(model, ids_l, labels_l, position_ids=pos, mtrain_dispatch=info)
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for n, p in model.named_parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        grads[n] = p.grad
+    return {"loss": total, "grads": grads, "world": world}
+
+
 CASES = {
     "ring": case_ring,
     "disagree": case_disagree,
     "split": case_split,
     "timeout": case_timeout,
+    "hf": case_hf,
 }
 
 

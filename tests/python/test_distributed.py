@@ -138,3 +138,21 @@ def test_dispatch_by_hand() -> None:
         back = mtrain.undispatch(local, info, gather=False)
         seen += (back[:, 0] == x[:, 0]).float() * (back[:, 0] != 0).float()
     assert seen[1:].eq(1).all()
+
+
+def test_transformers_context_parallel(tmp_path: Path) -> None:
+    """A Qwen2 model trained on 2 ranks (tokens dispatched, the loss and the
+    gradients summed over the ranks) equals the model on one process."""
+    pytest.importorskip("transformers")
+    res = spawn(2, ["hf"], tmp_path)[0]["hf"]
+    model = cp_worker.hf_model()
+    ids, labels = cp_worker.hf_batch()
+    loss = cp_worker.hf_loss(model, ids, labels)
+    loss.backward()
+    assert abs(res["loss"].item() - loss.item()) <= 1e-5 * abs(loss.item())
+    for n, p in model.named_parameters():
+        assert p.grad is not None
+        g = res["grads"][n]
+        e = (g - p.grad).abs().max().item()
+        m = p.grad.abs().max().item()
+        assert e <= 1e-4 * m, f"{n}: {e:.3e} > 1e-4 * {m:.3e}"
