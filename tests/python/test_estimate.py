@@ -1,0 +1,115 @@
+"""mtrain.estimate_pattern against an independent brute-force reading of
+docs/SPEC.md section 2 in float64 (top-k with per-head budgets, sinks and
+window; top-p), on the cpu-ref backend (float64 inputs), and the online
+estimate of one step feeding its forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from conftest import randn
+
+import mtrain
+
+
+def brute_force(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    budget: mtrain.TopK | mtrain.TopP,
+    h: int,
+    g: int,
+    last_q: int,
+    num_sinks: int,
+    window: int,
+) -> tuple[list[int], list[int]]:
+    """(block diagonals, verticals) of head h, straight from SPEC.md section 2."""
+    n, hq, d = q.shape
+    kv = h // (hq // k.shape[1])
+    lq = min(last_q, n)
+    rows = torch.arange(n - lq, n)
+    a = (q[rows, h].double() @ k[:, kv].double().T) / math.sqrt(d)  # [L, N]
+    causal = torch.arange(n)[None, :] <= rows[:, None]
+    if isinstance(budget, mtrain.TopP):
+        m = a.masked_fill(~causal, float("-inf")).max(dim=1, keepdim=True).values
+        e = torch.exp(a - m).masked_fill(~causal, 0.0)
+        a = e / e.sum(dim=1, keepdim=True) / lq
+    a = a.masked_fill(~causal, 0.0)
+    vscore = a.sum(dim=0)
+    sscore = torch.zeros(n, dtype=torch.float64)
+    for r in range(lq):
+        i = n - lq + r
+        for t in range(i + 1):
+            sscore[t] += a[r, i - t]
+    vcand = list(range((n - 1) // g * g))
+    scand = list(range(n))
+
+    def rank(cands: list[int], score: torch.Tensor, forced: int) -> list[int]:
+        return sorted(cands, key=lambda j: (0 if j < forced else 1, -score[j].item(), j))
+
+    if isinstance(budget, mtrain.TopK):
+        verts = rank(vcand, vscore, num_sinks)[: budget.v_size]
+        slashes = rank(scand, sscore, window)[: budget.s_size]
+    else:
+
+        def keep(order: list[int], score: torch.Tensor, p: float, cap: int) -> list[int]:
+            out, total = [], 0.0
+            for j in order:
+                if len(out) >= cap or total + score[j].item() >= p:
+                    break
+                total += score[j].item()
+                out.append(j)
+            return out
+
+        verts = keep(rank(vcand, vscore, 0), vscore, budget.p_v, budget.cap_v)
+        slashes = keep(rank(scand, sscore, 0), sscore, budget.p_s, budget.cap_s)
+    nb = -(-n // g)
+    diags = {0}
+    for t in slashes:
+        diags.add(t // g)
+        if t % g:
+            diags.add(t // g + 1)
+    return sorted(x for x in diags if x < nb), sorted(verts)
+
+
+def test_top_k_per_head_budgets(gen: torch.Generator) -> None:
+    n, hq, hkv, d, g = 301, 4, 2, 16, 16
+    q, k = randn(gen, n, hq, d, dtype=torch.float64), randn(gen, n, hkv, d, dtype=torch.float64)
+    budgets = [mtrain.TopK(5, 20), mtrain.TopK(0, 3), mtrain.TopK(40, 60), mtrain.TopK(1000, 1000)]
+    opts = {"last_q": 24, "num_sinks": 3, "window": 7}
+    plan = mtrain.estimate_pattern(q, k, budgets, granularity=g, **opts)
+    assert plan._plan().ctx.backend == "cpu-ref"
+    pattern = plan.patterns[0]
+    for h in range(hq):
+        assert pattern.head(h) == brute_force(q, k, budgets[h], h, g, **opts), f"head {h}"
+
+
+def test_top_p(gen: torch.Generator) -> None:
+    n, hq, hkv, d, g = 200, 2, 1, 16, 16
+    q, k = randn(gen, n, hq, d, dtype=torch.float64), randn(gen, n, hkv, d, dtype=torch.float64)
+    q[:, :, 0] += 3.0  # a few keys stand out
+    k[::37, :, 0] += 4.0
+    budgets = [mtrain.TopP(0.6, 0.5, 50, 7), mtrain.TopP(0.9, 0.95)]
+    opts = {"last_q": 16, "num_sinks": 30, "window": 100}
+    pattern = mtrain.estimate_pattern(q, k, budgets, granularity=g, **opts).patterns[0]
+    for h in range(hq):
+        got = pattern.head(h)
+        assert got == brute_force(q, k, budgets[h], h, g, **opts), f"head {h}"
+        assert 0 < len(got[1]) < n  # top-p kept some verticals, not all
+
+
+def test_estimate_feeds_forward_and_backward(gen: torch.Generator) -> None:
+    """One step: the estimate's plan serves the forward and the backward; the
+    gradients are those of the estimated pattern's masked attention."""
+    from conftest import reference, run_mtrain
+
+    n, hq, hkv, d, g = 256, 4, 2, 64, 32
+    q, k, v, do = (randn(gen, n, h, d) for h in (hq, hkv, hkv, hq))
+    plan = mtrain.estimate_pattern(q, k, mtrain.TopK(16, 64), granularity=g, last_q=32)
+    mask = plan.patterns[0].mask()
+    assert mask.sum() < hq * n * (n + 1) // 2
+    got = run_mtrain(q, k, v, do, pattern=plan)
+    ref = reference(q, k, v, mask, do)
+    for name in ("o", "dq", "dk", "dv"):
+        e = (got[name].double() - ref[name]).abs().max().item()
+        assert e <= 1e-4 * ref[name].abs().max().item(), name
