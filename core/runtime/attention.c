@@ -158,9 +158,14 @@ static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *
 }
 
 /* The outputs' NaN/Inf scan: every query row of a pattern sees at least its
- * own key (diagonal 0 is always in), so a finite input gives a finite LSE
- * and finite outputs unless a score or a sum overflowed. Such a result is
- * reported, never returned silently. Padding slots are skipped. */
+ * own key (diagonal 0 is always in), so finite inputs give a finite LSE
+ * unless a score q.k * scale overflowed the accumulator; the forward scans
+ * the LSE ([T, Hq], cheap) and reports such a result instead of returning
+ * it (o is then finite too: a convex combination of finite V rows). In the
+ * backward, fp16 storage (largest value 65504) turns finite accumulated
+ * gradients into Inf, so fp16 gradients are scanned; bf16 and fp32 share the
+ * fp32 accumulators' range and are not (they overflow only where the fp32
+ * sums do, with inputs near 1e19). Padding slots are skipped. */
 static mtrain_status_t check_output(mtrain_context_t *ctx, const mtrain_plan_t *plan,
                                     const char *call, const char *name, const mtrain_tensor_t *t) {
   mtrain_status_t st = check_finite(ctx, plan, name, t);
@@ -173,8 +178,7 @@ static mtrain_status_t check_output(mtrain_context_t *ctx, const mtrain_plan_t *
       strcmp(call, "forward") == 0
           ? "the scores q.k * scale overflowed the accumulator (inputs too large; scale q or k "
             "down)"
-          : "the gradients overflowed the accumulator or the output dtype (inputs too large for "
-            "it)");
+          : "the gradients overflowed the fp16 range (inputs too large for fp16 storage)");
 }
 
 /* Backend memory, counted per context (memory_stats.c). */
@@ -423,7 +427,6 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
                                dm.tokens * dm.hq));
   MTRAIN_TRY(mtrain_be_synchronize(ctx));
   MTRAIN_TRY(check_output(ctx, plan, "forward", "lse", lse));
-  MTRAIN_TRY(check_output(ctx, plan, "forward", "o", o));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
   backend_free(ctx, o_acc);
@@ -510,9 +513,11 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(mtrain_be_convert(ctx, dk_acc, mtrain_be_acc_dtype(ctx), dk->data, dk->dtype, nk));
   MTRAIN_TRY(mtrain_be_convert(ctx, dv_acc, mtrain_be_acc_dtype(ctx), dv->data, dv->dtype, nk));
   MTRAIN_TRY(mtrain_be_synchronize(ctx));
-  MTRAIN_TRY(check_output(ctx, plan, "backward", "dq", dq));
-  MTRAIN_TRY(check_output(ctx, plan, "backward", "dk", dk));
-  MTRAIN_TRY(check_output(ctx, plan, "backward", "dv", dv));
+  if (dm.dtype == MTRAIN_F16) {
+    MTRAIN_TRY(check_output(ctx, plan, "backward", "dq", dq));
+    MTRAIN_TRY(check_output(ctx, plan, "backward", "dk", dk));
+    MTRAIN_TRY(check_output(ctx, plan, "backward", "dv", dv));
+  }
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
   backend_free(ctx, kvbar);
