@@ -3,7 +3,7 @@
 # Debian's packages (run as root, or with sudo available). Idempotent.
 set -euo pipefail
 packages=(build-essential cmake pkg-config libopenblas-dev libjansson-dev libcmocka-dev
-          libopenmpi-dev openmpi-bin libpng-dev clang libomp-dev python3)
+          libopenmpi-dev openmpi-bin libpng-dev clang libomp-dev python3 python3-venv python3-pip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -24,3 +24,19 @@ echo "== a short fuzz run of the file readers and the plan builder (libFuzzer)"
 bash "$root/scripts/fuzz.sh" 10
 echo "== the repository stands alone: a clone of this commit, alone in an empty folder, builds without CUDA, passes the tests that read data/budgets and runs the main job (scripts/check_standalone.sh)"
 bash "$root/scripts/check_standalone.sh"
+echo "== the Python package (docs/PYTORCH.md): pip install . into a virtual environment (build/venv) with torch and transformers from PyPI, ruff, then pytest tests/python"
+# CPU build of the package (the tests run on the CPU; the CUDA kernels are
+# compiled and tested by the ctest build above); the environment is kept
+# between runs (torch is large), the package is reinstalled every time.
+venv="$root/build/venv"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -c "import torch, transformers, pytest, ruff" 2>/dev/null ||
+  "$venv/bin/python" -m pip install -q torch transformers pytest ruff
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" -C cmake.define.MTRAIN_WITH_CUDA=OFF
+(cd "$root" && "$venv/bin/ruff" check python tests/python && "$venv/bin/ruff" format --check python tests/python)
+# from the repository root, `import mtrain` finds the installed package (the
+# sources are under python/); pytest's exit status 5 (no test collected) fails
+rc=0
+(cd "$root" && "$venv/bin/python" -m pytest tests/python -q) || rc=$?
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failure"; exit 1; fi
+[ "$rc" -eq 0 ] || exit "$rc"

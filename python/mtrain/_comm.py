@@ -147,10 +147,7 @@ class TorchComm:
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise self._break(self._timeout(what, peer)) from e
-            who = f", with rank {peer}" if peer is not None else ""
-            raise self._break(
-                L.fail(L.ERR_COMM, f"rank {self.rank}{who}: {what} failed: {text}")
-            ) from e
+            raise self._break(L.fail(L.ERR_COMM, f"rank {self.rank}: {what} failed: {text}")) from e
         if ok is False:
             raise self._break(self._timeout(what, peer))
 
@@ -158,8 +155,8 @@ class TorchComm:
         if peer is not None:
             return L.fail(
                 L.ERR_TIMEOUT,
-                f"rank {self.rank}: {what} with rank {peer} did not complete within "
-                f"{self.timeout:.1f} s (the peer died or stopped answering)",
+                f"rank {self.rank}: {what} did not complete within {self.timeout:.1f} s "
+                f"(rank {peer} died or stopped answering)",
             )
         return L.fail(
             L.ERR_TIMEOUT,
@@ -213,7 +210,7 @@ class TorchComm:
             self._usable("waiting for " + what)
         if req.work is not None:
             try:
-                self._wait(req.work, "a send" if req.is_send else "a receive", req.peer)
+                self._wait(req.work, what, req.peer)
             except MtrainError:
                 self.abandoned.append((req.work, req.tensor))
                 raise
