@@ -162,6 +162,7 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
   o->src.v_size = o->src.s_size = -1;
   o->src.layer = -1;
   o->src.last_q = 64;
+  o->src.input_scale = 1.0; /* the inputs as generated (mtrain-run's --input-scale) */
   static const struct option longs[] = {{"seq-len", required_argument, 0, 'N'},
                                         {"heads", required_argument, 0, 'H'},
                                         {"kv-heads", required_argument, 0, 'K'},
