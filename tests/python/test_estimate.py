@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import randn
 
 import mtrain
+from conftest import randn
 
 
 def brute_force(
