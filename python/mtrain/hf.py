@@ -79,6 +79,21 @@ def _attention_function(name: str) -> Any:
         else:
             kw.update(group=s.group, layout=s.layout, granularity=s.granularity)
         cu = kwargs.get("cu_seq_lens_q")
+        pos = kwargs.get("position_ids")
+        if (
+            cu is None
+            and info is None
+            and isinstance(pos, torch.Tensor)
+            and pos.device.type == "cpu"
+        ):
+            # positions that restart are packed sequences, which need their offsets
+            n = pos.shape[-1]
+            if not torch.equal(pos.reshape(-1, n), torch.arange(n).expand(pos.numel() // n, n)):
+                raise L.fail(
+                    L.ERR_NOT_SUPPORTED,
+                    "position_ids are not 0..N-1 (packed sequences?): pass cu_seq_lens_q= (and "
+                    "cu_seq_lens_k=) with a batch of 1, or mtrain_dispatch= for context parallel",
+                )
         if cu is not None:
             if q.shape[0] != 1:
                 raise L.fail(L.ERR_INVALID_ARGUMENT, "cu_seq_lens_q needs a batch of 1")

@@ -100,6 +100,10 @@ def test_packed_and_masks(gen: torch.Generator) -> None:
     a = model(input_ids=ids[:, :60]).logits
     b = model(input_ids=ids[:, 60:]).logits
     torch.testing.assert_close(packed, torch.cat([a, b], dim=1), rtol=1e-5, atol=1e-5)
+    # restarting positions without offsets (packing mtrain cannot see) are refused
+    with pytest.raises(mtrain.MtrainError) as info:
+        model(input_ids=ids, position_ids=pos)
+    assert info.value.status == "MTRAIN_ERR_NOT_SUPPORTED" and "cu_seq_lens_q" in info.value.message
     # an all-ones mask is no mask; a padding mask is refused
     ones = torch.ones(1, 150, dtype=torch.long)
     torch.testing.assert_close(
