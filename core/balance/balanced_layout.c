@@ -5,8 +5,8 @@
 #include "core/balance/balanced_layout.h"
 #include "core/balance/cost_internal.h"
 #include "core/layout/schedule.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_error.h"
 
 /* The balanced layout's candidates, in order of preference on ties. */
 static const mtrain_owner_map_t balanced_candidates[] = {MTRAIN_MAP_STRIPED, MTRAIN_MAP_SNAKE,

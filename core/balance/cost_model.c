@@ -25,8 +25,8 @@
 #include "core/balance/cost_internal.h"
 #include "core/layout/layout_internal.h"
 #include "core/layout/schedule.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_error.h"
 
 /* ---- per-owner prefix counts ------------------------------------------------------ */
 

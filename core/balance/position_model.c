@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_balance.h"
+#include "mtrain/mtrain_error.h"
 
 /* ---- a seeded generator (splitmix64) ------------------------------------------ */
 

@@ -14,8 +14,8 @@
 
 #include "core/balance/cost_internal.h"
 #include "core/layout/layout_internal.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_error.h"
 
 typedef struct pass {
   double flop_per_pair; /* 4 d forward, 2.5 times that backward */

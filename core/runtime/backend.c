@@ -116,7 +116,12 @@ mtrain_status_t mtrain_be_init(mtrain_context_t *ctx) {
 void mtrain_be_fini(mtrain_context_t *ctx) {
   mtrain_memory_tracker_t *t = &ctx->memory;
   if (ctx->backend && ctx->backend_state) {
-    for (size_t i = 0; i < t->num_live; i++) ctx->backend->free(ctx->backend_state, t->live[i].ptr);
+    for (size_t i = 0; i < t->num_live; i++) {
+      if (ctx->allocator.alloc)
+        ctx->allocator.free(t->live[i].ptr, t->live[i].bytes, ctx->allocator.user);
+      else
+        ctx->backend->free(ctx->backend_state, t->live[i].ptr);
+    }
     ctx->backend->fini(ctx->backend_state);
   }
   ctx->backend_state = NULL;
@@ -132,8 +137,17 @@ mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr)
   if (mtrain_memory_tracker_reserve(t))
     return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "memory accounting: out of host memory");
   void *p = NULL;
-  mtrain_status_t st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
-  if (st) return st;
+  if (ctx->allocator.alloc) {
+    p = ctx->allocator.alloc(bytes, ctx->allocator.user);
+    if (!p)
+      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY,
+                          "the caller's allocator (mtrain_context_set_allocator) returned NULL for "
+                          "%zu bytes",
+                          bytes);
+  } else {
+    mtrain_status_t st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
+    if (st) return st;
+  }
   mtrain_memory_tracker_add(t, p, bytes);
   *ptr = p;
   return MTRAIN_SUCCESS;
@@ -141,8 +155,11 @@ mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr)
 
 void mtrain_be_free(mtrain_context_t *ctx, void *ptr) {
   if (!ptr) return;
-  mtrain_memory_tracker_remove(&ctx->memory, ptr);
-  ctx->backend->free(ctx->backend_state, ptr);
+  const size_t bytes = mtrain_memory_tracker_remove(&ctx->memory, ptr);
+  if (ctx->allocator.alloc)
+    ctx->allocator.free(ptr, bytes, ctx->allocator.user);
+  else
+    ctx->backend->free(ctx->backend_state, ptr);
 }
 
 mtrain_status_t mtrain_be_memset_zero(mtrain_context_t *ctx, void *ptr, size_t bytes) {

@@ -150,6 +150,27 @@ void mtrain_context_destroy(mtrain_context_t *ctx) {
   free(ctx);
 }
 
+mtrain_status_t mtrain_context_set_allocator(mtrain_context_t *ctx,
+                                             const mtrain_allocator_t *allocator) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  if (ctx->memory.num_live > 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "mtrain_context_set_allocator: %zu blocks of the context are live (an "
+                        "attention or estimation call is running on it, or one failed without "
+                        "cleaning up); set the allocator between calls",
+                        ctx->memory.num_live);
+  if (allocator && (!allocator->alloc || !allocator->free))
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER,
+                        "mtrain_context_set_allocator: allocator->%s is NULL (give both "
+                        "functions, or a NULL allocator for the backend's own)",
+                        !allocator->alloc ? "alloc" : "free");
+  if (allocator)
+    ctx->allocator = *allocator;
+  else
+    memset(&ctx->allocator, 0, sizeof ctx->allocator);
+  return MTRAIN_SUCCESS;
+}
+
 const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx) {
   return ctx ? &ctx->config : NULL;
 }

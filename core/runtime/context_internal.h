@@ -18,6 +18,7 @@ struct mtrain_context {
   mtrain_comm_t *own_comm;        /* the self communicator when the caller gave none */
   mtrain_call_stats_t last_stats; /* timing of the last attention call */
   mtrain_memory_tracker_t memory; /* backend bytes allocated through it (memory_stats.c) */
+  mtrain_allocator_t allocator;   /* the caller's allocator; alloc NULL: the backend's own */
 };
 
 /** Applies MTRAIN_* environment overrides to a config (the environment is

@@ -32,14 +32,16 @@ void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t byt
   t->allocations++;
 }
 
-void mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr) {
+size_t mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr) {
   /* blocks are mostly freed in reverse order of allocation: search from the end */
   for (size_t i = t->num_live; i-- > 0;) {
     if (t->live[i].ptr != ptr) continue;
-    t->current -= t->live[i].bytes;
+    const size_t bytes = t->live[i].bytes;
+    t->current -= bytes;
     t->live[i] = t->live[--t->num_live];
-    return;
+    return bytes;
   }
+  return 0;
 }
 
 void mtrain_memory_tracker_clear(mtrain_memory_tracker_t *t) {

@@ -32,8 +32,9 @@ typedef struct mtrain_memory_tracker {
 int mtrain_memory_tracker_reserve(mtrain_memory_tracker_t *t);
 /** Records a new live block of `bytes` (after a successful reserve). */
 void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes);
-/** Forgets a live block (no-op for a pointer it does not hold). */
-void mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr);
+/** Forgets a live block and returns its bytes (0, a no-op, for a pointer it
+ *  does not hold). */
+size_t mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr);
 /** Frees the accounting itself; the blocks must be freed already. */
 void mtrain_memory_tracker_clear(mtrain_memory_tracker_t *t);
 

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_error.h"
 
 static void head_clear(mtrain_pattern_head_t *h) {
   free(h->diagonals);

@@ -15,9 +15,9 @@ typedef mtrain_status_t (*mtrain_ring_step_fn)(mtrain_context_t *ctx, const mtra
 
 typedef struct mtrain_ring_args {
   int backward;
-  mtrain_dtype_t dtype; /**< dtype of k and v */
-  size_t chunk_elems;   /**< elements of one of k, v (local tokens x Hkv x d) */
-  const void *k, *v;    /**< this rank's own chunk (backend memory) */
+  mtrain_dtype_t dtype;  /**< dtype of k and v */
+  size_t chunk_elems;    /**< elements of one of k, v (local tokens x Hkv x d) */
+  const void *k, *v;     /**< this rank's own chunk (backend memory) */
   void *dk_own, *dv_own; /**< backward: this rank's dK/dV accumulators (acc dtype) */
   mtrain_ring_step_fn step;
   void *user;

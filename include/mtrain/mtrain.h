@@ -170,6 +170,29 @@ MTRAIN_API mtrain_status_t mtrain_context_create(const mtrain_config_t *config, 
                                                  mtrain_context_t **out);
 /** Destroys a context and everything it owns. NULL is a no-op. */
 MTRAIN_API void mtrain_context_destroy(mtrain_context_t *ctx);
+
+/** The caller's allocator for the memory the library takes from the backend
+ *  during a call (accumulators, ring buffers, gathered bars, estimation
+ *  scores): alloc(bytes, user) returns memory in the backend's memory space
+ *  (device memory usable on the backend's stream for "cuda", host memory for
+ *  the CPU backends), or NULL when it has none (the call then fails with
+ *  MTRAIN_ERR_OUT_OF_MEMORY); free(ptr, bytes, user) takes it back with the
+ *  size it was asked for. Frameworks pass their caching allocator (PyTorch's,
+ *  on the stream given to mtrain_cuda_set_stream), so no call allocates from
+ *  the driver. Called on the thread of the call that allocates. */
+typedef struct mtrain_allocator {
+  void *(*alloc)(size_t bytes, void *user);
+  void (*free)(void *ptr, size_t bytes, void *user);
+  void *user;
+} mtrain_allocator_t;
+
+/** Sets (or with NULL removes) the context's allocator. The functions are
+ *  copied; `user` is borrowed until the context is destroyed or another
+ *  allocator is set. Fails with MTRAIN_ERR_INVALID_ARGUMENT while blocks
+ *  of the context are live (set it between calls). Not thread-safe against
+ *  calls on the same context. Local (not collective). */
+MTRAIN_API mtrain_status_t mtrain_context_set_allocator(mtrain_context_t *ctx,
+                                                        const mtrain_allocator_t *allocator);
 /** The effective configuration (after environment overrides). */
 MTRAIN_API const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx);
 /** The name of the backend the context uses. */
