@@ -438,12 +438,35 @@ class Context:
         self.ptr = out
         self.backend = backend
         self.device = device
+        self._allocator: L.Allocator | None = None
+        if device.type == "cuda":
+            self._use_torch_allocator()
         self.rank = int(L.lib().context_rank(out))
         self.world = int(L.lib().context_world(out))
 
     def __del__(self) -> None:
         if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
             L.lib().context_destroy(self.ptr)
+
+    def _use_torch_allocator(self) -> None:
+        """The library's blocks of a call (accumulators, ring buffers, scores)
+        come from torch's caching allocator on the current stream, the stream
+        the call runs on (bind_stream), instead of cudaMalloc."""
+        device = self.device
+
+        def alloc(size: int, _user: int | None) -> int:
+            try:
+                stream = torch.cuda.current_stream(device)
+                return int(torch.cuda.caching_allocator_alloc(max(size, 1), device, stream))
+            except Exception:  # C reports OUT_OF_MEMORY naming the allocator
+                return 0
+
+        def free(ptr: int | None, _size: int, _user: int | None) -> None:
+            if ptr:
+                torch.cuda.caching_allocator_delete(ptr)
+
+        self._allocator = L.Allocator(L.ALLOC_FN(alloc), L.FREE_FN(free), None)
+        L.check(L.lib().context_set_allocator(self.ptr, ctypes.byref(self._allocator)))
 
     def bind_stream(self) -> None:
         """Queues the context's CUDA work on the caller's current stream."""

@@ -73,6 +73,16 @@ class Config(ctypes.Structure):
     )
 
 
+ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class Allocator(ctypes.Structure):
+    """mtrain_allocator_t: the caller's allocator of a context."""
+
+    _fields_ = [("alloc", ALLOC_FN), ("free", FREE_FN), ("user", ctypes.c_void_p)]
+
+
 class Seqs(ctypes.Structure):
     """mtrain_seqs_t."""
 
@@ -194,6 +204,7 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_backend_list": (ctypes.c_int, (ctypes.POINTER(ctypes.c_char_p), ctypes.c_int)),
     "mtrain_context_create": (STATUS, (ctypes.POINTER(Config), P, PP)),
     "mtrain_context_destroy": (None, (P,)),
+    "mtrain_context_set_allocator": (STATUS, (P, ctypes.POINTER(Allocator))),
     "mtrain_context_backend_name": (ctypes.c_char_p, (P,)),
     "mtrain_context_rank": (ctypes.c_int, (P,)),
     "mtrain_context_world": (ctypes.c_int, (P,)),

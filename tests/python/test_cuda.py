@@ -112,3 +112,21 @@ def test_nccl_group_refused() -> None:
     finally:
         mtrain.reset()
         dist.destroy_process_group()
+
+
+def test_workspace_from_torch_allocator(gen: torch.Generator) -> None:
+    """The library's accumulators come from torch's caching allocator: the
+    forward's fp32 output accumulator alone ([T, H, d] floats) shows in torch's
+    peak of allocated bytes, beyond the inputs and outputs."""
+    n, h, d = 4096, 8, 128
+    q, k, v, do = (randn(gen, n, h, d, dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, do = to_dev(q, k, v, do)
+    pattern = mtrain.dense_pattern(n, h, 128)
+    run_mtrain(q, k, v, do, pattern=pattern)  # contexts and caches made
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = mtrain.attention(q, k, v, pattern=pattern)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+    assert extra >= n * h * d * 4, f"only {extra} bytes beyond the output came from torch"
