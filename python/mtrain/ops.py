@@ -186,12 +186,26 @@ def _(
 # ---------------------------------------------------------------------------
 
 
+def _refuse_graph_capture(t: torch.Tensor, what: str) -> None:
+    """mtrain's calls upload the plan's step tables and read small results
+    back (the LSE scan), which a CUDA stream under graph capture cannot do:
+    refuse with a clear error instead of a CUDA error inside the capture."""
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise L.fail(
+            L.ERR_NOT_SUPPORTED,
+            f"mtrain {what}: the current CUDA stream is capturing a CUDA graph; mtrain's calls "
+            "copy their plan to the device and synchronize, which graph capture does not allow "
+            "(run the attention outside the captured region)",
+        )
+
+
 @torch.library.custom_op("mtrain::attn_fwd", mutates_args=(), device_types=_CPU_CUDA)
 def attn_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward over the plan: (o [T, Hq, d], lse [T, Hq])."""
     check_qkv(q, k, v)
+    _refuse_graph_capture(q, "attention forward")
     p = C.resolve_plan(plan)
     ctx = _plan_ctx(p, q)
     o = torch.empty_like(q)
@@ -229,6 +243,7 @@ def attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention backward over the plan: (dq, dk, dv)."""
     check_qkv(q, k, v)
+    _refuse_graph_capture(q, "attention backward")
     _check_tensor(o, "o", 3)
     _check_tensor(dout, "dout", 3)
     _check_tensor(lse, "lse", 2)

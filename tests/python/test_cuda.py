@@ -130,3 +130,19 @@ def test_workspace_from_torch_allocator(gen: torch.Generator) -> None:
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
     assert extra >= n * h * d * 4, f"only {extra} bytes beyond the output came from torch"
+
+
+def test_graph_capture_refused_clearly(gen: torch.Generator) -> None:
+    """Capturing mtrain in a CUDA graph fails with mtrain's own error, not a
+    CUDA error from inside the capture."""
+    n, h, d = 512, 4, 64
+    q, k, v = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for _ in range(3)))
+    pattern = mtrain.dense_pattern(n, h, 128)
+    mtrain.attention(q, k, v, pattern=pattern)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with (
+        pytest.raises(mtrain.MtrainError, match="capturing a CUDA graph"),
+        torch.cuda.graph(graph),
+    ):
+        mtrain.attention(q, k, v, pattern=pattern)
