@@ -22,6 +22,8 @@ echo "== ThreadSanitizer over the OpenMP path (clang + libomp + Archer; build-ts
 bash "$root/scripts/tsan.sh"
 echo "== a short fuzz run of the file readers and the plan builder (libFuzzer)"
 bash "$root/scripts/fuzz.sh" 10
+echo "== the CPU test suite cross-compiled for aarch64 and run under qemu-user (scripts/test_aarch64.sh; skipped, saying so, where qemu-aarch64 or the cross compiler is absent)"
+bash "$root/scripts/test_aarch64.sh"
 echo "== the repository stands alone: a clone of this commit, alone in an empty folder, builds without CUDA, passes the tests that read data/budgets and runs the main job (scripts/check_standalone.sh)"
 bash "$root/scripts/check_standalone.sh"
 echo "== the Python package (docs/PYTORCH.md): pip install . into a virtual environment (build/venv) with torch and transformers from PyPI, ruff, then pytest tests/python"

@@ -118,6 +118,27 @@ static void test_bad_comm_tables(void **state) {
   mtrain_comm_destroy(self);
 }
 
+/* A communicator whose point-to-point memory is not the backend's is refused
+ * at context creation, naming both (the tables say where memory lives; no
+ * name is compared). */
+static void test_memory_space_mismatch(void **state) {
+  (void)state;
+  mtrain_comm_t *self = NULL;
+  assert_int_equal(mtrain_comm_create_self(&self), MTRAIN_SUCCESS);
+  mtrain_comm_ops_t ops = *self->ops;
+  ops.memory_space = MTRAIN_MEMORY_DEVICE;
+  mtrain_comm_t device_comm = {&ops, self->state};
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT; /* the cpu backend: host memory */
+  mtrain_context_t *ctx = NULL;
+  TS_ASSERT_STATUS(mtrain_context_create(&cfg, &device_comm, &ctx), MTRAIN_ERR_INVALID_CONFIG,
+                   "moves device memory and cannot serve backend 'cpu'");
+  assert_null(ctx);
+  ops.memory_space = MTRAIN_MEMORY_HOST;
+  assert_int_equal(mtrain_context_create(&cfg, &device_comm, &ctx), MTRAIN_SUCCESS);
+  mtrain_context_destroy(ctx);
+  mtrain_comm_destroy(self);
+}
+
 /* A context whose backend lacks every optional slot: the wrappers say
  * NOT_SUPPORTED naming the backend and the slot, or behave neutrally. */
 static void test_absent_optional_slots(void **state) {
@@ -201,7 +222,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_builtin_tables_pass), cmocka_unit_test(test_bad_backend_tables),
       cmocka_unit_test(test_bad_comm_tables),     cmocka_unit_test(test_absent_optional_slots),
-      cmocka_unit_test(test_alloc_is_counted),
+      cmocka_unit_test(test_alloc_is_counted),    cmocka_unit_test(test_memory_space_mismatch),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -4,7 +4,10 @@
  * the duplicate and maps MPI errors to mtrain statuses. Every wait, including
  * the collectives (run as non-blocking MPI operations), gives up after the
  * timeout with MTRAIN_ERR_TIMEOUT naming the peer or the operation, so a rank
- * that died or stopped answering never hangs the others forever. MPI must be
+ * that died or stopped answering never hangs the others forever. A timed-out
+ * operation is abandoned (never cancelled: a collective cannot be) and the
+ * communicator is broken from then on: its later calls fail at once with
+ * MTRAIN_ERR_COMM naming the first error; create a new one. MPI must be
  * initialised by the caller (MPI_THREAD_FUNNELED or better is enough: mtrain
  * calls MPI from the thread that calls mtrain). */
 #ifndef MTRAIN_MPI_H
