@@ -407,6 +407,7 @@ def communicator(name: str, device: torch.device) -> TorchComm:
 
 def reset() -> None:
     _comms.clear()
+    _groups.clear()
 
 
 # ---- the C table: callbacks dispatching on the state key ----

@@ -11,6 +11,7 @@ object.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -539,8 +540,11 @@ def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
 
 
 def reset() -> None:
-    """Destroys the cached contexts, communicators and plans (for example
-    before destroying a process group that mtrain used)."""
+    """Destroys the cached contexts, communicators and plans and forgets the
+    process groups mtrain was given (for example before destroying a process
+    group that mtrain used). Also run at interpreter exit: a gloo group still
+    referenced while the interpreter shuts down was seen aborting the process
+    ("terminate called without an active exception")."""
     from . import _comm
 
     with _lock:
@@ -548,6 +552,9 @@ def reset() -> None:
         _contexts.clear()
         _layouts.clear()
         _comm.reset()
+
+
+atexit.register(reset)
 
 
 # ---------------------------------------------------------------------------

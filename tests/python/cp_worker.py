@@ -237,10 +237,3 @@ def main(rank: int, world: int, init_file: str, out_dir: str, cases: list[str]) 
             os._exit(0)
         _core.reset()
         dist.destroy_process_group()
-        # Known bug, not yet diagnosed (docs/PYTORCH.md, "Not done yet"): about one run in
-        # three, a worker that has saved its results, released mtrain's contexts and
-        # destroyed its gloo group aborts during interpreter shutdown with "terminate
-        # called without an active exception" (a C++ thread with no Python frame). The
-        # results are checked from the saved files; the process ends here without the
-        # interpreter's shutdown so that the abort does not hide them.
-        os._exit(0)
