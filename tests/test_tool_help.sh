@@ -25,6 +25,7 @@ sources_of() {
   mtrain-bench-cuda) echo "$src/mtrain_bench_cuda.c" ;;
   mtrain-pattern) echo "$src/mtrain_pattern.c" ;;
   mtrain-balance) echo "$src/mtrain_balance.c" ;;
+  mtrain-bench-plan) echo "$src/mtrain_bench_plan.c" ;;
   *) return 1 ;;
   esac
 }

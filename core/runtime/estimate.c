@@ -10,12 +10,24 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
 #include "core/runtime/select.h"
 #include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
+
+/* The calling thread's last estimation times (mtrain_estimate_last_times). */
+static _Thread_local mtrain_estimate_times_t last_times;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+mtrain_estimate_times_t mtrain_estimate_last_times(void) { return last_times; }
 
 /* Everything one estimation call allocates, freed in one place. */
 typedef struct estimate_buffers {
@@ -183,6 +195,8 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   MTRAIN_TRY(mtrain_be_alloc(ctx, n_row * sizeof(double), &b.row));
   MTRAIN_TRY(mtrain_be_alloc(ctx, n_col * sizeof(double), &b.col));
   MTRAIN_TRY(mtrain_be_alloc(ctx, n_diag * sizeof(double), &b.diag));
+  last_times.scores = last_times.select = 0.0;
+  const double t_scores = now_s();
   int any_probs = 0;
   for (int32_t h = 0; h < Hq; h++) any_probs |= b.probs[h] = budgets[h].kind == MTRAIN_BUDGET_TOP_P;
   mtrain_scores_args_t a = {.seq_len = N,
@@ -241,8 +255,11 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   MTRAIN_TRY(to_host(ctx, b.diag_host, b.diag, n_diag));
   MTRAIN_TRY(allreduce(ctx, b.col_host, (int64_t)n_col, MTRAIN_REDUCE_SUM));
   MTRAIN_TRY(allreduce(ctx, b.diag_host, (int64_t)n_diag, MTRAIN_REDUCE_SUM));
+  const double t_select = now_s();
+  last_times.scores = t_select - t_scores;
   MTRAIN_TRY(mtrain_pattern_create(N, Hq, G, &p));
   for (int32_t h = 0; h < Hq; h++) MTRAIN_TRY(select_head(&budgets[h], options, h, N, L, G, &b, p));
+  last_times.select = now_s() - t_select;
   *out = p;
   p = NULL;
 cleanup:
