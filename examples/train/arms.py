@@ -1,0 +1,178 @@
+"""The arms of the experiment: which attention each layer runs. Every arm is
+registered with transformers under its own name ("train-<arm>") as a thin
+wrapper around the real attention (SDPA, or mtrain.register_transformers'),
+so that the probe (probe.py) can time it and read its pattern on the steps it
+watches without changing what is computed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import mtrain
+
+from .probe import PROBE
+
+ARMS = ("dense", "mtrain-full", "mtrain-static", "mtrain-topp", "window")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How the mtrain and window arms choose what they compute.
+
+    mtrain-static keeps TopK(sinks + v_frac * N, window + s_frac * N): the
+    sinks and the local window are forced by SPEC.md section 2, the rest is
+    chosen by score, so the budget grows with the sequence length N.
+    mtrain-topp keeps TopP(p_v, p_s) with caps N. window computes the block
+    diagonals 0 .. window_blocks - 1 (a sliding window of that many blocks of
+    G tokens, no verticals); window_blocks 0 means: as many as give the static
+    budget's nominal density (static_density)."""
+
+    granularity: int = 64
+    sinks: int = 30
+    local_window: int = 100
+    last_q: int = 64
+    v_frac: float = 1 / 32
+    s_frac: float = 1 / 64
+    p_v: float = 0.9
+    p_s: float = 0.9
+    window_blocks: int = 0
+
+    def topk(self, n: int) -> mtrain.TopK:
+        return mtrain.TopK(
+            self.sinks + round(self.v_frac * n), self.local_window + round(self.s_frac * n)
+        )
+
+    def static_density(self, n: int) -> float:
+        """The static budget's density if its slashes fill the nearest block
+        diagonals and each vertical covers the half of the queries after it
+        on average (its nominal cost; the measured density is in the results)."""
+        k = self.topk(n)
+        g = self.granularity
+        diag_blocks = min(math.ceil(k.s_size / g) + 1, math.ceil(n / g))
+        pairs = window_pairs(n, g, diag_blocks) + k.v_size * n / 2
+        return min(1.0, pairs / (n * (n + 1) / 2))
+
+    def window_width(self, n: int) -> int:
+        if self.window_blocks > 0:
+            return self.window_blocks
+        target = self.static_density(n)
+        nb = math.ceil(n / self.granularity)
+        best = min(
+            range(1, nb + 1),
+            key=lambda w: abs(window_pairs(n, self.granularity, w) / (n * (n + 1) / 2) - target),
+        )
+        return best
+
+
+def window_pairs(n: int, g: int, width: int) -> int:
+    """Causal (query, key) pairs of block diagonals 0 .. width-1 at length n."""
+    i = torch.arange(n)
+    lo = torch.clamp((i // g - (width - 1)) * g, min=0)
+    return int((i - lo + 1).sum())
+
+
+def window_pattern(n: int, heads: int, g: int, width: int) -> mtrain.Pattern:
+    return mtrain.vertical_slash_pattern(n, [(list(range(width)), [])] * heads, g)
+
+
+class Arm:
+    """An arm bound to a model's head count; ``attn_name`` is what the model's
+    config._attn_implementation must be. set_length re-targets the arm at a
+    sequence length (the budgets scale with it; the window's pattern is
+    rebuilt)."""
+
+    def __init__(self, name: str, heads: int, budget: Budget) -> None:
+        if name not in ARMS:
+            raise ValueError(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
+        self.name, self.heads, self.budget = name, heads, budget
+        self.attn_name = f"train-{name}"
+        self.inner = f"mtrain-{name}"
+        self.seq_len = 0
+        self.pattern: mtrain.Pattern | None = None
+        self.budgets: Any = None
+
+    def set_length(self, n: int) -> None:
+        b, self.seq_len = self.budget, n
+        common = {"granularity": b.granularity}
+        est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
+        if self.name == "dense":
+            base: Any = sdpa_attention_forward
+            mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+        else:
+            if self.name == "mtrain-full":
+                self.budgets = mtrain.TopK(n, n)
+            elif self.name == "mtrain-static":
+                self.budgets = b.topk(n)
+            elif self.name == "mtrain-topp":
+                self.budgets = mtrain.TopP(b.p_v, b.p_s, n, n)
+            if self.name == "window":
+                self.pattern = window_pattern(n, self.heads, b.granularity, b.window_width(n))
+                mtrain.register_transformers(self.inner, pattern=self.pattern, **common)
+            else:
+                mtrain.register_transformers(self.inner, budgets=self.budgets, **common, **est)
+            base = ALL_ATTENTION_FUNCTIONS[self.inner]
+            mask = ALL_MASK_ATTENTION_FUNCTIONS[self.inner]
+        AttentionInterface.register(self.attn_name, _wrap(self, base))
+        AttentionMaskInterface.register(self.attn_name, mask)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"arm": self.name, "granularity": self.budget.granularity}
+        if self.budgets is not None:
+            out["budgets"] = {type(self.budgets).__name__: list(self.budgets)}
+            out["estimate"] = {
+                "last_q": self.budget.last_q,
+                "num_sinks": self.budget.sinks,
+                "window": self.budget.local_window,
+            }
+        if self.pattern is not None:
+            out["window_blocks"] = self.budget.window_width(self.seq_len)
+            out["window_tokens"] = self.budget.window_width(self.seq_len) * self.budget.granularity
+            out["pattern_density"] = self.pattern.density()
+        if self.name == "mtrain-static":
+            out["nominal_density"] = self.budget.static_density(self.seq_len)
+        return out
+
+    def plan_of(self, q: torch.Tensor, k: torch.Tensor) -> list[mtrain.Pattern] | None:
+        """The patterns this arm computes for q, k ([B, N, H, d], post-RoPE):
+        the estimate again (the same inputs and options give the same
+        pattern), the window's, or None (dense)."""
+        b = self.budget
+        if self.pattern is not None:
+            return [self.pattern] * q.shape[0]
+        if self.budgets is None:
+            return None
+        plan = mtrain.estimate_pattern(
+            q, k, self.budgets, granularity=b.granularity, last_q=b.last_q,
+            num_sinks=b.sinks, window=b.local_window,
+        )  # fmt: skip
+        return plan.patterns
+
+
+def _wrap(arm: Arm, base: Any) -> Any:
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        # under autocast RoPE leaves q, k in float32 and v in bfloat16: one dtype for all
+        if query.dtype != value.dtype or key.dtype != value.dtype:
+            query, key = query.to(value.dtype), key.to(value.dtype)
+        if not PROBE.active:
+            return base(module, query, key, value, attention_mask, **kwargs)
+        PROBE.pattern_stats(arm, module, query, key, kwargs.get("scaling"))
+        query, key, value = PROBE.enter(query, key, value)
+        out, extra = base(module, query, key, value, attention_mask, **kwargs)
+        return PROBE.leave(out), extra
+
+    return attention

@@ -1,0 +1,74 @@
+"""The loss on answer tokens and the evaluation: accuracy of the greedy
+prediction of every answer token, per task and per bucket (MQAR: distance
+buckets; passkey: depth buckets)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .tasks import IGNORE, Mqar, Task, batch
+
+
+def answer_logits(
+    model: Any, ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at the positions that predict an answer token (only there: the
+    LM head on every position of a 32K sequence would cost as much memory as
+    the rest), their targets, and the mask over labels[:, 1:]."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    target = labels[:, 1:]
+    mask = target != IGNORE
+    logits = model.lm_head(hidden[:, :-1][mask])
+    return logits.float(), target[mask], mask
+
+
+def answer_loss(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits, target, _ = answer_logits(model, ids, labels)
+    return F.cross_entropy(logits, target)
+
+
+def chance(task: Task) -> float:
+    """Accuracy of guessing: MQAR a value among the context's pairs, passkey a digit."""
+    return 1.0 / task.num_pairs if isinstance(task, Mqar) else 0.1
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    tasks: list[Task],
+    names: list[str],
+    seed: int,
+    seqs: int,
+    batch_size: int,
+    device: torch.device,
+    autocast: AbstractContextManager[Any],
+) -> dict[str, Any]:
+    was = model.training
+    model.eval()
+    out: dict[str, Any] = {}
+    for t, name in zip(tasks, names, strict=True):
+        nb = len(t.buckets)
+        correct = torch.zeros(nb, dtype=torch.long)
+        count = torch.zeros(nb, dtype=torch.long)
+        for s in range(0, seqs, batch_size):
+            ids, labels, bucket, _ = batch([t], seed, s, min(batch_size, seqs - s), True)
+            with autocast:
+                logits, target, mask = answer_logits(model, ids.to(device), labels.to(device))
+            hit = (logits.argmax(-1) == target).cpu().long()
+            b = bucket[:, 1:][mask.cpu()]
+            correct += torch.bincount(b, weights=hit, minlength=nb).long()
+            count += torch.bincount(b, minlength=nb)
+        acc = [float(c) / float(n) if n else None for c, n in zip(correct, count, strict=True)]
+        out[name] = {
+            "buckets": t.buckets,
+            "accuracy": acc,
+            "count": count.tolist(),
+            "overall": float(correct.sum()) / max(1, int(count.sum())),
+            "chance": chance(t),
+        }
+    model.train(was)
+    return out
