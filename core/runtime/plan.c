@@ -3,6 +3,7 @@
  * (as segments of the chunk's vertical list) each local query block computes.
  * Built from patterns and the blocks each rank holds; the layouts that decide
  * those blocks live elsewhere (single rank: the identity). */
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -66,41 +67,126 @@ static int64_t rows_of(const mtrain_rank_blocks_t *b, int32_t lb, int64_t seq_le
   return mtrain_block_rows(b->tokens, G, lb, b->global[lb], seq_len);
 }
 
-/* Pairs computed by query block qb against local key block kb. */
-static int64_t block_pair_count(const mtrain_rank_blocks_t *q, int32_t qb,
-                                const mtrain_rank_blocks_t *k, int32_t kb, int64_t seq_len,
-                                int32_t G) {
-  int64_t r = rows_of(q, qb, seq_len, G);
-  if (q->global[qb] == k->global[kb]) return r * (r + 1) / 2;
-  return r * rows_of(k, kb, seq_len, G);
+/* ---- what the step builder reads, built once ------------------------------- *
+ * The builder's answers are those of the plain walk it replaces (kept as
+ * tests/reference/plan_ref.c and tested bitwise against it): the same runs,
+ * segments, bars and pair counts, found with tables instead of searches. */
+
+/* One head of a pattern: its diagonal set as a bitmap and as maximal ranges
+ * of consecutive diagonals (ascending). Block-mask heads have neither. */
+typedef struct head_aux {
+  uint8_t *has_diag; /* [num_blocks] */
+  int32_t *range_lo, *range_hi;
+  int32_t num_ranges;
+} head_aux_t;
+
+static void head_aux_free(head_aux_t *a) {
+  free(a->has_diag);
+  free(a->range_lo);
+  free(a->range_hi);
+  memset(a, 0, sizeof *a);
 }
 
-/* Key-block runs of query block qb for a vertical-slash head: the diagonals
- * are walked from the largest (earliest key block) to the smallest, grouped
- * into maximal ranges of consecutive diagonals, each mapped to a local range
- * by binary search over the chunk's increasing global block ids. */
-static int runs_vertical_slash(const mtrain_pattern_head_t *h, int64_t gq,
-                               const mtrain_rank_blocks_t *k, ivec_t *runs) {
+static int head_aux_build(const mtrain_pattern_t *pattern, int32_t head, head_aux_t *a) {
+  const mtrain_pattern_head_t *h = &pattern->heads[head];
+  memset(a, 0, sizeof *a);
+  if (h->mask_off) return 1;
+  a->has_diag = calloc((size_t)pattern->num_blocks + 1, 1);
+  a->range_lo = malloc(sizeof(int32_t) * (size_t)(h->num_diagonals + 1));
+  a->range_hi = malloc(sizeof(int32_t) * (size_t)(h->num_diagonals + 1));
+  if (!a->has_diag || !a->range_lo || !a->range_hi) return 0;
+  for (int32_t d = 0; d < h->num_diagonals; d++) {
+    const int32_t t = h->diagonals[d];
+    a->has_diag[t] = 1;
+    if (a->num_ranges > 0 && a->range_hi[a->num_ranges - 1] == t - 1) {
+      a->range_hi[a->num_ranges - 1] = t;
+    } else {
+      a->range_lo[a->num_ranges] = t;
+      a->range_hi[a->num_ranges] = t;
+      a->num_ranges++;
+    }
+  }
+  return 1;
+}
+
+/* One chunk (the key side of a step): lower_bound of every global block
+ * in its increasing block list, and the prefix sums of its blocks' rows. */
+typedef struct chunk_aux {
+  int32_t *lb;         /* [lb_size]: lb[x] = lower_bound(k->global, x) */
+  int64_t lb_size;     /* entries x >= lb_size map to num_blocks */
+  int64_t *row_prefix; /* [num_blocks + 1] */
+} chunk_aux_t;
+
+static void chunk_aux_free(chunk_aux_t *c) {
+  free(c->lb);
+  free(c->row_prefix);
+  memset(c, 0, sizeof *c);
+}
+
+/* `max_global`: the largest global block any query or key of the plan has. */
+static int chunk_aux_build(const mtrain_rank_blocks_t *k, int64_t max_global, int64_t seq_len,
+                           int32_t G, chunk_aux_t *c) {
+  memset(c, 0, sizeof *c);
+  c->lb_size = max_global + 2;
+  c->lb = malloc(sizeof(int32_t) * (size_t)c->lb_size);
+  c->row_prefix = malloc(sizeof(int64_t) * (size_t)(k->num_blocks + 1));
+  if (!c->lb || !c->row_prefix) return 0;
+  int32_t i = 0;
+  for (int64_t x = 0; x < c->lb_size; x++) {
+    while (i < k->num_blocks && k->global[i] < x) i++;
+    c->lb[x] = i;
+  }
+  c->row_prefix[0] = 0;
+  for (int32_t b = 0; b < k->num_blocks; b++)
+    c->row_prefix[b + 1] = c->row_prefix[b] + rows_of(k, b, seq_len, G);
+  return 1;
+}
+
+static inline int32_t chunk_lower_bound(const chunk_aux_t *c, const mtrain_rank_blocks_t *k,
+                                        int64_t x) {
+  if (x <= 0) return 0;
+  return x < c->lb_size ? c->lb[x] : k->num_blocks;
+}
+
+/* The largest global block of the blocks lists (0 when all are empty). */
+static int64_t max_global_of(const mtrain_rank_blocks_t *a, const mtrain_rank_blocks_t *b) {
+  int64_t m = 0;
+  if (a->num_blocks > 0 && a->global[a->num_blocks - 1] > m) m = a->global[a->num_blocks - 1];
+  if (b->num_blocks > 0 && b->global[b->num_blocks - 1] > m) m = b->global[b->num_blocks - 1];
+  return m;
+}
+
+/* Key-block runs of query block gq for a vertical-slash head: the ranges of
+ * consecutive diagonals from the largest (earliest key block) to the
+ * smallest, the first clipped at gq, each mapped to a local range of the
+ * chunk. */
+static int runs_vertical_slash(const head_aux_t *a, int64_t gq, const mtrain_rank_blocks_t *k,
+                               const chunk_aux_t *c, ivec_t *runs) {
   int64_t run_begin = runs->size;
-  int32_t d = h->num_diagonals - 1;
-  while (d >= 0 && h->diagonals[d] > gq) d--;
-  while (d >= 0) {
-    int32_t hi_t = h->diagonals[d], lo_t = hi_t;
-    while (d > 0 && h->diagonals[d - 1] == lo_t - 1) lo_t = h->diagonals[--d];
-    d--;
+  /* the last range starting at or before gq */
+  int32_t lo = 0, hi = a->num_ranges;
+  while (lo < hi) {
+    int32_t mid = lo + (hi - lo) / 2;
+    if (a->range_lo[mid] <= gq)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  for (int32_t r = lo - 1; r >= 0; r--) {
+    const int64_t hi_t = a->range_hi[r] < gq ? a->range_hi[r] : gq, lo_t = a->range_lo[r];
     /* global key blocks [gq - hi_t, gq - lo_t] */
-    int32_t lo = lower_bound64(k->global, k->num_blocks, gq - hi_t);
-    int32_t hi = lower_bound64(k->global, k->num_blocks, gq - lo_t + 1);
-    if (!push_run(runs, run_begin, lo, hi)) return 0;
+    if (!push_run(runs, run_begin, chunk_lower_bound(c, k, gq - hi_t),
+                  chunk_lower_bound(c, k, gq - lo_t + 1)))
+      return 0;
   }
   return 1;
 }
 
 static int runs_block_mask(const mtrain_pattern_head_t *h, int64_t gq,
-                           const mtrain_rank_blocks_t *k, ivec_t *runs) {
+                           const mtrain_rank_blocks_t *k, const chunk_aux_t *c, ivec_t *runs) {
   int64_t run_begin = runs->size;
   for (int64_t e = h->mask_off[gq]; e < h->mask_off[gq + 1]; e++) {
-    int32_t lb = lower_bound64(k->global, k->num_blocks, h->mask_idx[e]);
+    int32_t lb = chunk_lower_bound(c, k, h->mask_idx[e]);
     if (lb < k->num_blocks && k->global[lb] == h->mask_idx[e])
       if (!push_run(runs, run_begin, lb, lb + 1)) return 0;
   }
@@ -109,72 +195,128 @@ static int runs_block_mask(const mtrain_pattern_head_t *h, int64_t gq,
 
 /* The chunk's bars: verticals of the head that lie in the chunk, as local
  * positions, with the distinct global blocks they fall in (bar_block[] with
- * bar_start[] CSR offsets into bars). */
+ * bar_start[] CSR offsets into bars) and, for every global block of the
+ * sequence, its index among them (-1: no bar there). */
 typedef struct chunk_bars {
   ivec_t bars;
   int64_t *block; /* distinct global blocks */
   int32_t *start; /* [num_blocks + 1] */
   int32_t num_blocks;
+  int32_t *index_of; /* [pattern num_blocks] */
 } chunk_bars_t;
-
-static int chunk_bars_build(const mtrain_pattern_head_t *h, const mtrain_rank_blocks_t *k,
-                            int32_t G, chunk_bars_t *cb) {
-  memset(cb, 0, sizeof *cb);
-  cb->block = malloc((size_t)(h->num_verticals + 1) * sizeof *cb->block);
-  cb->start = malloc((size_t)(h->num_verticals + 1) * sizeof *cb->start);
-  if (!cb->block || !cb->start) return 0;
-  for (int32_t i = 0; i < h->num_verticals; i++) {
-    int64_t gb = h->verticals[i] / G;
-    int32_t lb = lower_bound64(k->global, k->num_blocks, gb);
-    if (lb >= k->num_blocks || k->global[lb] != gb) continue;
-    int64_t local = (int64_t)lb * G + h->verticals[i] % G;
-    if (cb->num_blocks == 0 || cb->block[cb->num_blocks - 1] != gb) {
-      cb->block[cb->num_blocks] = gb;
-      cb->start[cb->num_blocks] = (int32_t)cb->bars.size;
-      cb->num_blocks++;
-    }
-    if (!ivec_push(&cb->bars, (int32_t)local)) return 0;
-  }
-  cb->start[cb->num_blocks] = (int32_t)cb->bars.size;
-  return 1;
-}
 
 static void chunk_bars_free(chunk_bars_t *cb) {
   free(cb->bars.data);
   free(cb->block);
   free(cb->start);
+  free(cb->index_of);
 }
 
-/* Segments of the chunk's bars that query block gq computes: bars in global
- * blocks strictly before gq whose block diagonal is not already listed. */
-static int segs_for_query(const mtrain_pattern_head_t *h, const chunk_bars_t *cb, int64_t gq,
-                          ivec_t *segs, int64_t *num_bars) {
-  int32_t nbb = lower_bound64(cb->block, cb->num_blocks, gq); /* bar blocks before gq */
-  int32_t begin = -1;
-  *num_bars = 0;
-  for (int32_t b = 0; b < nbb; b++) {
-    int excluded = mtrain_pattern_head_has_diagonal(h, gq - cb->block[b]);
-    if (!excluded && begin < 0) begin = cb->start[b];
-    if (excluded && begin >= 0) {
-      if (!ivec_push(segs, begin) || !ivec_push(segs, cb->start[b])) return 0;
-      *num_bars += cb->start[b] - begin;
-      begin = -1;
-    }
-  }
-  if (begin >= 0) {
-    if (!ivec_push(segs, begin) || !ivec_push(segs, cb->start[nbb])) return 0;
-    *num_bars += cb->start[nbb] - begin;
-  }
+/* Sizes the arrays for `nv` bars; `nb` global blocks of the sequence. */
+static int chunk_bars_alloc(chunk_bars_t *cb, int32_t nv, int64_t nb) {
+  memset(cb, 0, sizeof *cb);
+  cb->block = malloc((size_t)(nv + 1) * sizeof *cb->block);
+  cb->start = malloc((size_t)(nv + 1) * sizeof *cb->start);
+  cb->index_of = malloc((size_t)(nb + 1) * sizeof *cb->index_of);
+  cb->bars.cap = nv + 1;
+  cb->bars.data = malloc((size_t)cb->bars.cap * sizeof *cb->bars.data);
+  if (!cb->block || !cb->start || !cb->index_of || !cb->bars.data) return 0;
+  for (int64_t b = 0; b <= nb; b++) cb->index_of[b] = -1;
   return 1;
 }
 
-static mtrain_status_t build_step_head(const mtrain_pattern_t *pattern, int32_t head,
-                                       const mtrain_rank_blocks_t *q, const mtrain_rank_blocks_t *k,
-                                       int with_bars, mtrain_step_head_store_t *out) {
+/* Adds bar `value` in global block gb (blocks in increasing order). */
+static void chunk_bars_add(chunk_bars_t *cb, int64_t gb, int32_t value) {
+  if (cb->num_blocks == 0 || cb->block[cb->num_blocks - 1] != gb) {
+    cb->block[cb->num_blocks] = gb;
+    cb->start[cb->num_blocks] = (int32_t)cb->bars.size;
+    cb->index_of[gb] = cb->num_blocks;
+    cb->num_blocks++;
+  }
+  cb->bars.data[cb->bars.size++] = value; /* capacity: one per vertical */
+}
+
+static int chunk_bars_build(const mtrain_pattern_t *pattern, const mtrain_pattern_head_t *h,
+                            const mtrain_rank_blocks_t *k, const chunk_aux_t *c, chunk_bars_t *cb) {
+  const int32_t G = pattern->granularity;
+  if (!chunk_bars_alloc(cb, h->num_verticals, pattern->num_blocks)) return 0;
+  for (int32_t i = 0; i < h->num_verticals; i++) {
+    int64_t gb = h->verticals[i] / G;
+    int32_t lb = chunk_lower_bound(c, k, gb);
+    if (lb >= k->num_blocks || k->global[lb] != gb) continue;
+    chunk_bars_add(cb, gb, (int32_t)((int64_t)lb * G + h->verticals[i] % G));
+  }
+  cb->start[cb->num_blocks] = (int32_t)cb->bars.size;
+  return 1;
+}
+
+static int push_seg(ivec_t *segs, int32_t b0, int32_t b1, int64_t *num_bars) {
+  *num_bars += b1 - b0;
+  return ivec_push(segs, b0) && ivec_push(segs, b1);
+}
+
+/* Segments of the chunk's bars that query block gq computes: bars in global
+ * blocks strictly before gq whose block diagonal is not already listed, as
+ * maximal ranges of bar blocks. The excluded bar blocks are found from
+ * whichever is shorter: the bar blocks before gq (each looked up in the
+ * diagonal bitmap) or the diagonals 1..gq (each looked up among the bar
+ * blocks). */
+static int segs_for_query(const mtrain_pattern_head_t *h, const head_aux_t *a,
+                          const chunk_bars_t *cb, int64_t gq, ivec_t *segs, int64_t *num_bars) {
+  int32_t nbb = lower_bound64(cb->block, cb->num_blocks, gq); /* bar blocks before gq */
+  *num_bars = 0;
+  if (nbb == 0) return 1;
+  /* diagonals in [1, gq]: indices [1, nd) (diagonal 0 is first) */
+  int32_t lo = 0, hi = h->num_diagonals;
+  while (lo < hi) {
+    int32_t mid = lo + (hi - lo) / 2;
+    if (h->diagonals[mid] <= gq)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  const int32_t nd = lo;
+  int32_t begin = 0; /* first bar block of the open range */
+  if (nd - 1 < nbb) {
+    /* walk the diagonals from the largest (earliest bar block) down */
+    for (int32_t d = nd - 1; d >= 1; d--) {
+      const int32_t b = cb->index_of[gq - h->diagonals[d]];
+      if (b < 0) continue;
+      if (b > begin && !push_seg(segs, cb->start[begin], cb->start[b], num_bars)) return 0;
+      begin = b + 1;
+    }
+  } else {
+    for (int32_t b = 0; b < nbb; b++) {
+      if (!a->has_diag[gq - cb->block[b]]) continue;
+      if (b > begin && !push_seg(segs, cb->start[begin], cb->start[b], num_bars)) return 0;
+      begin = b + 1;
+    }
+  }
+  if (begin < nbb && !push_seg(segs, cb->start[begin], cb->start[nbb], num_bars)) return 0;
+  return 1;
+}
+
+/* Pairs computed by query block qb (of r rows, global gq) against the local
+ * key-block run [lo, hi): full blocks, except the diagonal block (global ==
+ * gq), whose lower triangle counts. */
+static int64_t run_pairs(const mtrain_rank_blocks_t *k, const chunk_aux_t *c, int64_t gq, int64_t r,
+                         int32_t lo, int32_t hi, int64_t seq_len, int32_t G) {
+  int64_t pairs = r * (c->row_prefix[hi] - c->row_prefix[lo]);
+  const int32_t kd = chunk_lower_bound(c, k, gq);
+  if (kd >= lo && kd < hi && k->global[kd] == gq)
+    pairs += r * (r + 1) / 2 - r * rows_of(k, kd, seq_len, G);
+  return pairs;
+}
+
+/* Builds one (step, head) entry from the head's and the chunk's tables; 0
+ * when out of memory (out is then freed). */
+static int build_step_head_core(const mtrain_pattern_t *pattern, int32_t head, const head_aux_t *a,
+                                const mtrain_rank_blocks_t *q, const mtrain_rank_blocks_t *k,
+                                const chunk_aux_t *c, int with_bars,
+                                mtrain_step_head_store_t *out) {
   const mtrain_pattern_head_t *h = &pattern->heads[head];
   const int32_t G = pattern->granularity;
   const int64_t N = pattern->seq_len;
-  mtrain_status_t st = MTRAIN_SUCCESS;
   ivec_t runs = {0}, segs = {0};
   chunk_bars_t cb;
   memset(out, 0, sizeof *out);
@@ -182,30 +324,31 @@ static mtrain_status_t build_step_head(const mtrain_pattern_t *pattern, int32_t 
   out->run_off = malloc((size_t)(q->num_blocks + 1) * sizeof(int32_t));
   out->seg_off = malloc((size_t)(q->num_blocks + 1) * sizeof(int32_t));
   int ok = out->run_off && out->seg_off;
-  if (ok && with_bars && !h->mask_off && h->num_verticals) ok = chunk_bars_build(h, k, G, &cb);
+  if (ok && with_bars && !h->mask_off && h->num_verticals)
+    ok = chunk_bars_build(pattern, h, k, c, &cb);
   for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
     int64_t gq = q->global[qb];
     out->run_off[qb] = (int32_t)(runs.size / 2);
     out->seg_off[qb] = (int32_t)(segs.size / 2);
     if (gq * G >= N) continue; /* a padding block computes nothing */
     int64_t run_start = runs.size;
-    ok = h->mask_off ? runs_block_mask(h, gq, k, &runs) : runs_vertical_slash(h, gq, k, &runs);
-    for (int64_t r = run_start; ok && r < runs.size; r += 2)
-      for (int32_t kb = runs.data[r]; kb < runs.data[r + 1]; kb++)
-        out->pairs += block_pair_count(q, qb, k, kb, N, G);
+    ok =
+        h->mask_off ? runs_block_mask(h, gq, k, c, &runs) : runs_vertical_slash(a, gq, k, c, &runs);
+    const int64_t r = rows_of(q, qb, N, G);
+    for (int64_t e = run_start; ok && e < runs.size; e += 2)
+      out->pairs += run_pairs(k, c, gq, r, runs.data[e], runs.data[e + 1], N, G);
     if (ok && cb.bars.size) {
       int64_t nbars = 0;
-      ok = segs_for_query(h, &cb, gq, &segs, &nbars);
-      out->pairs += nbars * rows_of(q, qb, N, G);
+      ok = segs_for_query(h, a, &cb, gq, &segs, &nbars);
+      out->pairs += nbars * r;
     }
   }
   if (!ok) {
-    st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory building head %d", head);
     free(runs.data);
     free(segs.data);
     chunk_bars_free(&cb);
     mtrain_step_head_store_free(out);
-    return st;
+    return 0;
   }
   out->run_off[q->num_blocks] = (int32_t)(runs.size / 2);
   out->seg_off[q->num_blocks] = (int32_t)(segs.size / 2);
@@ -213,11 +356,28 @@ static mtrain_status_t build_step_head(const mtrain_pattern_t *pattern, int32_t 
   out->segs = segs.data;
   out->num_runs = (int32_t)(runs.size / 2);
   out->num_segs = (int32_t)(segs.size / 2);
-  out->bars = cb.bars.data;
   out->num_bars = (int32_t)cb.bars.size;
-  cb.bars.data = NULL;
+  if (cb.bars.size) { /* no bars in the chunk: no array, as the plain walk left it */
+    out->bars = cb.bars.data;
+    cb.bars.data = NULL;
+  }
   chunk_bars_free(&cb);
-  return MTRAIN_SUCCESS;
+  return 1;
+}
+
+static mtrain_status_t build_step_head(const mtrain_pattern_t *pattern, int32_t head,
+                                       const mtrain_rank_blocks_t *q, const mtrain_rank_blocks_t *k,
+                                       int with_bars, mtrain_step_head_store_t *out) {
+  head_aux_t a;
+  chunk_aux_t c;
+  int ok = head_aux_build(pattern, head, &a) &&
+           chunk_aux_build(k, max_global_of(q, k), pattern->seq_len, pattern->granularity, &c);
+  ok = ok && build_step_head_core(pattern, head, &a, q, k, &c, with_bars, out);
+  if (!ok) memset(out, 0, sizeof *out);
+  head_aux_free(&a);
+  chunk_aux_free(&c);
+  return ok ? MTRAIN_SUCCESS
+            : mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory building head %d", head);
 }
 
 mtrain_status_t mtrain_plan_build_step_head(const mtrain_pattern_t *pattern, int32_t head,
@@ -234,61 +394,82 @@ mtrain_status_t mtrain_plan_build_step_head_runs(const mtrain_pattern_t *pattern
   return build_step_head(pattern, head, q, k, 0, out);
 }
 
-/* Share `part` of `parts` of head h's gathered bar work on this rank: the
- * head's bar entries (concatenated over the local query blocks in order)
- * [floor(part*B/parts), floor((part+1)*B/parts)), as segments into the
- * gathered positions (docs/BALANCE.md, "Bars gathered"). */
-static mtrain_status_t build_gathered_share(const mtrain_pattern_t *pattern, int32_t head,
-                                            const mtrain_rank_blocks_t *q, const int64_t *positions,
-                                            int64_t count, int32_t part, int32_t parts,
-                                            mtrain_step_head_store_t *out) {
+/* Bars gathered, one head: all its bar segments on this rank (over the local
+ * query blocks in order, as in the ring: `all`, qseg[qb] the first of qb's)
+ * and their bar count, computed once for the head's shares of every step. */
+typedef struct gathered_head {
+  chunk_bars_t cb;
+  ivec_t all;
+  int32_t *qseg; /* [num_q_blocks + 1] */
+  int64_t total;
+} gathered_head_t;
+
+static void gathered_head_free(gathered_head_t *g) {
+  chunk_bars_free(&g->cb);
+  free(g->all.data);
+  free(g->qseg);
+  memset(g, 0, sizeof *g);
+}
+
+static int gathered_head_build(const mtrain_pattern_t *pattern, int32_t head, const head_aux_t *a,
+                               const mtrain_rank_blocks_t *q, const int64_t *positions,
+                               int64_t count, gathered_head_t *g) {
   const mtrain_pattern_head_t *h = &pattern->heads[head];
   const int32_t G = pattern->granularity;
   const int64_t N = pattern->seq_len;
-  chunk_bars_t cb;
-  ivec_t segs = {0}, all = {0};
-  memset(&cb, 0, sizeof cb);
+  memset(g, 0, sizeof *g);
+  int ok = 1;
+  /* the head's verticals as indices into the gathered positions */
+  if (!h->mask_off && h->num_verticals) {
+    ok = chunk_bars_alloc(&g->cb, h->num_verticals, pattern->num_blocks);
+    int32_t idx = 0;
+    for (int32_t i = 0; ok && i < h->num_verticals; i++) {
+      /* verticals and positions increase: the index only moves forward */
+      while (idx < count && positions[idx] < h->verticals[i]) idx++;
+      chunk_bars_add(&g->cb, h->verticals[i] / G, idx);
+    }
+    if (ok) g->cb.start[g->cb.num_blocks] = (int32_t)g->cb.bars.size;
+  }
+  g->qseg = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
+  ok = ok && g->qseg;
+  for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
+    g->qseg[qb] = (int32_t)(g->all.size / 2);
+    const int64_t gq = q->global[qb];
+    if (gq * G >= N || g->cb.bars.size == 0) continue;
+    int64_t nbars = 0;
+    ok = segs_for_query(h, a, &g->cb, gq, &g->all, &nbars);
+    g->total += nbars;
+  }
+  if (g->qseg) g->qseg[q->num_blocks] = (int32_t)(g->all.size / 2);
+  return ok;
+}
+
+/* Share `part` of `parts` of head h's gathered bar work on this rank: the
+ * head's bar entries (concatenated over the local query blocks in order)
+ * [floor(part*B/parts), floor((part+1)*B/parts)), as segments into the
+ * gathered positions (docs/BALANCE.md, "Bars gathered"). 0 when out of
+ * memory (out is then freed). */
+static int build_gathered_share(const mtrain_pattern_t *pattern, const gathered_head_t *g,
+                                const mtrain_rank_blocks_t *q, int32_t part, int32_t parts,
+                                mtrain_step_head_store_t *out) {
+  const int32_t G = pattern->granularity;
+  const int64_t N = pattern->seq_len;
+  ivec_t segs = {0};
   memset(out, 0, sizeof *out);
   out->run_off = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
   out->seg_off = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
-  int ok = out->run_off && out->seg_off;
-  /* the head's verticals as indices into the gathered positions */
-  if (ok && !h->mask_off && h->num_verticals) {
-    cb.block = malloc((size_t)(h->num_verticals + 1) * sizeof *cb.block);
-    cb.start = malloc((size_t)(h->num_verticals + 1) * sizeof *cb.start);
-    ok = cb.block && cb.start;
-    for (int32_t i = 0; ok && i < h->num_verticals; i++) {
-      const int64_t gb = h->verticals[i] / G;
-      const int32_t idx = lower_bound64(positions, (int32_t)count, h->verticals[i]);
-      if (cb.num_blocks == 0 || cb.block[cb.num_blocks - 1] != gb) {
-        cb.block[cb.num_blocks] = gb;
-        cb.start[cb.num_blocks] = (int32_t)cb.bars.size;
-        cb.num_blocks++;
-      }
-      ok = ivec_push(&cb.bars, idx);
-    }
-    if (ok) cb.start[cb.num_blocks] = (int32_t)cb.bars.size;
-  }
-  /* all segments of every query block, then the share's cut of them */
-  int32_t *qseg = calloc((size_t)(q->num_blocks + 1), sizeof(int32_t));
-  ok = ok && qseg;
-  int64_t total = 0;
-  for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
-    qseg[qb] = (int32_t)(all.size / 2);
-    const int64_t gq = q->global[qb];
-    if (gq * G >= N || cb.bars.size == 0) continue;
-    int64_t nbars = 0;
-    ok = segs_for_query(h, &cb, gq, &all, &nbars);
-    total += nbars;
-  }
-  if (qseg) qseg[q->num_blocks] = (int32_t)(all.size / 2);
-  const int64_t lo = (int64_t)part * total / parts, hi = (int64_t)(part + 1) * total / parts;
+  const int32_t nbars = (int32_t)g->cb.bars.size;
+  out->bars = malloc(sizeof(int32_t) * (size_t)(nbars + 1));
+  int ok = out->run_off && out->seg_off && out->bars;
+  if (ok && nbars) memcpy(out->bars, g->cb.bars.data, sizeof(int32_t) * (size_t)nbars);
+  out->num_bars = nbars;
+  const int64_t lo = (int64_t)part * g->total / parts, hi = (int64_t)(part + 1) * g->total / parts;
   int64_t c = 0;
   for (int32_t qb = 0; ok && qb < q->num_blocks; qb++) {
     out->seg_off[qb] = (int32_t)(segs.size / 2);
     const int32_t nr = mtrain_block_rows(q->tokens, G, qb, q->global[qb], N);
-    for (int32_t e = qseg[qb]; ok && e < qseg[qb + 1]; e++) {
-      const int64_t b0 = all.data[2 * e], len = all.data[2 * e + 1] - b0;
+    for (int32_t e = g->qseg[qb]; ok && e < g->qseg[qb + 1]; e++) {
+      const int64_t b0 = g->all.data[2 * e], len = g->all.data[2 * e + 1] - b0;
       const int64_t from = lo > c ? lo - c : 0, to = hi - c < len ? hi - c : len;
       if (from < to) {
         ok = ivec_push(&segs, (int32_t)(b0 + from)) && ivec_push(&segs, (int32_t)(b0 + to));
@@ -297,22 +478,19 @@ static mtrain_status_t build_gathered_share(const mtrain_pattern_t *pattern, int
       c += len;
     }
   }
-  if (out->seg_off) out->seg_off[q->num_blocks] = (int32_t)(segs.size / 2);
-  free(qseg);
-  free(all.data);
   if (!ok) {
     free(segs.data);
-    chunk_bars_free(&cb);
     mtrain_step_head_store_free(out);
-    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory (gathered bars)");
+    return 0;
   }
+  out->seg_off[q->num_blocks] = (int32_t)(segs.size / 2);
   out->segs = segs.data;
   out->num_segs = (int32_t)(segs.size / 2);
-  out->bars = cb.bars.data;
-  out->num_bars = (int32_t)cb.bars.size;
-  cb.bars.data = NULL;
-  chunk_bars_free(&cb);
-  return MTRAIN_SUCCESS;
+  if (nbars == 0) {
+    free(out->bars);
+    out->bars = NULL;
+  }
+  return 1;
 }
 
 void mtrain_step_head_store_free(mtrain_step_head_store_t *s) {
@@ -408,17 +586,69 @@ static void step_head_done(mtrain_plan_t *plan, const mtrain_plan_seq_t *s,
   plan->bytes += step_head_bytes(&step->heads[h], s->q.num_blocks);
 }
 
-/* Builds step `t` of a sequence: the chunk of rank src, all heads. */
-static mtrain_status_t build_step(mtrain_plan_t *plan, mtrain_plan_seq_t *s, int32_t t, int32_t src,
-                                  mtrain_rank_blocks_t k, int with_bars) {
-  mtrain_plan_step_t *step = &s->steps[t];
-  step->k = k;
-  mtrain_status_t st = step_init(plan, s, step, t, src, k.tokens, k.num_blocks, step->k.global);
-  for (int32_t h = 0; st == MTRAIN_SUCCESS && h < plan->num_heads; h++) {
-    st = build_step_head(s->pattern, h, &s->q, &step->k, with_bars, &step->heads[h]);
-    if (st == MTRAIN_SUCCESS) step_head_done(plan, s, step, h);
+/* Threads of the host-side plan work: the context's (OpenMP's default when
+ * 0). Every (step, head) entry is built by one thread from read-only inputs,
+ * and the totals are added afterwards in (step, head) order, so the plan is
+ * the same for any thread count. */
+static int plan_threads(const mtrain_context_t *ctx) {
+  return ctx->config.num_threads > 0 ? ctx->config.num_threads : omp_get_max_threads();
+}
+
+/* The head tables of a pattern, one per head, built in parallel (NULL when
+ * out of memory). */
+static head_aux_t *head_aux_build_all(const mtrain_pattern_t *p, int threads) {
+  head_aux_t *aux = calloc((size_t)p->num_heads, sizeof *aux);
+  if (!aux) return NULL;
+  int ok = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(& : ok)
+  for (int32_t h = 0; h < p->num_heads; h++) ok &= head_aux_build(p, h, &aux[h]);
+  if (ok) return aux;
+  for (int32_t h = 0; h < p->num_heads; h++) head_aux_free(&aux[h]);
+  free(aux);
+  return NULL;
+}
+
+static void head_aux_free_all(head_aux_t *aux, int32_t num_heads) {
+  for (int32_t h = 0; aux && h < num_heads; h++) head_aux_free(&aux[h]);
+  free(aux);
+}
+
+/* Builds every step of sequence s (step t's chunk and source already set
+ * in s->steps[t]): all (step, head) entries in parallel, then the views and
+ * the totals in order. */
+static mtrain_status_t build_steps(mtrain_plan_t *plan, mtrain_plan_seq_t *s, const head_aux_t *aux,
+                                   int with_bars, int threads) {
+  const int32_t T = plan->num_steps, H = plan->num_heads;
+  chunk_aux_t *caux = calloc((size_t)T, sizeof *caux);
+  uint8_t *done = calloc((size_t)T * (size_t)H, 1);
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  int ok = caux && done;
+  for (int32_t t = 0; ok && t < T; t++) {
+    mtrain_plan_step_t *step = &s->steps[t];
+    st = step_init(plan, s, step, t, step->src_rank, step->k.tokens, step->k.num_blocks,
+                   step->k.global);
+    ok = st == MTRAIN_SUCCESS &&
+         chunk_aux_build(&step->k, max_global_of(&s->q, &step->k), s->pattern->seq_len,
+                         s->pattern->granularity, &caux[t]);
   }
-  return st;
+  if (ok) {
+    const int64_t tasks = (int64_t)T * H;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks; i++) {
+      const int32_t t = (int32_t)(i / H), h = (int32_t)(i % H);
+      mtrain_plan_step_t *step = &s->steps[t];
+      done[i] = (uint8_t)build_step_head_core(s->pattern, h, &aux[h], &s->q, &step->k, &caux[t],
+                                              with_bars, &step->heads[h]);
+    }
+    for (int64_t i = 0; ok && i < tasks; i++) ok = done[i];
+  }
+  for (int32_t t = 0; ok && t < T; t++)
+    for (int32_t h = 0; h < H; h++) step_head_done(plan, s, &s->steps[t], h);
+  for (int32_t t = 0; caux && t < T; t++) chunk_aux_free(&caux[t]);
+  free(caux);
+  free(done);
+  if (st) return st;
+  return ok ? MTRAIN_SUCCESS : mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
 }
 
 /* The sorted union of the verticals of all heads of a pattern (*out owned;
@@ -441,22 +671,45 @@ static mtrain_status_t vertical_union(const mtrain_pattern_t *p, int64_t **out, 
 }
 
 /* Bars gathered, one sequence: its bar share of every ring step against the
- * gathered rows of its verticals `positions`. */
+ * gathered rows of its verticals `positions`. Each head's segments are found
+ * once and cut into the steps' shares, in parallel. */
 static mtrain_status_t build_bar_steps(mtrain_plan_t *plan, mtrain_plan_seq_t *ps,
-                                       const int64_t *positions, int64_t count) {
-  ps->bar_steps = calloc((size_t)plan->num_steps, sizeof *ps->bar_steps);
-  if (!ps->bar_steps) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
-  for (int32_t t = 0; t < plan->num_steps; t++) {
-    mtrain_plan_step_t *step = &ps->bar_steps[t];
-    mtrain_status_t st = step_init(plan, ps, step, t, -1, count, 0, NULL);
-    for (int32_t h = 0; st == MTRAIN_SUCCESS && h < plan->num_heads; h++) {
-      st = build_gathered_share(ps->pattern, h, &ps->q, positions, count, t, plan->num_steps,
-                                &step->heads[h]);
-      if (st == MTRAIN_SUCCESS) step_head_done(plan, ps, step, h);
-    }
-    if (st) return st;
+                                       const head_aux_t *aux, const int64_t *positions,
+                                       int64_t count, int threads) {
+  const int32_t T = plan->num_steps, H = plan->num_heads;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  ps->bar_steps = calloc((size_t)T, sizeof *ps->bar_steps);
+  gathered_head_t *g = calloc((size_t)H, sizeof *g);
+  uint8_t *done = calloc((size_t)T * (size_t)H + (size_t)H, 1);
+  int ok = ps->bar_steps && g && done;
+  for (int32_t t = 0; ok && t < T; t++) {
+    st = step_init(plan, ps, &ps->bar_steps[t], t, -1, count, 0, NULL);
+    ok = st == MTRAIN_SUCCESS;
   }
-  return MTRAIN_SUCCESS;
+  if (ok) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int32_t h = 0; h < H; h++)
+      done[h] =
+          (uint8_t)gathered_head_build(ps->pattern, h, &aux[h], &ps->q, positions, count, &g[h]);
+    for (int32_t h = 0; ok && h < H; h++) ok = done[h];
+  }
+  if (ok) {
+    const int64_t tasks = (int64_t)T * H;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks; i++) {
+      const int32_t t = (int32_t)(i / H), h = (int32_t)(i % H);
+      done[H + i] = (uint8_t)build_gathered_share(ps->pattern, &g[h], &ps->q, t, T,
+                                                  &ps->bar_steps[t].heads[h]);
+    }
+    for (int64_t i = 0; ok && i < tasks; i++) ok = done[H + i];
+  }
+  for (int32_t t = 0; ok && t < T; t++)
+    for (int32_t h = 0; h < H; h++) step_head_done(plan, ps, &ps->bar_steps[t], h);
+  for (int32_t h = 0; g && h < H; h++) gathered_head_free(&g[h]);
+  free(g);
+  free(done);
+  if (st) return st;
+  return ok ? MTRAIN_SUCCESS : mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
 }
 
 /* Bars gathered: for every sequence whose layout gathers its bars, the union
@@ -465,7 +718,8 @@ static mtrain_status_t build_bar_steps(mtrain_plan_t *plan, mtrain_plan_seq_t *p
  * `slot_offset[r * num_seqs + s]` is the first local token slot of sequence
  * s on rank r. */
 static mtrain_status_t build_gathered(mtrain_plan_t *plan, const mtrain_layout_t *const *layouts,
-                                      const int64_t *slot_offset) {
+                                      const int64_t *slot_offset, head_aux_t *const *aux,
+                                      int threads) {
   const int32_t W = plan->world, S = plan->num_seqs;
   mtrain_status_t st = MTRAIN_SUCCESS;
   mtrain_plan_gathered_t *g = calloc(1, sizeof *g);
@@ -484,7 +738,8 @@ static mtrain_status_t build_gathered(mtrain_plan_t *plan, const mtrain_layout_t
     st = vertical_union(ps->pattern, &positions[s], &ps->bar_count);
     ps->bar_base = g->count;
     g->count += ps->bar_count;
-    if (st == MTRAIN_SUCCESS) st = build_bar_steps(plan, ps, positions[s], ps->bar_count);
+    if (st == MTRAIN_SUCCESS)
+      st = build_bar_steps(plan, ps, aux[s], positions[s], ps->bar_count, threads);
   }
   if (st) goto done;
   bar_owner = malloc(sizeof(int32_t) * (size_t)(g->count + 1));
@@ -654,6 +909,8 @@ static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
   mtrain_status_t st = MTRAIN_SUCCESS;
   mtrain_ring_geometry_t geo;
   int64_t *slot_offset = NULL; /* [rank * num_seqs + s] first local slot of s on rank */
+  head_aux_t **aux = NULL;     /* [num_seqs][num_heads] */
+  const int threads = plan_threads(ctx);
   mtrain_plan_t *plan = calloc(1, sizeof *plan);
   if (!plan) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   MTRAIN_TRY(mtrain_ring_geometry(world, ranks_per_node == world ? 0 : ranks_per_node, rank, &geo));
@@ -666,7 +923,9 @@ static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
   plan->ranks_per_node = ranks_per_node == world ? 0 : ranks_per_node;
   plan->seqs = calloc((size_t)num_seqs, sizeof *plan->seqs);
   slot_offset = calloc((size_t)world * (size_t)num_seqs, sizeof *slot_offset);
-  MTRAIN_FAIL_IF(!plan->seqs || !slot_offset, MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
+  aux = calloc((size_t)num_seqs, sizeof *aux);
+  MTRAIN_FAIL_IF(!plan->seqs || !slot_offset || !aux, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "plan: out of memory");
   for (int32_t r = 0; r < world; r++) {
     int64_t off = 0;
     for (int32_t s = 0; s < num_seqs; s++) {
@@ -691,11 +950,13 @@ static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
       ps->q_global[b] = layouts ? mtrain_layout_rank_blocks(layouts[s], rank)[b] : b;
     ps->q.global = ps->q_global; /* the plan must not depend on the layout's lifetime */
     plan->local_tokens += ps->q.tokens;
+    aux[s] = head_aux_build_all(ps->pattern, threads);
+    MTRAIN_FAIL_IF(!aux[s], MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   }
   if (world > 1)
     for (int32_t s = 0; s < num_seqs; s++)
       if (mtrain_layout_bars_mode(layouts[s]) == MTRAIN_BARS_GATHERED) {
-        MTRAIN_TRY(build_gathered(plan, layouts, slot_offset));
+        MTRAIN_TRY(build_gathered(plan, layouts, slot_offset, aux, threads));
         break;
       }
   for (int32_t s = 0; s < num_seqs; s++) {
@@ -713,15 +974,21 @@ static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
         k.global = ps->k_globals[t];
       }
       ps->steps[t].chunk_offset = slot_offset[(int64_t)src * num_seqs + s];
-      MTRAIN_TRY(build_step(plan, ps, t, src, k, ps->bar_steps == NULL));
+      ps->steps[t].src_rank = src;
+      ps->steps[t].k = k;
     }
+    MTRAIN_TRY(build_steps(plan, ps, aux[s], ps->bar_steps == NULL, threads));
   }
   plan->bytes += sizeof *plan + (size_t)num_seqs * sizeof *plan->seqs;
   if (layouts) MTRAIN_TRY(check_ring_plan_agrees(ctx, plan));
+  for (int32_t s = 0; s < num_seqs; s++) head_aux_free_all(aux[s], plan->num_heads);
+  free(aux);
   free(slot_offset);
   *out = plan;
   return MTRAIN_SUCCESS;
 cleanup:
+  for (int32_t s = 0; aux && s < num_seqs; s++) head_aux_free_all(aux[s], plan->num_heads);
+  free(aux);
   free(slot_offset);
   mtrain_plan_destroy(plan);
   return st;
