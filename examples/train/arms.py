@@ -32,8 +32,9 @@ class Budget:
     chosen by score, so the budget grows with the sequence length N.
     mtrain-topp keeps TopP(p_v, p_s) with caps N. window computes the block
     diagonals 0 .. window_blocks - 1 (a sliding window of that many blocks of
-    G tokens, no verticals); window_blocks 0 means: as many as give the static
-    budget's nominal density (static_density)."""
+    G tokens, no verticals); window_blocks 0 means: as many as give
+    match_density (the density measured in another run, --match), else the
+    static budget's nominal density (static_density)."""
 
     granularity: int = 64
     sinks: int = 30
@@ -44,6 +45,7 @@ class Budget:
     p_v: float = 0.9
     p_s: float = 0.9
     window_blocks: int = 0
+    match_density: float = 0.0
 
     def topk(self, n: int) -> mtrain.TopK:
         return mtrain.TopK(
@@ -63,7 +65,7 @@ class Budget:
     def window_width(self, n: int) -> int:
         if self.window_blocks > 0:
             return self.window_blocks
-        target = self.static_density(n)
+        target = self.match_density or self.static_density(n)
         nb = math.ceil(n / self.granularity)
         best = min(
             range(1, nb + 1),
@@ -136,6 +138,7 @@ class Arm:
             out["window_blocks"] = self.budget.window_width(self.seq_len)
             out["window_tokens"] = self.budget.window_width(self.seq_len) * self.budget.granularity
             out["pattern_density"] = self.pattern.density()
+            out["matched_density"] = self.budget.match_density or None
         if self.name == "mtrain-static":
             out["nominal_density"] = self.budget.static_density(self.seq_len)
         return out

@@ -43,6 +43,7 @@ class RunConfig:
     p_v: float = 0.9
     p_s: float = 0.9
     window_blocks: int = 0
+    match: str = ""  # window arm: a results JSON whose measured density the window matches
     mqar_pairs: int = 16
     mqar_queries: int = 16
     passkey_digits: int = 5
@@ -81,6 +82,8 @@ HELP = {
     "p_v": "mtrain-topp: vertical mass kept",
     "p_s": "mtrain-topp: slash mass kept",
     "window_blocks": "window arm: block diagonals computed (0: match the static budget's density)",
+    "match": "window arm: width matched to the mean density measured in this results JSON "
+    "(for example the mtrain-static run's)",
     "mqar_pairs": "MQAR key-value pairs",
     "mqar_queries": "MQAR queries per sequence",
     "passkey_digits": "passkey length in digits",

@@ -56,6 +56,17 @@ def lr_at(cfg: RunConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def measured_density(path: str) -> float:
+    """The mean pattern density over the probes of a results JSON (0: none)."""
+    if not path:
+        return 0.0
+    r = json.loads(Path(path).read_text())
+    layers = [x["density"] for p in r["probes"] for x in p["layers"].values()]
+    if not layers:
+        raise ValueError(f"{path} has no pattern density (a dense run?)")
+    return statistics.mean(layers)
+
+
 def probe_steps(cfg: RunConfig) -> set[int]:
     every = cfg.probe_every or max(1, cfg.steps // 8)
     return {s for s in range(cfg.steps) if s % every == every - 1}
@@ -78,7 +89,7 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
     budget = Budget(
         granularity=g, sinks=cfg.sinks, local_window=cfg.local_window, last_q=cfg.last_q,
         v_frac=cfg.v_frac, s_frac=cfg.s_frac, p_v=cfg.p_v, p_s=cfg.p_s,
-        window_blocks=cfg.window_blocks,
+        window_blocks=cfg.window_blocks, match_density=measured_density(cfg.match),
     )  # fmt: skip
     arm = Arm(cfg.arm, size.heads, budget)
     arm.set_length(cfg.seq_len)
