@@ -8,6 +8,7 @@
  * rank scores its own slots of the layout after the last L queries are
  * gathered. */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -32,10 +33,8 @@ mtrain_estimate_times_t mtrain_estimate_last_times(void) { return last_times; }
 /* Everything one estimation call allocates, freed in one place. */
 typedef struct estimate_buffers {
   void *row, *col, *diag; /* backend memory */
-  double *row_host, *row_max, *row_norm, *col_host, *diag_host, *sscore;
-  int64_t *order, *picked, *tokens;
-  int32_t *blocks;
-  uint8_t *probs, *forced;
+  double *row_host, *row_max, *row_norm, *col_host, *diag_host;
+  uint8_t *probs;
 } estimate_buffers_t;
 
 static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
@@ -46,13 +45,7 @@ static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
   free(b->row_norm);
   free(b->col_host);
   free(b->diag_host);
-  free(b->sscore);
-  free(b->order);
-  free(b->picked);
-  free(b->tokens);
-  free(b->blocks);
   free(b->probs);
-  free(b->forced);
 }
 
 static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t *q,
@@ -111,37 +104,99 @@ static mtrain_status_t allreduce(mtrain_context_t *ctx, double *buf, int64_t n,
   return mtrain_cm_allreduce(ctx, buf, n, MTRAIN_F64, op);
 }
 
+/* One thread's scratch of the selection (N entries each). */
+typedef struct select_scratch {
+  double *sscore;
+  int64_t *order, *picked, *tokens;
+  int32_t *blocks;
+  uint8_t *forced;
+} select_scratch_t;
+
+static void scratch_free(select_scratch_t *x) {
+  free(x->sscore);
+  free(x->order);
+  free(x->picked);
+  free(x->tokens);
+  free(x->blocks);
+  free(x->forced);
+}
+
+static int scratch_alloc(select_scratch_t *x, int64_t N) {
+  x->sscore = malloc(sizeof(double) * (size_t)N);
+  x->order = malloc(sizeof(int64_t) * (size_t)N);
+  x->picked = malloc(sizeof(int64_t) * (size_t)N);
+  x->tokens = malloc(sizeof(int64_t) * (size_t)N);
+  x->blocks = malloc(sizeof(int32_t) * (size_t)(2 * N + 1));
+  x->forced = malloc((size_t)N);
+  return x->sscore && x->order && x->picked && x->tokens && x->blocks && x->forced;
+}
+
 /* Selects head h's verticals and diagonals from its column and diagonal
- * scores and stores them in the pattern. */
+ * scores and stores them in the pattern (only head h of it is touched). */
 static mtrain_status_t select_head(const mtrain_head_budget_t *bud,
                                    const mtrain_estimate_options_t *o, int32_t h, int64_t N,
-                                   int32_t L, int32_t G, estimate_buffers_t *b,
-                                   mtrain_pattern_t *p) {
+                                   int32_t L, int32_t G, const estimate_buffers_t *b,
+                                   select_scratch_t *x, mtrain_pattern_t *p) {
   const int32_t slots = mtrain_scores_slots(L, G);
   const int64_t nb = (N + G - 1) / G;
   /* vertical candidates: keys before the last block */
   const int64_t nv_cand = ((N - 1) / G) * G;
   const double *col = b->col_host + (int64_t)h * N;
   /* slash scores: per-block partial sums added in block order */
+  const double *diag = b->diag_host + (int64_t)h * N * slots;
   for (int64_t t = 0; t < N; t++) {
     double sum = 0.0;
-    for (int32_t s = 0; s < slots; s++) sum += b->diag_host[((int64_t)h * N + t) * slots + s];
-    b->sscore[t] = sum;
+    for (int32_t s = 0; s < slots; s++) sum += diag[t * slots + s];
+    x->sscore[t] = sum;
   }
   int64_t nv, ns;
   if (bud->kind == MTRAIN_BUDGET_TOP_K) {
-    memset(b->forced, 0, (size_t)N);
-    for (int64_t j = 0; j < o->num_sinks && j < nv_cand; j++) b->forced[j] = 1;
-    nv = mtrain_select_top_k(col, b->forced, nv_cand, bud->v_size, b->order, b->picked);
-    memset(b->forced, 0, (size_t)N);
-    for (int64_t t = 0; t < o->window && t < N; t++) b->forced[t] = 1;
-    ns = mtrain_select_top_k(b->sscore, b->forced, N, bud->s_size, b->order, b->tokens);
+    /* forced candidates are a prefix: only that prefix is marked and cleared */
+    const int64_t nf_v = o->num_sinks < nv_cand ? o->num_sinks : nv_cand;
+    const int64_t nf_s = o->window < N ? o->window : N;
+    memset(x->forced, 1, (size_t)nf_v);
+    memset(x->forced + nf_v, 0, (size_t)(N - nf_v));
+    nv = mtrain_select_top_k(col, x->forced, nv_cand, bud->v_size, x->order, x->picked);
+    memset(x->forced, 0, (size_t)N);
+    memset(x->forced, 1, (size_t)nf_s);
+    ns = mtrain_select_top_k(x->sscore, x->forced, N, bud->s_size, x->order, x->tokens);
   } else {
-    nv = mtrain_select_top_p(col, nv_cand, bud->p_v, bud->cap_v, b->order, b->picked);
-    ns = mtrain_select_top_p(b->sscore, N, bud->p_s, bud->cap_s, b->order, b->tokens);
+    nv = mtrain_select_top_p(col, nv_cand, bud->p_v, bud->cap_v, x->order, x->picked);
+    ns = mtrain_select_top_p(x->sscore, N, bud->p_s, bud->cap_s, x->order, x->tokens);
   }
-  const int32_t nd = mtrain_token_to_block_diagonals(b->tokens, ns, G, nb, b->blocks);
-  return mtrain_pattern_set_head(p, h, b->blocks, nd, b->picked, (int32_t)nv);
+  const int32_t nd = mtrain_token_to_block_diagonals(x->tokens, ns, G, nb, x->blocks);
+  return mtrain_pattern_set_head(p, h, x->blocks, nd, x->picked, (int32_t)nv);
+}
+
+/* Every head's selection, heads in parallel on the context's threads (each
+ * head's result depends on its own scores only: the same pattern for any
+ * thread count). */
+static mtrain_status_t select_all(mtrain_context_t *ctx, const mtrain_head_budget_t *budgets,
+                                  const mtrain_estimate_options_t *o, int32_t Hq, int64_t N,
+                                  int32_t L, int32_t G, const estimate_buffers_t *b,
+                                  mtrain_pattern_t *p) {
+  int threads = ctx->config.num_threads > 0 ? ctx->config.num_threads : omp_get_max_threads();
+  if (threads > Hq) threads = Hq;
+  mtrain_status_t *status = malloc(sizeof(mtrain_status_t) * (size_t)Hq);
+  if (!status) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory");
+  for (int32_t h = 0; h < Hq; h++) status[h] = MTRAIN_ERR_OUT_OF_MEMORY;
+#pragma omp parallel num_threads(threads)
+  {
+    select_scratch_t x;
+    memset(&x, 0, sizeof x);
+    const int ok = scratch_alloc(&x, N);
+#pragma omp for schedule(dynamic, 1)
+    for (int32_t h = 0; h < Hq; h++)
+      if (ok) status[h] = select_head(&budgets[h], o, h, N, L, G, b, &x, p);
+    scratch_free(&x);
+  }
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  for (int32_t h = 0; h < Hq && st == MTRAIN_SUCCESS; h++)
+    if (status[h] != MTRAIN_SUCCESS)
+      st = mtrain_error(status[h], "estimate: selecting head %d failed (%s, N = %lld)", h,
+                        mtrain_status_name(status[h]), (long long)N);
+  free(status);
+  return st;
 }
 
 /* What the scores are computed from: the last L queries (gathered) and the
@@ -181,15 +236,8 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   b.row_norm = malloc(sizeof(double) * (size_t)Hq * L);
   b.col_host = malloc(sizeof(double) * n_col);
   b.diag_host = malloc(sizeof(double) * n_diag);
-  b.sscore = malloc(sizeof(double) * (size_t)N);
-  b.order = malloc(sizeof(int64_t) * (size_t)N);
-  b.picked = malloc(sizeof(int64_t) * (size_t)N);
-  b.tokens = malloc(sizeof(int64_t) * (size_t)N);
-  b.blocks = malloc(sizeof(int32_t) * (size_t)(2 * N + 1));
-  b.forced = malloc((size_t)N);
   MTRAIN_FAIL_IF(!b.probs || !b.row_host || !b.row_max || !b.row_norm || !b.col_host ||
-                     !b.diag_host || !b.sscore || !b.order || !b.picked || !b.tokens || !b.blocks ||
-                     !b.forced,
+                     !b.diag_host,
                  MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
                  (long long)N, Hq);
   MTRAIN_TRY(mtrain_be_alloc(ctx, n_row * sizeof(double), &b.row));
@@ -258,7 +306,7 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   const double t_select = now_s();
   last_times.scores = t_select - t_scores;
   MTRAIN_TRY(mtrain_pattern_create(N, Hq, G, &p));
-  for (int32_t h = 0; h < Hq; h++) MTRAIN_TRY(select_head(&budgets[h], options, h, N, L, G, &b, p));
+  MTRAIN_TRY(select_all(ctx, budgets, options, Hq, N, L, G, &b, p));
   last_times.select = now_s() - t_select;
   *out = p;
   p = NULL;

@@ -2,12 +2,15 @@
  * section 2, and the token-diagonal to block-diagonal conversion. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/runtime/select.h"
 
 /* qsort has no context argument: the comparison reads these (thread-local,
- * so selections on several threads do not interfere). Only the best k (top-k)
- * or cap (top-p) candidates are sorted, after a quickselect. */
+ * so selections on several threads do not interfere). Top-k sorts nothing
+ * but its result by index: the k best are found by a selection on integer
+ * keys (best_set). Top-p ranks only as far as its mass reaches, a chunk at a
+ * time. */
 static _Thread_local const double *sort_scores;
 static _Thread_local const uint8_t *sort_forced;
 
@@ -59,16 +62,59 @@ static void select_best(int64_t *order, int64_t n, int64_t k) {
   }
 }
 
-/* order[0..m) = the m best candidates, best first (m = min(m, n)). */
-static void rank(const double *scores, const uint8_t *forced, int64_t n, int64_t m,
-                 int64_t *order) {
-  for (int64_t i = 0; i < n; i++) order[i] = i;
-  sort_scores = scores;
-  sort_forced = forced;
-  if (m < n) select_best(order, n, m);
-  qsort(order, (size_t)(m < n ? m : n), sizeof *order, by_score_desc);
-  sort_scores = NULL;
-  sort_forced = NULL;
+/* The ranking key of candidate i as an int64 whose order is the order of
+ * by_score_desc's scores: forced +inf, NaN -inf, -0 as +0 (equal scores tie
+ * and break by index, as there), then the IEEE bits made monotone. */
+static inline int64_t key_of(const double *scores, const uint8_t *forced, int64_t i) {
+  double x = forced && forced[i] ? INFINITY : scores[i];
+  if (isnan(x)) x = -INFINITY;
+  if (x == 0.0) x = 0.0;
+  int64_t b;
+  memcpy(&b, &x, sizeof b);
+  return b < 0 ? b ^ INT64_MAX : b;
+}
+
+/* The value of rank k (0-based, ascending) of a[0..n): quickselect with a
+ * median-of-three pivot (a is reordered). */
+static int64_t kth_smallest(int64_t *a, int64_t n, int64_t k) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (a[mid] < a[lo]) swap(&a[mid], &a[lo]);
+    if (a[hi] < a[lo]) swap(&a[hi], &a[lo]);
+    if (a[hi] < a[mid]) swap(&a[hi], &a[mid]);
+    const int64_t pivot = a[mid];
+    int64_t i = lo, j = hi;
+    while (i <= j) {
+      while (a[i] < pivot) i++;
+      while (pivot < a[j]) j--;
+      if (i <= j) swap(&a[i++], &a[j--]);
+    }
+    if (k <= j)
+      hi = j;
+    else if (k >= i)
+      lo = i;
+    else
+      return a[k]; /* a[j+1 .. i-1] equal the pivot */
+  }
+  return a[k];
+}
+
+/* order[0..m) = the m best candidates (0 < m <= n) in increasing index
+ * order: those whose key exceeds the m-th largest key T, and of those equal
+ * to T the lowest indices (the ties of by_score_desc). No comparison sort:
+ * one selection on the keys and two scans. */
+static void best_set(const double *scores, const uint8_t *forced, int64_t n, int64_t m,
+                     int64_t *order) {
+  for (int64_t i = 0; i < n; i++) order[i] = key_of(scores, forced, i);
+  const int64_t T = kth_smallest(order, n, n - m);
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; i++) above += key_of(scores, forced, i) > T;
+  int64_t ties = m - above, c = 0;
+  for (int64_t i = 0; i < n && c < m; i++) {
+    const int64_t key = key_of(scores, forced, i);
+    if (key > T || (key == T && ties-- > 0)) order[c++] = i;
+  }
 }
 
 static int64_t keep_first(const int64_t *order, int64_t count, int64_t *out) {
@@ -81,22 +127,38 @@ int64_t mtrain_select_top_k(const double *scores, const uint8_t *forced, int64_t
                             int64_t *order, int64_t *out) {
   if (k > n) k = n; /* budgets larger than the candidates are clamped */
   if (k <= 0 || n <= 0) return 0;
-  rank(scores, forced, n, k, order);
-  return keep_first(order, k, out);
+  best_set(scores, forced, n, k, order); /* already in index order */
+  for (int64_t i = 0; i < k; i++) out[i] = order[i];
+  return k;
 }
 
 int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t cap, int64_t *order,
                             int64_t *out) {
   if (n <= 0 || cap <= 0) return 0;
-  rank(scores, NULL, n, cap < n ? cap : n, order);
+  const int64_t m = cap < n ? cap : n;
+  best_set(scores, NULL, n, m, order);
+  /* rank order is needed only as far as the mass goes: sort the best chunk
+   * of what is left, add it up, and go on with a twice larger chunk */
+  sort_scores = scores;
+  sort_forced = NULL;
   double sum = 0.0;
-  int64_t count = 0;
-  while (count < n && count < cap) {
-    const double next = sum + scores[order[count]];
-    if (!(next < p)) break;
-    sum = next;
-    count++;
+  int64_t count = 0, chunk = 256;
+  int stop = 0;
+  for (int64_t lo = 0; lo < m && !stop; lo += chunk, chunk *= 2) {
+    const int64_t c = chunk < m - lo ? chunk : m - lo;
+    if (c < m - lo) select_best(order + lo, m - lo, c);
+    qsort(order + lo, (size_t)c, sizeof *order, by_score_desc);
+    for (int64_t i = lo; i < lo + c; i++) {
+      const double next = sum + scores[order[i]];
+      if (!(next < p)) {
+        stop = 1;
+        break;
+      }
+      sum = next;
+      count++;
+    }
   }
+  sort_scores = NULL;
   return keep_first(order, count, out);
 }
 
