@@ -35,7 +35,7 @@ venv="$root/build/venv"
 "$venv/bin/python" -c "import torch, transformers, pytest, ruff" 2>/dev/null ||
   "$venv/bin/python" -m pip install -q torch transformers pytest ruff
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" -C cmake.define.MTRAIN_WITH_CUDA=OFF
-(cd "$root" && "$venv/bin/ruff" check python tests/python && "$venv/bin/ruff" format --check python tests/python)
+(cd "$root" && "$venv/bin/ruff" check python tests/python examples && "$venv/bin/ruff" format --check python tests/python examples)
 # from the repository root, `import mtrain` finds the installed package (the
 # sources are under python/); pytest's exit status 5 (no test collected) fails
 rc=0

@@ -33,6 +33,12 @@ static mtrain_status_t fake_timer_mark(void *state, int index) {
   return MTRAIN_SUCCESS;
 }
 
+/* A stream-ordered async slot for a table without the deferred scans. */
+static int fake_async(void *state) {
+  (void)state;
+  return 1;
+}
+
 /* Every built-in backend table passes the check. */
 static void test_builtin_tables_pass(void **state) {
   (void)state;
@@ -88,6 +94,12 @@ static void test_bad_backend_tables(void **state) {
   ops.timer_mark = fake_timer_mark;
   TS_ASSERT_STATUS(mtrain_backend_table_check(&ops), MTRAIN_ERR_INVALID_CONFIG,
                    "'timer_mark' is set but 'timer_elapsed' is NULL");
+  /* the stream-ordered slots come as a triple */
+  ops = *cpu;
+  ops.async = fake_async;
+  TS_ASSERT_STATUS(mtrain_backend_table_check(&ops), MTRAIN_ERR_INVALID_CONFIG,
+                   "of the stream-ordered slots async, deferred_scan and deferred_poll only 1 is "
+                   "set");
   /* optional slots may be NULL */
   ops = *cpu;
   ops.pattern_scores = NULL;
@@ -154,6 +166,7 @@ static void test_absent_optional_slots(void **state) {
   bare.timer_mark = NULL;
   bare.timer_elapsed = NULL;
   ctx->backend = &bare;
+  static float q_unused[1];
 
   mtrain_scores_args_t args;
   memset(&args, 0, sizeof args);
@@ -171,6 +184,12 @@ static void test_absent_optional_slots(void **state) {
   assert_null(mtrain_be_data_stream(ctx));
   assert_int_equal(mtrain_context_bind_stream(ctx), MTRAIN_SUCCESS);
   assert_int_equal(mtrain_cm_set_data_stream(ctx, NULL), MTRAIN_SUCCESS); /* "self" has none */
+  /* without the stream-ordered slots: synchronous, nothing deferred */
+  assert_int_equal(mtrain_be_async(ctx), 0);
+  assert_int_equal(mtrain_be_deferred_poll(ctx, 1), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_context_check_deferred(ctx), MTRAIN_SUCCESS);
+  TS_ASSERT_STATUS(mtrain_be_deferred_scan(ctx, q_unused, MTRAIN_F32, 1, 0, 1, 1, "x"),
+                   MTRAIN_ERR_NOT_SUPPORTED, "backend 'cpu' has no deferred scans");
 
   /* the public estimate reports the missing slot before touching anything */
   enum { N = 64, H = 2, D = 16 };

@@ -17,6 +17,11 @@ mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream) {
   (void)stream;
   return absent(__func__);
 }
+mtrain_status_t mtrain_cuda_set_async(mtrain_context_t *ctx, int enabled) {
+  (void)ctx;
+  (void)enabled;
+  return absent(__func__);
+}
 mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant) {
   (void)ctx;
   (void)variant;

@@ -93,11 +93,13 @@ static void cuda_fini(void *state) {
   if (!s) return;
   cudaSetDevice(s->device);
   if (s->stream) cudaStreamSynchronize(stream_of(s));
-  for (int i = 0; i < CUDA_STAGE_SLOTS; i++) {
+  for (int i = 0; i < CUDA_STAGE_SLOTS_MAX; i++) {
     if (s->slots[i].event) cudaEventDestroy((cudaEvent_t)s->slots[i].event);
     if (s->slots[i].host) cudaFreeHost(s->slots[i].host);
     if (s->slots[i].dev) cudaFree(s->slots[i].dev);
   }
+  cuda_deferred_free(s);
+  if (s->switch_event) cudaEventDestroy((cudaEvent_t)s->switch_event);
   if (s->scratch) cudaFree(s->scratch);
   for (int i = 0; i < s->num_timers; i++)
     if (s->timers[i]) cudaEventDestroy((cudaEvent_t)s->timers[i]);
@@ -156,6 +158,13 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
     MTRAIN_TRY(cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
                           "cudaEventCreateWithFlags"));
     s->slots[i].event = ev;
+    s->num_slots = i + 1;
+  }
+  {
+    cudaEvent_t ev = NULL;
+    MTRAIN_TRY(cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+                          "cudaEventCreateWithFlags"));
+    s->switch_event = ev;
   }
   *state = s;
   return MTRAIN_SUCCESS;
@@ -539,6 +548,9 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .synchronize = cuda_synchronize,
     .timer_mark = cuda_timer_mark,
     .timer_elapsed = cuda_timer_elapsed,
+    .async = cuda_async_op,
+    .deferred_scan = cuda_deferred_scan_op,
+    .deferred_poll = cuda_deferred_poll_op,
 };
 
 /* ---- public functions (mtrain_cuda.h) ---------------------------------------- */
@@ -566,12 +578,32 @@ mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream) {
   cuda_state_t *s = NULL;
   mtrain_status_t st = cuda_state_of(ctx, &s);
   if (st) return st;
-  /* work queued on the old stream completes before the new one is used */
-  st = cuda_check(cudaStreamSynchronize(stream_of(s)), "cudaStreamSynchronize");
+  void *next = stream ? stream : s->own_stream;
+  if (next == s->stream) return MTRAIN_SUCCESS; /* the same stream: nothing to order */
+  /* work queued on the old stream completes before the new one's work runs
+   * (an event: the host does not wait) */
+  st = cuda_check(cudaEventRecord((cudaEvent_t)s->switch_event, stream_of(s)),
+                  "cudaEventRecord (stream switch)");
+  if (!st)
+    st = cuda_check(cudaStreamWaitEvent((cudaStream_t)next, (cudaEvent_t)s->switch_event, 0),
+                    "cudaStreamWaitEvent (stream switch)");
   if (st) return st;
-  s->stream = stream ? stream : s->own_stream;
+  s->stream = next;
   /* the ring's transfers follow the compute of the new stream */
   return mtrain_context_bind_stream(ctx);
+}
+
+mtrain_status_t mtrain_cuda_set_async(mtrain_context_t *ctx, int enabled) {
+  cuda_state_t *s = NULL;
+  mtrain_status_t st = cuda_state_of(ctx, &s);
+  if (st) return st;
+  if (!enabled && s->async) {
+    /* back to synchronous calls: the findings of the async ones first */
+    s->async = 0;
+    return cuda_deferred_poll_op(s, 1);
+  }
+  s->async = enabled != 0;
+  return MTRAIN_SUCCESS;
 }
 
 mtrain_status_t mtrain_cuda_set_variant(mtrain_context_t *ctx, mtrain_cuda_variant_t variant) {

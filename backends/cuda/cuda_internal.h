@@ -36,7 +36,9 @@ extern "C" {
 #endif
 
 #define CUDA_BAR_TILE 64
-#define CUDA_STAGE_SLOTS 4
+#define CUDA_STAGE_SLOTS 4      /* staging slots made at init */
+#define CUDA_STAGE_SLOTS_MAX 16 /* more are added while all are in use (never waits below) */
+#define CUDA_DEFERRED_MAX 32    /* deferred scans in flight (stream-ordered mode) */
 
 /* Per-head offsets into cuda_step_t.idx (int32 units) and sizes. */
 enum {
@@ -73,14 +75,24 @@ typedef struct cuda_step {
 } cuda_step_t;
 
 /* Host staging of step metadata: pinned host + device buffers in a ring of
- * CUDA_STAGE_SLOTS slots, each guarded by an event recorded after the kernels
- * that read it. */
+ * slots (CUDA_STAGE_SLOTS at first, up to CUDA_STAGE_SLOTS_MAX), each guarded
+ * by an event recorded after the kernels that read it. */
 typedef struct cuda_stage_slot {
   void *host;
   void *dev;
   size_t cap;
   void *event; /* cudaEvent_t */
 } cuda_stage_slot_t;
+
+/* One deferred NaN/Inf scan of a stream-ordered call: the scan's result is
+ * copied to pinned host memory (cuda_state_t.deferred_host[i]) behind
+ * `event`; `what` and the geometry turn a finding into the message. */
+typedef struct cuda_deferred {
+  void *event; /* cudaEvent_t */
+  int pending;
+  int64_t row0, row_width, head_dim;
+  char what[512];
+} cuda_deferred_t;
 
 typedef struct cuda_state {
   int device;
@@ -94,9 +106,17 @@ typedef struct cuda_state {
   int num_sms;
   int cc_major, cc_minor; /* compute capability of the device */
   size_t max_smem_optin;  /* dynamic shared memory a block may opt in to */
-  cuda_stage_slot_t slots[CUDA_STAGE_SLOTS];
+  cuda_stage_slot_t slots[CUDA_STAGE_SLOTS_MAX];
+  int num_slots; /* slots made so far */
   int next_slot;
-  void *scratch; /* device scratch for bar dK/dV (2 * total_bars * d floats) */
+  void *switch_event; /* cudaEvent_t: a new stream waits for the old one's work */
+  /* stream-ordered mode (mtrain_cuda_set_async) */
+  int async;
+  cuda_deferred_t deferred[CUDA_DEFERRED_MAX];
+  unsigned long long *deferred_host; /* pinned [CUDA_DEFERRED_MAX], made on first use */
+  unsigned long long *deferred_dev;  /* device [CUDA_DEFERRED_MAX] */
+  int deferred_next;                 /* the record to use next (the oldest) */
+  void *scratch;                     /* device scratch for bar dK/dV (2 * total_bars * d floats) */
   size_t scratch_cap;
   void **timers; /* cudaEvent_t slots of timer_mark, created on demand */
   int num_timers;
@@ -172,6 +192,19 @@ mtrain_status_t cuda_convert(cuda_state_t *s, const void *src, mtrain_dtype_t sr
                              mtrain_dtype_t dst_dtype, int64_t count);
 mtrain_status_t cuda_find_nonfinite(cuda_state_t *s, const void *ptr, mtrain_dtype_t dtype,
                                     int64_t count, int64_t *bad_index);
+/* Stream-ordered mode (cuda_deferred.c): the table's async, deferred_scan
+ * and deferred_poll slots, and the release of the records' resources. */
+int cuda_async_op(void *state);
+mtrain_status_t cuda_deferred_scan_op(void *state, const void *ptr, mtrain_dtype_t dtype,
+                                      int64_t count, int64_t row0, int64_t row_width,
+                                      int64_t head_dim, const char *what);
+mtrain_status_t cuda_deferred_poll_op(void *state, int blocking);
+void cuda_deferred_free(cuda_state_t *s);
+/* Queues a NaN/Inf scan on the state's stream: *first_dev (device memory)
+ * is set to ~0, then to the index of the first non-finite element if any.
+ * Does not wait. */
+mtrain_status_t cuda_queue_nonfinite(cuda_state_t *s, const void *ptr, mtrain_dtype_t dtype,
+                                     int64_t count, unsigned long long *first_dev);
 mtrain_status_t cuda_permute(cuda_state_t *s, void *dst, const void *src, size_t row_bytes,
                              const int64_t *index, int64_t count, int64_t other_rows, int scatter);
 mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const void *dout,

@@ -153,6 +153,17 @@ extern "C" mtrain_status_t cuda_convert(cuda_state_t *s, const void *src, mtrain
   return cuda_check_launch("convert_kernel");
 }
 
+extern "C" mtrain_status_t cuda_queue_nonfinite(cuda_state_t *s, const void *ptr,
+                                                mtrain_dtype_t dtype, int64_t count,
+                                                unsigned long long *first_dev) {
+  cudaStream_t str = (cudaStream_t)s->stream;
+  mtrain_status_t st =
+      cuda_check(cudaMemsetAsync(first_dev, 0xff, sizeof *first_dev, str), "nonfinite scan init");
+  if (st || count <= 0) return st;
+  nonfinite_kernel<<<grid_for(count), kThreads, 0, str>>>(ptr, dtype, count, first_dev);
+  return cuda_check_launch("nonfinite_kernel");
+}
+
 extern "C" mtrain_status_t cuda_find_nonfinite(cuda_state_t *s, const void *ptr,
                                                mtrain_dtype_t dtype, int64_t count,
                                                int64_t *bad_index) {
@@ -161,14 +172,7 @@ extern "C" mtrain_status_t cuda_find_nonfinite(cuda_state_t *s, const void *ptr,
   if (st) return st;
   cudaStream_t str = (cudaStream_t)s->stream;
   unsigned long long first = ~0ull;
-  if ((st = cuda_check(cudaMemcpyAsync(scr, &first, sizeof first, cudaMemcpyHostToDevice, str),
-                       "nonfinite scan init")))
-    return st;
-  if (count > 0) {
-    nonfinite_kernel<<<grid_for(count), kThreads, 0, str>>>(ptr, dtype, count,
-                                                            (unsigned long long *)scr);
-    if ((st = cuda_check_launch("nonfinite_kernel"))) return st;
-  }
+  if ((st = cuda_queue_nonfinite(s, ptr, dtype, count, (unsigned long long *)scr))) return st;
   if ((st = cuda_check(cudaMemcpyAsync(&first, scr, sizeof first, cudaMemcpyDeviceToHost, str),
                        "nonfinite scan result")))
     return st;

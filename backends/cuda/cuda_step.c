@@ -3,7 +3,8 @@
  * for the backward the two key-major lists of cuda_internal.h (entries of
  * each (kv head, key block), and bar tiles with the query blocks whose
  * segments meet them). The metadata goes through a ring of pinned staging
- * slots, each reused only after the event recorded behind its kernels. */
+ * slots, each reused only after the event recorded behind its kernels; the
+ * ring grows (to CUDA_STAGE_SLOTS_MAX) rather than make the host wait. */
 #include <cuda_runtime.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,31 @@ static mtrain_status_t slot_reserve(cuda_state_t *s, int i, size_t bytes) {
   return MTRAIN_SUCCESS;
 }
 
+/* Picks the slot for the next upload: the next one in turn when the work
+ * that read it is done; while it is still in use and fewer than
+ * CUDA_STAGE_SLOTS_MAX exist, a new slot, so that the host does not wait for
+ * the device (stream-ordered calls); with all slots made, the next one in
+ * turn, waiting for it in slot_reserve. */
+static mtrain_status_t slot_acquire(cuda_state_t *s, size_t bytes, int *out) {
+  int i = s->next_slot;
+  const cudaError_t q = cudaEventQuery((cudaEvent_t)s->slots[i].event);
+  if (q != cudaSuccess && q != cudaErrorNotReady) return cuda_check(q, "staging slot query");
+  if (q == cudaErrorNotReady) {
+    cudaGetLastError(); /* not an error: the slot is busy */
+    if (s->num_slots < CUDA_STAGE_SLOTS_MAX) {
+      cudaEvent_t ev = NULL;
+      mtrain_status_t st = cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+                                      "cudaEventCreateWithFlags (staging slot)");
+      if (st) return st;
+      i = s->num_slots++;
+      s->slots[i].event = ev;
+    }
+  }
+  s->next_slot = (i + 1) % s->num_slots;
+  *out = i;
+  return slot_reserve(s, i, bytes);
+}
+
 mtrain_status_t cuda_step_release(cuda_state_t *s, int slot) {
   return cuda_check(cudaEventRecord((cudaEvent_t)s->slots[slot].event, (cudaStream_t)s->stream),
                     "cudaEventRecord");
@@ -37,9 +63,8 @@ mtrain_status_t cuda_step_release(cuda_state_t *s, int slot) {
 
 mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t bytes, void **dev,
                                   int *slot) {
-  const int i = s->next_slot;
-  s->next_slot = (s->next_slot + 1) % CUDA_STAGE_SLOTS;
-  mtrain_status_t st = slot_reserve(s, i, bytes);
+  int i = 0;
+  mtrain_status_t st = slot_acquire(s, bytes, &i);
   if (st) return st;
   memcpy(s->slots[i].host, host, bytes);
   st = cuda_check(cudaMemcpyAsync(s->slots[i].dev, s->slots[i].host, bytes, cudaMemcpyHostToDevice,
@@ -98,9 +123,8 @@ mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, i
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
                         "cuda step: metadata of %zu entries exceeds the 32-bit index range", n_i32);
   const size_t bytes = sizeof(int64_t) * (size_t)(nqb + nkb) + sizeof(int32_t) * n_i32 + 16;
-  const int i = s->next_slot;
-  s->next_slot = (s->next_slot + 1) % CUDA_STAGE_SLOTS;
-  mtrain_status_t st = slot_reserve(s, i, bytes);
+  int i = 0;
+  mtrain_status_t st = slot_acquire(s, bytes, &i);
   if (st) return st;
   char *host = s->slots[i].host, *dev = s->slots[i].dev;
   int64_t *g64 = (int64_t *)host;

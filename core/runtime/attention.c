@@ -5,6 +5,7 @@
  * operations, moves the gathered bars, and casts the accumulators to the
  * output dtypes. No kernel math here. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -112,18 +113,25 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
   return MTRAIN_SUCCESS;
 }
 
-/* NaN/Inf scan of the rows [row0, row0 + rows) of a token-major tensor. */
+/* NaN/Inf scan of the rows [row0, row0 + rows) of a token-major tensor.
+ * With `deferred` (a stream-ordered call's output check: the message of a
+ * finding) the scan is queued and its finding reported later
+ * (mtrain_be_deferred_poll); otherwise it runs now. */
 static mtrain_status_t scan_rows(mtrain_context_t *ctx, const char *name, const mtrain_tensor_t *t,
-                                 int64_t row0, int64_t rows) {
+                                 int64_t row0, int64_t rows, const char *deferred) {
   const int64_t width = mtrain_tensor_numel(t) / (t->shape[0] > 0 ? t->shape[0] : 1);
+  const int64_t head_dim = t->ndim == 3 ? t->shape[2] : 1;
   const size_t esz = mtrain_dtype_size(t->dtype);
+  const void *first = (const char *)t->data + (size_t)(row0 * width) * esz;
+  if (deferred)
+    return mtrain_be_deferred_scan(ctx, first, t->dtype, rows * width, row0, width, head_dim,
+                                   deferred);
   int64_t bad = -1;
-  mtrain_status_t st = mtrain_be_find_nonfinite(
-      ctx, (const char *)t->data + (size_t)(row0 * width) * esz, t->dtype, rows * width, &bad);
+  mtrain_status_t st = mtrain_be_find_nonfinite(ctx, first, t->dtype, rows * width, &bad);
   if (st) return st;
   if (bad >= 0) {
     bad += row0 * width;
-    const int64_t row = bad / width, head = (bad % width) / (t->ndim == 3 ? t->shape[2] : 1);
+    const int64_t row = bad / width, head = (bad % width) / head_dim;
     return mtrain_error(MTRAIN_ERR_NONFINITE,
                         "tensor '%s' holds NaN or Inf at element %lld (token %lld, head %lld)",
                         name, (long long)bad, (long long)row, (long long)head);
@@ -134,7 +142,8 @@ static mtrain_status_t scan_rows(mtrain_context_t *ctx, const char *name, const 
 /* NaN/Inf scan of the rows that hold sequence tokens (padding slots of a
  * ring plan are skipped: their LSE is -inf by definition, no key). */
 static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *plan,
-                                    const char *name, const mtrain_tensor_t *t) {
+                                    const char *name, const mtrain_tensor_t *t,
+                                    const char *deferred) {
   const int32_t G = plan->granularity;
   int64_t begin = 0, end = 0; /* the current run of token rows, merged across blocks */
   for (int32_t s = 0; s < plan->num_seqs; s++) {
@@ -145,7 +154,7 @@ static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *
       const int64_t first = ps->local_offset + (int64_t)lb * G;
       if (rows == 0) continue;
       if (first != end && end > begin) {
-        mtrain_status_t st = scan_rows(ctx, name, t, begin, end - begin);
+        mtrain_status_t st = scan_rows(ctx, name, t, begin, end - begin, deferred);
         if (st) return st;
         begin = first;
       } else if (end == begin) {
@@ -154,7 +163,7 @@ static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *
       end = first + rows;
     }
   }
-  return end > begin ? scan_rows(ctx, name, t, begin, end - begin) : MTRAIN_SUCCESS;
+  return end > begin ? scan_rows(ctx, name, t, begin, end - begin, deferred) : MTRAIN_SUCCESS;
 }
 
 /* The outputs' NaN/Inf scan: every query row of a pattern sees at least its
@@ -165,20 +174,32 @@ static mtrain_status_t check_finite(mtrain_context_t *ctx, const mtrain_plan_t *
  * backward, fp16 storage (largest value 65504) turns finite accumulated
  * gradients into Inf, so fp16 gradients are scanned; bf16 and fp32 share the
  * fp32 accumulators' range and are not (they overflow only where the fp32
- * sums do, with inputs near 1e19). Padding slots are skipped. */
+ * sums do, with inputs near 1e19). Padding slots are skipped. A
+ * stream-ordered call (`deferred`) queues the scan; its finding, with the
+ * same message, comes from mtrain_context_check_deferred or a later call. */
 static mtrain_status_t check_output(mtrain_context_t *ctx, const mtrain_plan_t *plan,
-                                    const char *call, const char *name, const mtrain_tensor_t *t) {
-  mtrain_status_t st = check_finite(ctx, plan, name, t);
+                                    const char *call, const char *name, const mtrain_tensor_t *t,
+                                    int deferred) {
+  const char *cause =
+      strcmp(call, "forward") == 0
+          ? "the scores q.k * scale overflowed the accumulator (inputs too large; scale q or k "
+            "down)"
+          : "the gradients overflowed the fp16 range (inputs too large for fp16 storage)";
+  if (deferred) {
+    char what[512];
+    snprintf(what, sizeof what,
+             "%s: output '%s' is not finite: %s (with check_inputs off, NaN or Inf inputs also "
+             "give this): tensor '%s' holds NaN or Inf",
+             call, name, cause, name);
+    return check_finite(ctx, plan, name, t, what);
+  }
+  mtrain_status_t st = check_finite(ctx, plan, name, t, NULL);
   if (st != MTRAIN_ERR_NONFINITE) return st;
   return mtrain_error_prefix(
       st,
       "%s: output '%s' is not finite: %s (with check_inputs off, NaN or Inf inputs also give "
       "this)",
-      call, name,
-      strcmp(call, "forward") == 0
-          ? "the scores q.k * scale overflowed the accumulator (inputs too large; scale q or k "
-            "down)"
-          : "the gradients overflowed the fp16 range (inputs too large for fp16 storage)");
+      call, name, cause);
 }
 
 /* Backend memory, counted per context (memory_stats.c). */
@@ -409,10 +430,14 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
   if ((st = check_dtype("o", o, dm.dtype))) return st;
   if ((st = check_shape("lse", lse, dm.tokens, dm.hq, -1))) return st;
   if ((st = check_lse_dtype(lse))) return st;
+  /* stream-ordered mode (single rank): the call returns once queued; the
+   * completed findings of earlier calls' deferred scans are reported first */
+  const int async = plan->world == 1 && mtrain_be_async(ctx);
+  if ((st = mtrain_be_deferred_poll(ctx, 0))) return st;
   if (ctx->config.check_inputs) {
-    if ((st = check_finite(ctx, plan, "q", q))) return st;
-    if ((st = check_finite(ctx, plan, "k", k))) return st;
-    if ((st = check_finite(ctx, plan, "v", v))) return st;
+    if ((st = check_finite(ctx, plan, "q", q, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "k", k, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "v", v, NULL))) return st;
   }
   const double call_start = mtrain_now();
   memset(&ctx->last_stats, 0, sizeof ctx->last_stats);
@@ -425,8 +450,8 @@ mtrain_status_t mtrain_attention_forward(mtrain_context_t *ctx, const mtrain_pla
                                dm.tokens * dm.hq * dm.d));
   MTRAIN_TRY(mtrain_be_convert(ctx, lse_acc, mtrain_be_acc_dtype(ctx), lse->data, lse->dtype,
                                dm.tokens * dm.hq));
-  MTRAIN_TRY(mtrain_be_synchronize(ctx));
-  MTRAIN_TRY(check_output(ctx, plan, "forward", "lse", lse));
+  if (!async) MTRAIN_TRY(mtrain_be_synchronize(ctx));
+  MTRAIN_TRY(check_output(ctx, plan, "forward", "lse", lse, async));
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:
   backend_free(ctx, o_acc);
@@ -455,13 +480,15 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   if ((st = check_dtype("dk", dk, dm.dtype))) return st;
   if ((st = check_shape("dv", dv, dm.tokens, dm.hkv, dm.d))) return st;
   if ((st = check_dtype("dv", dv, dm.dtype))) return st;
+  const int async = plan->world == 1 && mtrain_be_async(ctx); /* as in the forward */
+  if ((st = mtrain_be_deferred_poll(ctx, 0))) return st;
   if (ctx->config.check_inputs) {
-    if ((st = check_finite(ctx, plan, "q", q))) return st;
-    if ((st = check_finite(ctx, plan, "k", k))) return st;
-    if ((st = check_finite(ctx, plan, "v", v))) return st;
-    if ((st = check_finite(ctx, plan, "o", o))) return st;
-    if ((st = check_finite(ctx, plan, "lse", lse))) return st;
-    if ((st = check_finite(ctx, plan, "dout", dout))) return st;
+    if ((st = check_finite(ctx, plan, "q", q, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "k", k, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "v", v, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "o", o, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "lse", lse, NULL))) return st;
+    if ((st = check_finite(ctx, plan, "dout", dout, NULL))) return st;
   }
   const size_t acc = mtrain_dtype_size(mtrain_be_acc_dtype(ctx)), esz = mtrain_dtype_size(dm.dtype);
   const int64_t nq = dm.tokens * dm.hq * dm.d, nk = dm.tokens * dm.hkv * dm.d;
@@ -512,11 +539,11 @@ mtrain_status_t mtrain_attention_backward(mtrain_context_t *ctx, const mtrain_pl
   MTRAIN_TRY(mtrain_be_convert(ctx, dq_acc, mtrain_be_acc_dtype(ctx), dq->data, dq->dtype, nq));
   MTRAIN_TRY(mtrain_be_convert(ctx, dk_acc, mtrain_be_acc_dtype(ctx), dk->data, dk->dtype, nk));
   MTRAIN_TRY(mtrain_be_convert(ctx, dv_acc, mtrain_be_acc_dtype(ctx), dv->data, dv->dtype, nk));
-  MTRAIN_TRY(mtrain_be_synchronize(ctx));
+  if (!async) MTRAIN_TRY(mtrain_be_synchronize(ctx));
   if (dm.dtype == MTRAIN_F16) {
-    MTRAIN_TRY(check_output(ctx, plan, "backward", "dq", dq));
-    MTRAIN_TRY(check_output(ctx, plan, "backward", "dk", dk));
-    MTRAIN_TRY(check_output(ctx, plan, "backward", "dv", dv));
+    MTRAIN_TRY(check_output(ctx, plan, "backward", "dq", dq, async));
+    MTRAIN_TRY(check_output(ctx, plan, "backward", "dk", dk, async));
+    MTRAIN_TRY(check_output(ctx, plan, "backward", "dv", dv, async));
   }
   ctx->last_stats.seconds = mtrain_now() - call_start;
 cleanup:

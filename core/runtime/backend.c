@@ -64,7 +64,16 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
   REQUIRE_SLOT(kind, ops, attn_bwd_prepare);
   REQUIRE_SLOT(kind, ops, attn_bwd_step);
   REQUIRE_SLOT(kind, ops, synchronize);
-  /* optional: pattern_scores, data_stream; the timer slots come as a pair */
+  /* optional: pattern_scores, data_stream; the timer slots come as a pair,
+   * the stream-ordered slots as a triple */
+  {
+    const int n = !!ops->async + !!ops->deferred_scan + !!ops->deferred_poll;
+    if (n != 0 && n != 3)
+      return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                          "backend table '%s': of the stream-ordered slots async, deferred_scan "
+                          "and deferred_poll only %d %s set (all three or none)",
+                          ops->name, n, n == 1 ? "is" : "are");
+  }
   if (!ops->timer_mark != !ops->timer_elapsed)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "backend table '%s': '%s' is set but '%s' is NULL (the device timer "
@@ -241,6 +250,25 @@ void *mtrain_be_data_stream(mtrain_context_t *ctx) {
 
 mtrain_status_t mtrain_be_synchronize(mtrain_context_t *ctx) {
   return ctx->backend->synchronize(ctx->backend_state);
+}
+
+int mtrain_be_async(const mtrain_context_t *ctx) {
+  return ctx->backend->async ? ctx->backend->async(ctx->backend_state) != 0 : 0;
+}
+
+mtrain_status_t mtrain_be_deferred_scan(mtrain_context_t *ctx, const void *ptr,
+                                        mtrain_dtype_t dtype, int64_t count, int64_t row0,
+                                        int64_t row_width, int64_t head_dim, const char *what) {
+  if (!ctx->backend->deferred_scan)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED, "backend '%s' has no deferred scans",
+                        ctx->backend_name);
+  return ctx->backend->deferred_scan(ctx->backend_state, ptr, dtype, count, row0, row_width,
+                                     head_dim, what);
+}
+
+mtrain_status_t mtrain_be_deferred_poll(mtrain_context_t *ctx, int blocking) {
+  return ctx->backend->deferred_poll ? ctx->backend->deferred_poll(ctx->backend_state, blocking)
+                                     : MTRAIN_SUCCESS;
 }
 
 int mtrain_be_has_timer(const mtrain_context_t *ctx) {

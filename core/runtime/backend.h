@@ -35,6 +35,9 @@
  *   synchronize            mtrain_be_synchronize(ctx)
  *   timer_mark (opt.)      mtrain_be_timer_mark(ctx, index); mtrain_be_has_timer(ctx)
  *   timer_elapsed (opt.)   mtrain_be_timer_elapsed(ctx, from, to, &seconds)
+ *   async (opt.)           mtrain_be_async(ctx)
+ *   deferred_scan (opt.)   mtrain_be_deferred_scan(ctx, ptr, dtype, count, row0, width, hd, what)
+ *   deferred_poll (opt.)   mtrain_be_deferred_poll(ctx, blocking)
  *   acc_dtype, memory_space  mtrain_be_acc_dtype(ctx), mtrain_be_memory_space(ctx)
  *   communicator table     wrapper
  *   isend, irecv           mtrain_cm_isend(ctx, buf, bytes, peer, tag, &req), mtrain_cm_irecv
@@ -132,6 +135,19 @@ int mtrain_be_has_data_stream(const mtrain_context_t *ctx);
 void *mtrain_be_data_stream(mtrain_context_t *ctx);
 /** Waits for all work queued by the backend. */
 mtrain_status_t mtrain_be_synchronize(mtrain_context_t *ctx);
+
+/** 1 when the backend's state is in stream-ordered mode (the optional
+ *  async slot): single-rank calls return once queued and check their
+ *  outputs with deferred scans; 0 without the slot. */
+int mtrain_be_async(const mtrain_context_t *ctx);
+/** Queues a deferred NaN/Inf scan (mtrain_backend_ops_t.deferred_scan);
+ *  MTRAIN_ERR_NOT_SUPPORTED without the slot. */
+mtrain_status_t mtrain_be_deferred_scan(mtrain_context_t *ctx, const void *ptr,
+                                        mtrain_dtype_t dtype, int64_t count, int64_t row0,
+                                        int64_t row_width, int64_t head_dim, const char *what);
+/** Reports the first finding of the deferred scans (deferred_poll);
+ *  MTRAIN_SUCCESS without the slot. */
+mtrain_status_t mtrain_be_deferred_poll(mtrain_context_t *ctx, int blocking);
 
 /** 1 when the backend times on the device (timer_mark and timer_elapsed);
  *  0: the host clock is exact. */

@@ -171,6 +171,11 @@ mtrain_status_t mtrain_context_set_allocator(mtrain_context_t *ctx,
   return MTRAIN_SUCCESS;
 }
 
+mtrain_status_t mtrain_context_check_deferred(mtrain_context_t *ctx) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  return mtrain_be_deferred_poll(ctx, 1);
+}
+
 const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx) {
   return ctx ? &ctx->config : NULL;
 }

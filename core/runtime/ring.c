@@ -86,7 +86,8 @@ static mtrain_status_t device_step_times(mtrain_context_t *ctx, int32_t total_st
 /* The ring of one: the rank's own chunk, gradients in place. */
 static mtrain_status_t run_alone(mtrain_context_t *ctx, const mtrain_plan_t *plan,
                                  const mtrain_ring_args_t *a) {
-  const int device_timing = mtrain_be_has_timer(ctx);
+  /* reading device timers waits for the step: not in stream-ordered mode */
+  const int device_timing = mtrain_be_has_timer(ctx) && !mtrain_be_async(ctx);
   const double t0 = mtrain_now();
   mtrain_status_t st = MTRAIN_SUCCESS;
   if (device_timing) MTRAIN_TRY(mtrain_be_timer_mark(ctx, 0));

@@ -29,7 +29,7 @@ extern "C" {
 #define MTRAIN_VERSION_MINOR 1
 #define MTRAIN_VERSION_PATCH 0
 /** Version of the config struct and of the backend/communicator tables. */
-#define MTRAIN_API_VERSION 2
+#define MTRAIN_API_VERSION 3
 
 /* ------------------------------------------------------------------------ */
 /* Status codes                                                              */
@@ -193,6 +193,14 @@ typedef struct mtrain_allocator {
  *  calls on the same context. Local (not collective). */
 MTRAIN_API mtrain_status_t mtrain_context_set_allocator(mtrain_context_t *ctx,
                                                         const mtrain_allocator_t *allocator);
+/** Waits for the work of the context's stream-ordered calls (a backend's
+ *  async mode: mtrain_cuda_set_async) and reports the first NaN/Inf that
+ *  their deferred output checks found, as MTRAIN_ERR_NONFINITE naming the
+ *  call, the tensor, the token and the head; each finding is reported once
+ *  (by this function or by the first later call on ctx that sees it
+ *  complete). MTRAIN_SUCCESS at once for a backend that finishes every call
+ *  before returning. Local; not thread-safe with respect to ctx. */
+MTRAIN_API mtrain_status_t mtrain_context_check_deferred(mtrain_context_t *ctx);
 /** The effective configuration (after environment overrides). */
 MTRAIN_API const mtrain_config_t *mtrain_context_config(const mtrain_context_t *ctx);
 /** The name of the backend the context uses. */

@@ -228,6 +228,24 @@ typedef struct mtrain_backend_ops {
    *  between them. The ring driver uses them for its step statistics. */
   mtrain_status_t (*timer_mark)(void *state, int index);
   mtrain_status_t (*timer_elapsed)(void *state, int from, int to, double *seconds);
+
+  /** Optional, all three or none: stream-ordered calls. async returns 1 when
+   *  the state is in stream-ordered mode (mtrain_cuda_set_async): a call on a
+   *  single rank then returns once its work is queued, without waiting for it,
+   *  and checks its outputs with deferred scans instead of find_nonfinite.
+   *  deferred_scan queues a NaN/Inf scan of `count` elements of `ptr` and
+   *  never waits for the device (except for a scan queued many calls ago
+   *  whose record it reuses); a finding is reported later as
+   *  "<what>: element E (token E / row_width, head (E % row_width) /
+   *  head_dim)", E counted from row `row0` of a [tokens, row_width] tensor;
+   *  `what` is copied. deferred_poll reports the first finding among the
+   *  completed scans (blocking != 0: it waits for every queued scan first) as
+   *  MTRAIN_ERR_NONFINITE, once, and forgets the scans it has read. */
+  int (*async)(void *state);
+  mtrain_status_t (*deferred_scan)(void *state, const void *ptr, mtrain_dtype_t dtype,
+                                   int64_t count, int64_t row0, int64_t row_width, int64_t head_dim,
+                                   const char *what);
+  mtrain_status_t (*deferred_poll)(void *state, int blocking);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table

@@ -5,9 +5,14 @@
  * With the "cuda" backend every tensor passed to mtrain (q, k, v, o, lse,
  * dout, dq, dk, dv) is device memory of the current CUDA device, owned by
  * the caller. All work of a call is queued on the context's stream (the
- * caller's, set with mtrain_cuda_set_stream, or the backend's own); the call
- * returns once its outputs are complete on that stream (it synchronises the
- * stream before returning, since the ring driver reads host-side results).
+ * caller's, set with mtrain_cuda_set_stream, or the backend's own). By
+ * default a call returns once its outputs are complete on that stream (it
+ * synchronises the stream before returning: the ring driver reads host-side
+ * results, and the outputs' NaN/Inf check reads its result on the host). In
+ * stream-ordered mode (mtrain_cuda_set_async) a single-rank attention call
+ * returns as soon as its work is queued, as cuDNN's and FlashAttention's
+ * calls do. The estimate (mtrain_pattern_estimate*) and calls on several
+ * ranks always synchronise: their selection and their ring run on the host.
  *
  * Every function here exists in every build: without CUDA they report
  * MTRAIN_ERR_NOT_SUPPORTED (mtrain_cuda_device_count returns 0). */
@@ -49,10 +54,30 @@ typedef enum mtrain_cuda_variant {
 MTRAIN_API int mtrain_cuda_device_count(void);
 
 /** Queues the context's work on `stream` (a cudaStream_t; NULL returns to
- *  the backend's own non-blocking stream). The stream must outlive its use
+ *  the backend's own non-blocking stream). Work queued on the previous
+ *  stream runs before later work on the new one (an event; the host does not
+ *  wait); the same stream again is a no-op. The stream must outlive its use
  *  by the context. Fails with MTRAIN_ERR_INVALID_ARGUMENT when the context
  *  does not use the "cuda" backend. Not thread-safe with respect to ctx. */
 MTRAIN_API mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *stream);
+
+/** Stream-ordered calls on ctx (enabled != 0; default off). A single-rank
+ *  mtrain_attention_forward / _backward then queues its work on the
+ *  context's stream and returns without waiting for the device: its outputs
+ *  are ready for work queued after it on that stream, not for the host, and
+ *  mtrain_last_stats gives host times. The outputs' NaN/Inf checks (the
+ *  forward's LSE, fp16 gradients) run as deferred scans: a finding is
+ *  reported as MTRAIN_ERR_NONFINITE, naming the call, tensor, token and head,
+ *  by mtrain_context_check_deferred (which waits) or by the first later
+ *  attention call on ctx that finds the scan complete (without waiting).
+ *  Memory the call frees goes back to the allocator in stream order: use a
+ *  stream-ordered allocator (mtrain_context_set_allocator, as torch's caching
+ *  allocator), else every free waits for the stream. Staging buffers for the
+ *  plan's step tables grow (up to 16 in flight) instead of waiting. Turning
+ *  it off reports the pending findings (waits for them). Fails with
+ *  MTRAIN_ERR_INVALID_ARGUMENT when ctx does not use "cuda". Not thread-safe
+ *  with respect to ctx. */
+MTRAIN_API mtrain_status_t mtrain_cuda_set_async(mtrain_context_t *ctx, int enabled);
 
 /** Selects the kernel variant for later calls on ctx (default AUTO, or the
  *  environment variable MTRAIN_CUDA_VARIANT = auto|0|1|2|3 read at context

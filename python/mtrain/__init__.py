@@ -17,6 +17,7 @@ from ._core import (
     load_pattern,
     parse_pattern,
     reset,
+    synchronize,
     vertical_slash_pattern,
 )
 from .api import SparsePlan, attention, estimate_pattern
@@ -46,6 +47,7 @@ __all__ = [
     "parse_pattern",
     "register_transformers",
     "reset",
+    "synchronize",
     "undispatch",
     "vertical_slash_pattern",
 ]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _lib as L
+from ._nccl import NcclComm
 from .errors import MtrainError
 
 DEFAULT_TIMEOUT = 300.0
@@ -126,6 +127,10 @@ class TorchComm:
         self.struct = L.Comm(ops=ctypes.pointer(self.ops), state=self.key)
 
     # ---- helpers ----
+
+    def handle(self) -> ctypes.c_void_p:
+        """The mtrain_comm_t * the library takes (this object's table)."""
+        return ctypes.cast(ctypes.pointer(self.struct), ctypes.c_void_p)
 
     def _usable(self, what: str) -> None:
         if self.broken:
@@ -372,26 +377,38 @@ def _describe(kind: int, count: int, dtype: int) -> str:
 
 _keys = itertools.count(1)
 _states: dict[int, TorchComm] = {}
-_comms: dict[tuple[str, str], TorchComm] = {}
+_comms: dict[tuple[str, str], TorchComm | NcclComm] = {}
 _comm_lock = threading.Lock()
 
 
-def communicator(name: str, device: torch.device) -> TorchComm:
-    """The communicator of a registered group (one per group)."""
+def communicator(name: str, device: torch.device) -> TorchComm | NcclComm:
+    """The communicator of a registered group (one per group and device
+    type): CPU tensors on a gloo group, this module's torch communicator;
+    CUDA tensors on an NCCL group, libmtrain's NCCL communicator
+    bootstrapped through the group (_nccl.py)."""
     group = _group(name)
     backend = str(dist.get_backend(group))
     if device.type == "cuda":
-        raise L.fail(
-            L.ERR_NOT_SUPPORTED,
-            "context parallel with CUDA tensors needs mtrain's NCCL communicator on the group's "
-            "ncclComm_t, which torch does not expose publicly; not implemented yet (docs/"
-            "PYTORCH.md, 'Not done yet'). CPU tensors on a gloo group run the CPU ring.",
-        )
+        if "nccl" not in backend:
+            raise L.fail(
+                L.ERR_NOT_SUPPORTED,
+                f"CUDA tensors on a process group of backend {backend!r}: context parallel on "
+                "GPUs needs an NCCL group (init_process_group('nccl')); CPU tensors on a gloo "
+                "group run the CPU ring",
+            )
+        with _comm_lock:
+            key = (name, f"cuda:{device.index}")
+            c = _comms.get(key)
+            if c is None:
+                c = NcclComm(group, name, device, default_timeout())
+                _comms[key] = c
+            return c
     if "gloo" not in backend:
         raise L.fail(
             L.ERR_NOT_SUPPORTED,
-            f"process group backend {backend!r}: mtrain's torch communicator moves host memory "
-            "through gloo; an NCCL group is not supported yet (docs/PYTORCH.md)",
+            f"CPU tensors on a process group of backend {backend!r}: mtrain's torch communicator "
+            "moves host memory through gloo (init_process_group('gloo'), or 'cpu:gloo,cuda:nccl'); "
+            "CUDA tensors on an NCCL group use mtrain's NCCL communicator",
         )
     with _comm_lock:
         c = _comms.get((name, device.type))
@@ -402,6 +419,7 @@ def communicator(name: str, device: torch.device) -> TorchComm:
                 group, members, (_TAG_BASE, _TAG_SPAN), f"torch:{name}", default_timeout()
             )
             _comms[(name, device.type)] = c
+        assert isinstance(c, TorchComm)
         return c
 
 

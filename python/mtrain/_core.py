@@ -431,9 +431,7 @@ class Context:
             deterministic=opts.deterministic,
         )
         out = ctypes.c_void_p()
-        comm_ptr = (
-            ctypes.cast(ctypes.pointer(self.comm.struct), ctypes.c_void_p) if self.comm else None
-        )
+        comm_ptr = self.comm.handle() if self.comm else None
         with _device_guard(device):
             L.check(L.lib().context_create(ctypes.byref(cfg), comm_ptr, ctypes.byref(out)))
         self.ptr = out
@@ -442,6 +440,10 @@ class Context:
         self._allocator: L.Allocator | None = None
         if device.type == "cuda":
             self._use_torch_allocator()
+            # stream-ordered calls: a single-rank call returns once queued
+            # (MTRAIN_CUDA_SYNC=1: every call waits for its work, as before)
+            if os.environ.get("MTRAIN_CUDA_SYNC", "0") in ("", "0"):
+                L.check(L.lib().cuda_set_async(out, 1))
         self.rank = int(L.lib().context_rank(out))
         self.world = int(L.lib().context_world(out))
 
@@ -477,6 +479,16 @@ class Context:
 
 
 _contexts: dict[tuple[Any, ...], Context] = {}
+
+
+def synchronize() -> None:
+    """Waits for the deferred output checks of every context of this process
+    (mtrain_context_check_deferred) and raises the first finding."""
+    with _lock:
+        cached = list(_contexts.values())
+    for ctx in cached:
+        with _device_guard(ctx.device):
+            L.check(L.lib().context_check_deferred(ctx.ptr))
 
 
 class _NullGuard:

@@ -18,7 +18,7 @@ from .errors import MtrainError
 
 # ---- constants of mtrain.h / mtrain_layout.h / mtrain_comm.h / mtrain_backend.h ----
 
-API_VERSION = 2
+API_VERSION = 3
 SUCCESS = 0
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
@@ -36,6 +36,7 @@ ERR_HEAD_MISMATCH = -4
 ERR_UNSUPPORTED_DTYPE = -5
 ERR_UNSUPPORTED_HEAD_DIM = -6
 ERR_INVALID_PATTERN = -7
+ERR_NONFINITE = -8
 ERR_OUT_OF_MEMORY = -9
 ERR_IO = -10
 ERR_COMM = -14
@@ -272,11 +273,24 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_layout_variant": (ctypes.c_char_p, (P,)),
     "mtrain_cuda_device_count": (ctypes.c_int, ()),
     "mtrain_cuda_set_stream": (STATUS, (P, P)),
+    "mtrain_cuda_set_async": (STATUS, (P, ctypes.c_int)),
+    "mtrain_context_check_deferred": (STATUS, (P,)),
     "mtrain_comm_split": (STATUS, (P, ctypes.c_int, ctypes.c_int, PP)),
     "mtrain_comm_destroy": (None, (P,)),
     "mtrain_comm_rank": (ctypes.c_int, (P,)),
     "mtrain_comm_size": (ctypes.c_int, (P,)),
 }
+
+
+# entry points of optional parts of the library (the NCCL communicator)
+_OPTIONAL_PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
+    "mtrain_nccl_unique_id": (STATUS, (P,)),
+    "mtrain_comm_create_nccl": (
+        STATUS,
+        (P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_double, PP),
+    ),
+}
+NCCL_ID_BYTES = 128
 
 
 class _Lib:
@@ -290,6 +304,18 @@ class _Lib:
             fn = getattr(self.dll, name)
             fn.restype = restype
             fn.argtypes = list(argtypes)
+        self.optional: set[str] = set()
+        for name, (restype, argtypes) in _OPTIONAL_PROTOTYPES.items():
+            fn = getattr(self.dll, name, None)
+            if fn is None:
+                continue
+            fn.restype = restype
+            fn.argtypes = list(argtypes)
+            self.optional.add(name[len("mtrain_") :])
+
+    def has(self, name: str) -> bool:
+        """Whether the optional entry point mtrain_<name> is in this build."""
+        return name in self.optional
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         return getattr(self.dll, "mtrain_" + name)

@@ -93,25 +93,145 @@ def test_second_device(gen: torch.Generator) -> None:
     assert torch.equal(on0.cpu(), on1.cpu())
 
 
-def test_nccl_group_refused() -> None:
-    """Context parallel with CUDA tensors is not implemented: a clear error."""
+def _init_group(backend: str, port: str) -> None:
     import os
 
     import torch.distributed as dist
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def test_nccl_group_of_one(gen: torch.Generator) -> None:
+    """CUDA tensors on an NCCL group: mtrain bootstraps its NCCL communicator
+    through the group (unique id broadcast) and runs the ring (of one rank
+    here: one GPU); the estimate, dispatch, forward and backward equal the
+    single-process results (within 1e-3 of the largest value; bitwise is
+    expected). Several GPUs: docs/PYTORCH.md."""
+    import torch.distributed as dist
+
+    _init_group("nccl", "29531")
     try:
-        q = torch.zeros(256, 4, 64, dtype=torch.bfloat16, device=DEV)
-        with pytest.raises(mtrain.MtrainError) as info:
-            mtrain.attention(
-                q, q[:, :2].contiguous(), q[:, :2].contiguous(), group=dist.group.WORLD
-            )
-        assert info.value.status == "MTRAIN_ERR_NOT_SUPPORTED"
+        n, hq, hkv, d = 700, 4, 2, 64
+        q, k, v, do = to_dev(
+            *(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq))
+        )
+        budgets = mtrain.TopK(16, 64)
+        alone = run_mtrain(q, k, v, do, budgets=budgets, granularity=64)
+        group = dist.group.WORLD
+        ql, pos, info = mtrain.dispatch(q, group, layout="zigzag", granularity=64)
+        assert ql.device.type == "cuda" and pos.numel() == ql.shape[0]
+        kl, vl, dol = (mtrain.dispatch(t, info=info).local for t in (k, v, do))
+        got = run_mtrain(ql, kl, vl, dol, budgets=budgets, **info.attention_kwargs())
+        back = {key: mtrain.undispatch(t, info) for key, t in got.items()}
+        for key, t in alone.items():
+            diff = (back[key].double() - t.double()).abs().max().item()
+            print(f"{key}: largest difference to one process {diff:.3e}")
+            assert diff <= 1e-3 * t.double().abs().max().item(), key
+        from mtrain import _comm
+
+        assert any(type(c).__name__ == "NcclComm" for c in _comm._comms.values())
     finally:
         mtrain.reset()
         dist.destroy_process_group()
+
+
+def test_cuda_tensors_on_gloo_group_refused() -> None:
+    import torch.distributed as dist
+
+    _init_group("gloo", "29532")
+    try:
+        q = torch.zeros(256, 4, 64, dtype=torch.bfloat16, device=DEV)
+        kv = q[:, :2].contiguous()
+        with pytest.raises(mtrain.MtrainError) as info:
+            mtrain.attention(q, kv, kv, group=dist.group.WORLD)
+        assert info.value.status == "MTRAIN_ERR_NOT_SUPPORTED"
+        assert "needs an NCCL group" in info.value.message
+    finally:
+        mtrain.reset()
+        dist.destroy_process_group()
+
+
+def test_host_does_not_wait(gen: torch.Generator) -> None:
+    """With a given pattern, the forward and the backward return while the
+    GPU is still busy with earlier work (a 0.3 s sleep kernel queued first):
+    no device synchronisation in the op."""
+    import time
+
+    n, hq, hkv, d = 4096, 8, 2, 128
+    q, k, v, do = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)))
+    pattern = mtrain.vertical_slash_pattern(n, [([0, 1, 2, 3], [0, 1, 2])] * hq, 128)
+    q.requires_grad_(True)
+    mtrain.attention(q, k, v, pattern=pattern).backward(do)  # warm-up: contexts, plans
+    torch.cuda.synchronize()
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.3)  # kHz -> 0.3 s
+    t_sleep = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    slept = time.perf_counter() - t_sleep
+    torch.cuda._sleep(cycles)
+    t0 = time.perf_counter()
+    o = mtrain.attention(q, k, v, pattern=pattern)
+    t1 = time.perf_counter()
+    o.backward(do)
+    t2 = time.perf_counter()
+    mtrain.synchronize()
+    torch.cuda.synchronize()
+    print(f"sleep {slept * 1e3:.1f} ms; forward queued in {(t1 - t0) * 1e3:.2f} ms, "
+          f"backward in {(t2 - t1) * 1e3:.2f} ms")  # fmt: skip
+    assert t2 - t0 < 0.5 * slept, "the op waited for the device"
+    assert torch.isfinite(o).all() and q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_deferred_nonfinite(gen: torch.Generator) -> None:
+    """NaN in q: the stream-ordered forward returns; mtrain.synchronize()
+    raises MTRAIN_ERR_NONFINITE naming the LSE, the token and the head."""
+    n, hq, hkv, d = 512, 4, 2, 64
+    q, k, v = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv)))
+    q[33, 1, 5] = float("nan")
+    mtrain.attention(q, k, v, granularity=128)
+    with pytest.raises(mtrain.MtrainError) as info:
+        mtrain.synchronize()
+    assert info.value.status == "MTRAIN_ERR_NONFINITE"
+    assert "output 'lse'" in info.value.message and "(token 33, head 1)" in info.value.message
+    mtrain.synchronize()  # reported once
+
+
+def test_transformers_model_on_gpu(gen: torch.Generator) -> None:
+    """A Qwen2 model on the GPU in bf16 with attn_implementation="mtrain" at
+    full budget: logits and every gradient within twice SDPA's error against
+    the float64 model (or 1e-2 of the largest value: bf16 storage)."""
+    transformers = pytest.importorskip("transformers")
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    config = transformers.Qwen2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    )  # fmt: skip
+    name = mtrain.register_transformers(
+        "mtrain_gpu_full", budgets=mtrain.TopK(10**6, 10**6), granularity=128
+    )
+
+    def step(attn: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config).to(DEV, dtype)
+        model.config._attn_implementation = attn
+        ids = torch.randint(0, 512, (1, 1000), generator=gen.manual_seed(seed)).to(DEV)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        return {"logits": out.logits.double(), **grads}
+
+    got = step(name, torch.bfloat16)
+    sdpa = step("sdpa", torch.bfloat16)
+    ref = step("eager", torch.float64)
+    assert got.keys() == ref.keys() and len(got) > 10
+    for key, r in ref.items():
+        e_mtrain = (got[key] - r).abs().max().item()
+        e_sdpa = (sdpa[key] - r).abs().max().item()
+        bound = max(2 * e_sdpa, 1e-2 * r.abs().max().item())
+        assert e_mtrain <= bound, f"{key}: mtrain {e_mtrain:.3e} > {bound:.3e} (sdpa {e_sdpa:.3e})"
+    mtrain.synchronize()
 
 
 def test_workspace_from_torch_allocator(gen: torch.Generator) -> None:
@@ -146,3 +266,18 @@ def test_graph_capture_refused_clearly(gen: torch.Generator) -> None:
         torch.cuda.graph(graph),
     ):
         mtrain.attention(q, k, v, pattern=pattern)
+
+
+def test_compile_on_gpu(gen: torch.Generator) -> None:
+    """torch.compile (fullgraph) of an estimate-and-attend function on CUDA
+    tensors: no graph break, the same outputs as eager."""
+    n, hq, hkv, d = 1000, 4, 2, 64
+    q, k, v = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv)))
+    budgets = mtrain.TopK(16, 64)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return mtrain.attention(q, k, v, budgets=budgets, granularity=128) * 2
+
+    eager = fn(q, k, v)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(eager, compiled)
