@@ -212,8 +212,8 @@ static void compare_plan_rank(const mtrain_pattern_t *p, int32_t W, int32_t r, i
     sf = mtrain_plan_create_ring(ctx, NULL, ls, rpn, (const mtrain_pattern_t *const[]){p}, &fast);
     sr = ref_plan_create_ring(ctx, NULL, ls, rpn, (const mtrain_pattern_t *const[]){p}, &ref);
   }
-  snprintf(where, sizeof where, "%.300s: N %lld G %d W %d rank %d layout %s rpn %d threads %d", what,
-           (long long)N, G, W, r, kind < 0 ? "single" : mtrain_layout_kind_name(kind), rpn,
+  snprintf(where, sizeof where, "%.300s: N %lld G %d W %d rank %d layout %s rpn %d threads %d",
+           what, (long long)N, G, W, r, kind < 0 ? "single" : mtrain_layout_kind_name(kind), rpn,
            threads);
   SAME(sf, sr, "status");
   if (sf == MTRAIN_SUCCESS) same_plan(fast, ref);
