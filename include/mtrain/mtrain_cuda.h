@@ -54,7 +54,9 @@ typedef enum mtrain_cuda_variant {
 MTRAIN_API int mtrain_cuda_device_count(void);
 
 /** Queues the context's work on `stream` (a cudaStream_t; NULL returns to
- *  the backend's own non-blocking stream). Work queued on the previous
+ *  the backend's own non-blocking stream, which is not ordered with the
+ *  legacy default stream: pass cudaStreamLegacy, or cudaStreamPerThread, for
+ *  the default stream). Work queued on the previous
  *  stream runs before later work on the new one (an event; the host does not
  *  wait); the same stream again is a no-op. The stream must outlive its use
  *  by the context. Fails with MTRAIN_ERR_INVALID_ARGUMENT when the context

@@ -414,6 +414,9 @@ def backend_for(opts: Options, device: torch.device, dtype: torch.dtype) -> str:
     return "cpu-ref" if dtype == torch.float64 else "cpu"
 
 
+_CUDA_STREAM_LEGACY = 1  # cudaStreamLegacy (cuda_runtime_api.h)
+
+
 class Context:
     """An mtrain_context_t with its communicator (None: one rank)."""
 
@@ -474,7 +477,10 @@ class Context:
     def bind_stream(self) -> None:
         """Queues the context's CUDA work on the caller's current stream."""
         if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device).cuda_stream
+            # torch's default stream is the legacy NULL stream (handle 0), which
+            # the C API takes as cudaStreamLegacy (1): NULL would select the
+            # backend's own stream, unordered with torch's work
+            stream = torch.cuda.current_stream(self.device).cuda_stream or _CUDA_STREAM_LEGACY
             L.check(L.lib().cuda_set_stream(self.ptr, ctypes.c_void_p(stream)))
 
 

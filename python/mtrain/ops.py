@@ -187,15 +187,17 @@ def _(
 
 
 def _refuse_graph_capture(t: torch.Tensor, what: str) -> None:
-    """mtrain's calls upload the plan's step tables and read small results
-    back (the LSE scan), which a CUDA stream under graph capture cannot do:
-    refuse with a clear error instead of a CUDA error inside the capture."""
+    """mtrain's calls upload the plan's step tables from host staging
+    buffers that later calls reuse (a replayed graph would read another
+    call's tables), and the estimate reads scores back: refuse capture with a
+    clear error instead of a wrong replay or a CUDA error inside it."""
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise L.fail(
             L.ERR_NOT_SUPPORTED,
             f"mtrain {what}: the current CUDA stream is capturing a CUDA graph; mtrain's calls "
-            "copy their plan to the device and synchronize, which graph capture does not allow "
-            "(run the attention outside the captured region)",
+            "copy their plan's step tables from host buffers that later calls reuse (a replay "
+            "would read another call's tables), and the estimate reads its scores back to the "
+            "host (run the attention outside the captured region)",
         )
 
 
