@@ -21,6 +21,7 @@
 #include "core/runtime/select.h"
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_comm.h"
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_inputs.h"
 #include "mtrain/mtrain_layout.h"
 #include "tool_common.h"
@@ -32,7 +33,7 @@ static const char *prog = "mtrain-bench-plan";
 enum { MAX_WORLDS = 16 };
 
 typedef struct opts {
-  const char *budgets, *json, *layers, *layout;
+  const char *budgets, *json, *layers, *layout, *backend;
   int64_t tokens;
   int32_t granularity, kv_heads, head_dim, last_q, steps, threads, rank, ranks_per_node;
   int32_t worlds[MAX_WORLDS], num_worlds;
@@ -44,7 +45,7 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: %s [options]\n"
           "Times, per layer of a budget file, what a training step does on the host before\n"
-          "its sparse attention: the online estimate (scoring on the cpu backend, selection\n"
+          "its sparse attention: the online estimate (scoring on --backend, selection\n"
           "on the host), the plan for each world size and (--cuda-step) the host tables\n"
           "of the cuda backend's step upload. One cold call, then --steps warm.\n"
           "  --budgets FILE        budget file (default "
@@ -65,6 +66,8 @@ static void usage(FILE *f) {
           "  --threads T           OpenMP threads (default: OpenMP's)\n"
           "  --cuda-step           also time the cuda step tables of every plan step, forward\n"
           "                        and backward (a replica of the host loops, no GPU needed)\n"
+          "  --backend NAME        backend of the estimate's scoring: cpu (default) or cuda\n"
+          "                        (q and k copied to the device once; plans stay on the host)\n"
           "  --json FILE           write every time to FILE\n"
           "  --help                this text\n",
           prog);
@@ -130,20 +133,30 @@ static int parse_layers(const char *s, int32_t n, uint8_t *use) {
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
-  static const struct option table[] = {
-      {"budgets", required_argument, 0, 'b'},  {"layers", required_argument, 0, 'l'},
-      {"tokens", required_argument, 0, 'n'},   {"granularity", required_argument, 0, 'G'},
-      {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
-      {"dtype", required_argument, 0, 't'},    {"last-q", required_argument, 0, 'L'},
-      {"world", required_argument, 0, 'W'},    {"rank", required_argument, 0, 'r'},
-      {"layout", required_argument, 0, 'y'},   {"ranks-per-node", required_argument, 0, 'P'},
-      {"steps", required_argument, 0, 's'},    {"threads", required_argument, 0, 'T'},
-      {"cuda-step", no_argument, 0, 'c'},      {"json", required_argument, 0, 'j'},
-      {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
+  static const struct option table[] = {{"budgets", required_argument, 0, 'b'},
+                                        {"layers", required_argument, 0, 'l'},
+                                        {"tokens", required_argument, 0, 'n'},
+                                        {"granularity", required_argument, 0, 'G'},
+                                        {"kv-heads", required_argument, 0, 'k'},
+                                        {"head-dim", required_argument, 0, 'd'},
+                                        {"dtype", required_argument, 0, 't'},
+                                        {"last-q", required_argument, 0, 'L'},
+                                        {"world", required_argument, 0, 'W'},
+                                        {"rank", required_argument, 0, 'r'},
+                                        {"layout", required_argument, 0, 'y'},
+                                        {"ranks-per-node", required_argument, 0, 'P'},
+                                        {"steps", required_argument, 0, 's'},
+                                        {"threads", required_argument, 0, 'T'},
+                                        {"cuda-step", no_argument, 0, 'c'},
+                                        {"json", required_argument, 0, 'j'},
+                                        {"backend", required_argument, 0, 'B'},
+                                        {"help", no_argument, 0, 'h'},
+                                        {0, 0, 0, 0}};
   memset(o, 0, sizeof *o);
   o->budgets = "data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json";
   o->layers = "all";
   o->layout = "striped";
+  o->backend = "cpu";
   o->tokens = 131072;
   o->granularity = 128;
   o->kv_heads = 2;
@@ -205,6 +218,9 @@ static int parse(int argc, char **argv, opts_t *o) {
       break;
     case 'j':
       o->json = optarg;
+      break;
+    case 'B':
+      o->backend = optarg;
       break;
     case 'h':
       usage(stdout);
@@ -383,12 +399,24 @@ static int plan_once(const opts_t *o, const mtrain_pattern_t *p, int32_t W, doub
 /* The inputs: structured q, k (and v, which the generator fills) of N tokens. */
 typedef struct inputs {
   mtrain_tensor_t q, k, v;
+  mtrain_tensor_t dq, dk; /* device copies of q and k (--backend cuda), else NULL data */
 } inputs_t;
 
 static void inputs_free(inputs_t *in) {
   free(in->q.data);
   free(in->k.data);
   free(in->v.data);
+  mtrain_cuda_free(in->dq.data);
+  mtrain_cuda_free(in->dk.data);
+}
+
+/* Device copy of a host tensor (same shape and dtype). */
+static int to_device(const mtrain_tensor_t *h, mtrain_tensor_t *d) {
+  const size_t bytes = (size_t)mtrain_tensor_numel(h) * mtrain_dtype_size(h->dtype);
+  *d = *h;
+  d->data = NULL;
+  return tool_failed(prog, "device copy", mtrain_cuda_malloc(bytes, &d->data)) ||
+         tool_failed(prog, "device copy", mtrain_cuda_memcpy_to_device(d->data, h->data, bytes));
 }
 
 static int inputs_make(const opts_t *o, int32_t heads, inputs_t *in) {
@@ -422,7 +450,10 @@ static int run_layer(const opts_t *o, mtrain_context_t *ctx, const mtrain_budget
   for (int call = 0; call <= o->steps && !rc; call++) {
     mtrain_pattern_t *p = NULL;
     const double t0 = tool_now();
-    rc = tool_failed(prog, "estimate", mtrain_pattern_estimate(ctx, &in->q, &in->k, b, &eo, &p));
+    const int dev = in->dq.data != NULL;
+    rc = tool_failed(
+        prog, "estimate",
+        mtrain_pattern_estimate(ctx, dev ? &in->dq : &in->q, dev ? &in->dk : &in->k, b, &eo, &p));
     const double t1 = tool_now();
     const mtrain_estimate_times_t et = mtrain_estimate_last_times();
     timing_put(&r->estimate, call, t1 - t0);
@@ -483,6 +514,9 @@ int main(int argc, char **argv) {
   fprintf(stderr, "%s: generating %lld tokens of structured inputs (%d/%d heads, d %d, %s)\n", prog,
           (long long)o.tokens, heads, o.kv_heads, o.head_dim, mtrain_dtype_name(o.dtype));
   int rc = inputs_make(&o, heads, &in);
+  cfg.backend = o.backend;
+  if (!rc && strcmp(o.backend, "cuda") == 0)
+    rc = to_device(&in.q, &in.dq) || to_device(&in.k, &in.dk);
   if (!rc) rc = tool_failed(prog, "context", mtrain_context_create(&cfg, NULL, &ctx));
   layer_result_t *res = calloc((size_t)nl, sizeof *res);
   int32_t n_res = 0;
@@ -500,9 +534,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s: layer %d done\n", prog, l);
   }
   if (!rc) {
-    printf("%s: %lld tokens, G %d, %d/%d heads, d %d, %s, last_q %d, %d threads, %s\n", prog,
-           (long long)o.tokens, o.granularity, heads, o.kv_heads, o.head_dim,
-           mtrain_dtype_name(o.dtype), o.last_q, omp_get_max_threads(), o.budgets);
+    printf("%s: %lld tokens, G %d, %d/%d heads, d %d, %s, last_q %d, %d threads, scoring on %s, "
+           "%s\n",
+           prog, (long long)o.tokens, o.granularity, heads, o.kv_heads, o.head_dim,
+           mtrain_dtype_name(o.dtype), o.last_q, omp_get_max_threads(), o.backend, o.budgets);
     printf("warm medians of %d steps, ms per layer (plan W>1: rank %d, layout %s)\n", o.steps,
            o.rank, o.layout);
     printf("%5s %8s %9s %8s %8s", "layer", "density", "estimate", "scores", "select");
@@ -567,6 +602,7 @@ int main(int argc, char **argv) {
         heads, "kv_heads", o.kv_heads, "head_dim", o.head_dim, "dtype", mtrain_dtype_name(o.dtype),
         "last_q", o.last_q, "threads", omp_get_max_threads(), "layout", o.layout, "rank", o.rank,
         "ranks_per_node", o.ranks_per_node, "steps", o.steps, "layers", layers);
+    json_object_set_new(root, "backend", json_string(o.backend));
     if (json_dump_file(root, o.json, JSON_INDENT(1)) != 0) {
       fprintf(stderr, "%s: cannot write %s\n", prog, o.json);
       rc = 1;
