@@ -1,0 +1,256 @@
+"""bench_model.py: the attention of a whole model's training step on one GPU, through torch.
+
+For every layer of a budget file (Qwen2.5-3B: 36 layers, 16:2 heads, d 128), at N tokens of the
+library's structured inputs (RoPE'd vertical-slash structure, mtrain_generate_structured; one
+input set for every layer, so the layers differ by their budgets only), times per layer, warm
+(after --warmup steps) and per step, as a training step pays them:
+
+  estimate   mtrain.estimate_pattern(q, k, budgets, layer): scores, selection, plan (host clock,
+             the call synchronises);
+  fwd        mtrain.attention(q, k, v, pattern=plan) (CUDA events);
+  fwd+bwd    the same with the backward through autograd (CUDA events);
+
+and once (the shapes are the same for every layer): dense causal attention by mtrain (ours) and
+by torch SDPA with the cuDNN backend (the strongest dense peer measured in docs/PERFORMANCE.md),
+forward and forward+backward. Prints a table per layer and the model's totals: sparse step
+(estimate + fwd+bwd summed over the layers) against 36 x dense ours and 36 x dense cuDNN, and
+the ceiling the pair counts allow (dense pairs / computed pairs, summed over the layers: the
+speed-up if the sparse kernels ran at the dense kernel's rate with nothing else to pay).
+
+usage: python tools/bench_model.py [--budgets FILE] [--seq-len 131072] [--layers all|0,3,5-7]
+       [--reps 2] [--warmup 1] [--kv-heads 2] [--head-dim 128] [--deterministic]
+       [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import mtrain
+from mtrain import _lib as L
+
+
+class StructuredOptions(ctypes.Structure):
+    """mtrain_structured_options_t (include/mtrain/mtrain_inputs.h)."""
+
+    _fields_ = (
+        ("seed", ctypes.c_uint64),
+        ("rope_base", ctypes.c_double),
+        ("mean_strength", ctypes.c_double),
+        ("num_sinks", ctypes.c_int32),
+        ("num_outliers", ctypes.c_int32),
+        ("outlier_strength", ctypes.c_double),
+    )
+
+
+def structured_inputs(n: int, hq: int, hkv: int, d: int) -> list[torch.Tensor]:
+    """q, k, v of mtrain_generate_structured (defaults of MTRAIN_STRUCTURED_INIT), bf16, on the
+    GPU, and a dout of normal noise."""
+    q = torch.empty(n, hq, d, dtype=torch.bfloat16)
+    k = torch.empty(n, hkv, d, dtype=torch.bfloat16)
+    v = torch.empty(n, hkv, d, dtype=torch.bfloat16)
+    opts = StructuredOptions(1, 10000.0, 2.0, 4, 16, 4.0)
+    fn = L.lib().dll.mtrain_generate_structured
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4
+    ts = [L.Tensor(t.data_ptr(), L.BF16, 3, (ctypes.c_int64 * 4)(*t.shape, 0)) for t in (q, k, v)]
+    L.check(fn(ctypes.byref(opts), *(ctypes.byref(t) for t in ts)), "structured inputs")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(n, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    return [q.cuda(), k.cuda(), v.cuda(), do]
+
+
+def event_ms(fn: Any, reps: int, warmup: int) -> float:
+    """Median milliseconds of fn() over reps runs after warmup runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def parse_layers(text: str, count: int) -> list[int]:
+    if text == "all":
+        return list(range(count))
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    bad = [x for x in out if not 0 <= x < count]
+    if bad:
+        raise SystemExit(f"bench_model: layers {bad} outside the file's 0..{count - 1}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--budgets", default="data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json"
+    )
+    ap.add_argument("--seq-len", type=int, default=131072)
+    ap.add_argument("--layers", default="all")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="mtrain's deterministic backward (default: the fused one, as cuDNN's)",
+    )
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args()
+    with open(a.budgets) as f:
+        doc = json.load(f)
+    n_layers = len(doc) if isinstance(doc, list) else len(doc.get("layers", doc))
+    layers = parse_layers(a.layers, n_layers)
+    n, hkv, d = a.seq_len, a.kv_heads, a.head_dim
+    first = doc[0] if isinstance(doc, list) else None
+    hq = len(first) if isinstance(first, (list, dict)) else 16
+    det = a.deterministic
+    q, k, v, do = structured_inputs(n, hq, hkv, d)
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    causal_pairs = n * (n + 1) // 2 * hq
+
+    # dense, once: mtrain (ours) and SDPA cuDNN
+    def ours_fwd() -> None:
+        with torch.no_grad():
+            mtrain.attention(q, k, v, deterministic=det)
+
+    def ours_fb() -> None:
+        mtrain.attention(qg, kg, vg, deterministic=det).backward(do)
+
+    qt, kt, vt, dot = (t.transpose(0, 1).unsqueeze(0) for t in (qg, kg, vg, do))
+    qt, kt, vt = (t.detach().requires_grad_(True) for t in (qt, kt, vt))
+    sdpa = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+
+    def cudnn_fwd() -> None:
+        with torch.no_grad(), sdpa:
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    def cudnn_fb() -> None:
+        with sdpa:
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).backward(
+                dot
+            )
+
+    dense = {
+        "ours_fwd_ms": event_ms(ours_fwd, a.reps, a.warmup),
+        "ours_fwdbwd_ms": event_ms(ours_fb, a.reps, a.warmup),
+        "cudnn_fwd_ms": event_ms(cudnn_fwd, a.reps, a.warmup),
+        "cudnn_fwdbwd_ms": event_ms(cudnn_fb, a.reps, a.warmup),
+    }
+    rows = []
+    for layer in layers:
+        plans: list[Any] = []
+
+        def estimate(layer: int = layer, plans: list[Any] = plans) -> None:
+            plans.append(mtrain.estimate_pattern(q, k, a.budgets, layer, deterministic=det))
+
+        est = []
+        for i in range(a.warmup + a.reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            estimate()
+            torch.cuda.synchronize()
+            if i >= a.warmup:
+                est.append(1e3 * (time.perf_counter() - t0))
+        plan = plans[-1]
+
+        def fwd(plan: Any = plan) -> None:
+            with torch.no_grad():
+                mtrain.attention(q, k, v, pattern=plan, deterministic=det)
+
+        def fb(plan: Any = plan) -> None:
+            mtrain.attention(qg, kg, vg, pattern=plan, deterministic=det).backward(do)
+
+        row = {
+            "layer": layer,
+            "density": plan.computed_pairs / causal_pairs,
+            "computed_pairs": plan.computed_pairs,
+            "estimate_ms": statistics.median(est),
+            "fwd_ms": event_ms(fwd, a.reps, a.warmup),
+            "fwdbwd_ms": event_ms(fb, a.reps, a.warmup),
+        }
+        rows.append(row)
+        print(
+            f"layer {layer:3d} density {row['density']:.3f} estimate {row['estimate_ms']:7.1f} ms "
+            f"fwd {row['fwd_ms']:7.1f} ms fwd+bwd {row['fwdbwd_ms']:7.1f} ms",
+            flush=True,
+        )
+    mtrain.synchronize()
+    nl = len(rows)
+    sparse_step = sum(r["estimate_ms"] + r["fwdbwd_ms"] for r in rows)
+    sparse_attn = sum(r["fwdbwd_ms"] for r in rows)
+    estimate_total = sum(r["estimate_ms"] for r in rows)
+    ceiling = nl * causal_pairs / sum(r["computed_pairs"] for r in rows)
+    totals = {
+        "layers": nl,
+        "sparse_step_ms": sparse_step,
+        "sparse_fwdbwd_ms": sparse_attn,
+        "estimate_ms": estimate_total,
+        "estimate_share_of_sparse_fwdbwd": estimate_total / sparse_attn,
+        "dense_ours_ms": nl * dense["ours_fwdbwd_ms"],
+        "dense_cudnn_ms": nl * dense["cudnn_fwdbwd_ms"],
+        "speedup_vs_dense_ours": nl * dense["ours_fwdbwd_ms"] / sparse_step,
+        "speedup_vs_dense_cudnn": nl * dense["cudnn_fwdbwd_ms"] / sparse_step,
+        "ceiling_from_pairs": ceiling,
+    }
+    dev = torch.cuda.get_device_name()
+    print(
+        f"\n{dev}, N={n}, {hq}:{hkv} heads, d {d}, bf16, causal, {nl} layers of {a.budgets}, "
+        f"median of {a.reps} after {a.warmup} warm-up, backward "
+        f"{'deterministic' if det else 'fused'}"
+    )
+    print(
+        f"dense per layer: ours fwd {dense['ours_fwd_ms']:.1f} ms, fwd+bwd "
+        f"{dense['ours_fwdbwd_ms']:.1f} ms; SDPA cuDNN fwd {dense['cudnn_fwd_ms']:.1f} ms, fwd+bwd "
+        f"{dense['cudnn_fwdbwd_ms']:.1f} ms"
+    )
+    print(
+        f"model: sparse step {sparse_step / 1e3:.2f} s (estimate {estimate_total / 1e3:.2f} s = "
+        f"{100 * totals['estimate_share_of_sparse_fwdbwd']:.1f}% of the sparse fwd+bwd "
+        f"{sparse_attn / 1e3:.2f} s); dense ours {totals['dense_ours_ms'] / 1e3:.2f} s, "
+        f"cuDNN {totals['dense_cudnn_ms'] / 1e3:.2f} s"
+    )
+    print(
+        f"speed-up: {totals['speedup_vs_dense_ours']:.2f}x over dense ours, "
+        f"{totals['speedup_vs_dense_cudnn']:.2f}x over dense cuDNN; ceiling from the pair counts "
+        f"{ceiling:.2f}x"
+    )
+    if a.json:
+        out = {
+            "device": dev,
+            "torch": torch.__version__,
+            "seq_len": n,
+            "heads": hq,
+            "kv_heads": hkv,
+            "head_dim": d,
+            "budgets": a.budgets,
+            "deterministic": det,
+            "reps": a.reps,
+            "warmup": a.warmup,
+            "dense": dense,
+            "layers": rows,
+            "totals": totals,
+        }
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
