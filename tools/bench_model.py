@@ -136,14 +136,16 @@ def main() -> None:
 
     qt, kt, vt, dot = (t.transpose(0, 1).unsqueeze(0) for t in (qg, kg, vg, do))
     qt, kt, vt = (t.detach().requires_grad_(True) for t in (qt, kt, vt))
-    sdpa = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+
+    def sdpa() -> Any:  # a fresh context manager per use
+        return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
 
     def cudnn_fwd() -> None:
-        with torch.no_grad(), sdpa:
+        with torch.no_grad(), sdpa():
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
 
     def cudnn_fb() -> None:
-        with sdpa:
+        with sdpa():
             F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True).backward(
                 dot
             )
