@@ -58,6 +58,10 @@ mtrain_status_t mtrain_cpu_fast_bwd_step(void *state, const mtrain_bwd_step_args
 mtrain_status_t mtrain_cpu_ref_pattern_scores(void *state, const mtrain_scores_args_t *args);
 mtrain_status_t mtrain_cpu_fast_pattern_scores(void *state, const mtrain_scores_args_t *args);
 
+/* Block scores of SPEC.md section 9 (cpu_block_scores.c). */
+mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scores_args_t *args);
+mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_scores_args_t *args);
+
 /** Element i of a buffer of `dtype`, widened to double. */
 static inline double mtrain_cpu_load(const void *p, mtrain_dtype_t dtype, int64_t i) {
   switch (dtype) {

@@ -54,6 +54,7 @@ const mtrain_backend_ops_t mtrain_cpu_ref_backend = {
     .attn_bwd_prepare = mtrain_cpu_ref_bwd_prepare,
     .attn_bwd_step = mtrain_cpu_ref_bwd_step,
     .pattern_scores = mtrain_cpu_ref_pattern_scores,
+    .block_scores = mtrain_cpu_ref_block_scores,
     .synchronize = mtrain_cpu_synchronize,
 };
 
@@ -80,5 +81,6 @@ const mtrain_backend_ops_t mtrain_cpu_backend = {
     .attn_bwd_prepare = mtrain_cpu_fast_bwd_prepare,
     .attn_bwd_step = mtrain_cpu_fast_bwd_step,
     .pattern_scores = mtrain_cpu_fast_pattern_scores,
+    .block_scores = mtrain_cpu_fast_block_scores,
     .synchronize = mtrain_cpu_synchronize,
 };

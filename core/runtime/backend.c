@@ -64,7 +64,7 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
   REQUIRE_SLOT(kind, ops, attn_bwd_prepare);
   REQUIRE_SLOT(kind, ops, attn_bwd_step);
   REQUIRE_SLOT(kind, ops, synchronize);
-  /* optional: pattern_scores, data_stream; the timer slots come as a pair,
+  /* optional: pattern_scores, block_scores, data_stream; the timer slots come as a pair,
    * the stream-ordered slots as a triple */
   {
     const int n = !!ops->async + !!ops->deferred_scan + !!ops->deferred_poll;
@@ -238,6 +238,16 @@ mtrain_status_t mtrain_be_pattern_scores(mtrain_context_t *ctx, const mtrain_sco
 
 int mtrain_be_has_pattern_scores(const mtrain_context_t *ctx) {
   return ctx->backend->pattern_scores != NULL;
+}
+
+mtrain_status_t mtrain_be_block_scores(mtrain_context_t *ctx,
+                                       const mtrain_block_scores_args_t *args) {
+  if (!ctx->backend->block_scores) return not_supported(ctx, "block_scores");
+  return ctx->backend->block_scores(ctx->backend_state, args);
+}
+
+int mtrain_be_has_block_scores(const mtrain_context_t *ctx) {
+  return ctx->backend->block_scores != NULL;
 }
 
 int mtrain_be_has_data_stream(const mtrain_context_t *ctx) {

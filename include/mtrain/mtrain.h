@@ -519,6 +519,91 @@ MTRAIN_API mtrain_status_t mtrain_attention_backward(
     const mtrain_tensor_t *lse, const mtrain_tensor_t *dout, mtrain_tensor_t *dq,
     mtrain_tensor_t *dk, mtrain_tensor_t *dv);
 
+/* ------------------------------------------------------------------------ */
+/* Block-sparse selection (SPEC.md section 9)                                */
+/* ------------------------------------------------------------------------ */
+
+/** How the (query block, key block) pairs are scored (SPEC.md section 9). */
+typedef enum mtrain_block_method {
+  /** AdaSpa-style precise search: the exact attention mass of each block,
+   *  sum of exp(s q.k - lse) over its causal pairs, from the LSE a forward
+   *  already produced (one pass, no second softmax). Needs lse. */
+  MTRAIN_BLOCK_PRECISE = 0,
+  /** XAttention-style: strided antidiagonal sums within each block (stride
+   *  S), softmaxed per strided row: a cheap estimate of the block mass. */
+  MTRAIN_BLOCK_ANTIDIAG = 1,
+  /** MoBA-style gating: each query block's mean query against every earlier
+   *  key block's mean key; top-k only. */
+  MTRAIN_BLOCK_MEANPOOL = 2,
+} mtrain_block_method_t;
+
+/** "precise", "antidiag", "meanpool"; "unknown" otherwise. */
+MTRAIN_API const char *mtrain_block_method_name(mtrain_block_method_t method);
+/** Parses the names above; MTRAIN_ERR_INVALID_ARGUMENT naming `name` else. */
+MTRAIN_API mtrain_status_t mtrain_block_method_parse(const char *name,
+                                                     mtrain_block_method_t *out);
+
+/** Options of a block selection. Initialise with MTRAIN_BLOCK_OPTIONS_INIT. */
+typedef struct mtrain_block_options {
+  mtrain_block_method_t method;
+  mtrain_budget_kind_t kind; /**< MTRAIN_BUDGET_TOP_K or _TOP_P (meanpool: top-k only) */
+  int32_t top_k;             /**< top-k: key blocks kept per query block besides the forced ones */
+  double top_p;              /**< top-p: the share of each query block's scored mass to reach,
+                                  forced blocks counted, in (0, 1] */
+  int32_t sink_blocks;       /**< key blocks [0, sink_blocks) forced in (default 1) */
+  int32_t local_blocks;      /**< key blocks (qb - local_blocks, qb] forced in (default 1: the
+                                  diagonal block, which is always in) */
+  int32_t stride;            /**< antidiag: the stride S, a divisor of G (default 8) */
+  int32_t head_adaptive;     /**< top-k with precise or antidiag: 1 redistributes the total budget
+                                  Hq * top_k between heads (SPEC.md section 9.5) */
+} mtrain_block_options_t;
+
+#define MTRAIN_BLOCK_OPTIONS_INIT                                                                  \
+  { MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 8, 0.9, 1, 1, 8, 0 }
+
+/** Optional per-head results of a block selection; each array, when not
+ *  NULL, has Hq entries owned by the caller and is written on success. */
+typedef struct mtrain_block_report {
+  double *head_recall;  /**< the share of the head's scored mass the selection keeps (precise
+                             with the dense LSE: exactly the pattern's recall); NaN for meanpool */
+  int32_t *head_top_k;  /**< the top-k budget the head got (top_k unless head_adaptive); -1 in
+                             top-p mode */
+  int64_t *head_blocks; /**< the head's selected (query block, key block) pairs, forced included */
+} mtrain_block_report_t;
+
+/** Selects a block-mask pattern (every head in block-mask form) of one
+ *  sequence from its post-RoPE q [N, Hq, d] and k [N, Hkv, d], and for
+ *  MTRAIN_BLOCK_PRECISE the forward's lse [N, Hq] (fp32, or fp64; the LSE of
+ *  dense attention makes the masses exact shares; NULL for the other
+ *  methods). The context's backend scores (its optional block_scores slot:
+ *  MTRAIN_ERR_NOT_SUPPORTED naming the backend where it has none); the
+ *  selection is host code shared by every backend. Deterministic: the same
+ *  inputs give the same pattern bitwise on one backend, at every thread
+ *  count. The result has the context's granularity; the caller destroys
+ *  it. `report` may be NULL. Single rank (world 1). */
+MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx,
+                                                        const mtrain_tensor_t *q,
+                                                        const mtrain_tensor_t *k,
+                                                        const mtrain_tensor_t *lse,
+                                                        const mtrain_block_options_t *options,
+                                                        const mtrain_block_report_t *report,
+                                                        mtrain_pattern_t **out);
+
+/** The distributed block selection: q, k (and lse) are this rank's
+ *  [local tokens, ...] slots of a sequence laid out by `layout` (as the
+ *  attention tensors of mtrain_plan_create_ring). The keys are gathered
+ *  (every rank then holds all N x Hkv x d of them, in fp32, or fp64 for fp64
+ *  inputs), each rank scores the query blocks it owns, the scores are
+ *  combined exactly (each entry has one contributor) and every rank selects
+ *  the same pattern, bitwise equal to mtrain_pattern_select_blocks of the
+ *  whole sequence on the same backend, for every world size and layout.
+ *  Collective over the context's communicator; `report` as above, the same
+ *  on every rank. Host memory O(Hq nb^2 / 2) doubles for the scores. */
+MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks_ring(
+    mtrain_context_t *ctx, const struct mtrain_layout *layout, const mtrain_tensor_t *q,
+    const mtrain_tensor_t *k, const mtrain_tensor_t *lse, const mtrain_block_options_t *options,
+    const mtrain_block_report_t *report, mtrain_pattern_t **out);
+
 #ifdef __cplusplus
 }
 #endif

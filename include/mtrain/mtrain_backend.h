@@ -143,6 +143,34 @@ typedef struct mtrain_scores_args {
   double *diag_out;              /**< stage 2, zero-initialised by the caller, [Hq*N*S] */
 } mtrain_scores_args_t;
 
+/** The block scores of SPEC.md section 9 (the optional block_scores slot).
+ *  nb = ceil(N/G); the scores of a head form a lower triangle: the entry of
+ *  (query block qb, key block kb <= qb) of head h is
+ *  scores[h * tri + qb * (qb + 1) / 2 + kb], tri = nb * (nb + 1) / 2. The
+ *  slot writes the rows of this rank's query blocks (global index < nb) and
+ *  leaves every other entry as it found it (the caller zeroes the buffer),
+ *  so the partial results of several ranks combine exactly by summation.
+ *  Each entry is computed from its own query block and the keys alone, in
+ *  the order the spec gives: the same bits whichever rank computes it. */
+typedef struct mtrain_block_scores_args {
+  mtrain_block_method_t method;
+  int64_t seq_len;     /**< N */
+  int32_t granularity; /**< G */
+  int32_t num_heads, num_kv_heads, head_dim;
+  double scale;
+  int32_t stride;                /**< antidiag: S, divides G */
+  mtrain_dtype_t q_dtype;        /**< storage dtype of q */
+  const void *q;                 /**< [q_tokens, Hq, d] this rank's query slots */
+  int64_t q_tokens;              /**< local query slots */
+  int32_t num_q_blocks;          /**< local query blocks */
+  const int64_t *q_block_global; /**< [num_q_blocks] host: global block of each local block */
+  mtrain_dtype_t k_dtype;        /**< storage dtype of k */
+  const void *k;                 /**< [N, Hkv, d] every key of the sequence, in global order */
+  mtrain_dtype_t lse_dtype;      /**< precise: fp32 or fp64 */
+  const void *lse;               /**< precise: [q_tokens, Hq], the rows of q */
+  double *scores;                /**< [Hq * tri] fp64, backend memory */
+} mtrain_block_scores_args_t;
+
 /** Where a backend keeps tensor memory, and where a communicator's
  *  point-to-point buffers must live. A context pairs a backend with a
  *  communicator only when the spaces agree (MTRAIN_MEMORY_ANY agrees with
@@ -246,6 +274,11 @@ typedef struct mtrain_backend_ops {
                                    int64_t count, int64_t row0, int64_t row_width, int64_t head_dim,
                                    const char *what);
   mtrain_status_t (*deferred_poll)(void *state, int blocking);
+
+  /** Optional: the block scores of SPEC.md section 9 for this rank's query
+   *  blocks (mtrain_block_scores_args_t). NULL: mtrain_pattern_select_blocks
+   *  reports MTRAIN_ERR_NOT_SUPPORTED naming the backend. */
+  mtrain_status_t (*block_scores)(void *state, const mtrain_block_scores_args_t *args);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table

@@ -1,0 +1,404 @@
+/* cpu_block_scores.c: the block scores of SPEC.md section 9 (the optional
+ * block_scores slot) for both CPU backends: precise block masses from the
+ * forward's LSE (AdaSpa-style), strided antidiagonal estimates
+ * (XAttention-style) and mean-pooled gating (MoBA-style).
+ *
+ * The reference computes every logit as an fp64 dot product and adds in the
+ * order the spec gives. The fast path computes the logits of a query block
+ * with sgemm in fp32 (tiles at fixed global column offsets) and adds in
+ * fp64. Each (head, query block) row of the output is one task (OpenMP,
+ * dynamic schedule) that reads only its own query block and the keys, so a
+ * row's bits depend on neither the thread count nor which rank computes it.
+ * Mean-pooled gating is cheap (O(nb^2 d) per head) and shares the
+ * reference's fp64 code in both backends. */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_fast_common.h"
+#include "mtrain/mtrain_error.h"
+
+/* Query rows per sgemm of the precise fast path, and key columns per tile. */
+#define BLK_ROWS 256
+#define BLK_COLS 1024
+/* Strided rows per chunk of the antidiagonal fast path. */
+#define BLK_AROWS 32
+
+static inline int64_t tri_row(int64_t qb) { return qb * (qb + 1) / 2; }
+
+static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
+  if (a->method != MTRAIN_BLOCK_PRECISE && a->method != MTRAIN_BLOCK_ANTIDIAG &&
+      a->method != MTRAIN_BLOCK_MEANPOOL)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "block scores: unknown method %d",
+                        (int)a->method);
+  if (a->method == MTRAIN_BLOCK_ANTIDIAG && (a->stride < 1 || a->granularity % a->stride != 0))
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block scores: stride %d does not divide the granularity %d", a->stride,
+                        a->granularity);
+  if (a->method == MTRAIN_BLOCK_PRECISE && !a->lse)
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER, "block scores: the precise method needs lse");
+  return MTRAIN_SUCCESS;
+}
+
+/* ---- mean-pooled gating (both backends) --------------------------------------- */
+
+static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores_args_t *a) {
+  const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
+  const int32_t group = Hq / Hkv;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  double *kbar = malloc(sizeof(double) * (size_t)(nb * Hkv * d));
+  if (!kbar) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block scores: out of memory");
+    /* kbar[kb][hk][x] = mean over the block's keys, keys ascending */
+#pragma omp parallel for num_threads(s->num_threads) schedule(static)
+  for (int64_t kb = 0; kb < nb; kb++) {
+    const int64_t j0 = kb * G, j1 = j0 + G < N ? j0 + G : N;
+    for (int32_t hk = 0; hk < Hkv; hk++)
+      for (int32_t x = 0; x < d; x++) {
+        double sum = 0.0;
+        for (int64_t j = j0; j < j1; j++)
+          sum += mtrain_cpu_load(a->k, a->k_dtype, (j * Hkv + hk) * d + x);
+        kbar[(kb * Hkv + hk) * d + x] = sum / (double)(j1 - j0);
+      }
+  }
+  int failed = 0;
+  const int64_t tasks = (int64_t)Hq * a->num_q_blocks;
+#pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) reduction(| : failed)
+  for (int64_t t = 0; t < tasks; t++) {
+    const int32_t h = (int32_t)(t / a->num_q_blocks), lb = (int32_t)(t % a->num_q_blocks);
+    const int64_t gb = a->q_block_global[lb];
+    if (gb >= nb) continue; /* a padding block */
+    const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
+    if (rows <= 0) continue;
+    double *qbar = malloc(sizeof(double) * (size_t)d);
+    if (!qbar) {
+      failed = 1;
+      continue;
+    }
+    for (int32_t x = 0; x < d; x++) {
+      double sum = 0.0;
+      for (int32_t r = 0; r < rows; r++)
+        sum += mtrain_cpu_load(a->q, a->q_dtype, (((int64_t)lb * G + r) * Hq + h) * d + x);
+      qbar[x] = sum / (double)rows;
+    }
+    double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+    for (int64_t kb = 0; kb <= gb; kb++) {
+      const double *kv = kbar + (kb * Hkv + h / group) * d;
+      double dot = 0.0;
+      for (int32_t x = 0; x < d; x++) dot += qbar[x] * kv[x];
+      out[kb] = a->scale * dot;
+    }
+    free(qbar);
+  }
+  free(kbar);
+  return failed ? mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block scores: out of memory")
+                : MTRAIN_SUCCESS;
+}
+
+/* ---- the reference ------------------------------------------------------------- */
+
+/* Row r of local query block lb, head h, into q (fp64). */
+static void load_q(const mtrain_block_scores_args_t *a, int32_t lb, int32_t r, int32_t h,
+                   double *q) {
+  const int64_t base = (((int64_t)lb * a->granularity + r) * a->num_heads + h) * a->head_dim;
+  for (int32_t x = 0; x < a->head_dim; x++) q[x] = mtrain_cpu_load(a->q, a->q_dtype, base + x);
+}
+
+static double dot_k(const mtrain_block_scores_args_t *a, const double *q, int64_t j, int32_t hk) {
+  const int64_t base = (j * a->num_kv_heads + hk) * a->head_dim;
+  double dot = 0.0;
+  for (int32_t x = 0; x < a->head_dim; x++)
+    dot += q[x] * mtrain_cpu_load(a->k, a->k_dtype, base + x);
+  return dot;
+}
+
+/* Precise: out[kb] += exp(s q_i.k_j - lse_i), i ascending, then j ascending. */
+static void ref_precise_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
+                            int32_t rows, double *q, double *out) {
+  const int32_t G = a->granularity, hk = h / (a->num_heads / a->num_kv_heads);
+  for (int32_t r = 0; r < rows; r++) {
+    const int64_t i = gb * G + r;
+    load_q(a, lb, r, h, q);
+    const double lse =
+        mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r) * a->num_heads + h);
+    for (int64_t j = 0; j <= i; j++) out[j / G] += exp(a->scale * dot_k(a, q, j, hk) - lse);
+  }
+}
+
+/* Antidiagonal: strided rows a of the block, X[a, c] over the valid terms,
+ * a softmax per strided row, P summed into the key blocks. */
+static int ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
+                            int32_t rows, double *out) {
+  const int32_t G = a->granularity, S = a->stride, d = a->head_dim;
+  const int32_t hk = h / (a->num_heads / a->num_kv_heads);
+  const int64_t N = a->seq_len;
+  const int64_t a_first = gb * G / S, a_end = (gb * G + rows + S - 1) / S;
+  double *X = malloc(sizeof(double) * (size_t)(a_end + 1));
+  uint8_t *valid = malloc((size_t)(a_end + 1));
+  double *q = malloc(sizeof(double) * (size_t)d);
+  if (!X || !valid || !q) {
+    free(X);
+    free(valid);
+    free(q);
+    return 1;
+  }
+  for (int64_t ar = a_first; ar < a_end; ar++) {
+    double m = -INFINITY;
+    for (int64_t c = 0; c <= ar; c++) {
+      double sum = 0.0;
+      int terms = 0;
+      for (int32_t sp = 0; sp < S; sp++) {
+        const int64_t i = ar * S + sp, j = c * S + S - 1 - sp;
+        if (i >= N || j > i) continue;
+        load_q(a, lb, (int32_t)(i - gb * G), h, q);
+        sum += dot_k(a, q, j, hk);
+        terms++;
+      }
+      valid[c] = terms > 0;
+      X[c] = a->scale / S * sum;
+      if (valid[c] && X[c] > m) m = X[c];
+    }
+    if (m == -INFINITY) continue; /* no defined column */
+    double Z = 0.0;
+    for (int64_t c = 0; c <= ar; c++)
+      if (valid[c]) Z += exp(X[c] - m);
+    for (int64_t c = 0; c <= ar; c++)
+      if (valid[c]) out[c * S / G] += exp(X[c] - m) / Z;
+  }
+  free(X);
+  free(valid);
+  free(q);
+  return 0;
+}
+
+mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scores_args_t *a) {
+  cpu_state_t *s = state;
+  mtrain_status_t st = check_args(a);
+  if (st) return st;
+  if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
+  const int32_t G = a->granularity, Hq = a->num_heads;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t tasks = (int64_t)Hq * a->num_q_blocks;
+  int failed = 0;
+#pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) reduction(| : failed)
+  for (int64_t t = 0; t < tasks; t++) {
+    const int32_t h = (int32_t)(t / a->num_q_blocks), lb = (int32_t)(t % a->num_q_blocks);
+    const int64_t gb = a->q_block_global[lb];
+    if (gb >= nb) continue;
+    const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
+    if (rows <= 0) continue;
+    double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+    if (a->method == MTRAIN_BLOCK_PRECISE) {
+      double *q = malloc(sizeof(double) * (size_t)a->head_dim);
+      if (!q) {
+        failed = 1;
+        continue;
+      }
+      ref_precise_row(a, h, lb, gb, rows, q, out);
+      free(q);
+    } else {
+      failed |= ref_antidiag_row(a, h, lb, gb, rows, out);
+    }
+  }
+  return failed ? mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu-ref block scores: out of memory")
+                : MTRAIN_SUCCESS;
+}
+
+/* ---- the fast path --------------------------------------------------------------- */
+
+/* fp32 views of the inputs: borrowed when already fp32, else widened. */
+typedef struct fast_inputs {
+  const float *q, *k;
+  float *own_q, *own_k;
+} fast_inputs_t;
+
+static mtrain_status_t fast_inputs(cpu_state_t *s, const mtrain_block_scores_args_t *a,
+                                   fast_inputs_t *f) {
+  const int64_t nq = a->q_tokens * a->num_heads * a->head_dim;
+  const int64_t nk = a->seq_len * a->num_kv_heads * a->head_dim;
+  f->own_q = f->own_k = NULL;
+  if (a->q_dtype != MTRAIN_F32) f->own_q = malloc(sizeof(float) * (size_t)(nq + 1));
+  if (a->k_dtype != MTRAIN_F32) f->own_k = malloc(sizeof(float) * (size_t)(nk + 1));
+  if ((a->q_dtype != MTRAIN_F32 && !f->own_q) || (a->k_dtype != MTRAIN_F32 && !f->own_k)) {
+    free(f->own_q);
+    free(f->own_k);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu block scores: out of memory");
+  }
+  if (f->own_q) mtrain_cpu_convert(s, a->q, a->q_dtype, f->own_q, MTRAIN_F32, nq);
+  if (f->own_k) mtrain_cpu_convert(s, a->k, a->k_dtype, f->own_k, MTRAIN_F32, nk);
+  f->q = f->own_q ? f->own_q : a->q;
+  f->k = f->own_k ? f->own_k : a->k;
+  return MTRAIN_SUCCESS;
+}
+
+/* Precise, one (head, query block): row chunks of BLK_ROWS at fixed offsets
+ * in the block, key tiles of BLK_COLS at fixed global offsets; per (row, key
+ * block, tile) an fp32 partial of expf(A - lse), added into the fp64 entry in
+ * row order. */
+static int fast_precise_row(const mtrain_block_scores_args_t *a, const fast_inputs_t *f, int32_t h,
+                            int32_t lb, int64_t gb, int32_t rows, float *A, double *out) {
+  const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
+  const int32_t hk = h / (Hq / Hkv);
+  for (int32_t r0 = 0; r0 < rows; r0 += BLK_ROWS) {
+    const int32_t nr = rows - r0 < BLK_ROWS ? rows - r0 : BLK_ROWS;
+    const int64_t i_last = gb * G + r0 + nr - 1;
+    const float *qp = f->q + (((int64_t)lb * G + r0) * Hq + h) * d;
+    for (int64_t c0 = 0; c0 <= i_last; c0 += BLK_COLS) {
+      const int64_t c1 = c0 + BLK_COLS <= i_last + 1 ? c0 + BLK_COLS : i_last + 1;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, (int)(c1 - c0), d, (float)a->scale,
+                  qp, (int64_t)Hq * d, f->k + (c0 * Hkv + hk) * d, (int64_t)Hkv * d, 0.0f, A,
+                  BLK_COLS);
+      for (int32_t r = 0; r < nr; r++) {
+        const int64_t i = gb * G + r0 + r;
+        const float lse =
+            (float)mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r0 + r) * Hq + h);
+        const int64_t jend = i + 1 < c1 ? i + 1 : c1;
+        const float *row = A + (int64_t)r * BLK_COLS;
+        for (int64_t j = c0; j < jend;) {
+          const int64_t kb = j / G, kend = (kb + 1) * G < jend ? (kb + 1) * G : jend;
+          float part = 0.0f;
+          for (; j < kend; j++) part += expf(row[j - c0] - lse);
+          out[kb] += (double)part;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+/* The strided keys of kv head hk: row c = k_{cS+S-1}, ..., k_{cS} (zero rows
+ * beyond N), [ceil(N/S) x S*d]. */
+static void build_kstrided(const mtrain_block_scores_args_t *a, const float *K, int32_t hk,
+                           float *ks) {
+  const int32_t S = a->stride, d = a->head_dim, Hkv = a->num_kv_heads;
+  const int64_t N = a->seq_len, ncs = (N + S - 1) / S;
+  for (int64_t c = 0; c < ncs; c++)
+    for (int32_t sp = 0; sp < S; sp++) {
+      const int64_t j = c * S + S - 1 - sp;
+      float *dst = ks + (c * S + sp) * d;
+      if (j < N)
+        for (int32_t x = 0; x < d; x++) dst[x] = K[(j * Hkv + hk) * d + x];
+      else
+        for (int32_t x = 0; x < d; x++) dst[x] = 0.0f;
+    }
+}
+
+/* Antidiagonal, one (head, query block): chunks of BLK_AROWS strided rows;
+ * X = (s/S) Qs Ks^T by sgemm, the diagonal column recomputed over its valid
+ * (causal) terms; then per strided row a softmax in fp64 over its columns. */
+static int fast_antidiag_row(const mtrain_block_scores_args_t *a, const fast_inputs_t *f,
+                             const float *ks, int32_t h, int32_t lb, int64_t gb, int32_t rows,
+                             float *qs, float *X, double *out) {
+  const int32_t G = a->granularity, S = a->stride, d = a->head_dim, Hq = a->num_heads;
+  const int64_t N = a->seq_len, ncs = (N + S - 1) / S;
+  const int64_t a_first = gb * G / S, a_end = (gb * G + rows + S - 1) / S;
+  const int32_t hk = h / (Hq / a->num_kv_heads);
+  const int64_t sd = (int64_t)S * d;
+  for (int64_t a0 = a_first; a0 < a_end; a0 += BLK_AROWS) {
+    const int32_t na = a_end - a0 < BLK_AROWS ? (int32_t)(a_end - a0) : BLK_AROWS;
+    /* Qs: row ar = q_{ar S}, ..., q_{ar S + S - 1}, zero beyond the block's rows */
+    for (int32_t r = 0; r < na; r++)
+      for (int32_t sp = 0; sp < S; sp++) {
+        const int64_t i = (a0 + r) * S + sp, rl = i - gb * G;
+        float *dst = qs + ((int64_t)r * S + sp) * d;
+        if (rl < rows)
+          for (int32_t x = 0; x < d; x++) dst[x] = f->q[(((int64_t)lb * G + rl) * Hq + h) * d + x];
+        else
+          for (int32_t x = 0; x < d; x++) dst[x] = 0.0f;
+      }
+    const int64_t ncol = a0 + na; /* columns 0 .. a0 + na - 1 */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, na, (int)ncol, (int)sd,
+                (float)(a->scale / S), qs, sd, ks, sd, 0.0f, X, ncs);
+    for (int32_t r = 0; r < na; r++) {
+      const int64_t ar = a0 + r;
+      float *row = X + (int64_t)r * ncs;
+      /* the diagonal column: only the terms with key <= query and query < N */
+      double dsum = 0.0;
+      int terms = 0;
+      for (int32_t sp = 0; sp < S; sp++) {
+        const int64_t i = ar * S + sp, j = ar * S + S - 1 - sp;
+        if (i >= N || j > i) continue;
+        const float *qi = qs + ((int64_t)r * S + sp) * d;
+        const float *kj = f->k + (j * a->num_kv_heads + hk) * d;
+        float dot = 0.0f;
+        for (int32_t x = 0; x < d; x++) dot += qi[x] * kj[x];
+        dsum += dot;
+        terms++;
+      }
+      row[ar] = terms > 0 ? (float)(a->scale / S * dsum) : -INFINITY;
+      float m = -INFINITY;
+      for (int64_t c = 0; c <= ar; c++) m = row[c] > m ? row[c] : m;
+      if (m == -INFINITY) continue;
+      double Z = 0.0;
+      for (int64_t c = 0; c <= ar; c++) {
+        row[c] = expf(row[c] - m);
+        Z += row[c];
+      }
+      for (int64_t c = 0; c <= ar; c++) out[c * S / G] += row[c] / Z;
+    }
+  }
+  return 0;
+}
+
+mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_scores_args_t *a) {
+  cpu_state_t *s = state;
+  mtrain_status_t st = check_args(a);
+  if (st) return st;
+  if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
+  const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
+  const int32_t S = a->stride;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t ncs = a->method == MTRAIN_BLOCK_ANTIDIAG ? (N + S - 1) / S : 0;
+  fast_inputs_t f;
+  st = fast_inputs(s, a, &f);
+  if (st) return st;
+  float *ks = NULL;
+  if (a->method == MTRAIN_BLOCK_ANTIDIAG) {
+    ks = malloc(sizeof(float) * (size_t)(ncs * S * d * Hkv));
+    if (!ks) {
+      free(f.own_q);
+      free(f.own_k);
+      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu block scores: out of memory");
+    }
+#pragma omp parallel for num_threads(s->num_threads) schedule(static)
+    for (int32_t hk = 0; hk < Hkv; hk++) build_kstrided(a, f.k, hk, ks + (int64_t)hk * ncs * S * d);
+  }
+  const int blas_threads = cpu_blas_single_begin();
+  const int64_t tasks = (int64_t)Hq * a->num_q_blocks;
+  int failed = 0;
+#pragma omp parallel num_threads(s->num_threads) reduction(| : failed)
+  {
+    float *A = NULL, *qs = NULL;
+    if (a->method == MTRAIN_BLOCK_PRECISE) {
+      A = malloc(sizeof(float) * (size_t)BLK_ROWS * BLK_COLS);
+    } else {
+      A = malloc(sizeof(float) * (size_t)(BLK_AROWS * ncs));
+      qs = malloc(sizeof(float) * (size_t)BLK_AROWS * S * d);
+    }
+    const int ok = A && (a->method == MTRAIN_BLOCK_PRECISE || qs);
+    failed |= !ok;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; t++) {
+      if (!ok) continue;
+      const int32_t h = (int32_t)(t / a->num_q_blocks), lb = (int32_t)(t % a->num_q_blocks);
+      const int64_t gb = a->q_block_global[lb];
+      if (gb >= nb) continue;
+      const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
+      if (rows <= 0) continue;
+      double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+      if (a->method == MTRAIN_BLOCK_PRECISE)
+        fast_precise_row(a, &f, h, lb, gb, rows, A, out);
+      else
+        fast_antidiag_row(a, &f, ks + (int64_t)(h / (Hq / Hkv)) * ncs * S * d, h, lb, gb, rows, qs,
+                          A, out);
+    }
+    free(A);
+    free(qs);
+  }
+  cpu_blas_single_end(blas_threads);
+  free(ks);
+  free(f.own_q);
+  free(f.own_k);
+  return failed ? mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu block scores: out of memory")
+                : MTRAIN_SUCCESS;
+}
