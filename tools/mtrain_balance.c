@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "balance_batch.h"
 #include "balance_png.h"
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_balance.h"
@@ -74,7 +75,10 @@ static const char usage[] =
     "  --steps               also print that work table per layout (text)\n"
     "  --head L,H            picture and --steps table of head H of layer L alone (same\n"
     "                        layout and bars mode) instead of the whole model\n"
-    "  --help                this text\n";
+    "  --help                this text\n"
+    "\n"
+    "SparseBalance (sparsity-aware batching and sparsity tuning, predicted): a mode of\n"
+    "its own, with its own options: mtrain-balance batch --help\n";
 
 typedef struct options {
   const char *budgets, *pattern, *png;
@@ -689,6 +693,7 @@ static int write_png(const options_t *o, const workload_t *w, const result_t *re
 }
 
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "batch") == 0) return balance_batch_main(argc - 1, argv + 1);
   options_t o;
   const int prc = parse_options(argc, argv, &o);
   if (prc) return prc == 2 ? 0 : 2;

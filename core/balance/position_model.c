@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/balance/balance_internal.h"
 #include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_balance.h"
 #include "mtrain/mtrain_error.h"
@@ -198,5 +199,93 @@ cleanup:
     return st;
   }
   *out = p;
+  return MTRAIN_SUCCESS;
+}
+
+/* ---- pair counts without a pattern (SparseBalance's predictor) ---------------------- */
+
+int64_t mtrain_vs_pairs(const int32_t *diagonals, int32_t nd, const int64_t *verticals, int64_t nv,
+                        int64_t N, int32_t G) {
+  const int64_t nb = (N + G - 1) / G, rl = N - (nb - 1) * G; /* rows of the last block */
+  int64_t total = 0;
+  for (int32_t i = 0; i < nd; i++) {
+    const int64_t t = diagonals[i];
+    if (t >= nb) break;
+    if (t == 0)
+      total += (nb - 1) * ((int64_t)G * (G + 1) / 2) + rl * (rl + 1) / 2;
+    else
+      total += (int64_t)G * (N - t * G); /* query rows of blocks t..nb-1, G keys each */
+  }
+  /* a vertical in key block kb: every query row of blocks kb+1..nb-1, less
+   * the blocks kb+t on a listed diagonal t >= 1 (the key is inside them) */
+  int64_t hi = 0; /* diagonals[0..hi) <= nb-1-kb, found by bisection per block */
+  int64_t prev_kb = -1, listed = 0;
+  for (int64_t i = 0; i < nv; i++) {
+    const int64_t kb = verticals[i] / G;
+    if (kb >= nb - 1) break;
+    if (kb != prev_kb) {
+      const int64_t lim = nb - 1 - kb;
+      int64_t lo = 0, up = nd;
+      while (lo < up) {
+        const int64_t mid = (lo + up) / 2;
+        if (diagonals[mid] <= lim)
+          lo = mid + 1;
+        else
+          up = mid;
+      }
+      hi = lo;
+      int64_t c = hi - (nd > 0 && diagonals[0] == 0); /* listed t in [1, lim] */
+      listed = (int64_t)G * c;
+      if (hi > 0 && diagonals[hi - 1] == lim && lim >= 1) listed -= G - rl; /* last block */
+      prev_kb = kb;
+    }
+    total += (N - (kb + 1) * G) - listed;
+  }
+  return total;
+}
+
+void mtrain_pm_scratch_free(mtrain_pm_scratch_t *s) {
+  if (!s) return;
+  free(s->bitmap);
+  free(s->tok);
+  free(s->verticals);
+  free(s->diagonals);
+  free(s->mark);
+  memset(s, 0, sizeof *s);
+}
+
+static int scratch_reserve(mtrain_pm_scratch_t *s, int64_t N) {
+  if (N <= s->cap) return 1;
+  mtrain_pm_scratch_free(s);
+  const int64_t nb = N + 1; /* blocks of any granularity */
+  s->bitmap = malloc((size_t)((N + 63) / 64) * sizeof *s->bitmap);
+  s->tok = malloc((size_t)N * sizeof *s->tok);
+  s->verticals = malloc((size_t)N * sizeof *s->verticals);
+  s->diagonals = malloc((size_t)nb * sizeof *s->diagonals);
+  s->mark = malloc((size_t)nb);
+  if (!s->bitmap || !s->tok || !s->verticals || !s->diagonals || !s->mark) {
+    mtrain_pm_scratch_free(s);
+    return 0;
+  }
+  s->cap = N;
+  return 1;
+}
+
+mtrain_status_t mtrain_position_model_head_pairs(const mtrain_head_budget_t *budget, int64_t N,
+                                                 int32_t G, const mtrain_position_model_t *model,
+                                                 int32_t layer, int32_t head,
+                                                 mtrain_pm_scratch_t *scratch, int64_t *pairs) {
+  int64_t v = 0, s = 0;
+  mtrain_status_t st = mtrain_position_model_counts(budget, N, G, model, &v, &s);
+  if (st != MTRAIN_SUCCESS) return st;
+  if (!scratch_reserve(scratch, N))
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "position model: out of memory for %lld tokens",
+                        (long long)N);
+  uint64_t seed_state = model->seed ^ ((uint64_t)(uint32_t)layer << 32 | (uint32_t)head);
+  const uint64_t seed = splitmix64(&seed_state);
+  int32_t nd = 0;
+  head_positions(N, G, v, s, model, seed, scratch->bitmap, scratch->tok, scratch->mark,
+                 scratch->verticals, scratch->diagonals, &nd);
+  *pairs = mtrain_vs_pairs(scratch->diagonals, nd, scratch->verticals, v, N, G);
   return MTRAIN_SUCCESS;
 }

@@ -195,6 +195,177 @@ MTRAIN_API mtrain_status_t mtrain_time_predict(const mtrain_cost_t *cost,
                                                const mtrain_time_params_t *params,
                                                mtrain_time_prediction_t out[2]);
 
+/* ------------------------------------------------------------------------ */
+/* SparseBalance: cost predictor, sparsity-aware batching, bidirectional     */
+/* sparsity tuning (docs/BALANCE.md, "SparseBalance")                        */
+/* ------------------------------------------------------------------------ */
+/* Threading: every function below may be called from several threads at
+ * once; a predictor is immutable after creation and may be shared. All
+ * results are deterministic: the same inputs give bitwise the same outputs
+ * (no threads, no randomness, ties broken by the lower index). */
+
+/** Per-device calibration of the cost predictor (seconds are forward +
+ *  backward of one training step). Read from data/calibration/<device>.json
+ *  with mtrain_balance_calibration_read; docs/BALANCE.md says how each table
+ *  was derived. */
+typedef struct mtrain_balance_calibration {
+  double pair_s;       /**< seconds per computed (query, key) pair of one head */
+  double row_s;        /**< seconds per (query row, head): per-row attention overhead */
+  double seq_s;        /**< seconds per sequence and layer (per attention call) */
+  double linear_flops; /**< FLOP/s of the linear layers; 0: their cost is left out */
+} mtrain_balance_calibration_t;
+
+/** Reads a calibration JSON: an object with the numbers "pair_s", "row_s",
+ *  "seq_s" (>= 0) and "linear_flops" (>= 0), plus the documentation keys
+ *  "device", "backend", "status", "derivation", "anchors", "fit",
+ *  "measurements" and "model" (not interpreted). Any other key, a missing
+ *  number or a negative one is MTRAIN_ERR_FORMAT naming the file and key. */
+MTRAIN_API mtrain_status_t mtrain_balance_calibration_read(const char *path,
+                                                           mtrain_balance_calibration_t *out);
+
+/** The model's linear layers, charged per token: forward + backward FLOPs =
+ *  6 * (layers * (2 * hidden * q_heads * head_dim + 2 * hidden * kv_heads *
+ *  head_dim + 3 * hidden * intermediate) + hidden * vocab), with layers and
+ *  q_heads those of the budgets (the first layer's heads). All >= 0; hidden
+ *  0 leaves the linear cost out. Initialise with MTRAIN_BALANCE_MODEL_INIT
+ *  (Qwen2.5-3B). */
+typedef struct mtrain_balance_model {
+  int64_t hidden, intermediate, vocab;
+  int32_t kv_heads, head_dim;
+} mtrain_balance_model_t;
+
+#define MTRAIN_BALANCE_MODEL_INIT                                                                  \
+  { 2048, 11008, 151936, 2, 128 }
+
+/** The cost predictor: budgets (every layer and head), budget levels, the
+ *  position model and a calibration. Opaque, immutable. */
+typedef struct mtrain_balance_predictor mtrain_balance_predictor_t;
+
+/** Creates a predictor. A head's budget at level k is its budget with the
+ *  counts (v_size and s_size; top-p entries: cap_v and cap_s) multiplied by
+ *  scales[k] and rounded (at least 1); scales must be > 0 and strictly
+ *  increasing, and scales[base_level] is the untuned budget (normally 1.0).
+ *  The pairs of a head at length N are the exact pair count (SPEC.md section
+ *  1) of the pattern the position model gives that budget at N, with its
+ *  spread forced to even (the predictor does not depend on seeds). The
+ *  inputs are copied. The caller destroys the result. */
+MTRAIN_API mtrain_status_t mtrain_balance_predictor_create(
+    const mtrain_budgets_t *budgets, const double *scales, int32_t num_levels, int32_t base_level,
+    const mtrain_position_model_t *position_model, int32_t granularity,
+    const mtrain_balance_calibration_t *calibration, const mtrain_balance_model_t *model,
+    mtrain_balance_predictor_t **out);
+MTRAIN_API void mtrain_balance_predictor_destroy(mtrain_balance_predictor_t *predictor);
+/** Heads over all layers of the budgets (index = heads of earlier layers + head). */
+MTRAIN_API int32_t mtrain_balance_predictor_num_heads(const mtrain_balance_predictor_t *predictor);
+MTRAIN_API int32_t mtrain_balance_predictor_num_levels(const mtrain_balance_predictor_t *predictor);
+/** Exact pair count of head `head` (global index) at level `level` and length N. */
+MTRAIN_API mtrain_status_t mtrain_balance_head_pairs(const mtrain_balance_predictor_t *predictor,
+                                                     int64_t seq_len, int32_t head, int32_t level,
+                                                     int64_t *out);
+/** Predicted seconds (forward + backward) of one sequence of seq_len
+ *  tokens: sum over heads of pair_s * pairs + row_s * N * heads + seq_s *
+ *  layers + linear FLOPs * N / linear_flops. `levels` holds one level per
+ *  head, or NULL for the base level everywhere. */
+MTRAIN_API mtrain_status_t mtrain_balance_predict(const mtrain_balance_predictor_t *predictor,
+                                                  int64_t seq_len, const int32_t *levels,
+                                                  double *seconds);
+
+/** How sequences are dealt to ranks. */
+typedef enum mtrain_batch_method {
+  MTRAIN_BATCH_COST = 0,   /**< by predicted cost: LPT, then moves and swaps off the busiest rank */
+  MTRAIN_BATCH_TOKENS = 1, /**< token-count balancing: LPT on token counts (the usual practice) */
+  MTRAIN_BATCH_SORTED = 2, /**< length-sorted: ascending lengths cut into R consecutive groups
+                                of about equal tokens */
+} mtrain_batch_method_t;
+
+/** Deals n items with weights w[i] >= 0 to `ranks` ranks, and each rank's
+ *  items to `micro_batches` micro-batches (LPT on the same weights within the
+ *  rank). MTRAIN_BATCH_COST and MTRAIN_BATCH_TOKENS run the same solver
+ *  (their callers pass costs or token counts): longest-processing-time first
+ *  (weights descending, ties by index, each to the least-loaded rank, ties to
+ *  the lower rank), then local improvement: a move or a swap of items between
+ *  the busiest rank and another is taken when it lowers both ranks' loads
+ *  below the busiest one's, best first, until none does (at most 64 * n
+ *  rounds). The largest rank load is then at most (4/3 - 1/(3 ranks)) times
+ *  the optimum (Graham's LPT bound; the improvement only lowers it).
+ *  MTRAIN_BATCH_SORTED uses the weights as lengths. rank_of[n] and
+ *  micro_of[n] receive the result. */
+MTRAIN_API mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t ranks,
+                                                 int32_t micro_batches,
+                                                 mtrain_batch_method_t method, int32_t *rank_of,
+                                                 int32_t *micro_of);
+
+/** Options of mtrain_balance_batch. Initialise with MTRAIN_BALANCE_BATCH_INIT. */
+typedef struct mtrain_balance_batch_options {
+  int32_t ranks, micro_batches;
+  mtrain_batch_method_t method;
+  int32_t tune;      /**< 1: bidirectional sparsity tuning after batching; 0: none */
+  int32_t min_level; /**< lowest level the tuner may choose (bound); -1: 0 */
+  int32_t max_level; /**< highest level the tuner may choose (bound); -1: the last */
+  double target_s;   /**< step target in seconds; <= 0: the mean of the ranks' predicted
+                          seconds at the base level (perfect balance) */
+} mtrain_balance_batch_options_t;
+
+#define MTRAIN_BALANCE_BATCH_INIT                                                                  \
+  { 1, 1, MTRAIN_BATCH_COST, 1, -1, -1, 0.0 }
+
+/** What mtrain_balance_batch did. Recall figures are the mass curves'
+ *  values (attention mass kept), token-weighted over the ranks' sequences
+ *  (mean) or the smallest of any (rank, head) holding tokens (worst). */
+typedef struct mtrain_balance_report {
+  double max_before, mean_before;                 /**< rank seconds after batching, base levels */
+  double max_after, mean_after;                   /**< after tuning (= before without tuning) */
+  double target_s;                                /**< the target the tuner aimed at */
+  double recall_before, recall_after;             /**< token-weighted mean recall */
+  double worst_recall_before, worst_recall_after; /**< smallest per-head recall */
+  int32_t ranks_over_target;    /**< ranks still above the target after tuning (fallback) */
+  int32_t empty_ranks;          /**< ranks given no sequence */
+  int64_t moves_down, moves_up; /**< level changes made by the tuner */
+} mtrain_balance_report_t;
+
+/** Batches one global batch and tunes its sparsity (docs/BALANCE.md):
+ *  1. predicts each sequence's seconds at the base level and deals the
+ *     sequences with options->method (MTRAIN_BATCH_TOKENS weighs by tokens,
+ *     MTRAIN_BATCH_SORTED cuts by length; both are then predicted alike);
+ *  2. with options->tune, per rank (one level per head for all of a rank's
+ *     sequences): a rank above the target lowers levels, one head one level
+ *     at a time, choosing the step with the least recall lost per second
+ *     saved, until it meets the target; if it cannot, it keeps the lowest
+ *     allowed levels (fallback) and the step becomes its time. Then every
+ *     rank below the step time raises levels, choosing the most recall gained
+ *     per second added among steps that keep it at or below the step time.
+ *     Levels stay within [min_level, max_level] (and the base level, when
+ *     outside, is first clamped into it).
+ *  mass[head * num_levels + level] (required with tune) is the recall curve
+ *  of each head, nondecreasing in the level, in [0, 1]
+ *  (mtrain_balance_mass_curve). lengths[n] >= 1. Outputs: rank_of[n],
+ *  micro_of[n]; levels[ranks * heads] (may be NULL); rank_before[ranks] and
+ *  rank_after[ranks] predicted seconds (may be NULL); report (may be NULL). */
+MTRAIN_API mtrain_status_t
+mtrain_balance_batch(const mtrain_balance_predictor_t *predictor, const int64_t *lengths, int32_t n,
+                     const double *mass, const mtrain_balance_batch_options_t *options,
+                     int32_t *rank_of, int32_t *micro_of, int32_t *levels, double *rank_before,
+                     double *rank_after, mtrain_balance_report_t *report);
+
+/** Per-head sensitivity from the estimation's own scores: for one layer's
+ *  post-RoPE q [seq_len, q_heads, head_dim] and k [seq_len, kv_heads,
+ *  head_dim] (fp32, host), the top-p score matrix of SPEC.md section 2 (the
+ *  last L = options->last_q queries, each row's causal softmax divided by L,
+ *  summing to 1) is formed, and for every head and level the budget
+ *  budgets[h] at that level (counts times scales[k], scaled by seq_len /
+ *  budget_context when budget_context > 0, clamped as the position model
+ *  clamps them) selects as the static top-k selection does (sinks and
+ *  window first, then the best scores; verticals only before the last
+ *  G-block); mass[h * num_levels + k] receives the
+ *  share of the score matrix the selected verticals and slashes cover
+ *  (their union, each entry once). This is the attention mass kept by the
+ *  budget on the rows the estimate sees. O(L * N * d * heads). */
+MTRAIN_API mtrain_status_t mtrain_balance_mass_curve(
+    const float *q, const float *k, int64_t seq_len, int32_t q_heads, int32_t kv_heads,
+    int32_t head_dim, int32_t granularity, const mtrain_head_budget_t *budgets,
+    const double *scales, int32_t num_levels, int64_t budget_context,
+    const mtrain_estimate_options_t *options, double *mass);
+
 #ifdef __cplusplus
 }
 #endif

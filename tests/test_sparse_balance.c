@@ -1,0 +1,472 @@
+/* test_sparse_balance.c: SparseBalance (docs/BALANCE.md, "SparseBalance"):
+ * the pattern-free pair count equals mtrain_pattern_count_pairs (random
+ * heads, real budgets under the position model); the predictor equals its
+ * definition; the batching solver against a brute-force optimum on small
+ * cases (never below it, never above Graham's LPT bound, the local search
+ * fixing LPT's textbook miss), micro-batches and the length-sorted baseline;
+ * the tuner keeps every level within its bounds, meets a feasible target,
+ * falls back and reports an infeasible one, never lengthens the step, is
+ * deterministic; the mass curve is a nondecreasing share in [0, 1]; the
+ * calibration reader; bad inputs rejected with messages naming the
+ * problem. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/balance/balance_internal.h"
+#include "mtrain/mtrain_balance.h"
+#include "mtrain/mtrain_inputs.h"
+#include "test_support.h"
+
+static const char budgets_text[] =
+    "[{\"0\": [\"vertical_and_slash\", 100, 50, 0.9], \"1\": [\"vertical_and_slash\", 10, 500, "
+    "0.9]},\n {\"0\": [\"vertical_and_slash\", 3500, 100, 0.9], \"1\": "
+    "[\"flex_vertical_and_slash\", [0.9, 40], [0.9, 2000], 0.0]}]\n";
+
+static const double scales[] = {0.25, 0.5, 1.0, 2.0};
+enum { K = 4, BASE = 2 };
+
+static mtrain_balance_predictor_t *make_predictor(const char *text, int64_t context) {
+  mtrain_budgets_t *b = NULL;
+  assert_int_equal(mtrain_budgets_parse(text, "inline", &b), MTRAIN_SUCCESS);
+  mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
+  pm.budget_context = context;
+  mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12};
+  mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
+  mtrain_balance_predictor_t *p = NULL;
+  assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &p),
+                   MTRAIN_SUCCESS);
+  mtrain_budgets_destroy(b);
+  return p;
+}
+
+/* ---- pair counts ------------------------------------------------------------------- */
+
+static void test_pairs_random_heads(void **state) {
+  (void)state;
+  ts_rng_t rng;
+  ts_rng_seed(&rng, ts_seed(11));
+  for (int trial = 0; trial < 300; trial++) {
+    const int32_t G = 1 + (int32_t)ts_rng_below(&rng, 16);
+    const int64_t N = 1 + ts_rng_below(&rng, 40 * G);
+    const int64_t nb = (N + G - 1) / G;
+    int32_t diag[64];
+    int64_t vert[256];
+    int32_t nd = 0, nv = 0;
+    for (int64_t t = 0; t < nb && nd < 64; t++)
+      if (t == 0 || ts_rng_below(&rng, 4) == 0) diag[nd++] = (int32_t)t;
+    for (int64_t j = 0; j < (nb - 1) * G && nv < 256; j++)
+      if (ts_rng_below(&rng, 6) == 0) vert[nv++] = j;
+    mtrain_pattern_t *p = NULL;
+    assert_int_equal(mtrain_pattern_create(N, 1, G, &p), MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_pattern_set_head(p, 0, diag, nd, vert, nv), MTRAIN_SUCCESS);
+    const int64_t want = mtrain_pattern_count_pairs(p, 0);
+    const int64_t got = mtrain_vs_pairs(diag, nd, vert, nv, N, G);
+    if (got != want)
+      fail_msg("trial %d: N=%lld G=%d: %lld pairs, count_pairs says %lld", trial, (long long)N, G,
+               (long long)got, (long long)want);
+    mtrain_pattern_destroy(p);
+  }
+}
+
+/* The predictor's pairs are those of the position model's pattern (even spread). */
+static void test_pairs_real_budgets(void **state) {
+  (void)state;
+  const char *path = ts_data_path("Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json");
+  mtrain_budgets_t *b = NULL;
+  assert_int_equal(mtrain_budgets_read(path, &b), MTRAIN_SUCCESS);
+  mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
+  mtrain_balance_calibration_t cal = {2e-9, 0, 0, 0};
+  mtrain_balance_model_t model = {0, 0, 0, 0, 0};
+  mtrain_balance_predictor_t *pred = NULL;
+  const double one[] = {1.0};
+  assert_int_equal(mtrain_balance_predictor_create(b, one, 1, 0, &pm, 128, &cal, &model, &pred),
+                   MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_balance_predictor_num_heads(pred), 36 * 16);
+  const int64_t lengths[] = {1000, 4096, 20000};
+  for (int a = 0; a < 3; a++) {
+    double sum = 0;
+    for (int32_t layer = 0; layer < 36; layer += 7) {
+      mtrain_pattern_t *pat = NULL;
+      assert_int_equal(mtrain_pattern_from_budgets(b, layer, lengths[a], 128, &pm, &pat),
+                       MTRAIN_SUCCESS);
+      for (int32_t h = 0; h < 16; h++) {
+        int64_t got = -1;
+        assert_int_equal(mtrain_balance_head_pairs(pred, lengths[a], layer * 16 + h, 0, &got),
+                         MTRAIN_SUCCESS);
+        assert_int_equal(got, mtrain_pattern_count_pairs(pat, h));
+      }
+      mtrain_pattern_destroy(pat);
+    }
+    /* predict = pair_s * sum of every head's pairs */
+    for (int32_t layer = 0; layer < 36; layer++) {
+      mtrain_pattern_t *pat = NULL;
+      assert_int_equal(mtrain_pattern_from_budgets(b, layer, lengths[a], 128, &pm, &pat),
+                       MTRAIN_SUCCESS);
+      for (int32_t h = 0; h < 16; h++) sum += (double)mtrain_pattern_count_pairs(pat, h);
+      mtrain_pattern_destroy(pat);
+    }
+    double s = 0;
+    assert_int_equal(mtrain_balance_predict(pred, lengths[a], NULL, &s), MTRAIN_SUCCESS);
+    assert_true(fabs(s - 2e-9 * sum) <= 1e-12 * s);
+  }
+  mtrain_balance_predictor_destroy(pred);
+  mtrain_budgets_destroy(b);
+}
+
+static void test_predict_definition(void **state) {
+  (void)state;
+  mtrain_balance_predictor_t *p = make_predictor(budgets_text, 0);
+  const int64_t N = 5000;
+  int32_t lv[4] = {0, 3, 1, 2};
+  double pairs = 0;
+  for (int32_t h = 0; h < 4; h++) {
+    int64_t x;
+    assert_int_equal(mtrain_balance_head_pairs(p, N, h, lv[h], &x), MTRAIN_SUCCESS);
+    pairs += (double)x;
+  }
+  const mtrain_balance_model_t m = MTRAIN_BALANCE_MODEL_INIT;
+  const double per_layer = 2.0 * m.hidden * 2 * m.head_dim +
+                           2.0 * m.hidden * m.kv_heads * m.head_dim +
+                           3.0 * m.hidden * m.intermediate;
+  const double lin = 6.0 * (2 * per_layer + (double)m.hidden * m.vocab) * N / 1e12;
+  const double want = 1e-9 * pairs + 1e-7 * N * 4 + 1e-4 * 2 + lin;
+  double got = 0;
+  assert_int_equal(mtrain_balance_predict(p, N, lv, &got), MTRAIN_SUCCESS);
+  assert_true(fabs(got - want) <= 1e-12 * want);
+  /* more budget, more pairs, up to dense (500 token slashes spread evenly over 782
+   * blocks mark every block diagonal: head 1 is dense from level 2 on) */
+  int64_t prev = -1;
+  for (int32_t k = 0; k < K; k++) {
+    int64_t x;
+    assert_int_equal(mtrain_balance_head_pairs(p, 100000, 1, k, &x), MTRAIN_SUCCESS);
+    assert_true(x > prev || x == 100000LL * 100001 / 2);
+    prev = x;
+  }
+  assert_int_equal(prev, 100000LL * 100001 / 2);
+  mtrain_balance_predictor_destroy(p);
+}
+
+/* ---- batching ---------------------------------------------------------------------- */
+
+static double max_load(const double *w, const int32_t *rank_of, int n, int R) {
+  double load[8] = {0}, m = 0;
+  for (int i = 0; i < n; i++) load[rank_of[i]] += w[i];
+  for (int r = 0; r < R; r++) m = load[r] > m ? load[r] : m;
+  return m;
+}
+
+static double brute_optimum(const double *w, int n, int R) {
+  int32_t a[12] = {0};
+  double best = INFINITY;
+  for (;;) {
+    const double m = max_load(w, a, n, R);
+    if (m < best) best = m;
+    int i = 0;
+    while (i < n && ++a[i] == R) a[i++] = 0;
+    if (i == n) break;
+  }
+  return best;
+}
+
+static void test_assign_against_optimum(void **state) {
+  (void)state;
+  ts_rng_t rng;
+  ts_rng_seed(&rng, ts_seed(5));
+  int32_t rank_of[12], micro[12], lpt_only_worse = 0;
+  for (int trial = 0; trial < 400; trial++) {
+    const int R = 2 + (int)ts_rng_below(&rng, 2), n = 3 + (int)ts_rng_below(&rng, 7);
+    double w[12];
+    for (int i = 0; i < n; i++)
+      w[i] = trial % 3 ? 1 + ts_rng_below(&rng, 20) : ts_rng_uniform(&rng) * 100;
+    assert_int_equal(mtrain_balance_assign(w, n, R, 1, MTRAIN_BATCH_COST, rank_of, micro),
+                     MTRAIN_SUCCESS);
+    for (int i = 0; i < n; i++) assert_true(rank_of[i] >= 0 && rank_of[i] < R && micro[i] == 0);
+    const double opt = brute_optimum(w, n, R), got = max_load(w, rank_of, n, R);
+    assert_true(got >= opt * (1 - 1e-12));
+    if (got > (4.0 / 3.0 - 1.0 / (3.0 * R)) * opt * (1 + 1e-12))
+      fail_msg("trial %d: n=%d R=%d: makespan %g above the LPT bound of the optimum %g", trial, n,
+               R, got, opt);
+    lpt_only_worse += got > opt * (1 + 1e-12);
+  }
+  /* LPT's classic miss: {3,3,2,2,2} on 2 ranks is 7 by LPT, 6 at best; the swap finds 6 */
+  const double w[] = {3, 3, 2, 2, 2};
+  assert_int_equal(mtrain_balance_assign(w, 5, 2, 1, MTRAIN_BATCH_COST, rank_of, micro),
+                   MTRAIN_SUCCESS);
+  assert_true(max_load(w, rank_of, 5, 2) == 6.0);
+  print_message("assign: %d of 400 random cases above the optimum (all within the bound)\n",
+                lpt_only_worse);
+}
+
+static void test_assign_micro_and_sorted(void **state) {
+  (void)state;
+  double w[40];
+  for (int i = 0; i < 40; i++) w[i] = (double)((i * 37) % 41 + 1);
+  int32_t rank_of[40], micro[40], again_r[40], again_m[40];
+  assert_int_equal(mtrain_balance_assign(w, 40, 4, 3, MTRAIN_BATCH_TOKENS, rank_of, micro),
+                   MTRAIN_SUCCESS);
+  for (int i = 0; i < 40; i++) assert_true(micro[i] >= 0 && micro[i] < 3);
+  /* deterministic */
+  assert_int_equal(mtrain_balance_assign(w, 40, 4, 3, MTRAIN_BATCH_TOKENS, again_r, again_m),
+                   MTRAIN_SUCCESS);
+  assert_memory_equal(rank_of, again_r, sizeof rank_of);
+  assert_memory_equal(micro, again_m, sizeof micro);
+  /* length-sorted: each rank a contiguous range of lengths, ranks in order */
+  assert_int_equal(mtrain_balance_assign(w, 40, 4, 1, MTRAIN_BATCH_SORTED, rank_of, micro),
+                   MTRAIN_SUCCESS);
+  for (int i = 0; i < 40; i++)
+    for (int j = 0; j < 40; j++)
+      if (w[i] < w[j]) assert_true(rank_of[i] <= rank_of[j]);
+}
+
+/* ---- tuning -------------------------------------------------------------------------- */
+
+static void fake_mass(double *mass, int32_t heads) {
+  for (int32_t h = 0; h < heads; h++)
+    for (int32_t k = 0; k < K; k++) mass[h * K + k] = 1 - (0.3 + 0.1 * h) / (1 << k);
+}
+
+static void test_tune_bounds_and_target(void **state) {
+  (void)state;
+  mtrain_balance_predictor_t *p = make_predictor(budgets_text, 16384);
+  double mass[4 * K];
+  fake_mass(mass, 4);
+  /* one long sequence and many short ones: the long one's rank straggles */
+  int64_t len[13] = {200000};
+  for (int i = 1; i < 13; i++) len[i] = 16000 + 1000 * i;
+  int32_t rank_of[13], micro[13], lv[4 * 4], lv2[4 * 4];
+  double before[4], after[4];
+  mtrain_balance_report_t rep, rep2;
+  for (int lo = 0; lo <= BASE; lo++) {
+    mtrain_balance_batch_options_t o = MTRAIN_BALANCE_BATCH_INIT;
+    o.ranks = 4;
+    o.min_level = lo;
+    o.max_level = 3;
+    assert_int_equal(
+        mtrain_balance_batch(p, len, 13, mass, &o, rank_of, micro, lv, before, after, &rep),
+        MTRAIN_SUCCESS);
+    for (int j = 0; j < 16; j++) assert_true(lv[j] >= lo && lv[j] <= 3);
+    assert_true(rep.max_after <= rep.max_before * (1 + 1e-12));
+    double mx = 0;
+    for (int r = 0; r < 4; r++) mx = after[r] > mx ? after[r] : mx;
+    assert_true(mx == rep.max_after);
+    if (rep.ranks_over_target == 0) {
+      assert_true(rep.max_after <= rep.target_s * (1 + 1e-9));
+    } else {
+      /* the fallback: an over-target rank costs what it costs at the lowest allowed
+       * levels (a head whose lowering saves nothing is left where it is) */
+      double low[4] = {0};
+      const int32_t lows[4] = {lo, lo, lo, lo};
+      for (int i = 0; i < 13; i++) {
+        double x = 0;
+        assert_int_equal(mtrain_balance_predict(p, len[i], lows, &x), MTRAIN_SUCCESS);
+        low[rank_of[i]] += x;
+      }
+      for (int r = 0; r < 4; r++)
+        if (after[r] > rep.target_s * (1 + 1e-9))
+          assert_true(fabs(after[r] - low[r]) <= 1e-9 * low[r]);
+    }
+    print_message("tune min_level %d: max/mean %.4f -> %.4f, over target %d, recall %.4f -> "
+                  "%.4f\n",
+                  lo, rep.max_before / rep.mean_before, rep.max_after / rep.mean_after,
+                  rep.ranks_over_target, rep.recall_before, rep.recall_after);
+    /* deterministic */
+    int32_t r2[13], m2[13];
+    assert_int_equal(mtrain_balance_batch(p, len, 13, mass, &o, r2, m2, lv2, NULL, NULL, &rep2),
+                     MTRAIN_SUCCESS);
+    assert_memory_equal(lv, lv2, sizeof lv);
+    assert_memory_equal(rank_of, r2, sizeof r2);
+    assert_memory_equal(&rep, &rep2, sizeof rep);
+  }
+  /* min_level = max_level = base: nothing moves */
+  mtrain_balance_batch_options_t o = MTRAIN_BALANCE_BATCH_INIT;
+  o.ranks = 4;
+  o.min_level = o.max_level = BASE;
+  assert_int_equal(
+      mtrain_balance_batch(p, len, 13, mass, &o, rank_of, micro, lv, before, after, &rep),
+      MTRAIN_SUCCESS);
+  assert_true(rep.moves_down == 0 && rep.moves_up == 0);
+  for (int r = 0; r < 4; r++) assert_true(fabs(before[r] - after[r]) <= 1e-12 * before[r]);
+  /* the lowest level everywhere is feasible for a generous target: it is met */
+  o.min_level = 0;
+  o.max_level = 3;
+  o.target_s = rep.max_before * 0.9;
+  assert_int_equal(
+      mtrain_balance_batch(p, len, 13, mass, &o, rank_of, micro, lv, before, after, &rep),
+      MTRAIN_SUCCESS);
+  assert_true(rep.max_after <= rep.max_before * 0.9 * (1 + 1e-9) || rep.ranks_over_target > 0);
+  /* cost batching beats token batching on the straggler mix (predicted) */
+  mtrain_balance_report_t tok;
+  o = (mtrain_balance_batch_options_t)MTRAIN_BALANCE_BATCH_INIT;
+  o.ranks = 4;
+  o.tune = 0;
+  o.method = MTRAIN_BATCH_TOKENS;
+  assert_int_equal(
+      mtrain_balance_batch(p, len, 13, NULL, &o, rank_of, micro, NULL, NULL, NULL, &tok),
+      MTRAIN_SUCCESS);
+  o.method = MTRAIN_BATCH_COST;
+  assert_int_equal(
+      mtrain_balance_batch(p, len, 13, NULL, &o, rank_of, micro, NULL, NULL, NULL, &rep),
+      MTRAIN_SUCCESS);
+  assert_true(rep.max_before <= tok.max_before);
+  mtrain_balance_predictor_destroy(p);
+}
+
+/* ---- mass curve -------------------------------------------------------------------------- */
+
+static void test_mass_curve(void **state) {
+  (void)state;
+  const int64_t N = 1024;
+  const int32_t hq = 4, hkv = 2, d = 32;
+  float *q = malloc(sizeof(float) * N * hq * d), *k = malloc(sizeof(float) * N * hkv * d),
+        *v = malloc(sizeof(float) * N * hkv * d);
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, hq, d),
+                  tk = mtrain_tensor_3d(k, MTRAIN_F32, N, hkv, d),
+                  tv = mtrain_tensor_3d(v, MTRAIN_F32, N, hkv, d);
+  mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
+  assert_int_equal(mtrain_generate_structured(&so, &tq, &tk, &tv), MTRAIN_SUCCESS);
+  mtrain_head_budget_t b[4];
+  memset(b, 0, sizeof b);
+  for (int h = 0; h < 4; h++) {
+    b[h].kind = MTRAIN_BUDGET_TOP_K;
+    b[h].v_size = 20 + 30 * h;
+    b[h].s_size = 100 + 40 * h;
+  }
+  b[3].v_size = 5000; /* everything: the whole mass */
+  b[3].s_size = 5000;
+  const double sc[] = {0.1, 0.5, 1.0, 4.0};
+  double mass[16];
+  mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+  assert_int_equal(mtrain_balance_mass_curve(q, k, N, hq, hkv, d, 64, b, sc, 4, 0, &eo, mass),
+                   MTRAIN_SUCCESS);
+  for (int h = 0; h < 4; h++)
+    for (int l = 0; l < 4; l++) {
+      assert_true(mass[h * 4 + l] >= 0 && mass[h * 4 + l] <= 1);
+      if (l) assert_true(mass[h * 4 + l] >= mass[h * 4 + l - 1]);
+    }
+  assert_true(fabs(mass[3 * 4 + 3] - 1.0) < 1e-9);
+  assert_true(mass[0] < mass[3]);
+  TS_ASSERT_STATUS(mtrain_balance_mass_curve(q, k, N, 3, hkv, d, 64, b, sc, 4, 0, &eo, mass),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "heads 3:2");
+  free(q);
+  free(k);
+  free(v);
+}
+
+/* ---- calibration file and bad inputs ---------------------------------------------------- */
+
+static const char *write_tmp(const char *name, const char *text) {
+  static char path[512];
+  snprintf(path, sizeof path, "%s/%s", MTRAIN_TEST_TMPDIR, name);
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(text, f);
+  fclose(f);
+  return path;
+}
+
+static void test_calibration_file(void **state) {
+  (void)state;
+  mtrain_balance_calibration_t c;
+  assert_int_equal(mtrain_balance_calibration_read(
+                       write_tmp("cal_ok.json", "{\"device\": \"x\", \"pair_s\": 1e-12, \"row_s\": "
+                                                "0, \"seq_s\": 2e-5, \"linear_flops\": 5e14}"),
+                       &c),
+                   MTRAIN_SUCCESS);
+  assert_true(c.pair_s == 1e-12 && c.seq_s == 2e-5 && c.linear_flops == 5e14);
+  TS_ASSERT_STATUS(mtrain_balance_calibration_read(
+                       write_tmp("cal_bad1.json", "{\"pair_s\": 1, \"row_s\": 0, \"seq_s\": 0, "
+                                                  "\"linear_flops\": 0, \"pairs_s\": 3}"),
+                       &c),
+                   MTRAIN_ERR_FORMAT, "unknown key \"pairs_s\"");
+  TS_ASSERT_STATUS(mtrain_balance_calibration_read(
+                       write_tmp("cal_bad2.json", "{\"pair_s\": -1, \"row_s\": 0, \"seq_s\": 0, "
+                                                  "\"linear_flops\": 0}"),
+                       &c),
+                   MTRAIN_ERR_FORMAT, "\"pair_s\" is -1");
+  TS_ASSERT_STATUS(
+      mtrain_balance_calibration_read(
+          write_tmp("cal_bad3.json", "{\"pair_s\": 1, \"row_s\": 0, \"seq_s\": 0}"), &c),
+      MTRAIN_ERR_FORMAT, "\"linear_flops\" must be a number");
+}
+
+static void test_bad_inputs(void **state) {
+  (void)state;
+  mtrain_budgets_t *b = NULL;
+  assert_int_equal(mtrain_budgets_parse(budgets_text, "inline", &b), MTRAIN_SUCCESS);
+  mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
+  mtrain_balance_calibration_t cal = {1e-9, 0, 0, 1e12};
+  mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
+  mtrain_balance_predictor_t *p = NULL;
+  const double down[] = {1.0, 0.5};
+  TS_ASSERT_STATUS(mtrain_balance_predictor_create(b, down, 2, 0, &pm, 128, &cal, &model, &p),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "strictly increasing");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_create(b, scales, K, K, &pm, 128, &cal, &model, &p),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "base_level 4");
+  cal.linear_flops = 0;
+  TS_ASSERT_STATUS(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &p),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "linear_flops is 0");
+  mtrain_budgets_destroy(b);
+  p = make_predictor(budgets_text, 0);
+  int64_t len[3] = {1000, 0, 5};
+  int32_t r[3], m[3];
+  double mass[16];
+  fake_mass(mass, 4);
+  mtrain_balance_batch_options_t o = MTRAIN_BALANCE_BATCH_INIT;
+  o.ranks = 2;
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 3, mass, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "lengths[1] = 0");
+  len[1] = 10;
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 0, mass, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "at least one");
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 3, NULL, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_NULL_POINTER, "mass curves");
+  o.ranks = 0;
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 3, mass, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "ranks 0");
+  o.ranks = 2;
+  o.min_level = 3;
+  o.max_level = 1;
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 3, mass, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "level bounds [3, 1]");
+  o.min_level = o.max_level = -1;
+  mass[1 * K + 2] = 0.0; /* head 1 falls at level 2 */
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 3, mass, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "mass of head 1 falls");
+  mass[1 * K + 2] = 1.5;
+  TS_ASSERT_STATUS(mtrain_balance_batch(p, len, 3, mass, &o, r, m, NULL, NULL, NULL, NULL),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "not in [0, 1]");
+  const double w[2] = {1, NAN};
+  TS_ASSERT_STATUS(mtrain_balance_assign(w, 2, 2, 1, MTRAIN_BATCH_COST, r, m),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "weights[1]");
+  TS_ASSERT_STATUS(mtrain_balance_assign(w, 1, 2, 1, (mtrain_batch_method_t)7, r, m),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "method 7");
+  int32_t lv[4] = {0, 0, 9, 0};
+  double s;
+  TS_ASSERT_STATUS(mtrain_balance_predict(p, 100, lv, &s), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "levels[2] = 9");
+  mtrain_balance_predictor_destroy(p);
+  mtrain_balance_predictor_destroy(NULL);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_pairs_random_heads),
+      cmocka_unit_test(test_pairs_real_budgets),
+      cmocka_unit_test(test_predict_definition),
+      cmocka_unit_test(test_assign_against_optimum),
+      cmocka_unit_test(test_assign_micro_and_sorted),
+      cmocka_unit_test(test_tune_bounds_and_target),
+      cmocka_unit_test(test_mass_curve),
+      cmocka_unit_test(test_calibration_file),
+      cmocka_unit_test(test_bad_inputs),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
