@@ -1,0 +1,249 @@
+/* mtrain_block_curves.c: the measurements of docs/PATTERNS.md for the block
+ * selections (SPEC.md section 9). Not installed.
+ *
+ * usage: mtrain-block-curves recall [SEED]   recall against density of every
+ *          method and of vertical-slash on structured inputs (N 2048, 4 query
+ *          and 2 kv heads, d 64, G 64), fp64 recall (mtrain_cpu_pattern_recall)
+ *        mtrain-block-curves cost N [SEED]    seconds of each selection against
+ *          the cpu forward of the pattern it selects (8 query heads, 2 kv, d 128,
+ *          G 128), fp32, this machine's threads
+ * Prints markdown tables on stdout. Exit 0 on success, 1 on failure. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_cpu.h"
+#include "mtrain/mtrain_inputs.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+#define TRY(x)                                                                                     \
+  do {                                                                                             \
+    mtrain_status_t st_ = (x);                                                                     \
+    if (st_) {                                                                                     \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, mtrain_status_name(st_),              \
+              mtrain_last_error());                                                                \
+      exit(1);                                                                                     \
+    }                                                                                              \
+  } while (0)
+
+typedef struct inputs {
+  int64_t N;
+  int32_t Hq, Hkv, d, G;
+  float *q, *k, *v, *lse;
+  double *qd, *kd;
+} inputs_t;
+
+static void make_inputs(inputs_t *in, uint64_t seed, int with_double) {
+  const int64_t nq = in->N * in->Hq * in->d, nk = in->N * in->Hkv * in->d;
+  in->q = malloc(sizeof(float) * (size_t)nq);
+  in->k = malloc(sizeof(float) * (size_t)nk);
+  in->v = malloc(sizeof(float) * (size_t)nk);
+  in->lse = malloc(sizeof(float) * (size_t)(in->N * in->Hq));
+  mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
+  so.seed = seed;
+  so.rope_base = 4.0 * (double)in->N;
+  mtrain_tensor_t tq = mtrain_tensor_3d(in->q, MTRAIN_F32, in->N, in->Hq, in->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(in->k, MTRAIN_F32, in->N, in->Hkv, in->d);
+  mtrain_tensor_t tv = mtrain_tensor_3d(in->v, MTRAIN_F32, in->N, in->Hkv, in->d);
+  TRY(mtrain_generate_structured(&so, &tq, &tk, &tv));
+  in->qd = in->kd = NULL;
+  if (with_double) {
+    in->qd = malloc(sizeof(double) * (size_t)nq);
+    in->kd = malloc(sizeof(double) * (size_t)nk);
+    for (int64_t i = 0; i < nq; i++) in->qd[i] = in->q[i];
+    for (int64_t i = 0; i < nk; i++) in->kd[i] = in->k[i];
+  }
+}
+
+static mtrain_context_t *context(int32_t G) {
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = G;
+  mtrain_context_t *ctx = NULL;
+  TRY(mtrain_context_create(&cfg, NULL, &ctx));
+  return ctx;
+}
+
+/* A forward of `p` on ctx: seconds; lse (fp32) written when not NULL. */
+static double forward(mtrain_context_t *ctx, const inputs_t *in, const mtrain_pattern_t *p,
+                      float *lse) {
+  mtrain_plan_t *plan = NULL;
+  const mtrain_pattern_t *ps[] = {p};
+  TRY(mtrain_plan_create(ctx, NULL, ps, &plan));
+  float *o = malloc(sizeof(float) * (size_t)(in->N * in->Hq * in->d));
+  float *l = lse ? lse : malloc(sizeof(float) * (size_t)(in->N * in->Hq));
+  mtrain_tensor_t tq = mtrain_tensor_3d(in->q, MTRAIN_F32, in->N, in->Hq, in->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(in->k, MTRAIN_F32, in->N, in->Hkv, in->d);
+  mtrain_tensor_t tv = mtrain_tensor_3d(in->v, MTRAIN_F32, in->N, in->Hkv, in->d);
+  mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_F32, in->N, in->Hq, in->d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(l, MTRAIN_F32, in->N, in->Hq);
+  const double t0 = now_s();
+  TRY(mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
+  const double t = now_s() - t0;
+  mtrain_plan_destroy(plan);
+  free(o);
+  if (!lse) free(l);
+  return t;
+}
+
+static double density(const mtrain_pattern_t *p, const inputs_t *in) {
+  int64_t pairs = 0;
+  for (int32_t h = 0; h < in->Hq; h++) pairs += mtrain_pattern_count_pairs(p, h);
+  return (double)pairs / ((double)in->Hq * (double)in->N * (double)(in->N + 1) / 2);
+}
+
+static double recall(const mtrain_pattern_t *p, const inputs_t *in) {
+  double mean = 0.0;
+  TRY(mtrain_cpu_pattern_recall(p, in->Hkv, in->d, 0.0, in->qd, in->kd, NULL, &mean));
+  return mean;
+}
+
+static mtrain_pattern_t *select_blocks(mtrain_context_t *ctx, const inputs_t *in,
+                                       const mtrain_block_options_t *o, double *seconds) {
+  mtrain_tensor_t tq = mtrain_tensor_3d(in->q, MTRAIN_F32, in->N, in->Hq, in->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(in->k, MTRAIN_F32, in->N, in->Hkv, in->d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(in->lse, MTRAIN_F32, in->N, in->Hq);
+  mtrain_pattern_t *p = NULL;
+  const double t0 = now_s();
+  TRY(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, o, NULL, &p));
+  if (seconds) *seconds = now_s() - t0;
+  return p;
+}
+
+static mtrain_pattern_t *select_vs(mtrain_context_t *ctx, const inputs_t *in, int64_t v, int64_t s,
+                                   double *seconds) {
+  mtrain_tensor_t tq = mtrain_tensor_3d(in->q, MTRAIN_F32, in->N, in->Hq, in->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(in->k, MTRAIN_F32, in->N, in->Hkv, in->d);
+  mtrain_head_budget_t *b = calloc((size_t)in->Hq, sizeof *b);
+  for (int32_t h = 0; h < in->Hq; h++)
+    b[h].kind = MTRAIN_BUDGET_TOP_K, b[h].v_size = v, b[h].s_size = s;
+  mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+  mtrain_pattern_t *p = NULL;
+  const double t0 = now_s();
+  TRY(mtrain_pattern_estimate(ctx, &tq, &tk, b, &eo, &p));
+  if (seconds) *seconds = now_s() - t0;
+  free(b);
+  return p;
+}
+
+static mtrain_block_options_t opts(mtrain_block_method_t m, mtrain_budget_kind_t kind, int32_t k,
+                                   double p, int adaptive) {
+  mtrain_block_options_t o = MTRAIN_BLOCK_OPTIONS_INIT;
+  o.method = m;
+  o.kind = kind;
+  o.top_k = k;
+  o.top_p = p;
+  o.head_adaptive = adaptive;
+  o.stride = 8;
+  return o;
+}
+
+static void row(const char *method, const char *budget, const mtrain_pattern_t *p,
+                const inputs_t *in) {
+  printf("| %s | %s | %.3f | %.4f |\n", method, budget, density(p, in), recall(p, in));
+  fflush(stdout);
+}
+
+static int run_recall(uint64_t seed) {
+  inputs_t in = {.N = 2048, .Hq = 4, .Hkv = 2, .d = 64, .G = 64};
+  make_inputs(&in, seed, 1);
+  mtrain_context_t *ctx = context(in.G);
+  mtrain_pattern_t *dense = NULL;
+  TRY(mtrain_pattern_create_dense(in.N, in.Hq, in.G, &dense));
+  forward(ctx, &in, dense, in.lse); /* the LSE the precise search reuses */
+  mtrain_pattern_destroy(dense);
+  printf("structured inputs seed %llu, N %lld, heads %d/%d, d %d, G %d, cpu backend\n\n",
+         (unsigned long long)seed, (long long)in.N, in.Hq, in.Hkv, in.d, in.G);
+  printf("| method | budget | density | recall |\n|---|---|---|---|\n");
+  static const double ps[] = {0.5, 0.7, 0.8, 0.9, 0.95, 0.99};
+  static const int32_t ks[] = {1, 2, 4, 8};
+  char b[64];
+  for (int m = 0; m < 2; m++)
+    for (size_t i = 0; i < sizeof ps / sizeof ps[0]; i++) {
+      mtrain_block_options_t o =
+          opts(m ? MTRAIN_BLOCK_ANTIDIAG : MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, ps[i], 0);
+      mtrain_pattern_t *p = select_blocks(ctx, &in, &o, NULL);
+      snprintf(b, sizeof b, "top-p %.2f", ps[i]);
+      row(m ? "antidiag (S 8)" : "precise", b, p, &in);
+      mtrain_pattern_destroy(p);
+    }
+  for (int m = 0; m < 4; m++)
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++) {
+      const mtrain_block_method_t meth = m == 3   ? MTRAIN_BLOCK_MEANPOOL
+                                         : m == 2 ? MTRAIN_BLOCK_ANTIDIAG
+                                                  : MTRAIN_BLOCK_PRECISE;
+      mtrain_block_options_t o = opts(meth, MTRAIN_BUDGET_TOP_K, ks[i], 0.0, m == 1);
+      mtrain_pattern_t *p = select_blocks(ctx, &in, &o, NULL);
+      snprintf(b, sizeof b, "top-k %d%s", ks[i], m == 1 ? " head-adaptive" : "");
+      row(m == 3 ? "meanpool" : m == 2 ? "antidiag (S 8)" : "precise", b, p, &in);
+      mtrain_pattern_destroy(p);
+    }
+  static const int64_t vs[][2] = {{32, 32},   {64, 64},   {64, 128},
+                                  {128, 128}, {128, 192}, {256, 256}};
+  for (size_t i = 0; i < sizeof vs / sizeof vs[0]; i++) {
+    mtrain_pattern_t *p = select_vs(ctx, &in, vs[i][0], vs[i][1], NULL);
+    snprintf(b, sizeof b, "v %lld, s %lld", (long long)vs[i][0], (long long)vs[i][1]);
+    row("vertical-slash (top-k)", b, p, &in);
+    mtrain_pattern_destroy(p);
+  }
+  mtrain_context_destroy(ctx);
+  return 0;
+}
+
+static int run_cost(int64_t N, uint64_t seed) {
+  inputs_t in = {.N = N, .Hq = 8, .Hkv = 2, .d = 128, .G = 128};
+  make_inputs(&in, seed, 0);
+  mtrain_context_t *ctx = context(in.G);
+  mtrain_pattern_t *dense = NULL;
+  TRY(mtrain_pattern_create_dense(in.N, in.Hq, in.G, &dense));
+  const double t_dense = forward(ctx, &in, dense, in.lse);
+  mtrain_pattern_destroy(dense);
+  printf("structured inputs seed %llu, N %lld, heads %d/%d, d %d, G %d, cpu backend, fp32; dense "
+         "forward %.3f s\n\n",
+         (unsigned long long)seed, (long long)N, in.Hq, in.Hkv, in.d, in.G, t_dense);
+  printf("| method | budget | density | selection s | forward s | selection / forward | "
+         "selection / dense forward |\n|---|---|---|---|---|---|---|\n");
+  for (int m = 0; m < 5; m++) {
+    double ts = 0.0;
+    mtrain_pattern_t *p = NULL;
+    const char *name = NULL, *budget = NULL;
+    if (m == 0) {
+      mtrain_block_options_t o = opts(MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0);
+      p = select_blocks(ctx, &in, &o, &ts), name = "precise", budget = "top-p 0.90";
+    } else if (m == 1) {
+      mtrain_block_options_t o = opts(MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_K, 4, 0.0, 1);
+      p = select_blocks(ctx, &in, &o, &ts), name = "precise", budget = "top-k 4 head-adaptive";
+    } else if (m == 2) {
+      mtrain_block_options_t o = opts(MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0);
+      p = select_blocks(ctx, &in, &o, &ts), name = "antidiag (S 8)", budget = "top-p 0.90";
+    } else if (m == 3) {
+      mtrain_block_options_t o = opts(MTRAIN_BLOCK_MEANPOOL, MTRAIN_BUDGET_TOP_K, 4, 0.0, 0);
+      p = select_blocks(ctx, &in, &o, &ts), name = "meanpool", budget = "top-k 4";
+    } else {
+      p = select_vs(ctx, &in, 256, 256, &ts), name = "vertical-slash", budget = "v 256, s 256";
+    }
+    const double tf = forward(ctx, &in, p, NULL);
+    printf("| %s | %s | %.3f | %.3f | %.3f | %.1f%% | %.1f%% |\n", name, budget, density(p, &in),
+           ts, tf, 100.0 * ts / tf, 100.0 * ts / t_dense);
+    fflush(stdout);
+    mtrain_pattern_destroy(p);
+  }
+  mtrain_context_destroy(ctx);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 2 && strcmp(argv[1], "recall") == 0)
+    return run_recall(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
+  if (argc >= 3 && strcmp(argv[1], "cost") == 0)
+    return run_cost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
+  fprintf(stderr, "usage: %s recall [SEED] | cost N [SEED]\n", argv[0]);
+  return 1;
+}
