@@ -540,8 +540,7 @@ typedef enum mtrain_block_method {
 /** "precise", "antidiag", "meanpool"; "unknown" otherwise. */
 MTRAIN_API const char *mtrain_block_method_name(mtrain_block_method_t method);
 /** Parses the names above; MTRAIN_ERR_INVALID_ARGUMENT naming `name` else. */
-MTRAIN_API mtrain_status_t mtrain_block_method_parse(const char *name,
-                                                     mtrain_block_method_t *out);
+MTRAIN_API mtrain_status_t mtrain_block_method_parse(const char *name, mtrain_block_method_t *out);
 
 /** Options of a block selection. Initialise with MTRAIN_BLOCK_OPTIONS_INIT. */
 typedef struct mtrain_block_options {
@@ -581,13 +580,10 @@ typedef struct mtrain_block_report {
  *  inputs give the same pattern bitwise on one backend, at every thread
  *  count. The result has the context's granularity; the caller destroys
  *  it. `report` may be NULL. Single rank (world 1). */
-MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx,
-                                                        const mtrain_tensor_t *q,
-                                                        const mtrain_tensor_t *k,
-                                                        const mtrain_tensor_t *lse,
-                                                        const mtrain_block_options_t *options,
-                                                        const mtrain_block_report_t *report,
-                                                        mtrain_pattern_t **out);
+MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks(
+    mtrain_context_t *ctx, const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+    const mtrain_tensor_t *lse, const mtrain_block_options_t *options,
+    const mtrain_block_report_t *report, mtrain_pattern_t **out);
 
 /** The distributed block selection: q, k (and lse) are this rank's
  *  [local tokens, ...] slots of a sequence laid out by `layout` (as the
