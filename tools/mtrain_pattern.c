@@ -11,7 +11,8 @@
  * computed > bars > empty > padding > non-causal); --size sets the plot's
  * side, --no-legend leaves only the plot. The pattern comes from a file, or
  * is estimated online (SPEC.md section 2) from structured inputs generated
- * from a seed with per-head budgets (--estimate). Exit 0 on success (and
+ * from a seed with per-head budgets (--estimate), or selected there by a
+ * block-sparse method (--estimate --block, SPEC.md section 9). Exit 0 on success (and
  * after --help), 1 when the work fails (unreadable pattern, head out of
  * range, PNG not written), 2 on a bad command line. */
 #define _POSIX_C_SOURCE 200809L /* tool_common.h: clock_gettime */
@@ -41,6 +42,10 @@ static const char usage[] =
     "                        (mtrain_inputs.h) with per-head budgets:\n"
     "  --budgets FILE --layer L   the budgets of layer L of a MInference budget file\n"
     "  --v-size N --s-size N      or static top-k for every head\n"
+    "  --block METHOD        or a block-sparse selection instead (SPEC.md section 9):\n"
+    "                        precise (from a dense forward's LSE), antidiag or meanpool\n"
+    "  --top-p P             its top-p mass per query block (default 0.9; not meanpool)\n"
+    "  --top-k K             or its top-k blocks per query block besides the forced ones\n"
     "  --seq-len N           tokens of the estimate's inputs (default 4096)\n"
     "  --heads H --kv-heads H --head-dim D   their shape (default 16, 2, 128)\n"
     "  --seed S              their seed (default 1)\n"
@@ -67,6 +72,9 @@ typedef struct viewer_options {
   int estimate;             /* estimated from structured inputs */
   const char *budgets_path;
   int32_t layer, v_size, s_size, heads, kv_heads, head_dim, granularity, last_q, seed, seq_len;
+  const char *block_method; /* --block: a block selection instead of budgets */
+  double top_p;
+  int32_t top_k; /* -1: top-p */
   const char *out_path;
   int32_t head;
   int32_t size;  /* the plot's side; 0: default */
@@ -106,25 +114,20 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
   o->last_q = 64;
   o->seed = 1;
   o->seq_len = 4096;
-  static const struct option longs[] = {{"pattern", required_argument, 0, 'p'},
-                                        {"head", required_argument, 0, 'H'},
-                                        {"out", required_argument, 0, 'o'},
-                                        {"size", required_argument, 0, 's'},
-                                        {"help", no_argument, 0, 'h'},
-                                        {"estimate", no_argument, 0, 'e'},
-                                        {"budgets", required_argument, 0, 'B'},
-                                        {"layer", required_argument, 0, 'L'},
-                                        {"v-size", required_argument, 0, 'V'},
-                                        {"s-size", required_argument, 0, 'S'},
-                                        {"seq-len", required_argument, 0, 'N'},
-                                        {"heads", required_argument, 0, 'q'},
-                                        {"kv-heads", required_argument, 0, 'k'},
-                                        {"head-dim", required_argument, 0, 'd'},
-                                        {"seed", required_argument, 0, 'r'},
-                                        {"granularity", required_argument, 0, 'G'},
-                                        {"last-q", required_argument, 0, 'l'},
-                                        {"no-legend", no_argument, 0, 'n'},
-                                        {0, 0, 0, 0}};
+  o->top_p = 0.9;
+  o->top_k = -1;
+  static const struct option longs[] = {
+      {"pattern", required_argument, 0, 'p'},  {"head", required_argument, 0, 'H'},
+      {"out", required_argument, 0, 'o'},      {"size", required_argument, 0, 's'},
+      {"help", no_argument, 0, 'h'},           {"estimate", no_argument, 0, 'e'},
+      {"budgets", required_argument, 0, 'B'},  {"layer", required_argument, 0, 'L'},
+      {"v-size", required_argument, 0, 'V'},   {"s-size", required_argument, 0, 'S'},
+      {"seq-len", required_argument, 0, 'N'},  {"heads", required_argument, 0, 'q'},
+      {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
+      {"seed", required_argument, 0, 'r'},     {"granularity", required_argument, 0, 'G'},
+      {"last-q", required_argument, 0, 'l'},   {"no-legend", no_argument, 0, 'n'},
+      {"block", required_argument, 0, 'b'},    {"top-p", required_argument, 0, 'P'},
+      {"top-k", required_argument, 0, 'K'},    {0, 0, 0, 0}};
   int c, bad = 0;
   opterr = 0;
   while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
@@ -180,6 +183,19 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
     case 'l':
       bad = parse_int("last-q", optarg, 1, 1 << 20, &o->last_q);
       break;
+    case 'b':
+      o->block_method = optarg;
+      break;
+    case 'P': {
+      char *end = NULL;
+      o->top_p = strtod(optarg, &end);
+      bad = !end || *end || !(o->top_p > 0.0 && o->top_p <= 1.0);
+      if (bad) fprintf(stderr, "%s: --top-p '%s' is not in (0, 1]\n", prog, optarg);
+      break;
+    }
+    case 'K':
+      bad = parse_int("top-k", optarg, 0, INT32_MAX, &o->top_k);
+      break;
     case 'h':
       fputs(usage, stdout);
       return 2;
@@ -197,8 +213,11 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
     fprintf(stderr, "%s: give exactly one of --pattern FILE.json and --estimate\n%s", prog, usage);
     return 1;
   }
-  if (o->estimate && !((o->budgets_path && o->layer >= 0) || (o->v_size >= 0 && o->s_size >= 0))) {
-    fprintf(stderr, "%s: --estimate needs --budgets FILE --layer L or --v-size N --s-size N\n",
+  if (o->estimate && !o->block_method &&
+      !((o->budgets_path && o->layer >= 0) || (o->v_size >= 0 && o->s_size >= 0))) {
+    fprintf(stderr,
+            "%s: --estimate needs --budgets FILE --layer L, --v-size N --s-size N or --block "
+            "METHOD\n",
             prog);
     return 1;
   }
@@ -248,6 +267,49 @@ static int estimate_budgets(const viewer_options_t *o, mtrain_head_budget_t **ou
   return 0;
 }
 
+/* The block selection of --block on "cpu" (the precise search from the LSE
+ * of a dense forward of the same inputs). */
+static int select_blocks(const viewer_options_t *o, mtrain_context_t *ctx, mtrain_tensor_t *tq,
+                         mtrain_tensor_t *tk, mtrain_tensor_t *tv, mtrain_pattern_t **out) {
+  mtrain_block_options_t bo = MTRAIN_BLOCK_OPTIONS_INIT;
+  int rc = tool_failed(prog, "--block", mtrain_block_method_parse(o->block_method, &bo.method));
+  if (o->top_k >= 0 || bo.method == MTRAIN_BLOCK_MEANPOOL) {
+    bo.kind = MTRAIN_BUDGET_TOP_K;
+    bo.top_k = o->top_k >= 0 ? o->top_k : 8;
+  }
+  bo.top_p = o->top_p;
+  if (bo.method == MTRAIN_BLOCK_ANTIDIAG && o->granularity % bo.stride != 0) bo.stride = 1;
+  const int64_t N = o->seq_len;
+  float *out_o = NULL, *lse = NULL;
+  mtrain_pattern_t *dense = NULL;
+  mtrain_plan_t *plan = NULL;
+  if (!rc && bo.method == MTRAIN_BLOCK_PRECISE) {
+    out_o = malloc(sizeof(float) * (size_t)(N * o->heads * o->head_dim));
+    lse = malloc(sizeof(float) * (size_t)(N * o->heads));
+    rc = !out_o || !lse;
+    if (rc) fprintf(stderr, "%s: out of memory for the dense forward\n", prog);
+    if (!rc)
+      rc = tool_failed(prog, "dense pattern",
+                       mtrain_pattern_create_dense(N, o->heads, o->granularity, &dense));
+    const mtrain_pattern_t *ps[] = {dense};
+    if (!rc) rc = tool_failed(prog, "dense plan", mtrain_plan_create(ctx, NULL, ps, &plan));
+    mtrain_tensor_t to = mtrain_tensor_3d(out_o, MTRAIN_F32, N, o->heads, o->head_dim);
+    mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, o->heads);
+    if (!rc)
+      rc = tool_failed(prog, "dense forward",
+                       mtrain_attention_forward(ctx, plan, tq, tk, tv, &to, &tl));
+  }
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, o->heads);
+  if (!rc)
+    rc = tool_failed(prog, "selecting blocks",
+                     mtrain_pattern_select_blocks(ctx, tq, tk, lse ? &tl : NULL, &bo, NULL, out));
+  mtrain_plan_destroy(plan);
+  mtrain_pattern_destroy(dense);
+  free(out_o);
+  free(lse);
+  return rc;
+}
+
 /* Structured inputs from the seed, then the online estimate on "cpu". */
 static int estimate_pattern(const viewer_options_t *o, mtrain_pattern_t **out) {
   const int64_t N = o->seq_len;
@@ -266,13 +328,15 @@ static int estimate_pattern(const viewer_options_t *o, mtrain_pattern_t **out) {
   if (so.rope_base < 4.0 * (double)N) so.rope_base = 4.0 * (double)N; /* keeps the sinks */
   if (!rc)
     rc = tool_failed(prog, "generating inputs", mtrain_generate_structured(&so, &tq, &tk, &tv));
-  if (!rc) rc = estimate_budgets(o, &budgets);
+  if (!rc && !o->block_method) rc = estimate_budgets(o, &budgets);
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = o->granularity;
   if (!rc) rc = tool_failed(prog, "context", mtrain_context_create(&cfg, NULL, &ctx));
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = o->last_q;
-  if (!rc)
+  if (!rc && o->block_method)
+    rc = select_blocks(o, ctx, &tq, &tk, &tv, out);
+  else if (!rc)
     rc = tool_failed(prog, "estimating", mtrain_pattern_estimate(ctx, &tq, &tk, budgets, &eo, out));
   mtrain_context_destroy(ctx);
   free(budgets);
