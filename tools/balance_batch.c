@@ -57,6 +57,8 @@ static const char usage[] =
     "  --bounds LO,HI        the tuner's bounds as scales (default: the first and last level)\n"
     "  --target S            step target in seconds (default: the mean rank time)\n"
     "  --budget-context C    scale budget counts by N / C per sequence (default 0: as given)\n"
+    "  --spread even|local   the position model's placement of the verticals and slashes\n"
+    "                        beyond the sinks and the window (default even)\n"
     "  --profile-len N       tokens of the structured inputs the heads' mass curves are\n"
     "                        computed on (default 2048)\n"
     "  --profile-context C   the budgets are scaled by N / C for the profile (default 131072)\n"
@@ -74,6 +76,7 @@ typedef struct bopts {
   int64_t tokens_per_rank, budget_context, profile_len, profile_context;
   uint64_t seed;
   int32_t world, micro, nlevels;
+  mtrain_spread_t spread;
   mtrain_balance_model_t model;
 } bopts_t;
 
@@ -113,6 +116,7 @@ static int parse(int argc, char **argv, bopts_t *o) {
                                         {"bounds", required_argument, 0, 'B'},
                                         {"target", required_argument, 0, 'g'},
                                         {"budget-context", required_argument, 0, 'C'},
+                                        {"spread", required_argument, 0, 'S'},
                                         {"profile-len", required_argument, 0, 'P'},
                                         {"profile-context", required_argument, 0, 'Q'},
                                         {"hidden", required_argument, 0, 'H'},
@@ -478,6 +482,7 @@ int balance_batch_main(int argc, char **argv) {
   if (!len) goto done;
   mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
   pm.budget_context = o.budget_context;
+  pm.spread = o.spread;
   if (tool_failed(prog, "predictor",
                   mtrain_balance_predictor_create(b, o.levels, o.nlevels, base, &pm, 128, &cal,
                                                   &o.model, &pred)))
@@ -541,11 +546,12 @@ int balance_batch_main(int argc, char **argv) {
                     "moves_down", (json_int_t)p->moves_down, "moves_up", (json_int_t)p->moves_up,
                     "seconds_to_solve", t_batch[m], "rank_seconds", ranks));
     }
-    json_t *root = json_pack(
-        "{s:s, s:s, s:s, s:i, s:i, s:i, s:f, s:i, s:I, s:f, s:o}", "tool", "mtrain-balance batch",
-        "budgets", o.budgets, "calibration", o.calibration, "world", R, "sequences", n,
-        "long_sequences", longs, "tokens", tokens, "micro_batches", o.micro, "budget_context",
-        (json_int_t)o.budget_context, "mass_curve_seconds", t_mass, "methods", methods);
+    json_t *root =
+        json_pack("{s:s, s:s, s:s, s:i, s:i, s:i, s:f, s:i, s:I, s:s, s:f, s:o}", "tool",
+                  "mtrain-balance batch", "budgets", o.budgets, "calibration", o.calibration,
+                  "world", R, "sequences", n, "long_sequences", longs, "tokens", tokens,
+                  "micro_batches", o.micro, "budget_context", (json_int_t)o.budget_context,
+                  "mass_curve_seconds", t_mass, "methods", methods);
     json_dumpf(root, stdout, JSON_INDENT(1) | JSON_REAL_PRECISION(8));
     fputc('\n', stdout);
     json_decref(root);

@@ -119,7 +119,7 @@ mtrain_status_t mtrain_balance_predictor_create(
   p->base_level = base_level;
   p->granularity = granularity;
   p->model = *position_model;
-  p->model.spread = MTRAIN_SPREAD_EVEN;
+  if (p->model.spread == MTRAIN_SPREAD_RANDOM) p->model.spread = MTRAIN_SPREAD_EVEN; /* no seeds */
   p->cal = *c;
   p->combo = malloc((size_t)nh * sizeof *p->combo);
   p->combo_counts = malloc((size_t)nh * 2 * sizeof *p->combo_counts);

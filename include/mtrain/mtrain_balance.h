@@ -246,8 +246,9 @@ typedef struct mtrain_balance_predictor mtrain_balance_predictor_t;
  *  scales[k] and rounded (at least 1); scales must be > 0 and strictly
  *  increasing, and scales[base_level] is the untuned budget (normally 1.0).
  *  The pairs of a head at length N are the exact pair count (SPEC.md section
- *  1) of the pattern the position model gives that budget at N, with its
- *  spread forced to even (the predictor does not depend on seeds). The
+ *  1) of the pattern the position model gives that budget at N (spread even
+ *  or local; random is replaced by even: the predictor does not depend on
+ *  seeds). The
  *  inputs are copied. The caller destroys the result. */
 MTRAIN_API mtrain_status_t mtrain_balance_predictor_create(
     const mtrain_budgets_t *budgets, const double *scales, int32_t num_levels, int32_t base_level,

@@ -1,0 +1,96 @@
+"""mtrain.balance: balance_batch and mass_curve through ctypes (docs/BALANCE.md,
+"SparseBalance"): assignments in range and deterministic, cost batching never
+worse than token balancing on a long-tail mix, tuned levels within their
+bounds and the step never lengthened, mass curves nondecreasing shares, and
+bad inputs rejected with messages naming them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mtrain import MtrainError
+from mtrain.balance import DEFAULT_LEVELS, balance_batch, mass_curve
+
+BUDGETS = [
+    {"0": ["vertical_and_slash", 100, 50, 0.9], "1": ["vertical_and_slash", 10, 500, 0.9]},
+    {"0": ["vertical_and_slash", 3500, 100, 0.9], "1": ["vertical_and_slash", 40, 2000, 0.9]},
+]
+CAL = {"pair_s": 5e-12, "row_s": 7e-9, "seq_s": 0.0, "linear_flops": 6e14}
+HEADS = 4
+
+
+@pytest.fixture
+def budgets(tmp_path):
+    path = tmp_path / "budgets.json"
+    path.write_text(json.dumps(BUDGETS))
+    return path
+
+
+def long_tail(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    long = rng.random(n) < 0.05
+    short = np.exp(rng.uniform(np.log(1024), np.log(16384), n))
+    big = np.exp(rng.uniform(np.log(131072), np.log(524288), n))
+    return [int(x) for x in np.where(long, big, short)]
+
+
+def fake_mass() -> np.ndarray:
+    k = np.arange(len(DEFAULT_LEVELS))
+    return np.array([1 - (0.3 + 0.1 * h) / 2.0**k for h in range(HEADS)])
+
+
+def test_assignment_and_determinism(budgets):
+    lengths = long_tail(200, 1)
+    a = balance_batch(lengths, 8, budgets, CAL, micro_batches=3, tune=False)
+    b = balance_batch(lengths, 8, budgets, CAL, micro_batches=3, tune=False)
+    assert a.rank_of == b.rank_of and a.micro_of == b.micro_of
+    assert all(0 <= r < 8 for r in a.rank_of) and all(0 <= m < 3 for m in a.micro_of)
+    assert np.allclose(a.rank_seconds_before, a.rank_seconds_after, rtol=1e-12)
+    tok = balance_batch(lengths, 8, budgets, CAL, method="tokens", tune=False)
+    assert a.report["max_before"] <= tok.report["max_before"]
+    srt = balance_batch(lengths, 8, budgets, CAL, method="sorted", tune=False)
+    order = np.argsort(lengths, kind="stable")
+    assert all(np.diff(np.array(srt.rank_of)[order]) >= 0)
+
+
+def test_tuning_bounds_and_step(budgets):
+    lengths = long_tail(120, 2)
+    res = balance_batch(lengths, 4, budgets, CAL, mass=fake_mass(), bounds=(0.5, 1.5))
+    assert res.levels.shape == (4, HEADS)
+    assert res.head_scales.min() >= 0.5 and res.head_scales.max() <= 1.5
+    rep = res.report
+    assert rep["max_after"] <= rep["max_before"] * (1 + 1e-12)
+    assert np.isclose(res.rank_seconds_after.max(), rep["max_after"])
+    again = balance_batch(lengths, 4, budgets, CAL, mass=fake_mass(), bounds=(0.5, 1.5))
+    assert np.array_equal(res.levels, again.levels)
+
+
+def test_mass_curve(budgets):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((512, 2, 32)).astype(np.float32)
+    k = rng.standard_normal((512, 1, 32)).astype(np.float32)
+    m = mass_curve(q, k, budgets, 0, granularity=64)
+    assert m.shape == (2, len(DEFAULT_LEVELS))
+    assert (m >= 0).all() and (m <= 1).all() and (np.diff(m, axis=1) >= 0).all()
+    with pytest.raises(MtrainError, match="has 2 heads, q has 3"):
+        mass_curve(rng.standard_normal((512, 3, 32)), k, budgets, 0)
+
+
+def test_bad_inputs(budgets):
+    with pytest.raises(MtrainError, match=r"lengths\[1\] = 0"):
+        balance_batch([100, 0], 2, budgets, CAL, tune=False)
+    with pytest.raises(MtrainError, match="needs mass"):
+        balance_batch([100, 200], 2, budgets, CAL)
+    with pytest.raises(MtrainError, match="mass has shape"):
+        balance_batch([100, 200], 2, budgets, CAL, mass=np.zeros((3, 6)))
+    with pytest.raises(MtrainError, match="missing key 'row_s'"):
+        balance_batch([100], 2, budgets, {"pair_s": 1.0}, tune=False)
+    with pytest.raises(MtrainError, match="ranks 0"):
+        balance_batch([100], 0, budgets, CAL, tune=False)
+    with pytest.raises(MtrainError, match="method 'fast'"):
+        balance_batch([100], 1, budgets, CAL, method="fast", tune=False)
+    with pytest.raises(MtrainError, match=r"must hold 1\.0"):
+        balance_batch([100], 1, budgets, CAL, levels=(0.5, 2.0), tune=False)
