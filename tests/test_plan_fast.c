@@ -282,11 +282,18 @@ static mtrain_pattern_t *random_pattern(ts_rng_t *rng, int64_t N, int32_t H, int
   return p;
 }
 
+/* MTRAIN_TEST_QUICK=1 (emulated and sanitizer runs): a third of the cases,
+ * every sixth layer of the budget files, one long pattern per file. */
+static int quick(void) {
+  const char *e = getenv("MTRAIN_TEST_QUICK");
+  return e && strcmp(e, "1") == 0;
+}
+
 static void test_random_plans(void **state) {
   (void)state;
   static const int64_t lengths[] = {1, 37, 200, 1000, 1024, 3001};
   static const int32_t grans[] = {1, 7, 16, 64, 128};
-  for (int c = 0; c < 24; c++) {
+  for (int c = 0; c < (quick() ? 8 : 24); c++) {
     const uint64_t seed = ts_seed(0x9e3779b9u + (uint64_t)c);
     ts_rng_t rng;
     ts_rng_seed(&rng, seed);
@@ -429,7 +436,7 @@ static void test_random_estimates(void **state) {
   static const int64_t lengths[] = {1, 50, 333, 1000, 3001};
   static const int32_t grans[] = {16, 64, 128};
   static const int32_t hq[] = {4, 8, 6, 2}, hkv[] = {2, 2, 3, 2};
-  for (int c = 0; c < 16; c++) {
+  for (int c = 0; c < (quick() ? 6 : 16); c++) {
     const uint64_t seed = ts_seed(0xe5700000u + (uint64_t)c);
     ts_rng_t rng;
     ts_rng_seed(&rng, seed);
@@ -508,7 +515,7 @@ static void test_real_budgets(void **state) {
     mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
     assert_int_equal(mtrain_generate_structured(&so, &q, &k, &v), MTRAIN_SUCCESS);
     mtrain_head_budget_t *b = calloc((size_t)Hq, sizeof *b);
-    for (int32_t l = 0; l < mtrain_budgets_num_layers(file); l++) {
+    for (int32_t l = 0; l < mtrain_budgets_num_layers(file); l += quick() ? 6 : 1) {
       for (int32_t h = 0; h < Hq; h++)
         assert_int_equal(mtrain_budgets_get(file, l, h, &b[h]), MTRAIN_SUCCESS);
       mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
@@ -538,7 +545,7 @@ static void test_long_budget_plans(void **state) {
   static const char *files[] = {"Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json",
                                 "Llama_3.1_8B_Instruct_128k_kv_out_v32_fit_o_best_pattern.json"};
   for (size_t f = 0; f < 2; f++)
-    for (int32_t l = 0; l < 32; l += 15) {
+    for (int32_t l = 0; l < (quick() ? 1 : 32); l += 15) {
       mtrain_pattern_t *p =
           ts_pattern_from_budgets(ts_data_path(files[f]), l, 32768 + 77, 8, 128, 131072, 7 + l);
       assert_non_null(p);
