@@ -206,6 +206,14 @@ static int parse(int argc, char **argv, bopts_t *o) {
     case 'C':
       bad = get_i64("budget-context", optarg, 0, &o->budget_context);
       break;
+    case 'S':
+      if (strcmp(optarg, "even") == 0)
+        o->spread = MTRAIN_SPREAD_EVEN;
+      else if (strcmp(optarg, "local") == 0)
+        o->spread = MTRAIN_SPREAD_LOCAL;
+      else
+        bad = bad_value("spread", optarg);
+      break;
     case 'P':
       bad = get_i64("profile-len", optarg, 256, &o->profile_len);
       break;
