@@ -21,6 +21,7 @@ from ._core import (
     vertical_slash_pattern,
 )
 from .api import SparsePlan, attention, estimate_pattern
+from .balance import DEFAULT_LEVELS, BalanceResult, balance_batch, mass_curve
 from .dispatch import Dispatched, DispatchInfo, dispatch, undispatch
 from .errors import MtrainError
 from .hf import register_transformers
@@ -28,6 +29,8 @@ from .hf import register_transformers
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_LEVELS",
+    "BalanceResult",
     "DispatchInfo",
     "Dispatched",
     "MtrainError",
@@ -38,12 +41,14 @@ __all__ = [
     "__version__",
     "attention",
     "backends",
+    "balance_batch",
     "block_mask_pattern",
     "dense_pattern",
     "dispatch",
     "estimate_pattern",
     "library_path",
     "load_pattern",
+    "mass_curve",
     "parse_pattern",
     "register_transformers",
     "reset",
