@@ -113,8 +113,8 @@ static void test_allocator_takes_every_block(void **state) {
         c.peak_bytes != ms.backend_peak_bytes)
       fail_msg("%s, seed %llu: %zu blocks taken, %zu returned, %zu bytes live, the allocator's "
                "peak %zu bytes against the context's %zu",
-               backends[b], (unsigned long long)seed, c.allocs, c.frees, c.live_bytes,
-               c.peak_bytes, (size_t)ms.backend_peak_bytes);
+               backends[b], (unsigned long long)seed, c.allocs, c.frees, c.live_bytes, c.peak_bytes,
+               (size_t)ms.backend_peak_bytes);
     /* the backend's own allocator again: the same results, bit for bit */
     assert_int_equal(mtrain_context_set_allocator(ctx, NULL), MTRAIN_SUCCESS);
     const size_t before = c.allocs;

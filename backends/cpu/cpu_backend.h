@@ -13,7 +13,7 @@ extern const mtrain_backend_ops_t mtrain_cpu_backend;     /* "cpu": OpenMP + Ope
 
 typedef struct cpu_state {
   int num_threads;        /* OpenMP threads for this backend's parallel regions */
-  int deterministic; /* 1: fixed work assignment, bitwise repeatable results */
+  int deterministic;      /* 1: fixed work assignment, bitwise repeatable results */
   int saved_blas_threads; /* OpenBLAS thread count to restore at fini */
 } cpu_state_t;
 

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_cpu.h"
+#include "mtrain/mtrain_error.h"
 
 static double dot(const double *a, const double *b, int32_t d) {
   double s = 0.0;

@@ -18,8 +18,8 @@
 
 #include "core/formats/file_io.h"
 #include "core/formats/json_util.h"
-#include "mtrain/mtrain_error.h"
 #include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_io.h"
 
 /* ------------------------------------------------------------------------ */

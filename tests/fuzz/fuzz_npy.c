@@ -26,7 +26,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     volatile double sum = 0; /* touch every element: the buffer must hold them */
     double x;
     for (int64_t i = 0; i < n; i++) {
-      mtrain_convert((const char *)npy.tensor.data + i * (int64_t)mtrain_dtype_size(npy.tensor.dtype),
+      mtrain_convert((const char *)npy.tensor.data +
+                         i * (int64_t)mtrain_dtype_size(npy.tensor.dtype),
                      npy.tensor.dtype, &x, MTRAIN_F64, 1);
       sum += x;
     }
