@@ -334,7 +334,7 @@ static json_t *timing_json(const timing_t *t, int n) {
 /* The per-layer results. */
 typedef struct layer_result {
   int32_t layer;
-  timing_t estimate, scores, select;
+  timing_t estimate, scores, select, stages, copies, reduce;
   timing_t plan[MAX_WORLDS], cuda[MAX_WORLDS];
   int64_t pairs[MAX_WORLDS], diagonals, verticals;
   double density; /* computed pairs / causal pairs of W = 1 */
@@ -459,6 +459,9 @@ static int run_layer(const opts_t *o, mtrain_context_t *ctx, const mtrain_budget
     timing_put(&r->estimate, call, t1 - t0);
     timing_put(&r->scores, call, et.scores);
     timing_put(&r->select, call, et.select);
+    timing_put(&r->stages, call, et.stages);
+    timing_put(&r->copies, call, et.copies);
+    timing_put(&r->reduce, call, et.reduce);
     for (int w = 0; w < o->num_worlds && !rc; w++) {
       double tp = 0.0, tc = 0.0;
       rc = plan_once(o, p, o->worlds[w], &tp, &tc, &r->pairs[w]);
@@ -525,7 +528,8 @@ int main(int argc, char **argv) {
     if (!use[l]) continue;
     layer_result_t *r = &res[n_res];
     rc = timing_alloc(&r->estimate, o.steps) || timing_alloc(&r->scores, o.steps) ||
-         timing_alloc(&r->select, o.steps);
+         timing_alloc(&r->select, o.steps) || timing_alloc(&r->stages, o.steps) ||
+         timing_alloc(&r->copies, o.steps) || timing_alloc(&r->reduce, o.steps);
     for (int w = 0; w < o.num_worlds && !rc; w++)
       rc = timing_alloc(&r->plan[w], o.steps) || timing_alloc(&r->cuda[w], o.steps);
     if (!rc) rc = run_layer(&o, ctx, file, l, &in, r);
@@ -540,7 +544,8 @@ int main(int argc, char **argv) {
            mtrain_dtype_name(o.dtype), o.last_q, omp_get_max_threads(), o.backend, o.budgets);
     printf("warm medians of %d steps, ms per layer (plan W>1: rank %d, layout %s)\n", o.steps,
            o.rank, o.layout);
-    printf("%5s %8s %9s %8s %8s", "layer", "density", "estimate", "scores", "select");
+    printf("%5s %8s %9s %8s %8s %8s %8s %8s", "layer", "density", "estimate", "scores", "stages",
+           "copies", "reduce", "select");
     for (int w = 0; w < o.num_worlds; w++) {
       char h[32];
       snprintf(h, sizeof h, "plan W=%d", o.worlds[w]);
@@ -557,7 +562,10 @@ int main(int argc, char **argv) {
       const double e = warm_median(&r->estimate, o.steps), sc = warm_median(&r->scores, o.steps),
                    se = warm_median(&r->select, o.steps);
       sum_e += e, sum_sc += sc, sum_se += se;
-      printf("%5d %8.4f %9.1f %8.1f %8.1f", r->layer, r->density, 1e3 * e, 1e3 * sc, 1e3 * se);
+      printf("%5d %8.4f %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f", r->layer, r->density, 1e3 * e,
+             1e3 * sc, 1e3 * warm_median(&r->stages, o.steps),
+             1e3 * warm_median(&r->copies, o.steps), 1e3 * warm_median(&r->reduce, o.steps),
+             1e3 * se);
       for (int w = 0; w < o.num_worlds; w++) {
         const double p = warm_median(&r->plan[w], o.steps), c = warm_median(&r->cuda[w], o.steps);
         sum_p[w] += p, sum_c[w] += c;
@@ -567,8 +575,8 @@ int main(int argc, char **argv) {
       printf("\n");
     }
     if (n_res > 0) {
-      printf("%5s %8s %9.1f %8.1f %8.1f", "mean", "", 1e3 * sum_e / n_res, 1e3 * sum_sc / n_res,
-             1e3 * sum_se / n_res);
+      printf("%5s %8s %9.1f %8.1f %8s %8s %8s %8.1f", "mean", "", 1e3 * sum_e / n_res,
+             1e3 * sum_sc / n_res, "", "", "", 1e3 * sum_se / n_res);
       for (int w = 0; w < o.num_worlds; w++) {
         printf(" %10.1f", 1e3 * sum_p[w] / n_res);
         if (o.cuda_step) printf(" %10.1f", 1e3 * sum_c[w] / n_res);
@@ -595,6 +603,10 @@ int main(int argc, char **argv) {
                                       timing_json(&r->estimate, o.steps), "scores",
                                       timing_json(&r->scores, o.steps), "select",
                                       timing_json(&r->select, o.steps), "plans", plans));
+      json_t *last = json_array_get(layers, json_array_size(layers) - 1);
+      json_object_set_new(last, "scores_stages", timing_json(&r->stages, o.steps));
+      json_object_set_new(last, "scores_copies", timing_json(&r->copies, o.steps));
+      json_object_set_new(last, "scores_reduce", timing_json(&r->reduce, o.steps));
     }
     json_t *root = json_pack(
         "{s:s, s:s, s:I, s:i, s:i, s:i, s:i, s:s, s:i, s:i, s:s, s:i, s:i, s:i, s:o}", "tool", prog,
@@ -613,6 +625,9 @@ int main(int argc, char **argv) {
     free(res[i].estimate.warm);
     free(res[i].scores.warm);
     free(res[i].select.warm);
+    free(res[i].stages.warm);
+    free(res[i].copies.warm);
+    free(res[i].reduce.warm);
     for (int w = 0; w < MAX_WORLDS; w++) {
       free(res[i].plan[w].warm);
       free(res[i].cuda[w].warm);

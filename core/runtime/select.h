@@ -30,6 +30,10 @@ int32_t mtrain_token_to_block_diagonals(const int64_t *tokens, int64_t n, int32_
  *  pattern. For benchmarks (tools/mtrain_bench_plan.c); zero before any. */
 typedef struct mtrain_estimate_times {
   double scores, select;
+  /* the parts of `scores`: the backend stages until the device is done
+   * (with top-p, its row-maximum and normaliser passes and their round
+   * trips), the copies of the final scores to the host, their all-reduces */
+  double stages, copies, reduce;
 } mtrain_estimate_times_t;
 mtrain_estimate_times_t mtrain_estimate_last_times(void);
 
