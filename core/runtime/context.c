@@ -147,6 +147,7 @@ void mtrain_context_destroy(mtrain_context_t *ctx) {
   if (!ctx) return;
   mtrain_be_fini(ctx); /* frees leaked backend blocks, then the backend state */
   mtrain_comm_destroy(ctx->own_comm);
+  free(ctx->estimate_host);
   free(ctx);
 }
 

@@ -19,14 +19,16 @@ struct mtrain_context {
   mtrain_call_stats_t last_stats; /* timing of the last attention call */
   mtrain_memory_tracker_t memory; /* backend bytes allocated through it (memory_stats.c) */
   mtrain_allocator_t allocator;   /* the caller's allocator; alloc NULL: the backend's own */
+  /* host memory the estimate reuses from call to call for the scores it
+   * brings back (estimate.c): grow-only, freed with the context, so that a
+   * call at a length seen before touches no fresh pages */
+  void *estimate_host;
+  size_t estimate_host_bytes;
 };
 
 /** Applies MTRAIN_* environment overrides to a config (the environment is
  *  read once per process). Fails naming the variable on a malformed value. */
 mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config);
-/** Seconds on a monotonic clock. */
-double mtrain_now(void);
-
 /** Seconds on a monotonic clock. */
 double mtrain_now(void);
 

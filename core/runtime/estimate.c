@@ -37,15 +37,26 @@ typedef struct estimate_buffers {
   uint8_t *probs;
 } estimate_buffers_t;
 
+/* row_host, col_host and diag_host live in the context's reused host
+ * region (context_internal.h); the rest is the call's own. */
 static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
   void *backend[] = {b->row, b->col, b->diag};
   for (int i = 0; i < 3; i++) mtrain_be_free(ctx, backend[i]);
-  free(b->row_host);
   free(b->row_max);
   free(b->row_norm);
-  free(b->col_host);
-  free(b->diag_host);
   free(b->probs);
+}
+
+/* The context's reused host region of at least `bytes` (NULL when out of
+ * memory; the region is then left as it was). */
+static void *host_region(mtrain_context_t *ctx, size_t bytes) {
+  if (bytes <= ctx->estimate_host_bytes) return ctx->estimate_host;
+  void *p = malloc(bytes);
+  if (!p) return NULL;
+  free(ctx->estimate_host);
+  ctx->estimate_host = p;
+  ctx->estimate_host_bytes = bytes;
+  return p;
 }
 
 static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t *q,
@@ -231,11 +242,12 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   const size_t n_row = n_row_sums > 2 * (size_t)Hq * L ? n_row_sums : 2 * (size_t)Hq * L;
   const size_t n_col = (size_t)Hq * N, n_diag = (size_t)Hq * N * slots;
   b.probs = calloc((size_t)Hq, 1);
-  b.row_host = malloc(sizeof(double) * n_row);
+  double *region = host_region(ctx, sizeof(double) * (n_row + n_col + n_diag));
+  b.row_host = region;
+  b.col_host = region ? region + n_row : NULL;
+  b.diag_host = region ? region + n_row + n_col : NULL;
   b.row_max = malloc(sizeof(double) * (size_t)Hq * L);
   b.row_norm = malloc(sizeof(double) * (size_t)Hq * L);
-  b.col_host = malloc(sizeof(double) * n_col);
-  b.diag_host = malloc(sizeof(double) * n_diag);
   MTRAIN_FAIL_IF(!b.probs || !b.row_host || !b.row_max || !b.row_norm || !b.col_host ||
                      !b.diag_host,
                  MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
