@@ -6,8 +6,8 @@
  * mtrain_plan_create; W > 1: mtrain_plan_create_ring for one rank, built in
  * this process with a stand-in communicator) and, with --cuda-step, the
  * host tables the cuda backend makes from each step of that plan, forward
- * and backward (a replica of backends/cuda/cuda_step.c's host loops,
- * bench_plan_cuda_step.c: the host work only, no device). One cold call, then --steps warm calls;
+ * and backward (the backend's own packing, backends/cuda/cuda_step_tables.c:
+ * the host work only, no device). One cold call, then --steps warm calls;
  * the table gives the medians, --json all of it. Exit 0 on success (and after
  * --help), 1 when the work fails, 2 on a bad command line. */
 #include <getopt.h>
@@ -26,7 +26,8 @@
 #include "mtrain/mtrain_layout.h"
 #include "tool_common.h"
 
-#include "bench_plan_cuda_step.h"
+#include "backends/cuda/cuda_step_tables.h"
+#include "mtrain/mtrain_error.h"
 
 static const char *prog = "mtrain-bench-plan";
 
@@ -65,7 +66,7 @@ static void usage(FILE *f) {
           "  --steps S             warm repetitions after the cold one (default 3)\n"
           "  --threads T           OpenMP threads (default: OpenMP's)\n"
           "  --cuda-step           also time the cuda step tables of every plan step, forward\n"
-          "                        and backward (a replica of the host loops, no GPU needed)\n"
+          "                        and backward (the backend's host packing, no GPU needed)\n"
           "  --backend NAME        backend of the estimate's scoring: cpu (default) or cuda\n"
           "                        (q and k copied to the device once; plans stay on the host)\n"
           "  --json FILE           write every time to FILE\n"
@@ -340,23 +341,38 @@ typedef struct layer_result {
   double density; /* computed pairs / causal pairs of W = 1 */
 } layer_result_t;
 
+/* Packs one step view as the cuda backend does before its kernels
+ * (cuda_step_tables.c, the backend's own code), into a reused buffer. */
+static mtrain_status_t pack_step(const mtrain_step_view_t *v, int32_t hkv, int backward, char **buf,
+                                 size_t *cap) {
+  cuda_step_tables_t t;
+  mtrain_status_t st = cuda_step_tables_size(v, hkv, backward, &t);
+  if (st) return st;
+  if (t.bytes > *cap) {
+    char *p = realloc(*buf, t.bytes);
+    if (!p) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda step tables: out of memory");
+    *buf = p;
+    *cap = t.bytes;
+  }
+  return cuda_step_tables_pack(v, hkv, backward, *buf, &t);
+}
+
 /* The cuda backend's host work for every step of a plan: the forward and
  * the backward tables. */
 static mtrain_status_t time_cuda_steps(const mtrain_plan_t *plan, int32_t hkv, double *seconds) {
-  bench_cuda_staging_t staging = {0};
+  char *buf = NULL;
+  size_t cap = 0;
   mtrain_status_t st = MTRAIN_SUCCESS;
   const double t0 = tool_now();
   for (int32_t s = 0; s < plan->num_seqs && !st; s++)
     for (int32_t t = 0; t < plan->num_steps && !st; t++)
       for (int backward = 0; backward < 2 && !st; backward++) {
-        size_t bytes = 0;
-        st = bench_cuda_step_host(&staging, &plan->seqs[s].steps[t].view, hkv, backward, &bytes);
+        st = pack_step(&plan->seqs[s].steps[t].view, hkv, backward, &buf, &cap);
         if (!st && plan->seqs[s].bar_steps)
-          st = bench_cuda_step_host(&staging, &plan->seqs[s].bar_steps[t].view, hkv, backward,
-                                    &bytes);
+          st = pack_step(&plan->seqs[s].bar_steps[t].view, hkv, backward, &buf, &cap);
       }
   *seconds = tool_now() - t0;
-  bench_cuda_step_free(&staging);
+  free(buf);
   return st;
 }
 
