@@ -235,5 +235,14 @@ def main(rank: int, world: int, init_file: str, out_dir: str, cases: list[str]) 
         if hard_exit:
             # the group is out of step after a timeout: no orderly teardown
             os._exit(0)
-        _core.reset()
-        dist.destroy_process_group()
+        # every rank has saved its results; then the orderly teardown, and an
+        # exit that skips the interpreter's own (a gloo thread destroyed while
+        # joinable aborted a worker now and then at exit, "terminate called
+        # without an active exception", seen again on 2026-11-25 after
+        # mtrain.reset() had made it rarer: docs/PYTORCH.md)
+        try:
+            dist.barrier()
+            _core.reset()
+            dist.destroy_process_group()
+        finally:
+            os._exit(0)
