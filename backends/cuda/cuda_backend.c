@@ -479,6 +479,10 @@ static mtrain_status_t cuda_scores_op(void *state, const mtrain_scores_args_t *a
   return cuda_pattern_scores(state, a);
 }
 
+static mtrain_status_t cuda_select_op(void *state, const mtrain_select_args_t *a) {
+  return cuda_pattern_select(state, a);
+}
+
 #define CUDA_MAX_TIMERS 4096
 
 static mtrain_status_t cuda_timer_mark(void *state, int index) {
@@ -551,6 +555,7 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .async = cuda_async_op,
     .deferred_scan = cuda_deferred_scan_op,
     .deferred_poll = cuda_deferred_poll_op,
+    .pattern_select = cuda_select_op,
 };
 
 /* ---- public functions (mtrain_cuda.h) ---------------------------------------- */

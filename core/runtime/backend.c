@@ -64,8 +64,8 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
   REQUIRE_SLOT(kind, ops, attn_bwd_prepare);
   REQUIRE_SLOT(kind, ops, attn_bwd_step);
   REQUIRE_SLOT(kind, ops, synchronize);
-  /* optional: pattern_scores, block_scores, data_stream; the timer slots come as a pair,
-   * the stream-ordered slots as a triple */
+  /* optional: pattern_scores, block_scores, pattern_select, data_stream; the timer slots come as a
+   * pair, the stream-ordered slots as a triple */
   {
     const int n = !!ops->async + !!ops->deferred_scan + !!ops->deferred_poll;
     if (n != 0 && n != 3)
@@ -248,6 +248,15 @@ mtrain_status_t mtrain_be_block_scores(mtrain_context_t *ctx,
 
 int mtrain_be_has_block_scores(const mtrain_context_t *ctx) {
   return ctx->backend->block_scores != NULL;
+}
+
+mtrain_status_t mtrain_be_pattern_select(mtrain_context_t *ctx, const mtrain_select_args_t *args) {
+  if (!ctx->backend->pattern_select) return not_supported(ctx, "pattern_select");
+  return ctx->backend->pattern_select(ctx->backend_state, args);
+}
+
+int mtrain_be_has_pattern_select(const mtrain_context_t *ctx) {
+  return ctx->backend->pattern_select != NULL;
 }
 
 int mtrain_be_has_data_stream(const mtrain_context_t *ctx) {

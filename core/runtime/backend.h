@@ -39,6 +39,7 @@
  *   deferred_scan (opt.)   mtrain_be_deferred_scan(ctx, ptr, dtype, count, row0, width, hd, what)
  *   deferred_poll (opt.)   mtrain_be_deferred_poll(ctx, blocking)
  *   block_scores (opt.)    mtrain_be_block_scores(ctx, &args); mtrain_be_has_block_scores
+ *   pattern_select (opt.)  mtrain_be_pattern_select(ctx, &args); mtrain_be_has_pattern_select
  *   acc_dtype, memory_space  mtrain_be_acc_dtype(ctx), mtrain_be_memory_space(ctx)
  *   communicator table     wrapper
  *   isend, irecv           mtrain_cm_isend(ctx, buf, bytes, peer, tag, &req), mtrain_cm_irecv
@@ -136,6 +137,13 @@ mtrain_status_t mtrain_be_block_scores(mtrain_context_t *ctx,
                                        const mtrain_block_scores_args_t *args);
 /** 1 when the backend computes block scores. */
 int mtrain_be_has_block_scores(const mtrain_context_t *ctx);
+
+/** The vertical-slash selection on the backend; MTRAIN_ERR_NOT_SUPPORTED
+ *  naming the backend when it has none, or naming the budget it cannot
+ *  select (optional slot). */
+mtrain_status_t mtrain_be_pattern_select(mtrain_context_t *ctx, const mtrain_select_args_t *args);
+/** 1 when the backend selects vertical-slash patterns itself. */
+int mtrain_be_has_pattern_select(const mtrain_context_t *ctx);
 
 /** 1 when the backend has a data stream (the optional data_stream slot). */
 int mtrain_be_has_data_stream(const mtrain_context_t *ctx);

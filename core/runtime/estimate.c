@@ -210,6 +210,51 @@ static mtrain_status_t select_all(mtrain_context_t *ctx, const mtrain_head_budge
   return st;
 }
 
+/* The selection on the backend (one rank): every head's verticals and block
+ * diagonals come back into `out_host` (the context's host region) and make
+ * the pattern. MTRAIN_ERR_NOT_SUPPORTED (nothing done) for budgets the
+ * backend cannot select. */
+static mtrain_status_t select_on_backend(mtrain_context_t *ctx, const mtrain_head_budget_t *budgets,
+                                         const mtrain_estimate_options_t *o, int32_t Hq, int64_t N,
+                                         int32_t L, int32_t G, const estimate_buffers_t *b,
+                                         void *out_host, mtrain_pattern_t **out) {
+  const int64_t nb = (N + G - 1) / G;
+  int64_t *verticals = out_host;
+  int32_t *diagonals = (int32_t *)(verticals + (size_t)Hq * (size_t)N);
+  int32_t *num_diagonals = diagonals + (size_t)Hq * (size_t)(nb + 1);
+  int32_t *num_verticals = num_diagonals + Hq;
+  const mtrain_select_args_t a = {.seq_len = N,
+                                  .granularity = G,
+                                  .num_heads = Hq,
+                                  .slots = mtrain_scores_slots(L, G),
+                                  .num_sinks = o->num_sinks,
+                                  .window = o->window,
+                                  .budgets = budgets,
+                                  .col = b->col,
+                                  .diag = b->diag,
+                                  .verticals = verticals,
+                                  .num_verticals = num_verticals,
+                                  .diagonals = diagonals,
+                                  .num_diagonals = num_diagonals};
+  mtrain_status_t st = mtrain_be_pattern_select(ctx, &a);
+  if (st) return st;
+  mtrain_pattern_t *p = NULL;
+  st = mtrain_pattern_create(N, Hq, G, &p);
+  for (int32_t h = 0; h < Hq && !st; h++) {
+    st = mtrain_pattern_set_head(p, h, diagonals + (size_t)h * (size_t)(nb + 1), num_diagonals[h],
+                                 verticals + (size_t)h * (size_t)N, num_verticals[h]);
+    if (st)
+      st = mtrain_error(st, "estimate: the backend's selection of head %d is not a pattern (%s)", h,
+                        mtrain_status_name(st));
+  }
+  if (st) {
+    mtrain_pattern_destroy(p);
+    return st;
+  }
+  *out = p;
+  return MTRAIN_SUCCESS;
+}
+
 /* What the scores are computed from: the last L queries (gathered) and the
  * keys this rank holds, with their global blocks. */
 typedef struct estimate_input {
@@ -241,15 +286,25 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   const size_t n_row_sums = (size_t)Hq * L * (size_t)nb;
   const size_t n_row = n_row_sums > 2 * (size_t)Hq * L ? n_row_sums : 2 * (size_t)Hq * L;
   const size_t n_col = (size_t)Hq * N, n_diag = (size_t)Hq * N * slots;
+  /* one rank: the backend may select on the device (only the pattern comes
+   * back); else, and for budgets it cannot select, the scores come to the
+   * host. MTRAIN_HOST_SELECT=1 selects on the host always (comparisons). */
+  const char *host_env = getenv("MTRAIN_HOST_SELECT");
+  int device_select = mtrain_context_world(ctx) == 1 && mtrain_be_has_pattern_select(ctx) &&
+                      !(host_env && host_env[0] == '1');
+  const size_t select_bytes = sizeof(int64_t) * (size_t)Hq * (size_t)N +
+                              sizeof(int32_t) * ((size_t)Hq * (size_t)(nb + 1) + 2 * (size_t)Hq);
+  const size_t host_bytes = sizeof(double) * (n_row + n_col + n_diag);
   b.probs = calloc((size_t)Hq, 1);
-  double *region = host_region(ctx, sizeof(double) * (n_row + n_col + n_diag));
+  double *region =
+      host_region(ctx, device_select ? sizeof(double) * n_row + select_bytes : host_bytes);
   b.row_host = region;
-  b.col_host = region ? region + n_row : NULL;
-  b.diag_host = region ? region + n_row + n_col : NULL;
+  b.col_host = region && !device_select ? region + n_row : NULL;
+  b.diag_host = region && !device_select ? region + n_row + n_col : NULL;
   b.row_max = malloc(sizeof(double) * (size_t)Hq * L);
   b.row_norm = malloc(sizeof(double) * (size_t)Hq * L);
-  MTRAIN_FAIL_IF(!b.probs || !b.row_host || !b.row_max || !b.row_norm || !b.col_host ||
-                     !b.diag_host,
+  MTRAIN_FAIL_IF(!b.probs || !b.row_host || !b.row_max || !b.row_norm ||
+                     (!device_select && (!b.col_host || !b.diag_host)),
                  MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory (N = %lld, %d heads)",
                  (long long)N, Hq);
   MTRAIN_TRY(mtrain_be_alloc(ctx, n_row * sizeof(double), &b.row));
@@ -314,6 +369,25 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   /* the copies below wait for the stages anyway: the wait is only timed apart */
   MTRAIN_TRY(mtrain_be_synchronize(ctx));
   const double t_stages = now_s();
+  last_times.stages = t_stages - t_scores;
+  if (device_select) {
+    st = select_on_backend(ctx, budgets, options, Hq, N, L, G, &b, region + n_row, &p);
+    if (st != MTRAIN_ERR_NOT_SUPPORTED) {
+      last_times.scores = last_times.stages;
+      last_times.select = now_s() - t_stages;
+      if (st) goto cleanup;
+      *out = p;
+      p = NULL;
+      goto cleanup;
+    }
+    /* budgets the backend cannot select: the host path below */
+    st = MTRAIN_SUCCESS;
+    region = host_region(ctx, host_bytes);
+    MTRAIN_FAIL_IF(!region, MTRAIN_ERR_OUT_OF_MEMORY,
+                   "estimate: out of host memory (N = %lld, %d heads)", (long long)N, Hq);
+    b.col_host = region + n_row;
+    b.diag_host = region + n_row + n_col;
+  }
   MTRAIN_TRY(to_host(ctx, b.col_host, b.col, n_col));
   MTRAIN_TRY(to_host(ctx, b.diag_host, b.diag, n_diag));
   const double t_copies = now_s();
@@ -321,7 +395,6 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   MTRAIN_TRY(allreduce(ctx, b.diag_host, (int64_t)n_diag, MTRAIN_REDUCE_SUM));
   const double t_select = now_s();
   last_times.scores = t_select - t_scores;
-  last_times.stages = t_stages - t_scores;
   last_times.copies = t_copies - t_stages;
   last_times.reduce = t_select - t_copies;
   MTRAIN_TRY(mtrain_pattern_create(N, Hq, G, &p));

@@ -171,6 +171,31 @@ typedef struct mtrain_block_scores_args {
   double *scores;                /**< [Hq * tri] fp64, backend memory */
 } mtrain_block_scores_args_t;
 
+/** The vertical-slash selection of SPEC.md section 2 on the backend (the
+ *  optional pattern_select slot): from the final column and slash scores in
+ *  the backend's memory (the pattern_scores stage MTRAIN_SCORES_SUMS of one
+ *  rank that holds every key) to every head's verticals and block diagonals
+ *  in host memory, bitwise what the host selection (core/runtime/select.c)
+ *  gives for the same scores. The slot returns MTRAIN_ERR_NOT_SUPPORTED,
+ *  having queued nothing, for budgets it cannot select (the caller then
+ *  selects on the host); otherwise it waits for its results. */
+typedef struct mtrain_select_args {
+  int64_t seq_len;     /**< N */
+  int32_t granularity; /**< G */
+  int32_t num_heads;   /**< Hq */
+  int32_t slots;       /**< S = mtrain_scores_slots(L, G) */
+  int32_t num_sinks;   /**< top-k: the first num_sinks vertical candidates are forced */
+  int32_t window;      /**< top-k: token diagonals 0..window-1 are forced */
+  const mtrain_head_budget_t *budgets; /**< host [Hq] */
+  const double *col;                   /**< backend memory [Hq * N] column scores */
+  const double *diag;                  /**< backend memory [Hq * N * S] slash partial sums */
+  int64_t *verticals;     /**< host [Hq * N]: head h's kept key columns, increasing, at h * N */
+  int32_t *num_verticals; /**< host [Hq] */
+  int32_t *diagonals;     /**< host [Hq * (nb + 1)], nb = ceil(N / G): head h's block
+                               diagonals, increasing, at h * (nb + 1) */
+  int32_t *num_diagonals; /**< host [Hq] */
+} mtrain_select_args_t;
+
 /** Where a backend keeps tensor memory, and where a communicator's
  *  point-to-point buffers must live. A context pairs a backend with a
  *  communicator only when the spaces agree (MTRAIN_MEMORY_ANY agrees with
@@ -279,6 +304,12 @@ typedef struct mtrain_backend_ops {
    *  blocks (mtrain_block_scores_args_t). NULL: mtrain_pattern_select_blocks
    *  reports MTRAIN_ERR_NOT_SUPPORTED naming the backend. */
   mtrain_status_t (*block_scores)(void *state, const mtrain_block_scores_args_t *args);
+
+  /** Optional: the vertical-slash selection on the backend
+   *  (mtrain_select_args_t). NULL: the estimate copies the scores to the
+   *  host and selects there. Used on one rank (the scores of W > 1 ranks
+   *  are combined on the host). */
+  mtrain_status_t (*pattern_select)(void *state, const mtrain_select_args_t *args);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table

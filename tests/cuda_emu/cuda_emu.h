@@ -54,6 +54,12 @@ void red_add(float *p, float v);
 static inline float __shfl_xor_sync(unsigned, float v, int m) { return emu::shfl(v, m, true); }
 static inline float __shfl_sync(unsigned, float v, int s) { return emu::shfl(v, s, false); }
 static inline int __any_sync(unsigned, int pred) { return emu::any(pred); }
+// a CTA's fibers switch only at barriers and collectives: a read-modify-write is atomic
+static inline unsigned atomicAdd(unsigned *p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 #undef __global__

@@ -1,0 +1,341 @@
+/* select_kernels.cuh (private): the vertical-slash selection of SPEC.md
+ * section 2 as CUDA kernels, bitwise the host's (core/runtime/select.c and
+ * estimate.c's select_head): the same candidates, the same order (score
+ * descending with forced candidates +inf, NaN lowest and -0 as +0, ties to
+ * the lower index), the same top-p sum in rank order. One CTA per (head,
+ * side): side 0 selects the head's verticals among the column scores, side 1
+ * its token diagonals among the slash scores (the per-slot sums added in
+ * slot order, as the host does) and turns them into block diagonals.
+ *
+ * The best m candidates are found without sorting: a radix select (eight
+ * passes over 8-bit digits of the ranking keys, a shared histogram each)
+ * gives the m-th largest key T and how many of the keys equal to T are kept;
+ * one ordered pass writes the kept indices in increasing order. Top-p then
+ * sorts those m (bitonic, in shared memory, at most kSortMax) by rank and one
+ * thread adds their scores in rank order until the mass reaches p.
+ *
+ * Written in the subset of CUDA that the CPU emulator of tests/cuda_emu runs
+ * (block barriers, shared memory, shared-memory atomics): MTRAIN_CUDA_EMU
+ * selects the emulator's shared memory, so CI checks these kernels against
+ * the host selection without a GPU. */
+#ifndef MTRAIN_CUDA_SELECT_KERNELS_CUH
+#define MTRAIN_CUDA_SELECT_KERNELS_CUH
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef MTRAIN_CUDA_EMU
+#define SEL_SMEM(name) unsigned char *name = emu::smem_base()
+#else
+#define SEL_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace sel {
+
+constexpr int kThreads = 256;
+constexpr int kPerThread = 8; /* consecutive candidates per thread in a tile */
+constexpr int64_t kTile = (int64_t)kThreads * kPerThread;
+constexpr int kSortMax = 8192; /* top-p: largest m sorted in shared memory */
+
+/* One head's budget (mtrain_head_budget_t, device copy). */
+struct Head {
+  int32_t top_p;
+  int32_t pad;
+  int64_t k_v, k_s;     /* top-k sizes */
+  int64_t cap_v, cap_s; /* top-p caps */
+  double p_v, p_s;      /* top-p masses */
+};
+
+struct Params {
+  int64_t N, nb, nv_cand; /* tokens, blocks, vertical candidates */
+  int32_t G, slots, Hq;
+  int64_t nf_v, nf_s; /* top-k: forced prefixes (sinks, window) */
+  const double *col;  /* [Hq * N] */
+  const double *diag; /* [Hq * N * slots] */
+  double *sscore;     /* [Hq * N] slash scores (slash_sums_kernel) */
+  const Head *heads;  /* [Hq] */
+  int64_t *verticals; /* [Hq * N] head h's kept verticals at h * N */
+  int64_t *tokens;    /* [Hq * N] head h's kept token diagonals at h * N */
+  uint8_t *bitmap;    /* [Hq * nb] */
+  int32_t *diags;     /* [Hq * (nb + 1)] head h's block diagonals */
+  int32_t *counts;    /* [Hq * 2]: verticals, block diagonals */
+};
+
+/* Shared memory of select_kernel: histogram, scan buffer, broadcast words,
+ * then (top-p) the sort keys and positions. */
+constexpr size_t kSmemHist = 256 * sizeof(unsigned);
+constexpr size_t kSmemScan = kThreads * sizeof(long long);
+constexpr size_t kSmemBcast = 4 * sizeof(unsigned long long);
+constexpr size_t kSmemFixed = kSmemHist + kSmemScan + kSmemBcast;
+
+static inline size_t smem_bytes(int64_t sort_n) {
+  return kSmemFixed + (size_t)sort_n * (sizeof(unsigned long long) + sizeof(int32_t));
+}
+
+/* The ranking key of candidate i as an unsigned integer whose order is the
+ * host's (select.c's key_of, shifted to unsigned): forced +inf, NaN -inf,
+ * -0 as +0, then the IEEE bits made monotone. Never 0 (the sort's padding). */
+__device__ __forceinline__ unsigned long long key_of(const double *s, int64_t i, int64_t nf) {
+  double x = i < nf ? INFINITY : s[i];
+  if (x != x) x = -INFINITY;
+  if (x == 0.0) x = 0.0;
+  long long b;
+  memcpy(&b, &x, sizeof b);
+  if (b < 0) b ^= 0x7fffffffffffffffLL;
+  return (unsigned long long)b ^ 0x8000000000000000ULL;
+}
+
+/* Exclusive prefix sum over the CTA of one 64-bit value per thread (two
+ * 32-bit counts packed: they add independently while each stays below
+ * 2^32); *total gets the sum. Every thread must call it. */
+__device__ __forceinline__ long long block_scan(long long v, long long *buf, long long *total) {
+  const int t = threadIdx.x;
+  buf[t] = v;
+  __syncthreads();
+  for (int off = 1; off < kThreads; off <<= 1) {
+    const long long x = t >= off ? buf[t - off] : 0;
+    __syncthreads();
+    buf[t] += x;
+    __syncthreads();
+  }
+  const long long incl = buf[t];
+  *total = buf[kThreads - 1];
+  __syncthreads();
+  return incl - v;
+}
+
+/* The m-th largest key (1 <= m <= n) among s[0..n) with the forced prefix nf,
+ * and in *ties how many of the keys equal to it rank among the m best (the
+ * lowest indices of them win). */
+__device__ unsigned long long radix_select(const double *s, int64_t n, int64_t nf, int64_t m,
+                                           unsigned *hist, unsigned long long *bcast,
+                                           int64_t *ties) {
+  const int t = threadIdx.x;
+  unsigned long long prefix = 0, mask = 0;
+  int64_t r = m; /* rank wanted among the keys that match prefix, from the top */
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int i = t; i < 256; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    for (int64_t i = t; i < n; i += kThreads) {
+      const unsigned long long k = key_of(s, i, nf);
+      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
+    }
+    __syncthreads();
+    if (t == 0) {
+      int64_t above = 0;
+      int d = 255;
+      for (; d > 0; d--) {
+        if (above + (int64_t)hist[d] >= r) break;
+        above += hist[d];
+      }
+      bcast[0] = prefix | ((unsigned long long)d << shift);
+      bcast[1] = (unsigned long long)(r - above);
+    }
+    __syncthreads();
+    prefix = bcast[0];
+    r = (int64_t)bcast[1];
+    mask |= 255ULL << shift;
+    __syncthreads();
+  }
+  *ties = r;
+  return prefix;
+}
+
+/* out[0..m) = the m best candidates in increasing index order: keys above T
+ * and the first `ties` keys equal to T. One pass of tiles; each thread owns
+ * kPerThread consecutive candidates of a tile. */
+__device__ void write_best(const double *s, int64_t n, int64_t nf, unsigned long long T,
+                           int64_t ties, int64_t *out, long long *scan) {
+  const int t = threadIdx.x;
+  int64_t base_out = 0, ties_left = ties;
+  for (int64_t lo = 0; lo < n; lo += kTile) {
+    const int64_t i0 = lo + (int64_t)t * kPerThread;
+    int gt = 0, eq = 0;
+    for (int e = 0; e < kPerThread; e++) {
+      const int64_t i = i0 + e;
+      if (i >= n) break;
+      const unsigned long long k = key_of(s, i, nf);
+      gt += k > T;
+      eq += k == T;
+    }
+    long long total;
+    const long long ex = block_scan((long long)gt | ((long long)eq << 32), scan, &total);
+    const int64_t gt_before = ex & 0xffffffffLL, eq_before = ex >> 32;
+    int64_t pos = base_out + gt_before + (eq_before < ties_left ? eq_before : ties_left);
+    int64_t tie_rank = eq_before;
+    for (int e = 0; e < kPerThread; e++) {
+      const int64_t i = i0 + e;
+      if (i >= n) break;
+      const unsigned long long k = key_of(s, i, nf);
+      if (k > T) {
+        out[pos++] = i;
+      } else if (k == T) {
+        if (tie_rank < ties_left) out[pos++] = i;
+        tie_rank++;
+      }
+    }
+    const int64_t gt_tot = total & 0xffffffffLL, eq_tot = total >> 32;
+    base_out += gt_tot + (eq_tot < ties_left ? eq_tot : ties_left);
+    ties_left = eq_tot < ties_left ? ties_left - eq_tot : 0;
+  }
+  __syncthreads();
+}
+
+/* Keeps the entries a[i] of a[0..n) with flag[i] != 0, in order, at the front
+ * of a (in place); returns the count. */
+template <typename T, typename F>
+__device__ int64_t compact_flagged(T *a, const F *flag, int64_t n, long long *scan) {
+  const int t = threadIdx.x;
+  int64_t base = 0;
+  for (int64_t lo = 0; lo < n; lo += kTile) {
+    const int64_t i0 = lo + (int64_t)t * kPerThread;
+    T v[kPerThread];
+    int keep = 0;
+    for (int e = 0; e < kPerThread; e++) {
+      const int64_t i = i0 + e;
+      if (i < n && flag[i]) v[keep++] = a[i];
+    }
+    long long total;
+    const long long ex = block_scan(keep, scan, &total); /* (its barriers order reads/writes) */
+    for (int e = 0; e < keep; e++) a[base + ex + e] = v[e];
+    base += total;
+    __syncthreads();
+  }
+  return base;
+}
+
+/* Ascending position in [0, count) of a sorted top-p pass: the host's
+ * by_score_desc order on (key, position in the index-ordered best set). */
+__device__ __forceinline__ bool before(unsigned long long ka, int32_t pa, unsigned long long kb,
+                                       int32_t pb) {
+  return ka > kb || (ka == kb && pa < pb);
+}
+
+/* Top-p on the m best (in out[0..m), index order): the largest count whose
+ * rank-ordered scores sum below p, kept in index order at out[0..count). */
+__device__ int64_t top_p_count(const double *s, int64_t m, double p, int64_t *out,
+                               unsigned char *sort_mem, unsigned long long *bcast,
+                               long long *scan) {
+  const int t = threadIdx.x;
+  int64_t P = 1;
+  while (P < m) P <<= 1;
+  unsigned long long *key = (unsigned long long *)sort_mem;
+  int32_t *pos = (int32_t *)(key + P);
+  for (int64_t i = t; i < P; i += kThreads) {
+    key[i] = i < m ? key_of(s, out[i], 0) : 0ULL; /* padding sorts last */
+    pos[i] = (int32_t)i;
+  }
+  __syncthreads();
+  for (int64_t k = 2; k <= P; k <<= 1) {
+    for (int64_t j = k >> 1; j > 0; j >>= 1) {
+      for (int64_t i = t; i < P; i += kThreads) {
+        const int64_t x = i ^ j;
+        if (x <= i) continue;
+        const bool first = before(key[i], pos[i], key[x], pos[x]);
+        if (((i & k) == 0) != first) {
+          const unsigned long long tk = key[i];
+          key[i] = key[x];
+          key[x] = tk;
+          const int32_t tp = pos[i];
+          pos[i] = pos[x];
+          pos[x] = tp;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (t == 0) {
+    double sum = 0.0;
+    int64_t count = 0;
+    for (int64_t i = 0; i < m; i++) {
+      const double next = sum + s[out[pos[i]]];
+      if (!(next < p)) break;
+      sum = next;
+      count++;
+    }
+    bcast[2] = (unsigned long long)count;
+  }
+  __syncthreads();
+  const int64_t count = (int64_t)bcast[2];
+  /* flags over the best set's positions, in the keys' space (sorted keys are
+   * no longer needed; positions are) */
+  unsigned char *flag = (unsigned char *)key;
+  __syncthreads();
+  for (int64_t i = t; i < m; i += kThreads) flag[i] = 0;
+  __syncthreads();
+  for (int64_t i = t; i < count; i += kThreads) flag[pos[i]] = 1;
+  __syncthreads();
+  return compact_flagged(out, flag, m, scan);
+}
+
+/* sscore[h * N + t] = the slash score of token diagonal t of head h: its
+ * per-slot partial sums added in slot order from 0.0 (the host's loop). */
+__global__ void slash_sums_kernel(Params p) {
+  const int64_t total = (int64_t)p.Hq * p.N;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const double *d = p.diag + i * p.slots;
+    double sum = 0.0;
+    for (int s = 0; s < p.slots; s++) sum += d[s];
+    p.sscore[i] = sum;
+  }
+}
+
+/* One CTA per (head h, side): blockIdx.x = 2 * h + side. */
+__global__ void __launch_bounds__(kThreads) select_kernel(Params p) {
+  SEL_SMEM(smem);
+  unsigned *hist = (unsigned *)smem;
+  long long *scan = (long long *)(smem + kSmemHist);
+  unsigned long long *bcast = (unsigned long long *)(smem + kSmemHist + kSmemScan);
+  unsigned char *sort_mem = smem + kSmemFixed;
+  const int h = (int)(blockIdx.x / 2), side = (int)(blockIdx.x % 2);
+  const Head hb = p.heads[h];
+  const double *s = side == 0 ? p.col + (int64_t)h * p.N : p.sscore + (int64_t)h * p.N;
+  const int64_t n = side == 0 ? p.nv_cand : p.N;
+  int64_t *out = (side == 0 ? p.verticals : p.tokens) + (int64_t)h * p.N;
+  int64_t kept = 0;
+  if (!hb.top_p) {
+    int64_t k = side == 0 ? hb.k_v : hb.k_s;
+    if (k > n) k = n;
+    const int64_t nf = side == 0 ? p.nf_v : p.nf_s;
+    if (k > 0 && n > 0) {
+      int64_t ties;
+      const unsigned long long T = radix_select(s, n, nf, k, hist, bcast, &ties);
+      write_best(s, n, nf, T, ties, out, scan);
+      kept = k;
+    }
+  } else {
+    const int64_t cap = side == 0 ? hb.cap_v : hb.cap_s;
+    if (n > 0 && cap > 0) {
+      const int64_t m = cap < n ? cap : n;
+      int64_t ties;
+      const unsigned long long T = radix_select(s, n, 0, m, hist, bcast, &ties);
+      write_best(s, n, 0, T, ties, out, scan);
+      kept = top_p_count(s, m, side == 0 ? hb.p_v : hb.p_s, out, sort_mem, bcast, scan);
+    }
+  }
+  if (side == 0) {
+    if (threadIdx.x == 0) p.counts[2 * h] = (int32_t)kept;
+    return;
+  }
+  /* token diagonals to block diagonals: mark then collect (diagonal 0 always) */
+  uint8_t *bits = p.bitmap + (int64_t)h * p.nb;
+  for (int64_t i = threadIdx.x; i < p.nb; i += kThreads) bits[i] = i == 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < kept; i += kThreads) {
+    const int64_t a = out[i] / p.G, b = out[i] % p.G;
+    if (a < p.nb) bits[a] = 1;
+    if (b > 0 && a + 1 < p.nb) bits[a + 1] = 1;
+  }
+  __syncthreads();
+  int32_t *diags = p.diags + (int64_t)h * (p.nb + 1);
+  for (int64_t i = threadIdx.x; i < p.nb; i += kThreads) diags[i] = (int32_t)i;
+  __syncthreads();
+  const int64_t nd = compact_flagged(diags, bits, p.nb, scan);
+  if (threadIdx.x == 0) p.counts[2 * h + 1] = (int32_t)nd;
+}
+
+} /* namespace sel */
+
+#endif /* MTRAIN_CUDA_SELECT_KERNELS_CUH */

@@ -1,0 +1,199 @@
+// test_select_emu.cpp: runs the CUDA vertical-slash selection (backends/cuda/select_kernels.cuh)
+// on the CPU, in the emulator of cuda_emu.h, against the host selection of libmtrain
+// (core/runtime/select.c, wrapped as estimate.c's select_head wraps it): every head's verticals
+// and block diagonals must be equal, on random scores with ties, NaN, infinities and -0, forced
+// prefixes, top-k budgets of 0, in range and beyond the candidates, top-p budgets with caps below
+// and above the candidates, lengths that are not multiples of the granularity.
+// Usage: test_select_emu [cases [seed]] (defaults 200 and 11); prints the seed and each case.
+#include "backends/cuda/select_kernels.cuh"
+#include "cuda_emu.h"
+#include <functional>
+#include <random>
+#include <vector>
+
+extern "C" {
+#include "core/runtime/select.h"
+}
+
+namespace emu {
+void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_blocks, int nt);
+}
+
+using std::vector;
+static std::mt19937_64 R;
+static int irand(int a, int b) { return a + (int)(R() % (uint64_t)(b - a + 1)); } // [a, b]
+static double urand() { return std::uniform_real_distribution<double>(0, 1)(R); }
+
+// A score drawn so that ties are common and (with `specials`) every special value appears.
+static double score(int style, bool specials) {
+  const int r = specials ? irand(0, 99) : 99;
+  if (r < 2) return NAN;
+  if (r < 4) return r == 2 ? INFINITY : -INFINITY;
+  if (r < 7) return r % 2 ? -0.0 : 0.0;
+  if (style == 0) return (double)irand(0, 6) * 0.125;   // few values: many ties
+  if (style == 1) return urand() * 1e-3;                // small masses (top-p sums)
+  if (style == 3) return (double)irand(1, 4) * 0x1p-10; // tied masses, exact sums
+  if (style == 4) return irand(0, 2) == 0 ? 1.0 : irand(0, 1) ? -0.0 : 0.0; // signed zeros tie
+  return std::normal_distribution<double>(0, 1)(R);
+}
+
+struct Case {
+  int64_t N;
+  int G, slots, Hq, sinks, window;
+  vector<mtrain_head_budget_t> budgets;
+};
+
+static mtrain_head_budget_t random_budget(int64_t N) {
+  mtrain_head_budget_t b = {};
+  if (irand(0, 1)) {
+    b.kind = MTRAIN_BUDGET_TOP_K;
+    const int pick = irand(0, 3);
+    b.v_size = pick == 0 ? 0 : pick == 1 ? N + irand(0, 5) : irand(1, (int)N);
+    b.s_size = irand(0, 3) == 0 ? N + 3 : irand(1, (int)N);
+  } else {
+    b.kind = MTRAIN_BUDGET_TOP_P;
+    // exact multiples of the tied masses of styles 0 and 3 too: sums that hit p exactly
+    const int pick = irand(0, 5);
+    b.p_v = pick == 0   ? 1.0
+            : pick == 1 ? irand(1, 64) * 0x1p-10
+            : pick == 2 ? irand(1, 8) * 0.125
+                        : urand();
+    b.p_s = pick == 0   ? 1e-6
+            : pick == 1 ? irand(1, 64) * 0x1p-10
+            : pick == 2 ? irand(1, 8) * 0.125
+                        : urand();
+    b.cap_v = irand(0, 3) == 0 ? N + 7 : irand(1, (int)N);
+    b.cap_s = irand(1, (int)N);
+    if (b.cap_v > sel::kSortMax) b.cap_v = sel::kSortMax;
+    if (b.cap_s > sel::kSortMax) b.cap_s = sel::kSortMax;
+  }
+  return b;
+}
+
+// The host's selection of head h (estimate.c's select_head on select.c's functions).
+static void host_select(const Case &c, const double *col, const double *diag, int h,
+                        vector<int64_t> &vert, vector<int32_t> &diags) {
+  const int64_t N = c.N, G = c.G, nb = (N + G - 1) / G, nv_cand = ((N - 1) / G) * G;
+  vector<double> ss(N);
+  for (int64_t t = 0; t < N; t++) {
+    double sum = 0.0;
+    for (int s = 0; s < c.slots; s++) sum += diag[((int64_t)h * N + t) * c.slots + s];
+    ss[t] = sum;
+  }
+  vector<int64_t> order(N + 1), picked(N + 1), tokens(N + 1);
+  vector<uint8_t> forced(N + 1, 0);
+  const mtrain_head_budget_t &b = c.budgets[h];
+  int64_t nv, ns;
+  const double *cs = col + (int64_t)h * N;
+  if (b.kind == MTRAIN_BUDGET_TOP_K) {
+    const int64_t nf_v = c.sinks < nv_cand ? c.sinks : nv_cand, nf_s = c.window < N ? c.window : N;
+    for (int64_t i = 0; i < N; i++) forced[i] = i < nf_v;
+    nv = mtrain_select_top_k(cs, forced.data(), nv_cand, b.v_size, order.data(), picked.data());
+    for (int64_t i = 0; i < N; i++) forced[i] = i < nf_s;
+    ns = mtrain_select_top_k(ss.data(), forced.data(), N, b.s_size, order.data(), tokens.data());
+  } else {
+    nv = mtrain_select_top_p(cs, nv_cand, b.p_v, b.cap_v, order.data(), picked.data());
+    ns = mtrain_select_top_p(ss.data(), N, b.p_s, b.cap_s, order.data(), tokens.data());
+  }
+  vert.assign(picked.begin(), picked.begin() + nv);
+  diags.assign(2 * ns + 1, 0);
+  const int32_t nd = mtrain_token_to_block_diagonals(tokens.data(), ns, c.G, nb, diags.data());
+  diags.resize(nd);
+}
+
+static int run_case(int index, uint64_t seed) {
+  R.seed(seed);
+  Case c;
+  const int big = irand(0, 4) == 0;
+  c.N = big ? irand(4000, 12000) : irand(1, 700);
+  const int Gs[] = {16, 64, 128};
+  c.G = Gs[irand(0, 2)];
+  c.slots = irand(1, 3);
+  c.Hq = irand(1, 3);
+  c.sinks = irand(0, 40);
+  c.window = irand(0, 120);
+  for (int h = 0; h < c.Hq; h++) c.budgets.push_back(random_budget(c.N));
+  const int style = irand(0, 4);
+  const bool specials = irand(0, 2) == 0;
+  const int64_t N = c.N, nb = (N + c.G - 1) / c.G;
+  vector<double> col((size_t)c.Hq * N), diag((size_t)c.Hq * N * c.slots);
+  for (double &x : col) x = score(style, specials);
+  for (double &x : diag) x = score(style, specials);
+  // device buffers (host memory in the emulator)
+  vector<double> sscore((size_t)c.Hq * N);
+  vector<int64_t> verts((size_t)c.Hq * N, -1), toks((size_t)c.Hq * N, -1);
+  vector<uint8_t> bits((size_t)c.Hq * nb, 7);
+  vector<int32_t> diags((size_t)c.Hq * (nb + 1), -1), counts(2 * c.Hq, -1);
+  vector<sel::Head> heads(c.Hq);
+  int64_t sort_n = 0;
+  for (int h = 0; h < c.Hq; h++) {
+    const mtrain_head_budget_t &b = c.budgets[h];
+    heads[h] = sel::Head{
+        b.kind == MTRAIN_BUDGET_TOP_P, 0, b.v_size, b.s_size, b.cap_v, b.cap_s, b.p_v, b.p_s};
+    if (b.kind == MTRAIN_BUDGET_TOP_P) {
+      const int64_t nv_cand = ((N - 1) / c.G) * c.G;
+      sort_n = std::max(sort_n, std::max(std::min(b.cap_v, nv_cand), std::min(b.cap_s, N)));
+    }
+  }
+  int64_t pow2 = 1;
+  while (pow2 < sort_n) pow2 <<= 1;
+  sel::Params p;
+  p.N = N;
+  p.nb = nb;
+  p.nv_cand = ((N - 1) / c.G) * c.G;
+  p.G = c.G;
+  p.slots = c.slots;
+  p.Hq = c.Hq;
+  p.nf_v = std::min<int64_t>(c.sinks, p.nv_cand);
+  p.nf_s = std::min<int64_t>(c.window, N);
+  p.col = col.data();
+  p.diag = diag.data();
+  p.sscore = sscore.data();
+  p.heads = heads.data();
+  p.verticals = verts.data();
+  p.tokens = toks.data();
+  p.bitmap = bits.data();
+  p.diags = diags.data();
+  p.counts = counts.data();
+  const int sum_blocks = (int)std::min<int64_t>(((int64_t)c.Hq * N + 255) / 256, 64);
+  emu::launch(
+      sum_blocks, 0, [&] { sel::slash_sums_kernel(p); }, true, sel::kThreads);
+  const int smem = (int)(sort_n > 0 ? sel::smem_bytes(pow2) : sel::kSmemFixed);
+  emu::launch(
+      2 * c.Hq, smem, [&] { sel::select_kernel(p); }, true, sel::kThreads);
+  printf("case %d seed %llu: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n", index,
+         (unsigned long long)seed, (long long)N, c.G, c.slots, c.Hq, c.sinks, c.window, style,
+         specials ? " specials" : "");
+  int bad = 0;
+  for (int h = 0; h < c.Hq && !bad; h++) {
+    vector<int64_t> hv;
+    vector<int32_t> hd;
+    host_select(c, col.data(), diag.data(), h, hv, hd);
+    const mtrain_head_budget_t &b = c.budgets[h];
+    const int nv = counts[2 * h], nd = counts[2 * h + 1];
+    const bool same_v =
+        nv == (int)hv.size() && std::equal(hv.begin(), hv.end(), verts.begin() + (int64_t)h * N);
+    const bool same_d = nd == (int)hd.size() &&
+                        std::equal(hd.begin(), hd.end(), diags.begin() + (int64_t)h * (nb + 1));
+    if (!same_v || !same_d) {
+      printf("  head %d (%s v %lld s %lld p_v %.17g p_s %.17g cap_v %lld cap_s %lld): "
+             "verticals %d vs host %zu%s, diagonals %d vs host %zu%s\n",
+             h, b.kind == MTRAIN_BUDGET_TOP_P ? "top-p" : "top-k", (long long)b.v_size,
+             (long long)b.s_size, b.p_v, b.p_s, (long long)b.cap_v, (long long)b.cap_s, nv,
+             hv.size(), same_v ? "" : " DIFFER", nd, hd.size(), same_d ? "" : " DIFFER");
+      bad = 1;
+    }
+  }
+  return bad;
+}
+
+int main(int argc, char **argv) {
+  const int cases = argc > 1 ? atoi(argv[1]) : 200;
+  const uint64_t seed = argc > 2 ? strtoull(argv[2], nullptr, 10) : 11;
+  printf("test_select_emu: %d cases, seed %llu\n", cases, (unsigned long long)seed);
+  int failed = 0;
+  for (int i = 0; i < cases; i++) failed += run_case(i, seed * 1000003ULL + (uint64_t)i);
+  printf("%s: %d of %d cases differ from the host selection\n", failed ? "FAILED" : "passed",
+         failed, cases);
+  return failed ? 1 : 0;
+}
