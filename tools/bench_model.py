@@ -17,9 +17,13 @@ forward and forward+backward. Prints a table per layer and the model's totals: s
 the ceiling the pair counts allow (dense pairs / computed pairs, summed over the layers: the
 speed-up if the sparse kernels ran at the dense kernel's rate with nothing else to pay).
 
+With --dense-above (default auto) every layer is also timed as mtrain.attention(...,
+dense_above=...) runs it: torch's dense attention where the estimated pattern is denser than
+the threshold (mtrain.fallback), the sparse kernels elsewhere; the totals add that step.
+
 usage: python tools/bench_model.py [--budgets FILE] [--seq-len 131072] [--layers all|0,3,5-7]
        [--reps 2] [--warmup 1] [--kv-heads 2] [--head-dim 128] [--deterministic]
-       [--json OUT.json]
+       [--dense-above auto|none|X] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 
 import mtrain
 from mtrain import _lib as L
+from mtrain.fallback import resolve_dense_above
 
 
 class StructuredOptions(ctypes.Structure):
@@ -112,6 +117,12 @@ def main() -> None:
         action="store_true",
         help="mtrain's deterministic backward (default: the fused one, as cuDNN's)",
     )
+    ap.add_argument(
+        "--dense-above",
+        default="auto",
+        help="also time the step with mtrain's dense fallback at this density ('auto': the "
+        "device's measured threshold; 'none': skip)",
+    )
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     with open(a.budgets) as f:
@@ -122,6 +133,10 @@ def main() -> None:
     first = doc[0] if isinstance(doc, list) else None
     hq = len(first) if isinstance(first, (list, dict)) else 16
     det = a.deterministic
+    fallback: float | str | None = None
+    if a.dense_above != "none":
+        fallback = "auto" if a.dense_above == "auto" else float(a.dense_above)
+    threshold = resolve_dense_above(fallback, torch.device("cuda"))
     q, k, v, do = structured_inputs(n, hq, hkv, d)
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     causal_pairs = n * (n + 1) // 2 * hq
@@ -180,6 +195,10 @@ def main() -> None:
         def fb(plan: Any = plan) -> None:
             mtrain.attention(qg, kg, vg, pattern=plan, deterministic=det).backward(do)
 
+        def hybrid_fb(plan: Any = plan) -> None:
+            o = mtrain.attention(qg, kg, vg, pattern=plan, deterministic=det, dense_above=threshold)
+            o.backward(do)
+
         row = {
             "layer": layer,
             "density": plan.computed_pairs / causal_pairs,
@@ -188,12 +207,19 @@ def main() -> None:
             "fwd_ms": event_ms(fwd, a.reps, a.warmup),
             "fwdbwd_ms": event_ms(fb, a.reps, a.warmup),
         }
-        rows.append(row)
-        print(
+        line = (
             f"layer {layer:3d} density {row['density']:.3f} estimate {row['estimate_ms']:7.1f} ms "
-            f"fwd {row['fwd_ms']:7.1f} ms fwd+bwd {row['fwdbwd_ms']:7.1f} ms",
-            flush=True,
+            f"fwd {row['fwd_ms']:7.1f} ms fwd+bwd {row['fwdbwd_ms']:7.1f} ms"
         )
+        if threshold is not None:
+            row["dense_fallback"] = row["density"] > threshold
+            row["hybrid_fwdbwd_ms"] = event_ms(hybrid_fb, a.reps, a.warmup)
+            line += (
+                f" | with fallback ({'dense' if row['dense_fallback'] else 'sparse'}) fwd+bwd "
+                f"{row['hybrid_fwdbwd_ms']:7.1f} ms"
+            )
+        rows.append(row)
+        print(line, flush=True)
     mtrain.synchronize()
     nl = len(rows)
     sparse_step = sum(r["estimate_ms"] + r["fwdbwd_ms"] for r in rows)
@@ -212,6 +238,17 @@ def main() -> None:
         "speedup_vs_dense_cudnn": nl * dense["cudnn_fwdbwd_ms"] / sparse_step,
         "ceiling_from_pairs": ceiling,
     }
+    if threshold is not None:
+        hybrid = sum(r["estimate_ms"] + r["hybrid_fwdbwd_ms"] for r in rows)
+        totals.update(
+            {
+                "dense_above": threshold,
+                "dense_fallback_layers": sum(1 for r in rows if r["dense_fallback"]),
+                "hybrid_step_ms": hybrid,
+                "hybrid_speedup_vs_dense_ours": nl * dense["ours_fwdbwd_ms"] / hybrid,
+                "hybrid_speedup_vs_dense_cudnn": nl * dense["cudnn_fwdbwd_ms"] / hybrid,
+            }
+        )
     dev = torch.cuda.get_device_name()
     print(
         f"\n{dev}, N={n}, {hq}:{hkv} heads, d {d}, bf16, causal, {nl} layers of {a.budgets}, "
@@ -234,6 +271,14 @@ def main() -> None:
         f"{totals['speedup_vs_dense_cudnn']:.2f}x over dense cuDNN; ceiling from the pair counts "
         f"{ceiling:.2f}x"
     )
+    if threshold is not None:
+        print(
+            f"with the dense fallback above density {threshold}: "
+            f"{totals['dense_fallback_layers']} of {nl} layers dense, step "
+            f"{totals['hybrid_step_ms'] / 1e3:.2f} s: "
+            f"{totals['hybrid_speedup_vs_dense_ours']:.2f}x over dense ours, "
+            f"{totals['hybrid_speedup_vs_dense_cudnn']:.2f}x over dense cuDNN"
+        )
     if a.json:
         out = {
             "device": dev,

@@ -24,6 +24,7 @@ from .api import SparsePlan, attention, estimate_pattern
 from .balance import DEFAULT_LEVELS, BalanceResult, balance_batch, mass_curve
 from .dispatch import Dispatched, DispatchInfo, dispatch, undispatch
 from .errors import MtrainError
+from .fallback import dense_fallback_counts
 from .hf import register_transformers
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "backends",
     "balance_batch",
     "block_mask_pattern",
+    "dense_fallback_counts",
     "dense_pattern",
     "dispatch",
     "estimate_pattern",

@@ -10,6 +10,7 @@ are collective over the group.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import torch
 from . import _comm
 from . import _core as C
 from . import _lib as L
+from . import fallback as _fallback
 from .ops import check_qkv as _check_qkv  # (importing ops registers them)
 
 __all__ = ["SparsePlan", "attention", "estimate_pattern"]
@@ -217,6 +219,14 @@ def estimate_pattern(
     return SparsePlan(handle, options)
 
 
+def _seq_lengths(tokens: int, cu: torch.Tensor | None) -> list[int]:
+    """The lengths of the packed sequences of a single-rank call."""
+    if cu is None:
+        return [tokens]
+    offsets = [int(x) for x in cu.detach().cpu().tolist()]
+    return [b - a for a, b in itertools.pairwise(offsets)]
+
+
 @functools.lru_cache(maxsize=64)
 def _pattern_file(path: str, mtime: float) -> C.Pattern:
     del mtime  # part of the key: a rewritten file is read again
@@ -266,6 +276,7 @@ def attention(
     num_sinks: int = 30,
     window: int = 100,
     return_lse: bool = False,
+    dense_above: float | str | None = None,
 ) -> Any:
     """Causal sparse attention (docs/SPEC.md section 1), differentiable in q, k, v.
 
@@ -287,6 +298,12 @@ def attention(
         backend: "cpu", "cpu-ref", "cuda" (default: by device and dtype).
         deterministic: bitwise reproducible backward (docs/USAGE.md).
         return_lse: also return the log-sum-exp [T, Hq] (or [B, N, Hq]).
+        dense_above: the dense fallback (mtrain.fallback): when the estimated pattern
+            (``budgets=``, or a SparsePlan) computes more than this share of the causal
+            pairs, torch's scaled_dot_product_attention runs instead and the call logs it
+            (logger "mtrain"). "auto": the threshold measured for the device (CUDA; never
+            on the CPU). None (default): always the sparse kernels. One rank, without
+            return_lse, outside torch.compile only.
 
     Returns:
         o shaped like q (and lse when return_lse).
@@ -340,6 +357,21 @@ def attention(
                 )
             opts = _options(int(q3.shape[-1]), granularity=g, pattern="given", **common)
             handle = torch.ops.mtrain.pattern_plan(q3, [p.handle for p in pats], cu, opts)
+    if (
+        dense_above is not None
+        and (isinstance(pattern, SparsePlan) or budgets is not None)
+        and world == 1
+        and not return_lse
+        and not _is_compiling()
+    ):
+        threshold = _fallback.resolve_dense_above(dense_above, q3.device)
+        if threshold is not None:
+            lengths = _seq_lengths(int(q3.shape[0]), cu)
+            plan = C.resolve_plan(handle)
+            density = plan.computed_pairs / _fallback.causal_pairs(lengths, int(q3.shape[1]))
+            if _fallback.choose_dense(density, threshold, layer):
+                o = _fallback.dense_attention(q3, k3, v3, lengths, softmax_scale)
+                return o.view(q.shape) if batched is not None else o
     o, lse = torch.ops.mtrain.attn_fwd(q3, k3, v3, handle)
     if batched is not None:
         o = o.view(q.shape)

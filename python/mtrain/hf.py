@@ -26,6 +26,7 @@ class _Settings:
     granularity: int = 128
     backend: str | None = None
     deterministic: bool = True
+    dense_above: float | str | None = None
     estimate: dict[str, int] = field(default_factory=dict)
 
 
@@ -101,7 +102,7 @@ def _attention_function(name: str) -> Any:
             kw["cu_seqlens"] = cu
         layer = getattr(module, "layer_idx", None)
         if s.budgets is not None:
-            o = attention(q, k, v, budgets=s.budgets, layer=layer, **kw)
+            o = attention(q, k, v, budgets=s.budgets, layer=layer, dense_above=s.dense_above, **kw)
         else:
             pattern = s.pattern(layer) if callable(s.pattern) else s.pattern
             o = attention(q, k, v, pattern=pattern, **kw)
@@ -146,6 +147,7 @@ def register_transformers(
     last_q: int = 64,
     num_sinks: int = 30,
     window: int = 100,
+    dense_above: float | str | None = None,
 ) -> str:
     """Registers ``name`` with transformers' AttentionInterface and
     AttentionMaskInterface; then ``from_pretrained(..., attn_implementation=name)``
@@ -160,7 +162,9 @@ def register_transformers(
         group, layout, granularity: context parallel defaults; a model call can
             instead pass ``mtrain_dispatch=info`` (mtrain.dispatch's DispatchInfo),
             which transformers hands to the attention function.
-        backend, deterministic, last_q, num_sinks, window: as in mtrain.attention.
+        backend, deterministic, last_q, num_sinks, window, dense_above: as in
+            mtrain.attention (dense_above: a layer whose estimated pattern is denser runs
+            torch's dense attention; "auto" for the device's measured threshold).
 
     Returns:
         The name registered.
@@ -178,6 +182,7 @@ def register_transformers(
         granularity=granularity,
         backend=backend,
         deterministic=deterministic,
+        dense_above=dense_above,
         estimate=(
             {"last_q": last_q, "num_sinks": num_sinks, "window": window}
             if budgets is not None

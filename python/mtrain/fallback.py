@@ -1,0 +1,134 @@
+"""The dense fallback: when an estimated pattern is too dense for the sparse kernels to pay,
+mtrain.attention runs torch's own dense attention (scaled_dot_product_attention, causal,
+whichever backend torch picks: cuDNN or FlashAttention on the GPU) instead, and says so.
+
+The decision is taken after the estimate, from the plan's density (computed pairs over causal
+pairs): a layer whose density is above ``dense_above`` runs dense. "auto" takes the threshold
+measured for the device (docs/PERFORMANCE.md: on an H100 at 131072 tokens the sparse forward +
+backward of the Qwen2.5-3B layers is slower than cuDNN's dense one above a density of 0.55),
+and never falls back on the CPU. Only single-rank calls without ``return_lse`` fall back (the
+ring has no dense peer here; SDPA returns no log-sum-exp), and not while torch.compile traces
+(the decision reads the plan on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import _lib as L
+
+__all__ = ["AUTO_DENSE_ABOVE_CUDA", "dense_fallback_counts", "resolve_dense_above"]
+
+_log = logging.getLogger("mtrain")
+
+# Density above which the dense peer is faster on the GPU (measured on an H100, 2026-11-25,
+# tools/bench_model.py; docs/PERFORMANCE.md "The whole model's attention step").
+AUTO_DENSE_ABOVE_CUDA = 0.55
+
+_counts = {"sparse": 0, "dense": 0}
+
+
+def dense_fallback_counts(reset: bool = False) -> dict[str, int]:
+    """How many mtrain.attention calls with a fallback threshold ran sparse and how many ran
+    the dense peer (since the start or the last reset)."""
+    out = dict(_counts)
+    if reset:
+        _counts["sparse"] = _counts["dense"] = 0
+    return out
+
+
+def resolve_dense_above(dense_above: Any, device: torch.device) -> float | None:
+    """The threshold for tensors on ``device``: None (never fall back), a density in [0, 1]
+    or "auto"."""
+    if dense_above is None:
+        return None
+    if isinstance(dense_above, str):
+        if dense_above != "auto":
+            raise L.fail(
+                L.ERR_INVALID_ARGUMENT,
+                f"dense_above={dense_above!r}: give a density in [0, 1], 'auto' or None",
+            )
+        return AUTO_DENSE_ABOVE_CUDA if device.type == "cuda" else None
+    if isinstance(dense_above, bool) or not isinstance(dense_above, (int, float)):
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"dense_above must be a density in [0, 1], 'auto' or None; got "
+            f"{type(dense_above).__name__}",
+        )
+    x = float(dense_above)
+    if not 0.0 <= x <= 1.0:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"dense_above={x}: a density lies in [0, 1]")
+    return x
+
+
+def causal_pairs(lengths: list[int], heads: int) -> int:
+    """(query, key) pairs of causal attention over sequences of these lengths."""
+    return heads * sum(n * (n + 1) // 2 for n in lengths)
+
+
+def choose_dense(density: float, threshold: float, layer: int | None) -> bool:
+    """True (and logged) when the pattern's density is above the threshold."""
+    dense = density > threshold
+    _counts["dense" if dense else "sparse"] += 1
+    if dense:
+        _log.info(
+            "mtrain: layer %s: pattern density %.3f > dense_above %.2f: the dense attention of "
+            "torch runs instead of the sparse kernels",
+            "?" if layer is None else layer,
+            density,
+            threshold,
+        )
+    return dense
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention of packed [T, H, d] q, k, v (sequences of these lengths, in order)
+    by torch's scaled_dot_product_attention; the result is [T, Hq, d]."""
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    with _prefer_cudnn(q.device):
+        start = 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1).unsqueeze(0),
+                k[sl].transpose(0, 1).unsqueeze(0),
+                v[sl].transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            outs.append(o[0].transpose(0, 1))
+            start += n
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _prefer_cudnn(device: torch.device) -> Any:
+    """On the GPU, torch's SDPA backends in the order cuDNN, FlashAttention, memory-efficient,
+    math (cuDNN's was the fastest dense attention measured here, docs/PERFORMANCE.md); torch
+    skips those that cannot run the call. On the CPU: torch's own choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # a torch without set_priority: its own order among these
+        return sdpa_kernel(order)
