@@ -109,9 +109,25 @@ def dense_attention(
                 scale=scale,
                 enable_gqa=gqa,
             )
-            outs.append(o[0].transpose(0, 1))
+            if o.requires_grad:
+                o.register_hook(_strides_like(o))
+            outs.append(o.squeeze(0).transpose(0, 1))
             start += n
     return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _strides_like(out: torch.Tensor) -> Any:
+    """A gradient hook giving SDPA's backward its output's gradient with the output's own
+    strides: cuDNN's backward reads dO in O's layout, and a dO of other strides gave wrong
+    gradients on an H100 (torch 2.11; measured 2026-11-25, tests/python/test_cuda.py)."""
+    shape, strides = out.shape, out.stride()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == strides:
+            return grad
+        return torch.empty_strided(shape, strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+    return hook
 
 
 def _prefer_cudnn(device: torch.device) -> Any:
