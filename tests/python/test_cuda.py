@@ -326,6 +326,8 @@ def test_dense_fallback_on_gpu(gen: torch.Generator) -> None:
         e_naive = (naive[name].double() - ref[name]).abs().max().item()
         print(f"fallback {name}: max error {err:.3g} (naive bf16 {e_naive:.3g})")
     assert_close_spec(got, ref, naive, names=("o", "dq", "dk", "dv"))
-    sparse = mtrain.attention(*to_dev(q, k, v), budgets=mtrain.TopK(64, 256), dense_above="auto")
+    sparse = mtrain.attention(
+        *to_dev(q, k, v), budgets=mtrain.TopK(4, 16), granularity=64, dense_above="auto"
+    )
     assert mtrain.dense_fallback_counts() == {"sparse": 1, "dense": 1}
     assert sparse.shape == q.shape
