@@ -60,16 +60,12 @@ MTRAIN_CPU_DISPATCH static void fwd_tile(void *ctx, const cpu_tile_t *t) {
     float *row = S + (int64_t)r * MTRAIN_CPU_TILE;
     if (t->causal)
       for (int32_t c = cpu_causal_first_masked(t, it->row0, r, n); c < n; c++) row[c] = -INFINITY;
-    float mx = -INFINITY;
-    for (int32_t c = 0; c < n; c++) mx = row[c] > mx ? row[c] : mx;
+    /* the max and the sum in lanes: as serial chains they took half of this
+     * function's time (scalar vmaxss / vaddss, perf annotate, 2026-11-25) */
+    const float mx = mtrain_row_max(row, n);
     const float mnew = mx > it->m[r] ? mx : it->m[r];
     if (mnew == -INFINITY) continue; /* nothing allowed yet in this row */
-    float sum = 0.0f;
-    for (int32_t c = 0; c < n; c++) {
-      const float p = mtrain_fast_exp(row[c] - mnew);
-      row[c] = p;
-      sum += p;
-    }
+    const float sum = mtrain_row_exp_sum(row, n, mnew);
     const float alpha = mtrain_fast_exp(it->m[r] - mnew);
     it->l[r] = it->l[r] * alpha + sum;
     it->m[r] = mnew;
