@@ -15,9 +15,10 @@
  * slab of 32 rows is ST [columns][32], the unnormalised output OT [d][RP].
  * Then the score kernel reads K rows in place (one broadcast per element,
  * no packing), the softmax's max and sum per row are plain lane-wise vector
- * operations over the columns, and the output kernel reads V rows in place.
- * Causal tiles skip the 32-row groups' column ranges that lie wholly above
- * the diagonal. Results differ from the OpenBLAS path's in rounding only;
+ * operations over the columns, and the output kernel reads V rows in place
+ * (and applies the online softmax's rescaling of the output as it loads
+ * it). Causal tiles skip the 32-row groups' column ranges that lie wholly
+ * above the diagonal. Results differ from the OpenBLAS path's in rounding only;
  * they do not depend on the thread count. */
 #include "backends/cpu/cpu_fast_common.h"
 
