@@ -3,8 +3,11 @@
  * attention forward and backward for a dense and a vertical-slash pattern,
  * next to the OpenBLAS sgemm rate on the same tile shapes the backend uses
  * (G x tile x d scores and G x d x tile outputs), run with the same threads
- * the same way (one single-threaded sgemm per OpenMP thread). Progress goes
- * to stderr; the table (or --json) to stdout. Exit 0 on success (and after
+ * the same way (one single-threaded sgemm per OpenMP thread). With --paired
+ * the sgemm rate is also measured right before every timed attention run and
+ * each run's share of it reported (median, least and most): robust to a
+ * shared machine's load changing during the run. Progress goes to stderr; the table (or --json) to
+ * stdout. Exit 0 on success (and after
  * --help), 1 when the work fails, 2 on a bad command line. */
 #include <cblas.h>
 #include <errno.h>
@@ -29,7 +32,7 @@ typedef struct bench_opts {
   int64_t seq_len;
   int32_t heads, kv_heads, head_dim, granularity, repeat, threads;
   double density; /* share of block diagonals kept by the sparse pattern */
-  int json;
+  int json, paired;
 } bench_opts_t;
 
 static int cmp_double(const void *a, const void *b) {
@@ -86,8 +89,17 @@ static double sgemm_rate(int threads, int G, int d, int tile, int hq, int hkv, i
 typedef struct bench_result {
   const char *pattern;
   double sparsity, fwd_s, bwd_s, fwd_gflops, bwd_gflops;
+  double fwd_share[3], bwd_share[3]; /* --paired: median, least, most */
   long long pairs;
 } bench_result_t;
+
+/* Median, least and most of the n > 0 values of v (sorts v). */
+static void spread(double *v, int n, double out[3]) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  out[0] = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  out[1] = v[0];
+  out[2] = v[n - 1];
+}
 
 static mtrain_pattern_t *sparse_pattern(const bench_opts_t *o) {
   mtrain_pattern_t *p = NULL;
@@ -142,9 +154,14 @@ static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pa
   const mtrain_pattern_t *pats[1] = {p};
   int rc = tool_failed(prog, "plan", mtrain_plan_create(ctx, NULL, pats, &plan));
   double *tf = calloc((size_t)o->repeat + 1, sizeof *tf),
-         *tb = calloc((size_t)o->repeat + 1, sizeof *tb);
+         *tb = calloc((size_t)o->repeat + 1, sizeof *tb),
+         *sg = calloc((size_t)o->repeat + 1, sizeof *sg);
+  const int threads = o->threads > 0 ? o->threads : omp_get_max_threads();
   for (int i = 0; i <= o->repeat && !rc; i++) { /* run 0 warms up */
     fprintf(stderr, "%s: %s run %d/%d\n", prog, name, i, o->repeat);
+    if (o->paired && i > 0)
+      sg[i] = sgemm_rate(threads, o->granularity, o->head_dim, MTRAIN_CPU_TILE, o->heads,
+                         o->kv_heads, 3);
     double t0 = tool_now();
     rc = tool_failed(prog, "forward", mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
     double t1 = tool_now();
@@ -156,6 +173,15 @@ static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pa
     tb[i] = tool_now() - t1;
   }
   if (!rc) {
+    const long long pairs = mtrain_plan_computed_pairs(plan);
+    double *share = calloc((size_t)o->repeat, sizeof *share);
+    for (int bwd = 0; bwd < 2 && o->paired && share; bwd++) {
+      for (int i = 1; i <= o->repeat; i++)
+        share[i - 1] = (bwd ? 2.5 : 1.0) * tool_fwd_flops(pairs, o->head_dim) /
+                       (bwd ? tb[i] : tf[i]) * 1e-9 / sg[i];
+      spread(share, o->repeat, bwd ? r->bwd_share : r->fwd_share);
+    }
+    free(share);
     qsort(tf + 1, (size_t)o->repeat, sizeof *tf, cmp_double);
     qsort(tb + 1, (size_t)o->repeat, sizeof *tb, cmp_double);
     r->pattern = name;
@@ -168,6 +194,7 @@ static int bench_pattern(const bench_opts_t *o, mtrain_context_t *ctx, mtrain_pa
   }
   free(tf);
   free(tb);
+  free(sg);
   mtrain_plan_destroy(plan);
   free(buf);
   return rc;
@@ -187,6 +214,8 @@ static const char usage[] =
     "                        in (0, 1] (default 0.1)\n"
     "  --repeat R            timed runs after one warm-up, median reported (default 5)\n"
     "  --threads T           OpenMP threads (default: OpenMP's)\n"
+    "  --paired              also measure the sgemm rate right before every timed run and\n"
+    "                        report each run's share of it: median, least, most\n"
     "  --json                print the results as one JSON object instead of the table\n"
     "  --help                this text\n"
     "Exit status: 0 success, 1 error, 2 bad command line.\n";
@@ -206,7 +235,7 @@ static int parse_int(const char *name, const char *s, long long lo, long long hi
 
 /* 0: run; 1: bad command line (message printed); 2: --help printed. */
 static int parse(int argc, char **argv, bench_opts_t *o) {
-  *o = (bench_opts_t){8192, 16, 2, 128, 128, 5, 0, 0.1, 0};
+  *o = (bench_opts_t){8192, 16, 2, 128, 128, 5, 0, 0.1, 0, 0};
   static const struct option longs[] = {{"seq-len", required_argument, 0, 'N'},
                                         {"heads", required_argument, 0, 'H'},
                                         {"kv-heads", required_argument, 0, 'K'},
@@ -216,6 +245,7 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
                                         {"threads", required_argument, 0, 'T'},
                                         {"density", required_argument, 0, 'd'},
                                         {"json", no_argument, 0, 'j'},
+                                        {"paired", no_argument, 0, 'p'},
                                         {"help", no_argument, 0, 'h'},
                                         {0, 0, 0, 0}};
   int c, bad = 0;
@@ -255,6 +285,9 @@ static int parse(int argc, char **argv, bench_opts_t *o) {
     }
     case 'j':
       o->json = 1;
+      break;
+    case 'p':
+      o->paired = 1;
       break;
     case 'h':
       fputs(usage, stdout);
@@ -316,6 +349,16 @@ int main(int argc, char **argv) {
       json_object_set_new(e, "backward_gflops", json_real(res[i].bwd_gflops));
       json_object_set_new(e, "forward_share_of_sgemm", json_real(res[i].fwd_gflops / sgemm));
       json_object_set_new(e, "backward_share_of_sgemm", json_real(res[i].bwd_gflops / sgemm));
+      if (o.paired) {
+        static const char *const keys[3] = {"median", "least", "most"};
+        json_t *f = json_object(), *b = json_object();
+        for (int k = 0; k < 3; k++) {
+          json_object_set_new(f, keys[k], json_real(res[i].fwd_share[k]));
+          json_object_set_new(b, keys[k], json_real(res[i].bwd_share[k]));
+        }
+        json_object_set_new(e, "forward_share_paired", f);
+        json_object_set_new(e, "backward_share_paired", b);
+      }
       json_array_append_new(arr, e);
     }
     json_object_set_new(j, "results", arr);
@@ -335,6 +378,13 @@ int main(int argc, char **argv) {
       printf("%-15s %8.1f%% %11.1f %11.1f %8.0f%% %11.1f %8.0f%%\n", res[i].pattern,
              100 * res[i].sparsity, 1e3 * res[i].fwd_s, res[i].fwd_gflops,
              100 * res[i].fwd_gflops / sgemm, res[i].bwd_gflops, 100 * res[i].bwd_gflops / sgemm);
+    if (o.paired)
+      for (int i = 0; i < 2; i++)
+        printf("%-15s paired with the sgemm run before each: fwd %.0f%% (%.0f-%.0f%%), bwd %.0f%% "
+               "(%.0f-%.0f%%)\n",
+               res[i].pattern, 100 * res[i].fwd_share[0], 100 * res[i].fwd_share[1],
+               100 * res[i].fwd_share[2], 100 * res[i].bwd_share[0], 100 * res[i].bwd_share[1],
+               100 * res[i].bwd_share[2]);
   }
   mtrain_pattern_destroy(dense);
   mtrain_pattern_destroy(sparse);

@@ -56,6 +56,37 @@ static inline void cpu_tile_operands(const cpu_step_inputs_t *in, int32_t h, int
   }
 }
 
+/** 1 where the AVX-512 forward kernels (cpu_fwd_avx512.c) are built: x86-64
+ *  with gcc or clang (the target attribute), unless MTRAIN_NO_AVX512_KERNELS
+ *  is defined (a build to test the OpenBLAS path on an AVX-512 machine). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) &&                            \
+    !defined(MTRAIN_NO_AVX512_KERNELS)
+#define MTRAIN_CPU_HAVE_AVX512 1
+#else
+#define MTRAIN_CPU_HAVE_AVX512 0
+#endif
+
+/** Per-thread buffers of the AVX-512 forward item, all 64-byte aligned, for
+ *  rp = rows rounded up to 32 (at most MTRAIN_CPU_ROWS rounded up). */
+typedef struct cpu_fwd_avx512_ws {
+  float *qt;   /* [d][rp] scaled queries, transposed */
+  float *ot;   /* [d][rp] unnormalised output, transposed */
+  float *orow; /* [rp][d] the same by rows, the item's result */
+  float *st;   /* [MTRAIN_CPU_TILE][32] one slab of scores / probabilities */
+  float *m;    /* [rp] running max, the item's result */
+  float *l;    /* [rp] running sum, the item's result */
+} cpu_fwd_avx512_ws_t;
+
+/** 1 when the AVX-512 forward kernels can run here (built, and the processor
+ *  has AVX-512F). */
+int cpu_fwd_avx512_available(void);
+
+/** The forward of one work item with the AVX-512 kernels: head h (kv head
+ *  hk), query block qb, its rows [row0, row0 + nr), nr <= MTRAIN_CPU_ROWS,
+ *  into ws->orow, ws->m and ws->l. Only where cpu_fwd_avx512_available(). */
+void cpu_fwd_avx512_item(const cpu_step_inputs_t *in, int32_t h, int32_t hk, int32_t qb,
+                         int32_t row0, int32_t nr, float scale, cpu_fwd_avx512_ws_t *ws);
+
 /** Sets OpenBLAS to one thread (returns the previous count). */
 int cpu_blas_single_begin(void);
 void cpu_blas_single_end(int previous);

@@ -60,16 +60,12 @@ MTRAIN_CPU_DISPATCH static void fwd_tile(void *ctx, const cpu_tile_t *t) {
     float *row = S + (int64_t)r * MTRAIN_CPU_TILE;
     if (t->causal)
       for (int32_t c = cpu_causal_first_masked(t, it->row0, r, n); c < n; c++) row[c] = -INFINITY;
-    float mx = -INFINITY;
-    for (int32_t c = 0; c < n; c++) mx = row[c] > mx ? row[c] : mx;
+    /* the max and the sum in lanes: as serial chains they took half of this
+     * function's time (scalar vmaxss / vaddss, perf annotate, 2026-11-25) */
+    const float mx = mtrain_row_max(row, n);
     const float mnew = mx > it->m[r] ? mx : it->m[r];
     if (mnew == -INFINITY) continue; /* nothing allowed yet in this row */
-    float sum = 0.0f;
-    for (int32_t c = 0; c < n; c++) {
-      const float p = mtrain_fast_exp(row[c] - mnew);
-      row[c] = p;
-      sum += p;
-    }
+    const float sum = mtrain_row_exp_sum(row, n, mnew);
     const float alpha = mtrain_fast_exp(it->m[r] - mnew);
     it->l[r] = it->l[r] * alpha + sum;
     it->m[r] = mnew;
@@ -82,21 +78,53 @@ MTRAIN_CPU_DISPATCH static void fwd_tile(void *ctx, const cpu_tile_t *t) {
               (int)ldk, 1.0f, it->o, d);
 }
 
-/* Merges the item's partial result into the running accumulators. */
-static void fwd_merge(const fwd_item_t *it, int64_t row0, float *o_acc, float *lse_acc) {
-  const int32_t Hq = it->in->view->num_heads, d = it->d;
-  for (int32_t r = 0; r < it->nr; r++) {
-    if (!(it->l[r] > 0.0f)) continue; /* no key in this step: contributes nothing */
-    const float lse_s = it->m[r] + logf(it->l[r]);
-    float *li = lse_acc + (row0 + r) * Hq + it->h;
-    float *oi = o_acc + ((row0 + r) * Hq + it->h) * d;
-    const float lo = *li, mx = lo > lse_s ? lo : lse_s;
+/* Merges a partial result (rows [0, nr) of head h: running max m, sum l,
+ * unnormalised output row r, column c at o[r * rs + c * cs]) into the
+ * running accumulators at row row0. A row with nothing accumulated yet
+ * (lse -inf, output 0) is written without reading the old output. */
+static void fwd_merge(const cpu_step_inputs_t *in, int32_t h, int32_t nr, const float *m,
+                      const float *l, const float *o, int64_t rs, int64_t cs, int64_t row0,
+                      float *o_acc, float *lse_acc) {
+  const int32_t Hq = in->view->num_heads, d = in->d;
+  for (int32_t r = 0; r < nr; r++) {
+    if (!(l[r] > 0.0f)) continue; /* no key in this step: contributes nothing */
+    const float lse_s = m[r] + logf(l[r]);
+    float *li = lse_acc + (row0 + r) * Hq + h;
+    float *oi = o_acc + ((row0 + r) * Hq + h) * d;
+    const float *os = o + r * rs;
+    const float lo = *li;
+    if (lo == -INFINITY) {
+      const float w = 1.0f / l[r];
+      for (int32_t c = 0; c < d; c++) oi[c] = w * os[c * cs];
+      *li = lse_s;
+      continue;
+    }
+    const float mx = lo > lse_s ? lo : lse_s;
     const float lnew = mx + logf(expf(lo - mx) + expf(lse_s - mx));
-    const float w_old = expf(lo - lnew), w_new = expf(lse_s - lnew) / it->l[r];
-    const float *os = it->o + (int64_t)r * d;
-    for (int32_t c = 0; c < d; c++) oi[c] = w_old * oi[c] + w_new * os[c];
+    const float w_old = expf(lo - lnew), w_new = expf(lse_s - lnew) / l[r];
+    for (int32_t c = 0; c < d; c++) oi[c] = w_old * oi[c] + w_new * os[c * cs];
     *li = lnew;
   }
+}
+
+/* Per-thread buffers of the AVX-512 items (NULL members when out of memory). */
+static void ws_alloc(cpu_fwd_avx512_ws_t *ws, int32_t rows, int32_t d) {
+  const size_t rp = (size_t)(rows + 31) / 32 * 32, pad = 16;
+  ws->qt = aligned_alloc(64, sizeof(float) * (rp * (size_t)d + pad));
+  ws->ot = aligned_alloc(64, sizeof(float) * (rp * (size_t)d + pad));
+  ws->orow = aligned_alloc(64, sizeof(float) * (rp * (size_t)d + pad));
+  ws->st = aligned_alloc(64, sizeof(float) * (size_t)MTRAIN_CPU_TILE * 32);
+  ws->m = aligned_alloc(64, sizeof(float) * rp);
+  ws->l = aligned_alloc(64, sizeof(float) * rp);
+}
+
+static void ws_free(cpu_fwd_avx512_ws_t *ws) {
+  free(ws->qt);
+  free(ws->ot);
+  free(ws->orow);
+  free(ws->st);
+  free(ws->m);
+  free(ws->l);
 }
 
 mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args_t *a) {
@@ -112,24 +140,43 @@ mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args
   const int64_t items = (int64_t)v->num_heads * v->num_q_blocks;
   int failed = 0;
   const int32_t rows = G < MTRAIN_CPU_ROWS ? G : MTRAIN_CPU_ROWS;
+  const int avx512 = cpu_fwd_avx512_available();
 #pragma omp parallel num_threads(s->num_threads) reduction(| : failed)
   {
-    float *S = malloc(sizeof(float) * (size_t)rows * MTRAIN_CPU_TILE);
-    float *O = malloc(sizeof(float) * (size_t)rows * d);
-    float *M = malloc(sizeof(float) * (size_t)rows * 2);
-    if (!S || !O || !M) failed = 1;
+    float *S = NULL, *O = NULL, *M = NULL;
+    cpu_fwd_avx512_ws_t ws = {0};
+    if (avx512) {
+      ws_alloc(&ws, rows, d);
+      if (!ws.qt || !ws.ot || !ws.orow || !ws.st || !ws.m || !ws.l) failed = 1;
+    } else {
+      S = malloc(sizeof(float) * (size_t)rows * MTRAIN_CPU_TILE);
+      O = malloc(sizeof(float) * (size_t)rows * d);
+      M = malloc(sizeof(float) * (size_t)rows * 2);
+      if (!S || !O || !M) failed = 1;
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; i++) {
       if (failed) continue;
-      const int32_t h = (int32_t)(i / v->num_q_blocks), qb = (int32_t)(i % v->num_q_blocks);
+      /* the last query blocks first: under causality they have the most
+       * keys, and the small items of the first blocks then even out the
+       * threads' ends (the largest items last kept one thread waiting) */
+      const int32_t qb = v->num_q_blocks - 1 - (int32_t)(i / v->num_heads),
+                    h = (int32_t)(i % v->num_heads);
       const int64_t gq = v->q_block_global[qb];
       const int32_t nr = mtrain_block_rows(v->q_tokens, G, qb, gq, v->seq_len);
       /* the block's rows in chunks: rows are independent in the forward */
       for (int32_t r0 = 0; r0 < nr; r0 += rows) {
+        const int32_t n = nr - r0 < rows ? nr - r0 : rows;
+        if (avx512) {
+          cpu_fwd_avx512_item(&in, h, h / group, qb, r0, n, (float)a->scale, &ws);
+          fwd_merge(&in, h, n, ws.m, ws.l, ws.orow, d, 1, (int64_t)qb * G + r0, a->o_acc,
+                    a->lse_acc);
+          continue;
+        }
         fwd_item_t it = {&in,
                          h,
                          h / group,
-                         nr - r0 < rows ? nr - r0 : rows,
+                         n,
                          d,
                          (float)a->scale,
                          in.q + ((int64_t)qb * G + r0) * in.ldq + (int64_t)h * d,
@@ -144,12 +191,13 @@ mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args
         }
         memset(O, 0, sizeof(float) * (size_t)it.nr * d);
         mtrain_cpu_for_each_tile(v, h, qb, MTRAIN_CPU_TILE, fwd_tile, &it);
-        fwd_merge(&it, (int64_t)qb * G + r0, a->o_acc, a->lse_acc);
+        fwd_merge(&in, h, n, it.m, it.l, O, d, 1, (int64_t)qb * G + r0, a->o_acc, a->lse_acc);
       }
     }
     free(S);
     free(O);
     free(M);
+    ws_free(&ws);
   }
   cpu_blas_single_end(blas_threads);
   cpu_step_inputs_release(&in);

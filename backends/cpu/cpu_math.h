@@ -2,7 +2,10 @@
  * exp(x) for x <= 0 accurate to about 2e-7 relative (range reduction to
  * [-0.5, 0.5] and a degree-7 Taylor polynomial of 2^f), returning exactly 0
  * for -inf and for x below about -87.3, written so that gcc vectorises loops
- * calling it. */
+ * calling it; and the row reductions of the online softmax (max, and exp
+ * with its sum) in MTRAIN_CPU_LANES independent lanes, so that they
+ * vectorise too (a single running max or sum is a serial chain that gcc
+ * keeps scalar in ISO C: it may not reorder a float sum). */
 #ifndef MTRAIN_CPU_MATH_H
 #define MTRAIN_CPU_MATH_H
 
@@ -54,6 +57,47 @@ static inline float mtrain_fast_exp(float x) {
   float scale;
   memcpy(&scale, &bits, sizeof scale);
   return scale * p;
+}
+
+/** Lanes of the row reductions: a fixed number, so that the order of the
+ *  additions (and so the bits) does not depend on the vector width of the
+ *  clone that runs them. */
+#define MTRAIN_CPU_LANES 16
+
+/** max of x[0 .. n), -INFINITY when n == 0 (no NaN expected). */
+static inline float mtrain_row_max(const float *x, int32_t n) {
+  float m[MTRAIN_CPU_LANES];
+  for (int l = 0; l < MTRAIN_CPU_LANES; l++) m[l] = -INFINITY;
+  int32_t c = 0;
+  for (; c + MTRAIN_CPU_LANES <= n; c += MTRAIN_CPU_LANES)
+    for (int l = 0; l < MTRAIN_CPU_LANES; l++) m[l] = x[c + l] > m[l] ? x[c + l] : m[l];
+  for (int l = 0; c + l < n; l++) m[l] = x[c + l] > m[l] ? x[c + l] : m[l];
+  for (int w = MTRAIN_CPU_LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) m[l] = m[l + w] > m[l] ? m[l + w] : m[l];
+  return m[0];
+}
+
+/** x[c] = exp(x[c] - shift) for c in [0, n); returns the sum of the new
+ *  values, added in lanes (column c into lane c % LANES) and the lanes then
+ *  summed pairwise: a fixed order. */
+static inline float mtrain_row_exp_sum(float *x, int32_t n, float shift) {
+  float s[MTRAIN_CPU_LANES];
+  for (int l = 0; l < MTRAIN_CPU_LANES; l++) s[l] = 0.0f;
+  int32_t c = 0;
+  for (; c + MTRAIN_CPU_LANES <= n; c += MTRAIN_CPU_LANES)
+    for (int l = 0; l < MTRAIN_CPU_LANES; l++) {
+      const float p = mtrain_fast_exp(x[c + l] - shift);
+      x[c + l] = p;
+      s[l] += p;
+    }
+  for (int l = 0; c + l < n; l++) {
+    const float p = mtrain_fast_exp(x[c + l] - shift);
+    x[c + l] = p;
+    s[l] += p;
+  }
+  for (int w = MTRAIN_CPU_LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) s[l] += s[l + w];
+  return s[0];
 }
 
 #endif /* MTRAIN_CPU_MATH_H */
