@@ -23,7 +23,7 @@ the threshold (mtrain.fallback), the sparse kernels elsewhere; the totals add th
 
 usage: python tools/bench_model.py [--budgets FILE] [--seq-len 131072] [--layers all|0,3,5-7]
        [--reps 2] [--warmup 1] [--kv-heads 2] [--head-dim 128] [--deterministic]
-       [--dense-above auto|none|X] [--json OUT.json]
+       [--dense-above auto|none|X] [--dense-recheck R] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -123,6 +123,13 @@ def main() -> None:
         help="also time the step with mtrain's dense fallback at this density ('auto': the "
         "device's measured threshold; 'none': skip)",
     )
+    ap.add_argument(
+        "--dense-recheck",
+        type=int,
+        default=1,
+        help="R > 1: also time R successive training calls per layer through "
+        "mtrain.attention(budgets=, dense_above=, dense_recheck=R) (estimates included)",
+    )
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     with open(a.budgets) as f:
@@ -218,6 +225,26 @@ def main() -> None:
                 f" | with fallback ({'dense' if row['dense_fallback'] else 'sparse'}) fwd+bwd "
                 f"{row['hybrid_fwdbwd_ms']:7.1f} ms"
             )
+        if threshold is not None and a.dense_recheck > 1:
+
+            def call(layer: int = layer) -> None:
+                o = mtrain.attention(
+                    qg, kg, vg, budgets=a.budgets, layer=layer, deterministic=det,
+                    dense_above=threshold, dense_recheck=a.dense_recheck,
+                )  # fmt: skip
+                o.backward(do)
+
+            mtrain.dense_fallback_counts(reset=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(a.dense_recheck):
+                call()
+            torch.cuda.synchronize()
+            row["recheck_call_ms"] = 1e3 * (time.perf_counter() - t0) / a.dense_recheck
+            row["recheck_counts"] = mtrain.dense_fallback_counts()
+            line += (
+                f" | {a.dense_recheck} calls with recheck: {row['recheck_call_ms']:7.1f} ms each"
+            )
         rows.append(row)
         print(line, flush=True)
     mtrain.synchronize()
@@ -271,6 +298,22 @@ def main() -> None:
         f"{totals['speedup_vs_dense_cudnn']:.2f}x over dense cuDNN; ceiling from the pair counts "
         f"{ceiling:.2f}x"
     )
+    if threshold is not None and a.dense_recheck > 1:
+        recheck = sum(r["recheck_call_ms"] for r in rows)
+        totals.update(
+            {
+                "dense_recheck": a.dense_recheck,
+                "recheck_step_ms": recheck,
+                "recheck_speedup_vs_dense_ours": nl * dense["ours_fwdbwd_ms"] / recheck,
+                "recheck_speedup_vs_dense_cudnn": nl * dense["cudnn_fwdbwd_ms"] / recheck,
+            }
+        )
+        print(
+            f"with the fallback and dense_recheck={a.dense_recheck} (estimates included, mean of "
+            f"{a.dense_recheck} calls): step {recheck / 1e3:.2f} s: "
+            f"{totals['recheck_speedup_vs_dense_ours']:.2f}x over dense ours, "
+            f"{totals['recheck_speedup_vs_dense_cudnn']:.2f}x over dense cuDNN"
+        )
     if threshold is not None:
         print(
             f"with the dense fallback above density {threshold}: "

@@ -277,6 +277,7 @@ def attention(
     window: int = 100,
     return_lse: bool = False,
     dense_above: float | str | None = None,
+    dense_recheck: int = 1,
 ) -> Any:
     """Causal sparse attention (docs/SPEC.md section 1), differentiable in q, k, v.
 
@@ -304,6 +305,8 @@ def attention(
             (logger "mtrain"). "auto": the threshold measured for the device (CUDA; never
             on the CPU). None (default): always the sparse kernels. One rank, without
             return_lse, outside torch.compile only.
+        dense_recheck: with ``budgets=`` and ``layer=``, a layer found too dense runs dense
+            for its next dense_recheck - 1 calls without estimating (1: estimate every call).
 
     Returns:
         o shaped like q (and lse when return_lse).
@@ -318,6 +321,25 @@ def attention(
             f"q, k, v have {q.ndim}, {k.ndim}, {v.ndim} dimensions: they must agree",
         )
     _check_qkv(q3, k3, v3)
+    threshold = None
+    if (
+        dense_above is not None
+        and (isinstance(pattern, SparsePlan) or budgets is not None)
+        and world == 1
+        and not return_lse
+        and not _is_compiling()
+    ):
+        threshold = _fallback.resolve_dense_above(dense_above, q3.device)
+    recheck = _fallback.check_recheck(dense_recheck)
+    sticky_key = None
+    if threshold is not None and budgets is not None and layer is not None and recheck > 1:
+        sticky_key = (layer, _budgets_json(budgets, layer), tuple(q3.shape), tuple(k3.shape),
+                      q3.device, None if cu is None else tuple(_seq_lengths(0, cu)))  # fmt: skip
+        if _fallback.still_dense(sticky_key):
+            o = _fallback.dense_attention(
+                q3, k3, v3, _seq_lengths(int(q3.shape[0]), cu), softmax_scale
+            )
+            return o.view(q.shape) if batched is not None else o
     if isinstance(pattern, SparsePlan):
         if budgets is not None:
             raise L.fail(L.ERR_INVALID_ARGUMENT, "pattern= is a SparsePlan: budgets= must be None")
@@ -357,21 +379,16 @@ def attention(
                 )
             opts = _options(int(q3.shape[-1]), granularity=g, pattern="given", **common)
             handle = torch.ops.mtrain.pattern_plan(q3, [p.handle for p in pats], cu, opts)
-    if (
-        dense_above is not None
-        and (isinstance(pattern, SparsePlan) or budgets is not None)
-        and world == 1
-        and not return_lse
-        and not _is_compiling()
-    ):
-        threshold = _fallback.resolve_dense_above(dense_above, q3.device)
-        if threshold is not None:
-            lengths = _seq_lengths(int(q3.shape[0]), cu)
-            plan = C.resolve_plan(handle)
-            density = plan.computed_pairs / _fallback.causal_pairs(lengths, int(q3.shape[1]))
-            if _fallback.choose_dense(density, threshold, layer):
-                o = _fallback.dense_attention(q3, k3, v3, lengths, softmax_scale)
-                return o.view(q.shape) if batched is not None else o
+    if threshold is not None:
+        lengths = _seq_lengths(int(q3.shape[0]), cu)
+        plan = C.resolve_plan(handle)
+        density = plan.computed_pairs / _fallback.causal_pairs(lengths, int(q3.shape[1]))
+        dense = _fallback.choose_dense(density, threshold, layer)
+        if sticky_key is not None:
+            _fallback.remember(sticky_key, dense, recheck)
+        if dense:
+            o = _fallback.dense_attention(q3, k3, v3, lengths, softmax_scale)
+            return o.view(q.shape) if batched is not None else o
     o, lse = torch.ops.mtrain.attn_fwd(q3, k3, v3, handle)
     if batched is not None:
         o = o.view(q.shape)

@@ -6,7 +6,9 @@ The decision is taken after the estimate, from the plan's density (computed pair
 pairs): a layer whose density is above ``dense_above`` runs dense. "auto" takes the threshold
 measured for the device (docs/PERFORMANCE.md: on an H100 at 131072 tokens the sparse forward +
 backward of the Qwen2.5-3B layers is slower than cuDNN's dense one above a density of 0.55),
-and never falls back on the CPU. Only single-rank calls without ``return_lse`` fall back (the
+and never falls back on the CPU. With ``dense_recheck=R`` a layer found too dense runs dense
+for its next R - 1 calls without estimating (the estimate is what a dense layer still pays),
+then estimates again. Only single-rank calls without ``return_lse`` fall back (the
 ring has no dense peer here; SDPA returns no log-sum-exp), and not while torch.compile traces
 (the decision reads the plan on the host).
 """
@@ -30,16 +32,51 @@ _log = logging.getLogger("mtrain")
 # tools/bench_model.py; docs/PERFORMANCE.md "The whole model's attention step").
 AUTO_DENSE_ABOVE_CUDA = 0.55
 
-_counts = {"sparse": 0, "dense": 0}
+_counts = {"sparse": 0, "dense": 0, "estimates_skipped": 0}
+# dense_recheck: the calls of a (layer, budgets, shape) that still run dense without estimating
+_sticky: dict[Any, int] = {}
 
 
 def dense_fallback_counts(reset: bool = False) -> dict[str, int]:
-    """How many mtrain.attention calls with a fallback threshold ran sparse and how many ran
-    the dense peer (since the start or the last reset)."""
+    """How many mtrain.attention calls with a fallback threshold ran sparse, how many ran the
+    dense peer, and how many of those skipped the estimate (dense_recheck), since the start or
+    the last reset. reset=True also forgets the layers' dense decisions."""
     out = dict(_counts)
     if reset:
-        _counts["sparse"] = _counts["dense"] = 0
+        for name in _counts:
+            _counts[name] = 0
+        _sticky.clear()
     return out
+
+
+def check_recheck(dense_recheck: Any) -> int:
+    if isinstance(dense_recheck, bool) or not isinstance(dense_recheck, int) or dense_recheck < 1:
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"dense_recheck={dense_recheck!r}: give the number of calls a dense decision lasts "
+            "(an int >= 1; 1: estimate at every call)",
+        )
+    return dense_recheck
+
+
+def still_dense(key: Any) -> bool:
+    """True (and counted) when an earlier dense decision for `key` still holds: the call runs
+    dense without estimating."""
+    left = _sticky.get(key, 0)
+    if left <= 0:
+        return False
+    _sticky[key] = left - 1
+    _counts["dense"] += 1
+    _counts["estimates_skipped"] += 1
+    return True
+
+
+def remember(key: Any, dense: bool, recheck: int) -> None:
+    """A decision for `key`: dense ones hold for the next recheck - 1 calls."""
+    if dense and recheck > 1:
+        _sticky[key] = recheck - 1
+    else:
+        _sticky.pop(key, None)
 
 
 def resolve_dense_above(dense_above: Any, device: torch.device) -> float | None:

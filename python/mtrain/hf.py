@@ -27,6 +27,7 @@ class _Settings:
     backend: str | None = None
     deterministic: bool = True
     dense_above: float | str | None = None
+    dense_recheck: int = 1
     estimate: dict[str, int] = field(default_factory=dict)
 
 
@@ -102,7 +103,10 @@ def _attention_function(name: str) -> Any:
             kw["cu_seqlens"] = cu
         layer = getattr(module, "layer_idx", None)
         if s.budgets is not None:
-            o = attention(q, k, v, budgets=s.budgets, layer=layer, dense_above=s.dense_above, **kw)
+            o = attention(
+                q, k, v, budgets=s.budgets, layer=layer, dense_above=s.dense_above,
+                dense_recheck=s.dense_recheck, **kw,
+            )  # fmt: skip
         else:
             pattern = s.pattern(layer) if callable(s.pattern) else s.pattern
             o = attention(q, k, v, pattern=pattern, **kw)
@@ -148,6 +152,7 @@ def register_transformers(
     num_sinks: int = 30,
     window: int = 100,
     dense_above: float | str | None = None,
+    dense_recheck: int = 1,
 ) -> str:
     """Registers ``name`` with transformers' AttentionInterface and
     AttentionMaskInterface; then ``from_pretrained(..., attn_implementation=name)``
@@ -162,7 +167,7 @@ def register_transformers(
         group, layout, granularity: context parallel defaults; a model call can
             instead pass ``mtrain_dispatch=info`` (mtrain.dispatch's DispatchInfo),
             which transformers hands to the attention function.
-        backend, deterministic, last_q, num_sinks, window, dense_above: as in
+        backend, deterministic, last_q, num_sinks, window, dense_above, dense_recheck: as in
             mtrain.attention (dense_above: a layer whose estimated pattern is denser runs
             torch's dense attention; "auto" for the device's measured threshold).
 
@@ -183,6 +188,7 @@ def register_transformers(
         backend=backend,
         deterministic=deterministic,
         dense_above=dense_above,
+        dense_recheck=dense_recheck,
         estimate=(
             {"last_q": last_q, "num_sinks": num_sinks, "window": window}
             if budgets is not None

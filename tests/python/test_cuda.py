@@ -315,7 +315,7 @@ def test_dense_fallback_on_gpu(gen: torch.Generator) -> None:
     qq, kk, vv = (t.to(DEV).requires_grad_() for t in (q, k, v))
     o = mtrain.attention(qq, kk, vv, budgets=mtrain.TopK(n, n), dense_above="auto")
     o.backward(do.to(DEV))
-    assert mtrain.dense_fallback_counts() == {"sparse": 0, "dense": 1}
+    assert mtrain.dense_fallback_counts()["dense"] == 1
     assert qq.grad is not None and kk.grad is not None and vv.grad is not None
     got = {"o": o.detach().cpu(), "dq": qq.grad.cpu(), "dk": kk.grad.cpu(), "dv": vv.grad.cpu()}
     mask = causal_mask(n, hq)
@@ -329,5 +329,5 @@ def test_dense_fallback_on_gpu(gen: torch.Generator) -> None:
     sparse = mtrain.attention(
         *to_dev(q, k, v), budgets=mtrain.TopK(4, 16), granularity=64, dense_above="auto"
     )
-    assert mtrain.dense_fallback_counts() == {"sparse": 1, "dense": 1}
+    assert mtrain.dense_fallback_counts()["sparse"] == 1
     assert sparse.shape == q.shape

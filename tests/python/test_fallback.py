@@ -55,7 +55,8 @@ def test_dense_above_zero_runs_dense(gen: torch.Generator) -> None:
     finally:
         log.removeHandler(records)
         log.setLevel(level)
-    assert mtrain.dense_fallback_counts() == {"sparse": 0, "dense": 1}
+    assert mtrain.dense_fallback_counts()["dense"] == 1
+    assert mtrain.dense_fallback_counts()["sparse"] == 0
     assert any("layer 3: pattern density" in m for m in records.messages), records.messages
     # dense causal attention, not the sparse pattern
     close(got, reference(q, k, v, causal_mask(n, hq), do), 2e-5)
@@ -70,7 +71,8 @@ def test_threshold_above_density_runs_sparse_bitwise(gen: torch.Generator) -> No
     mtrain.dense_fallback_counts(reset=True)
     got = run(q, k, v, do, pattern=plan, dense_above=1.0)
     want = run(q, k, v, do, pattern=plan)
-    assert mtrain.dense_fallback_counts() == {"sparse": 1, "dense": 0}
+    assert mtrain.dense_fallback_counts()["sparse"] == 1
+    assert mtrain.dense_fallback_counts()["dense"] == 0
     for name in ("o", "dq", "dk", "dv"):
         assert torch.equal(got[name], want[name]), name
 
@@ -103,7 +105,7 @@ def test_auto_never_falls_back_on_cpu(gen: torch.Generator) -> None:
     mtrain.dense_fallback_counts(reset=True)
     got = run(q, k, v, do, budgets=mtrain.TopK(n, n), granularity=32, dense_above="auto")
     want = run(q, k, v, do, budgets=mtrain.TopK(n, n), granularity=32)
-    assert mtrain.dense_fallback_counts() == {"sparse": 0, "dense": 0}
+    assert mtrain.dense_fallback_counts()["sparse"] == mtrain.dense_fallback_counts()["dense"] == 0
     assert torch.equal(got["o"], want["o"])
 
 
@@ -115,6 +117,35 @@ def test_return_lse_keeps_the_sparse_kernels(gen: torch.Generator) -> None:
         q, k, v, budgets=mtrain.TopK(4, 16), granularity=32, dense_above=0.0, return_lse=True
     )
     assert lse.shape == (n, hq) and mtrain.dense_fallback_counts()["dense"] == 0
+
+
+def test_dense_recheck_skips_estimates(gen: torch.Generator) -> None:
+    n, hq, d = 256, 2, 64
+    q, k, v = (randn(gen, n, hq, d) for _ in range(3))
+    mtrain.dense_fallback_counts(reset=True)
+    kw = {"budgets": mtrain.TopK(4, 16), "layer": 0, "granularity": 32, "dense_above": 0.0}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
+    for call in range(7):
+        o = mtrain.attention(q, k, v, dense_recheck=3, **kw)
+        assert (o - want).abs().max() < 1e-6
+        # calls 0, 3, 6 estimate; the two after each run dense without estimating
+        assert mtrain.dense_fallback_counts()["estimates_skipped"] == call - call // 3
+    assert mtrain.dense_fallback_counts() == {"sparse": 0, "dense": 7, "estimates_skipped": 4}
+    # another layer (or other budgets) has its own decision; a sparse decision is not kept
+    mtrain.attention(q, k, v, dense_recheck=3, **{**kw, "layer": 1, "dense_above": 1.0})
+    mtrain.attention(q, k, v, dense_recheck=3, **{**kw, "layer": 1, "dense_above": 1.0})
+    assert mtrain.dense_fallback_counts() == {"sparse": 2, "dense": 7, "estimates_skipped": 4}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_recheck_is_refused(gen: torch.Generator, bad: object) -> None:
+    q, k, v = (randn(gen, 64, 2, 64) for _ in range(3))
+    with pytest.raises(mtrain.MtrainError, match="dense_recheck"):
+        mtrain.attention(
+            q, k, v, budgets=mtrain.TopK(4, 16), granularity=32, dense_above=0.5, dense_recheck=bad
+        )
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, "fast", True, [0.5]])
