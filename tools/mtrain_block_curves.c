@@ -12,6 +12,9 @@
  *          selection at each step since the refresh, on inputs that drift step to
  *          step (two structured inputs turned into each other by a growing
  *          angle: a stand-in for training steps)
+ *        mtrain-block-curves gpucost N [SEED]  seconds of each selection on the
+ *          cuda backend (bf16 device tensors, 8 query and 2 kv heads, d 128,
+ *          G 128) against the cuda dense forward
  * Prints markdown tables on stdout. Exit 0 on success, 1 on failure. */
 #include <math.h>
 #include <stdio.h>
@@ -22,6 +25,7 @@
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_block_cache.h"
 #include "mtrain/mtrain_cpu.h"
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_inputs.h"
 
 static double now_s(void) {
@@ -348,6 +352,91 @@ static int run_cache(uint64_t seed) {
   return 0;
 }
 
+/* ---- the cuda scores against the cuda dense forward ------------------------------------- */
+
+static void *upload(const void *host, size_t bytes) {
+  void *d = NULL;
+  TRY(mtrain_cuda_malloc(bytes, &d));
+  TRY(mtrain_cuda_memcpy_to_device(d, host, bytes));
+  return d;
+}
+
+static int run_gpucost(int64_t N, uint64_t seed) {
+  if (mtrain_cuda_device_count() < 1) {
+    fprintf(stderr, "gpucost: no CUDA device (or a build without the cuda backend)\n");
+    return 1;
+  }
+  inputs_t in = {.N = N, .Hq = 8, .Hkv = 2, .d = 128, .G = 128};
+  make_inputs(&in, seed, 0);
+  const int64_t nq = N * in.Hq * in.d, nk = N * in.Hkv * in.d;
+  uint16_t *hb = malloc(2 * (size_t)nq);
+  TRY(mtrain_convert(in.q, MTRAIN_F32, hb, MTRAIN_BF16, nq));
+  void *q = upload(hb, 2 * (size_t)nq), *o = upload(hb, 2 * (size_t)nq);
+  TRY(mtrain_convert(in.k, MTRAIN_F32, hb, MTRAIN_BF16, nk));
+  void *k = upload(hb, 2 * (size_t)nk);
+  TRY(mtrain_convert(in.v, MTRAIN_F32, hb, MTRAIN_BF16, nk));
+  void *v = upload(hb, 2 * (size_t)nk), *lse = NULL; /* lse: written by the dense forward */
+  TRY(mtrain_cuda_malloc(sizeof(float) * (size_t)(N * in.Hq), &lse));
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = "cuda";
+  cfg.granularity = in.G;
+  mtrain_context_t *ctx = NULL;
+  TRY(mtrain_context_create(&cfg, NULL, &ctx));
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_BF16, N, in.Hq, in.d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_BF16, N, in.Hkv, in.d);
+  mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_BF16, N, in.Hkv, in.d);
+  mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_BF16, N, in.Hq, in.d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, in.Hq);
+  mtrain_pattern_t *dense = NULL;
+  TRY(mtrain_pattern_create_dense(N, in.Hq, in.G, &dense));
+  const mtrain_pattern_t *ps[] = {dense};
+  mtrain_plan_t *plan = NULL;
+  TRY(mtrain_plan_create(ctx, NULL, ps, &plan));
+  double t_dense = INFINITY;
+  for (int r = 0; r < 4; r++) { /* a warm-up, then the best of three */
+    TRY(mtrain_cuda_device_synchronize());
+    const double t0 = now_s();
+    TRY(mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
+    TRY(mtrain_cuda_device_synchronize());
+    if (r > 0 && now_s() - t0 < t_dense) t_dense = now_s() - t0;
+  }
+  printf("structured inputs seed %llu, N %lld, heads %d/%d, d %d, G %d, cuda backend, bf16; dense "
+         "forward %.4f s (best of 3)\n\n| method | budget | density | selection s (best of 3) | "
+         "selection / dense forward |\n|---|---|---|---|---|\n",
+         (unsigned long long)seed, (long long)N, in.Hq, in.Hkv, in.d, in.G, t_dense);
+  for (int m = 0; m < 3; m++) {
+    const mtrain_block_options_t o3[3] = {
+        opts(MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
+        opts(MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
+        opts(MTRAIN_BLOCK_MEANPOOL, MTRAIN_BUDGET_TOP_K, 4, 0.0, 0)};
+    double best = INFINITY;
+    mtrain_pattern_t *p = NULL;
+    for (int r = 0; r < 4; r++) {
+      mtrain_pattern_destroy(p);
+      p = NULL;
+      TRY(mtrain_cuda_device_synchronize());
+      const double t0 = now_s();
+      TRY(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o3[m], NULL, &p));
+      if (r > 0 && now_s() - t0 < best) best = now_s() - t0;
+    }
+    printf("| %s | %s | %.3f | %.4f | %.1fx |\n",
+           m == 0   ? "precise"
+           : m == 1 ? "antidiag (S 8)"
+                    : "meanpool",
+           m == 2 ? "top-k 4" : "top-p 0.90", density(p, &in), best, best / t_dense);
+    fflush(stdout);
+    mtrain_pattern_destroy(p);
+  }
+  mtrain_plan_destroy(plan);
+  mtrain_pattern_destroy(dense);
+  mtrain_context_destroy(ctx);
+  mtrain_cuda_free(q), mtrain_cuda_free(k), mtrain_cuda_free(v), mtrain_cuda_free(o);
+  mtrain_cuda_free(lse);
+  free(hb);
+  free_inputs(&in);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "recall") == 0)
     return run_recall(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
@@ -355,6 +444,9 @@ int main(int argc, char **argv) {
     return run_cost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
   if (argc >= 2 && strcmp(argv[1], "cache") == 0)
     return run_cache(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
-  fprintf(stderr, "usage: %s recall [SEED] | cost N [SEED] | cache [SEED]\n", argv[0]);
+  if (argc >= 3 && strcmp(argv[1], "gpucost") == 0)
+    return run_gpucost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
+  fprintf(stderr, "usage: %s recall [SEED] | cost N [SEED] | cache [SEED] | gpucost N [SEED]\n",
+          argv[0]);
   return 1;
 }
