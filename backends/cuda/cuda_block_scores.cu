@@ -1,7 +1,10 @@
 /* cuda_block_scores.cu: the block scores of SPEC.md section 9 on the GPU (the
  * block_scores slot). Every output entry is owned by one thread and built
  * with the additions of the cpu-ref backend in its order, in fp64 without
- * fused multiply-adds, so the two differ only by the last bits of exp(). */
+ * fused multiply-adds, so the two differ only by the last bits of exp(). The
+ * keys are first copied (exactly, as fp32) into a layout interleaved by key
+ * block (precise) or by stride (antidiag), so that the threads of a warp,
+ * each at its own key block or strided column, read consecutive words. */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -36,15 +39,30 @@ struct blk_params {
   const void *q, *k, *lse;
   const int64_t *q_block_global; /* device */
   double *scores, *work;         /* work: kbar (meanpool) or strided logits (antidiag) */
+  const float *kp;               /* interleaved keys: [Hkv][P][d][ceil(N/P)], P = G or S */
 };
 
-/* q_i . k_j in fp64, x ascending, no fused multiply-add (cpu-ref's dot). */
-__device__ __forceinline__ double dot_qk(const blk_params &p, const double *q, int64_t j, int hk) {
-  const int64_t base = (j * p.Hkv + hk) * p.d;
+/* q . k in fp64, x ascending, no fused multiply-add (cpu-ref's dot); the key
+ * element x at kr[x * stride] (the interleaved layout). */
+__device__ __forceinline__ double dot_kp(const double *q, const float *kr, int64_t stride, int d) {
   double acc = 0.0;
-  for (int x = 0; x < p.d; x++)
-    acc = __dadd_rn(acc, __dmul_rn(q[x], ld_d(p.k, p.k_dtype, base + x)));
+  for (int x = 0; x < d; x++)
+    acc = __dadd_rn(acc, __dmul_rn(q[x], (double)kr[(int64_t)x * stride]));
   return acc;
+}
+
+/* kp[hk][s][x][c] = k[c P + s][hk][x] (0 beyond N): key j = c P + s of
+ * column c; fp32 holds every storage dtype's value exactly. */
+__global__ void __launch_bounds__(256)
+    interleave_kernel(blk_params p, int P, int64_t cols, float *kp) {
+  const int64_t total = (int64_t)p.Hkv * P * p.d * cols;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t c = e % cols, r = e / cols;
+    const int x = (int)(r % p.d), sp = (int)(r / p.d % P), hk = (int)(r / p.d / P);
+    const int64_t j = c * P + sp;
+    kp[e] = j < p.N ? (float)ld_d(p.k, p.k_dtype, (j * p.Hkv + hk) * p.d + x) : 0.0f;
+  }
 }
 
 /* The (head, local query block) of CTA blockIdx.x; false for padding. */
@@ -68,6 +86,7 @@ __global__ void __launch_bounds__(kThreads) precise_kernel(blk_params p) {
   if (!item_of(p, &h, &lb, &gb, &rows)) return;
   const int hk = h / (p.Hq / p.Hkv), tid = threadIdx.x;
   double *out = p.scores + (int64_t)h * p.tri + gb * (gb + 1) / 2;
+  const float *kp = p.kp + (int64_t)hk * p.G * p.d * p.nb; /* [G][d][nb] */
   for (int64_t kb0 = 0; kb0 <= gb; kb0 += kThreads) {
     const int64_t kb = kb0 + tid;
     const bool active = kb <= gb;
@@ -82,8 +101,10 @@ __global__ void __launch_bounds__(kThreads) precise_kernel(blk_params p) {
       const int64_t i = gb * p.G + r;
       const double lse = ld_d(p.lse, p.lse_dtype, slot * p.Hq + h);
       const int64_t j0 = kb * p.G, j1 = j0 + p.G < i + 1 ? j0 + p.G : i + 1;
-      for (int64_t j = j0; j < j1; j++)
-        acc = __dadd_rn(acc, exp(__dsub_rn(__dmul_rn(p.scale, dot_qk(p, qrow, j, hk)), lse)));
+      for (int64_t j = j0; j < j1; j++) {
+        const double dot = dot_kp(qrow, kp + (j - j0) * p.d * p.nb + kb, p.nb, p.d);
+        acc = __dadd_rn(acc, exp(__dsub_rn(__dmul_rn(p.scale, dot), lse)));
+      }
     }
     if (active) out[kb] = acc;
   }
@@ -103,6 +124,7 @@ __global__ void __launch_bounds__(kThreads) antidiag_kernel(blk_params p) {
   if (!item_of(p, &h, &lb, &gb, &rows)) return;
   const int hk = h / (p.Hq / p.Hkv), tid = threadIdx.x, S = p.S, d = p.d;
   double *X = p.work + (int64_t)blockIdx.x * p.ncs;
+  const float *kp = p.kp + (int64_t)hk * S * d * p.ncs; /* [S][d][ncs] */
   double *out = p.scores + (int64_t)h * p.tri + gb * (gb + 1) / 2;
   const double sS = __ddiv_rn(p.scale, (double)S);
   const int64_t a_first = gb * p.G / S, a_end = (gb * p.G + rows + S - 1) / S;
@@ -123,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) antidiag_kernel(blk_params p) {
       for (int sp = 0; sp < S; sp++) {
         const int64_t i = ar * S + sp, j = c * S + S - 1 - sp;
         if (i >= p.N || i - gb * p.G >= rows || j > i) continue;
-        sum = __dadd_rn(sum, dot_qk(p, qbuf + sp * d, j, hk));
+        sum = __dadd_rn(sum, dot_kp(qbuf + sp * d, kp + (S - 1 - sp) * d * p.ncs + c, p.ncs, d));
         terms++;
       }
       const double x = __dmul_rn(sS, sum);
@@ -235,6 +257,16 @@ mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
   return MTRAIN_SUCCESS;
 }
 
+/* Queues interleave_kernel into kp and points p->kp at it. */
+mtrain_status_t interleave(cuda_state_t *s, blk_params *p, int P, int64_t cols, float *kp) {
+  const int64_t total = (int64_t)p->Hkv * P * p->d * cols;
+  int64_t grid = (total + 255) / 256;
+  if (grid > 65536) grid = 65536;
+  interleave_kernel<<<(unsigned)grid, 256, 0, (cudaStream_t)s->stream>>>(*p, P, cols, kp);
+  p->kp = kp;
+  return cuda_check_launch("interleave_kernel");
+}
+
 } // namespace
 
 extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_scores_args_t *a) {
@@ -264,6 +296,7 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
   p.lse = a->lse;
   p.scores = a->scores;
   p.work = NULL;
+  p.kp = NULL;
   const int64_t items = (int64_t)p.Hq * p.num_q_blocks;
   cudaStream_t stream = (cudaStream_t)s->stream;
   void *dev = NULL;
@@ -277,8 +310,12 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
            mtrain_block_method_name(a->method), p.G, p.d);
   if (a->method == MTRAIN_BLOCK_PRECISE) {
     const size_t smem = sizeof(double) * (size_t)p.d;
-    st = cuda_prepare_launch(s, (const void *)precise_kernel, who, "precise_kernel", items, 1, smem,
-                             NULL);
+    void *work = NULL;
+    st = cuda_scratch(s, sizeof(float) * (size_t)((int64_t)p.Hkv * p.G * p.d * p.nb), &work);
+    if (!st) st = interleave(s, &p, p.G, p.nb, (float *)work);
+    if (!st)
+      st = cuda_prepare_launch(s, (const void *)precise_kernel, who, "precise_kernel", items, 1,
+                               smem, NULL);
     if (!st) {
       precise_kernel<<<(unsigned)items, kThreads, smem, stream>>>(p);
       st = cuda_check_launch("precise_kernel");
@@ -311,12 +348,16 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
     if (chunk > items) chunk = items;
     void *work = NULL;
     const size_t smem = sizeof(double) * (size_t)p.S * (size_t)p.d;
+    /* the interleaved keys, then the strided logits (256-byte aligned) */
+    const size_t kp_bytes =
+        (sizeof(float) * (size_t)((int64_t)p.Hkv * p.S * p.d * p.ncs) + 255) / 256 * 256;
     static cuda_smem_attr_t attr;
-    st = cuda_scratch(s, per_item * (size_t)chunk, &work);
+    st = cuda_scratch(s, kp_bytes + per_item * (size_t)chunk, &work);
+    if (!st) st = interleave(s, &p, p.S, p.ncs, (float *)work);
     if (!st)
       st = cuda_prepare_launch(s, (const void *)antidiag_kernel, who, "antidiag_kernel", chunk, 1,
                                smem, &attr);
-    p.work = (double *)work;
+    p.work = (double *)((char *)work + kp_bytes);
     for (int64_t i0 = 0; i0 < items && !st; i0 += chunk) {
       p.item0 = i0;
       const int64_t n = items - i0 < chunk ? items - i0 : chunk;
