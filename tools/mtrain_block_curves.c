@@ -7,6 +7,14 @@
  *        mtrain-block-curves cost N [SEED]    seconds of each selection against
  *          the cpu forward of the pattern it selects (8 query heads, 2 kv, d 128,
  *          G 128), fp32, this machine's threads
+ *        mtrain-block-curves cache [SEED]     the recall drop of a cached block
+ *          pattern (mtrain_block_cache_*, refresh every 8 steps) against a fresh
+ *          selection at each step since the refresh, on inputs that drift step to
+ *          step (two structured inputs turned into each other by a growing
+ *          angle: a stand-in for training steps)
+ *        mtrain-block-curves gpucost N [SEED]  seconds of each selection on the
+ *          cuda backend (bf16 device tensors, 8 query and 2 kv heads, d 128,
+ *          G 128) against the cuda dense forward
  * Prints markdown tables on stdout. Exit 0 on success, 1 on failure. */
 #include <math.h>
 #include <stdio.h>
@@ -15,7 +23,9 @@
 #include <time.h>
 
 #include "mtrain/mtrain.h"
+#include "mtrain/mtrain_block_cache.h"
 #include "mtrain/mtrain_cpu.h"
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_inputs.h"
 
 static double now_s(void) {
@@ -239,11 +249,204 @@ static int run_cost(int64_t N, uint64_t seed) {
   return 0;
 }
 
+/* ---- the pattern cache under drift ------------------------------------------------------ */
+
+/* The drift model of the cache measurement: two structured inputs of
+ * independent seeds, A and B (their own slash directions, outlier keys and
+ * noise), turned into each other by an angle that grows by `omega` per step:
+ * q_t = cos(omega t) q_A + sin(omega t) q_B, the same for k. Each step keeps
+ * the statistics of one structured input while its outlier keys and slash
+ * phases move from A's to B's. */
+static void drift(inputs_t *in, const inputs_t *A, const inputs_t *B, double angle) {
+  const double c = cos(angle), sn = sin(angle);
+  const int64_t nq = in->N * in->Hq * in->d, nk = in->N * in->Hkv * in->d;
+  for (int64_t i = 0; i < nq; i++)
+    in->q[i] = (float)(c * A->q[i] + sn * B->q[i]), in->qd[i] = in->q[i];
+  for (int64_t i = 0; i < nk; i++)
+    in->k[i] = (float)(c * A->k[i] + sn * B->k[i]), in->kd[i] = in->k[i];
+}
+
+static void free_inputs(inputs_t *in) {
+  free(in->q), free(in->k), free(in->v), free(in->lse), free(in->qd), free(in->kd);
+}
+
+#define CACHE_STEPS 24
+#define CACHE_REFRESH 8
+#define CACHE_METHODS 3
+
+static int run_cache(uint64_t seed) {
+  static const double omegas[] = {0.02, 0.05, 0.1}; /* omega, radians per step */
+  const char *names[CACHE_METHODS] = {"precise", "antidiag (S 8)", "meanpool"};
+  const char *budgets[CACHE_METHODS] = {"top-p 0.90", "top-p 0.90", "top-k 4"};
+  mtrain_block_options_t os[CACHE_METHODS] = {
+      opts(MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
+      opts(MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
+      opts(MTRAIN_BLOCK_MEANPOOL, MTRAIN_BUDGET_TOP_K, 4, 0.0, 0)};
+  printf("structured inputs seeds %llu and %llu, N 2048, heads 4/2, d 64, G 64, cpu backend; "
+         "drift: q_t = cos(omega t) q_A + sin(omega t) q_B, the same for k; %d steps, refresh "
+         "every %d; recall in fp64 against each step's own dense attention\n",
+         (unsigned long long)seed, (unsigned long long)seed + 1, CACHE_STEPS, CACHE_REFRESH);
+  double summary[3][CACHE_METHODS][2];
+  for (size_t e = 0; e < sizeof omegas / sizeof omegas[0]; e++) {
+    inputs_t in = {.N = 2048, .Hq = 4, .Hkv = 2, .d = 64, .G = 64}, A = in, B = in;
+    make_inputs(&in, seed, 1);
+    make_inputs(&A, seed, 0);
+    make_inputs(&B, seed + 1, 0);
+    mtrain_context_t *ctx = context(in.G);
+    mtrain_block_cache_t *cache = NULL;
+    TRY(mtrain_block_cache_create(CACHE_METHODS, CACHE_REFRESH, &cache));
+    mtrain_pattern_t *dense = NULL;
+    TRY(mtrain_pattern_create_dense(in.N, in.Hq, in.G, &dense));
+    /* sums per (method, age): cached recall, fresh recall, cached density, fresh density */
+    double acc[CACHE_METHODS][CACHE_REFRESH][4] = {{{0}}};
+    int count[CACHE_REFRESH] = {0};
+    for (int t = 0; t < CACHE_STEPS; t++) {
+      drift(&in, &A, &B, omegas[e] * t);
+      forward(ctx, &in, dense, in.lse); /* this step's LSE (the precise search reuses it) */
+      mtrain_tensor_t tq = mtrain_tensor_3d(in.q, MTRAIN_F32, in.N, in.Hq, in.d);
+      mtrain_tensor_t tk = mtrain_tensor_3d(in.k, MTRAIN_F32, in.N, in.Hkv, in.d);
+      mtrain_tensor_t tl = mtrain_tensor_2d(in.lse, MTRAIN_F32, in.N, in.Hq);
+      int32_t age = 0;
+      for (int m = 0; m < CACHE_METHODS; m++) {
+        const mtrain_pattern_t *cached = NULL;
+        TRY(mtrain_block_cache_select(cache, m, ctx, &tq, &tk, &tl, &os[m], NULL, &cached, &age));
+        mtrain_pattern_t *fresh = select_blocks(ctx, &in, &os[m], NULL);
+        const double rf = recall(fresh, &in), rc = age == 0 ? rf : recall(cached, &in);
+        acc[m][age][0] += rc, acc[m][age][1] += rf;
+        acc[m][age][2] += density(cached, &in), acc[m][age][3] += density(fresh, &in);
+        mtrain_pattern_destroy(fresh);
+      }
+      count[age]++;
+    }
+    printf(
+        "\ndrift omega %.2f per step\n\n| method | budget | steps since refresh | cached recall | "
+        "fresh recall | drop | cached density | fresh density |\n"
+        "|---|---|---|---|---|---|---|---|\n",
+        omegas[e]);
+    for (int m = 0; m < CACHE_METHODS; m++) {
+      double drop_sum = 0.0;
+      for (int a = 0; a < CACHE_REFRESH; a++) {
+        const double n = (double)count[a], rc = acc[m][a][0] / n, rf = acc[m][a][1] / n;
+        printf("| %s | %s | %d | %.4f | %.4f | %.4f | %.3f | %.3f |\n", names[m], budgets[m], a, rc,
+               rf, rf - rc, acc[m][a][2] / n, acc[m][a][3] / n);
+        if (a > 0) drop_sum += rf - rc;
+      }
+      summary[e][m][0] = drop_sum / (CACHE_REFRESH - 1);
+      summary[e][m][1] = (acc[m][CACHE_REFRESH - 1][1] - acc[m][CACHE_REFRESH - 1][0]) /
+                         (double)count[CACHE_REFRESH - 1];
+    }
+    fflush(stdout);
+    mtrain_pattern_destroy(dense);
+    mtrain_block_cache_destroy(cache);
+    mtrain_context_destroy(ctx);
+    free_inputs(&in), free_inputs(&A), free_inputs(&B);
+  }
+  printf(
+      "\n| drift omega | method | budget | mean drop, steps 1-%d since refresh | drop at step %d "
+      "|\n|---|---|---|---|---|\n",
+      CACHE_REFRESH - 1, CACHE_REFRESH - 1);
+  for (size_t e = 0; e < sizeof omegas / sizeof omegas[0]; e++)
+    for (int m = 0; m < CACHE_METHODS; m++)
+      printf("| %.2f | %s | %s | %.4f | %.4f |\n", omegas[e], names[m], budgets[m],
+             summary[e][m][0], summary[e][m][1]);
+  return 0;
+}
+
+/* ---- the cuda scores against the cuda dense forward ------------------------------------- */
+
+static void *upload(const void *host, size_t bytes) {
+  void *d = NULL;
+  TRY(mtrain_cuda_malloc(bytes, &d));
+  TRY(mtrain_cuda_memcpy_to_device(d, host, bytes));
+  return d;
+}
+
+static int run_gpucost(int64_t N, uint64_t seed) {
+  if (mtrain_cuda_device_count() < 1) {
+    fprintf(stderr, "gpucost: no CUDA device (or a build without the cuda backend)\n");
+    return 1;
+  }
+  inputs_t in = {.N = N, .Hq = 8, .Hkv = 2, .d = 128, .G = 128};
+  make_inputs(&in, seed, 0);
+  const int64_t nq = N * in.Hq * in.d, nk = N * in.Hkv * in.d;
+  uint16_t *hb = malloc(2 * (size_t)nq);
+  TRY(mtrain_convert(in.q, MTRAIN_F32, hb, MTRAIN_BF16, nq));
+  void *q = upload(hb, 2 * (size_t)nq), *o = upload(hb, 2 * (size_t)nq);
+  TRY(mtrain_convert(in.k, MTRAIN_F32, hb, MTRAIN_BF16, nk));
+  void *k = upload(hb, 2 * (size_t)nk);
+  TRY(mtrain_convert(in.v, MTRAIN_F32, hb, MTRAIN_BF16, nk));
+  void *v = upload(hb, 2 * (size_t)nk), *lse = NULL; /* lse: written by the dense forward */
+  TRY(mtrain_cuda_malloc(sizeof(float) * (size_t)(N * in.Hq), &lse));
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = "cuda";
+  cfg.granularity = in.G;
+  mtrain_context_t *ctx = NULL;
+  TRY(mtrain_context_create(&cfg, NULL, &ctx));
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_BF16, N, in.Hq, in.d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_BF16, N, in.Hkv, in.d);
+  mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_BF16, N, in.Hkv, in.d);
+  mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_BF16, N, in.Hq, in.d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, in.Hq);
+  mtrain_pattern_t *dense = NULL;
+  TRY(mtrain_pattern_create_dense(N, in.Hq, in.G, &dense));
+  const mtrain_pattern_t *ps[] = {dense};
+  mtrain_plan_t *plan = NULL;
+  TRY(mtrain_plan_create(ctx, NULL, ps, &plan));
+  double t_dense = INFINITY;
+  for (int r = 0; r < 4; r++) { /* a warm-up, then the best of three */
+    TRY(mtrain_cuda_device_synchronize());
+    const double t0 = now_s();
+    TRY(mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
+    TRY(mtrain_cuda_device_synchronize());
+    if (r > 0 && now_s() - t0 < t_dense) t_dense = now_s() - t0;
+  }
+  printf("structured inputs seed %llu, N %lld, heads %d/%d, d %d, G %d, cuda backend, bf16; dense "
+         "forward %.4f s (best of 3)\n\n| method | budget | density | selection s (best of 3) | "
+         "selection / dense forward |\n|---|---|---|---|---|\n",
+         (unsigned long long)seed, (long long)N, in.Hq, in.Hkv, in.d, in.G, t_dense);
+  for (int m = 0; m < 3; m++) {
+    const mtrain_block_options_t o3[3] = {
+        opts(MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
+        opts(MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
+        opts(MTRAIN_BLOCK_MEANPOOL, MTRAIN_BUDGET_TOP_K, 4, 0.0, 0)};
+    double best = INFINITY;
+    mtrain_pattern_t *p = NULL;
+    for (int r = 0; r < 4; r++) {
+      mtrain_pattern_destroy(p);
+      p = NULL;
+      TRY(mtrain_cuda_device_synchronize());
+      const double t0 = now_s();
+      TRY(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o3[m], NULL, &p));
+      if (r > 0 && now_s() - t0 < best) best = now_s() - t0;
+    }
+    printf("| %s | %s | %.3f | %.4f | %.1fx |\n",
+           m == 0   ? "precise"
+           : m == 1 ? "antidiag (S 8)"
+                    : "meanpool",
+           m == 2 ? "top-k 4" : "top-p 0.90", density(p, &in), best, best / t_dense);
+    fflush(stdout);
+    mtrain_pattern_destroy(p);
+  }
+  mtrain_plan_destroy(plan);
+  mtrain_pattern_destroy(dense);
+  mtrain_context_destroy(ctx);
+  mtrain_cuda_free(q), mtrain_cuda_free(k), mtrain_cuda_free(v), mtrain_cuda_free(o);
+  mtrain_cuda_free(lse);
+  free(hb);
+  free_inputs(&in);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "recall") == 0)
     return run_recall(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
   if (argc >= 3 && strcmp(argv[1], "cost") == 0)
     return run_cost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
-  fprintf(stderr, "usage: %s recall [SEED] | cost N [SEED]\n", argv[0]);
+  if (argc >= 2 && strcmp(argv[1], "cache") == 0)
+    return run_cache(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
+  if (argc >= 3 && strcmp(argv[1], "gpucost") == 0)
+    return run_gpucost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
+  fprintf(stderr, "usage: %s recall [SEED] | cost N [SEED] | cache [SEED] | gpucost N [SEED]\n",
+          argv[0]);
   return 1;
 }

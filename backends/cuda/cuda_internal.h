@@ -213,6 +213,8 @@ mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const void *dout,
 mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a);
 /* The pattern_select slot (cuda_select.cu). */
 mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_select_args_t *a);
+/* The block scores of SPEC.md section 9 (the block_scores slot; cuda_block_scores.cu). */
+mtrain_status_t cuda_block_scores(void *state, const mtrain_block_scores_args_t *a);
 
 /* Device scratch of at least `bytes` (grown on demand, kept). */
 mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out);

@@ -1,0 +1,523 @@
+/* test_cuda_block_scores.c: the "cuda" backend's block scores (SPEC.md
+ * section 9, the block_scores slot) against the cpu-ref backend.
+ *  (a) scores of every method (precise from a dense forward's LSE, strided
+ *      antidiagonal, mean-pooled), GQA 8:2, d 64 and 128, N 1000 (G 64) and
+ *      3001 (G 128), fp32, bf16 and fp16 inputs, LSE fp32 and fp64: the
+ *      masses (precise, antidiag) agree per entry within 1e-12 relative,
+ *      the logits (meanpool) within 1e-12 of the largest |logit|. Both
+ *      backends add in the same order in fp64 without fused multiply-adds;
+ *      only the last bits of exp() differ;
+ *  (b) the distributed contract: scoring only the odd query blocks (their
+ *      slots packed, as a rank holds them) writes bitwise the rows of the
+ *      whole run and leaves every other row at zero;
+ *  (c) patterns selected end to end on a cuda context (device tensors;
+ *      top-p and top-k, all three methods) equal the host selection of the
+ *      cuda scores exactly, and the selection of the cpu-ref scores except in
+ *      query blocks where the cpu-ref selection has a near tie (a decision
+ *      within 1e-9 of the row's scale; counted and printed, none expected);
+ *  (d) bad arguments of the slot are refused naming the problem.
+ * Skipped (exit 77) without a CUDA device. Seeds are printed;
+ * MTRAIN_TEST_SEED overrides them. */
+#define _POSIX_C_SOURCE 200809L
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/runtime/backend.h"
+#include "core/runtime/block_select.h"
+#include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain.h"
+#include "mtrain/mtrain_cuda.h"
+#include "mtrain/mtrain_inputs.h"
+#include "test_support.h"
+
+static int have_gpu;
+
+static void require_gpu(void) {
+  if (have_gpu) return;
+  print_message("SKIPPED: no CUDA device is visible\n");
+  skip();
+}
+
+#define CHECK_OK(x)                                                                                \
+  do {                                                                                             \
+    const mtrain_status_t st_ = (x);                                                               \
+    if (st_) fail_msg("%s: %s (%s)", #x, mtrain_status_name(st_), mtrain_last_error());            \
+  } while (0)
+
+static mtrain_context_t *make_ctx(const char *backend, int32_t G) {
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = backend;
+  cfg.granularity = G;
+  mtrain_context_t *ctx = NULL;
+  CHECK_OK(mtrain_context_create(&cfg, NULL, &ctx));
+  return ctx;
+}
+
+static void *dev_copy(const void *host, size_t bytes) {
+  void *d = NULL;
+  CHECK_OK(mtrain_cuda_malloc(bytes, &d));
+  CHECK_OK(mtrain_cuda_memcpy_to_device(d, host, bytes));
+  /* the backend's stream does not wait for the default stream */
+  CHECK_OK(mtrain_cuda_device_synchronize());
+  return d;
+}
+
+/* ---- one case: inputs on the host and on the device -------------------------------------- */
+
+typedef struct gcase {
+  int64_t N;
+  int32_t G, Hq, Hkv, d, S;
+  mtrain_dtype_t dtype;
+  int lse64;
+} gcase_t;
+
+static const gcase_t cases[] = {
+    {1000, 64, 8, 2, 64, 8, MTRAIN_F32, 0},    /* N % G = 40 */
+    {1000, 64, 8, 2, 64, 8, MTRAIN_BF16, 1},   /* lse fp64 */
+    {3001, 128, 8, 2, 128, 8, MTRAIN_BF16, 0}, /* N % G = 57 */
+    {3001, 128, 8, 2, 128, 16, MTRAIN_F16, 1}, /* stride 16, lse fp64 */
+};
+#define NCASES (sizeof cases / sizeof cases[0])
+
+typedef struct problem {
+  gcase_t c;
+  uint64_t seed;
+  int64_t nb, tri;
+  size_t esz;
+  void *q, *k, *lse;          /* host: q, k in c.dtype, lse fp32 or fp64 */
+  void *dq, *dk, *dlse, *dsc; /* device; dsc: Hq * tri doubles */
+} problem_t;
+
+static void problem_make(problem_t *p, const gcase_t *c, uint64_t seed) {
+  memset(p, 0, sizeof *p);
+  p->c = *c;
+  p->seed = seed;
+  const int64_t N = c->N, nq = N * c->Hq * c->d, nk = N * c->Hkv * c->d;
+  p->nb = (N + c->G - 1) / c->G;
+  p->tri = mtrain_block_tri(p->nb);
+  p->esz = mtrain_dtype_size(c->dtype);
+  float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk);
+  float *v = malloc(sizeof(float) * (size_t)nk), *o = malloc(sizeof(float) * (size_t)nq);
+  float *lse = malloc(sizeof(float) * (size_t)(N * c->Hq));
+  p->q = malloc(p->esz * (size_t)nq);
+  p->k = malloc(p->esz * (size_t)nk);
+  assert_true(q && k && v && o && lse && p->q && p->k);
+  /* structured inputs (peaked attention) and noise of the seed's own */
+  mtrain_structured_options_t so = MTRAIN_STRUCTURED_INIT;
+  so.seed = seed;
+  so.rope_base = 4.0 * (double)N;
+  mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, c->Hq, c->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, N, c->Hkv, c->d);
+  mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_F32, N, c->Hkv, c->d);
+  CHECK_OK(mtrain_generate_structured(&so, &tq, &tk, &tv));
+  ts_rng_t rng;
+  ts_rng_seed(&rng, seed ^ 0x5eed);
+  for (int64_t i = 0; i < nq; i++) q[i] += (float)(0.3 * ts_rng_normal(&rng));
+  /* the storage dtype, and back: both backends see the same values */
+  CHECK_OK(mtrain_convert(q, MTRAIN_F32, p->q, c->dtype, nq));
+  CHECK_OK(mtrain_convert(k, MTRAIN_F32, p->k, c->dtype, nk));
+  CHECK_OK(mtrain_convert(p->q, c->dtype, q, MTRAIN_F32, nq));
+  CHECK_OK(mtrain_convert(p->k, c->dtype, k, MTRAIN_F32, nk));
+  /* the LSE of a dense forward (cpu backend) */
+  mtrain_context_t *ctx = make_ctx("cpu", c->G);
+  mtrain_pattern_t *dense = NULL;
+  CHECK_OK(mtrain_pattern_create_dense(N, c->Hq, c->G, &dense));
+  const mtrain_pattern_t *ps[] = {dense};
+  mtrain_plan_t *plan = NULL;
+  CHECK_OK(mtrain_plan_create(ctx, NULL, ps, &plan));
+  mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_F32, N, c->Hq, c->d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, c->Hq);
+  CHECK_OK(mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl));
+  mtrain_plan_destroy(plan);
+  mtrain_pattern_destroy(dense);
+  mtrain_context_destroy(ctx);
+  const size_t lsz = c->lse64 ? sizeof(double) : sizeof(float);
+  p->lse = malloc(lsz * (size_t)(N * c->Hq));
+  assert_non_null(p->lse);
+  CHECK_OK(mtrain_convert(lse, MTRAIN_F32, p->lse, c->lse64 ? MTRAIN_F64 : MTRAIN_F32, N * c->Hq));
+  p->dq = dev_copy(p->q, p->esz * (size_t)nq);
+  p->dk = dev_copy(p->k, p->esz * (size_t)nk);
+  p->dlse = dev_copy(p->lse, lsz * (size_t)(N * c->Hq));
+  CHECK_OK(mtrain_cuda_malloc(sizeof(double) * (size_t)(p->tri * c->Hq), &p->dsc));
+  free(q), free(k), free(v), free(o), free(lse);
+}
+
+static void problem_free(problem_t *p) {
+  free(p->q), free(p->k), free(p->lse);
+  mtrain_cuda_free(p->dq), mtrain_cuda_free(p->dk), mtrain_cuda_free(p->dlse);
+  mtrain_cuda_free(p->dsc);
+}
+
+static mtrain_block_scores_args_t args_of(const problem_t *p, mtrain_block_method_t m,
+                                          const int64_t *ids, int device) {
+  const gcase_t *c = &p->c;
+  const mtrain_block_scores_args_t a = {
+      .method = m,
+      .seq_len = c->N,
+      .granularity = c->G,
+      .num_heads = c->Hq,
+      .num_kv_heads = c->Hkv,
+      .head_dim = c->d,
+      .scale = 1.0 / sqrt((double)c->d),
+      .stride = c->S,
+      .q_dtype = c->dtype,
+      .q = device ? p->dq : p->q,
+      .q_tokens = c->N,
+      .num_q_blocks = (int32_t)p->nb,
+      .q_block_global = ids,
+      .k_dtype = c->dtype,
+      .k = device ? p->dk : p->k,
+      .lse_dtype = c->lse64 ? MTRAIN_F64 : MTRAIN_F32,
+      .lse = m == MTRAIN_BLOCK_PRECISE ? (device ? p->dlse : p->lse) : NULL,
+      .scores = NULL};
+  return a;
+}
+
+static int64_t *identity(int64_t nb) {
+  int64_t *ids = malloc(sizeof(int64_t) * (size_t)nb);
+  assert_non_null(ids);
+  for (int64_t b = 0; b < nb; b++) ids[b] = b;
+  return ids;
+}
+
+/* The scores of one method on cpu-ref (host) and cuda (downloaded). */
+static void both_scores(const problem_t *p, mtrain_context_t *ref, mtrain_context_t *gpu,
+                        mtrain_block_method_t m, double *want, double *got) {
+  const size_t bytes = sizeof(double) * (size_t)(p->tri * p->c.Hq);
+  int64_t *ids = identity(p->nb);
+  mtrain_block_scores_args_t a = args_of(p, m, ids, 0);
+  memset(want, 0, bytes);
+  a.scores = want;
+  CHECK_OK(mtrain_be_block_scores(ref, &a));
+  a = args_of(p, m, ids, 1);
+  CHECK_OK(mtrain_be_memset_zero(gpu, p->dsc, bytes));
+  a.scores = p->dsc;
+  CHECK_OK(mtrain_be_block_scores(gpu, &a));
+  CHECK_OK(mtrain_be_copy_to_host(gpu, got, p->dsc, bytes));
+  free(ids);
+}
+
+/* ---- (a) and (b): scores ------------------------------------------------------------------ */
+
+static const mtrain_block_method_t methods[] = {MTRAIN_BLOCK_PRECISE, MTRAIN_BLOCK_ANTIDIAG,
+                                                MTRAIN_BLOCK_MEANPOOL};
+
+static void compare_scores(const problem_t *p, mtrain_block_method_t m, const double *want,
+                           const double *got) {
+  const int64_t n = p->tri * p->c.Hq;
+  const double M = ts_max_abs(want, n);
+  double worst = 0.0;
+  int64_t at = -1;
+  for (int64_t e = 0; e < n; e++) {
+    /* masses: relative per entry (a floor for subnormal terms); logits: of the largest */
+    const double scale = m == MTRAIN_BLOCK_MEANPOOL ? M : fabs(want[e]) + 1e-290;
+    const double r = fabs(got[e] - want[e]) / scale;
+    if (!(r <= worst)) worst = r, at = e;
+  }
+  print_message("scores seed %llu N %lld G %d heads %d/%d d %d %s lse %s %s: max %s err %.3g "
+                "(bound 1e-12, max |score| %.3g)\n",
+                (unsigned long long)p->seed, (long long)p->c.N, p->c.G, p->c.Hq, p->c.Hkv, p->c.d,
+                mtrain_dtype_name(p->c.dtype), p->c.lse64 ? "fp64" : "fp32",
+                mtrain_block_method_name(m), m == MTRAIN_BLOCK_MEANPOOL ? "scaled" : "relative",
+                worst, M);
+  if (!(worst <= 1e-12))
+    fail_msg("cuda %s scores, seed %llu N %lld: entry %lld is %.17g, cpu-ref %.17g (error %.3g > "
+             "1e-12)",
+             mtrain_block_method_name(m), (unsigned long long)p->seed, (long long)p->c.N,
+             (long long)at, got[at], want[at], worst);
+}
+
+/* (b): only the odd query blocks, packed as a rank holds them. */
+static void check_subset(const problem_t *p, mtrain_context_t *gpu, mtrain_block_method_t m,
+                         const double *full) {
+  const gcase_t *c = &p->c;
+  const int64_t nloc = p->nb / 2, slots = nloc * c->G;
+  int64_t *ids = malloc(sizeof(int64_t) * (size_t)nloc);
+  const size_t qrow = p->esz * (size_t)(c->Hq * c->d);
+  const size_t lsz = c->lse64 ? sizeof(double) : sizeof(float), lrow = lsz * (size_t)c->Hq;
+  char *q = calloc((size_t)slots, qrow), *lse = calloc((size_t)slots, lrow);
+  assert_true(ids && q && lse);
+  for (int64_t lb = 0; lb < nloc; lb++) {
+    ids[lb] = 2 * lb + 1;
+    for (int64_t r = 0; r < c->G && ids[lb] * c->G + r < c->N; r++) {
+      const int64_t i = ids[lb] * c->G + r, s = lb * c->G + r;
+      memcpy(q + (size_t)s * qrow, (const char *)p->q + (size_t)i * qrow, qrow);
+      memcpy(lse + (size_t)s * lrow, (const char *)p->lse + (size_t)i * lrow, lrow);
+    }
+  }
+  void *dq = dev_copy(q, (size_t)slots * qrow), *dl = dev_copy(lse, (size_t)slots * lrow);
+  mtrain_block_scores_args_t a = args_of(p, m, ids, 1);
+  a.q = dq;
+  a.q_tokens = slots;
+  a.num_q_blocks = (int32_t)nloc;
+  a.lse = m == MTRAIN_BLOCK_PRECISE ? dl : NULL;
+  const int64_t n = p->tri * c->Hq;
+  double *got = malloc(sizeof(double) * (size_t)n);
+  assert_non_null(got);
+  CHECK_OK(mtrain_be_memset_zero(gpu, p->dsc, sizeof(double) * (size_t)n));
+  a.scores = p->dsc;
+  CHECK_OK(mtrain_be_block_scores(gpu, &a));
+  CHECK_OK(mtrain_be_copy_to_host(gpu, got, p->dsc, sizeof(double) * (size_t)n));
+  int64_t owned = 0;
+  for (int32_t h = 0; h < c->Hq; h++)
+    for (int64_t qb = 0; qb < p->nb; qb++)
+      for (int64_t kb = 0; kb <= qb; kb++) {
+        const int64_t e = h * p->tri + mtrain_block_tri(qb) + kb;
+        const int odd = qb % 2 == 1 && qb / 2 < nloc;
+        const double want = odd ? full[e] : 0.0;
+        owned += odd;
+        if (memcmp(&got[e], &want, sizeof want) != 0)
+          fail_msg("cuda %s scores of the odd query blocks only: head %d (%lld, %lld) is %.17g, "
+                   "want %.17g (%s)",
+                   mtrain_block_method_name(m), h, (long long)qb, (long long)kb, got[e], want,
+                   odd ? "the whole run's bits" : "untouched");
+      }
+  print_message("subset %s N %lld: %lld owned entries bitwise the whole run's, the rest zero\n",
+                mtrain_block_method_name(m), (long long)c->N, (long long)owned);
+  mtrain_cuda_free(dq), mtrain_cuda_free(dl);
+  free(ids), free(q), free(lse), free(got);
+}
+
+/* ---- (c): selection ------------------------------------------------------------------------- */
+
+typedef struct sel {
+  mtrain_block_method_t method;
+  mtrain_budget_kind_t kind;
+  int32_t top_k;
+  double top_p;
+} sel_t;
+
+static const sel_t sels[] = {
+    {MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, 0.9},
+    {MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_K, 4, 0},
+    {MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.9},
+    {MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_K, 4, 0},
+    {MTRAIN_BLOCK_MEANPOOL, MTRAIN_BUDGET_TOP_K, 4, 0},
+};
+#define NSELS (sizeof sels / sizeof sels[0])
+
+/* Descending, NaN last, then ascending key block (SPEC.md 9.4). */
+static const double *cmp_row;
+static int by_rank(const void *pa, const void *pb) {
+  const int64_t a = *(const int64_t *)pa, b = *(const int64_t *)pb;
+  const double x = isnan(cmp_row[a]) ? -INFINITY : cmp_row[a];
+  const double y = isnan(cmp_row[b]) ? -INFINITY : cmp_row[b];
+  if (x != y) return x > y ? -1 : 1;
+  return (a > b) - (a < b);
+}
+
+/* The smallest margin of the decisions of row qb's selection, relative to
+ * the row's scale: a difference of the scores below it may change the set. */
+static double row_margin(const double *row, int64_t qb, const mtrain_block_options_t *o) {
+  int64_t *idx = malloc(sizeof(int64_t) * (size_t)(qb + 1)), n = 0;
+  double total = 0.0, kept = 0.0, scale = 0.0;
+  for (int64_t kb = 0; kb <= qb; kb++) {
+    const int forced = kb == qb || kb < o->sink_blocks || kb > qb - o->local_blocks;
+    total += row[kb];
+    scale = fmax(scale, fabs(row[kb]));
+    if (forced)
+      kept += row[kb];
+    else
+      idx[n++] = kb;
+  }
+  cmp_row = row;
+  qsort(idx, (size_t)n, sizeof *idx, by_rank);
+  double margin = INFINITY;
+  int64_t take = 0;
+  if (o->kind == MTRAIN_BUDGET_TOP_K) {
+    take = o->top_k < n ? o->top_k : n;
+  } else {
+    scale = fabs(total);
+    const double target = o->top_p * total;
+    while (take < n && kept < target) {
+      margin = fmin(margin, target - kept);
+      kept += row[idx[take++]];
+    }
+    if (take < n) margin = fmin(margin, kept - target);
+  }
+  if (take > 0 && take < n) margin = fmin(margin, row[idx[take - 1]] - row[idx[take]]);
+  free(idx);
+  return scale > 0.0 ? margin / scale : margin;
+}
+
+/* The host selection of `scores` (mtrain_block_select_head), head by head. */
+typedef struct csr {
+  int64_t *off;
+  int32_t *idx;
+} csr_t;
+
+static csr_t *host_select(const double *scores, int64_t nb, int32_t Hq,
+                          const mtrain_block_options_t *o, double *recall) {
+  csr_t *r = calloc((size_t)Hq, sizeof *r);
+  int64_t *order = malloc(sizeof(int64_t) * (size_t)nb);
+  uint8_t *keep = malloc((size_t)nb);
+  assert_true(r && order && keep);
+  for (int32_t h = 0; h < Hq; h++) {
+    r[h].off = malloc(sizeof(int64_t) * (size_t)(nb + 1));
+    r[h].idx = malloc(sizeof(int32_t) * (size_t)mtrain_block_tri(nb));
+    mtrain_block_head_result_t res;
+    mtrain_block_select_head(scores + h * mtrain_block_tri(nb), nb, o, o->top_k, r[h].off, r[h].idx,
+                             order, keep, &res);
+    recall[h] = res.kept / res.total;
+  }
+  free(order), free(keep);
+  return r;
+}
+
+static void csr_free(csr_t *r, int32_t Hq) {
+  for (int32_t h = 0; h < Hq; h++) free(r[h].off), free(r[h].idx);
+  free(r);
+}
+
+static int row_equal(const mtrain_pattern_head_t *ph, const csr_t *c, int64_t qb) {
+  const int64_t n = ph->mask_off[qb + 1] - ph->mask_off[qb];
+  if (n != c->off[qb + 1] - c->off[qb]) return 0;
+  return memcmp(ph->mask_idx + ph->mask_off[qb], c->idx + c->off[qb], sizeof(int32_t) * n) == 0;
+}
+
+static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel_t *s,
+                            const double *ref_scores, const double *gpu_scores) {
+  const gcase_t *c = &p->c;
+  mtrain_block_options_t o = MTRAIN_BLOCK_OPTIONS_INIT;
+  o.method = s->method;
+  o.kind = s->kind;
+  o.top_k = s->top_k;
+  o.top_p = s->kind == MTRAIN_BUDGET_TOP_P ? s->top_p : 0.9;
+  o.stride = c->S;
+  mtrain_tensor_t tq = mtrain_tensor_3d(p->dq, c->dtype, c->N, c->Hq, c->d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(p->dk, c->dtype, c->N, c->Hkv, c->d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(p->dlse, c->lse64 ? MTRAIN_F64 : MTRAIN_F32, c->N, c->Hq);
+  double *recall = malloc(sizeof(double) * (size_t)c->Hq);
+  double *rec_gpu = malloc(sizeof(double) * (size_t)c->Hq);
+  double *rec_ref = malloc(sizeof(double) * (size_t)c->Hq);
+  mtrain_block_report_t rep = {recall, NULL, NULL};
+  mtrain_pattern_t *pat = NULL;
+  CHECK_OK(mtrain_pattern_select_blocks(gpu, &tq, &tk, &tl, &o, &rep, &pat));
+  csr_t *from_gpu = host_select(gpu_scores, p->nb, c->Hq, &o, rec_gpu);
+  csr_t *from_ref = host_select(ref_scores, p->nb, c->Hq, &o, rec_ref);
+  int64_t ties = 0, rows = 0;
+  for (int32_t h = 0; h < c->Hq; h++) {
+    const mtrain_pattern_head_t *ph = &pat->heads[h];
+    assert_true(mtrain_pattern_head_is_block_mask(pat, h));
+    for (int64_t qb = 0; qb < p->nb; qb++) {
+      if (!row_equal(ph, &from_gpu[h], qb))
+        fail_msg("%s: head %d query block %lld: the cuda context's pattern is not the host "
+                 "selection of the cuda scores",
+                 mtrain_block_method_name(s->method), h, (long long)qb);
+      rows++;
+      if (row_equal(ph, &from_ref[h], qb)) continue;
+      const double margin = row_margin(ref_scores + h * p->tri + mtrain_block_tri(qb), qb, &o);
+      if (!(margin <= 1e-9))
+        fail_msg("%s %s: head %d query block %lld selects other key blocks on cuda than on "
+                 "cpu-ref, and the cpu-ref decision margin is %.3g (no near tie)",
+                 mtrain_block_method_name(s->method),
+                 s->kind == MTRAIN_BUDGET_TOP_K ? "top-k" : "top-p", h, (long long)qb, margin);
+      ties++;
+    }
+    if (s->method != MTRAIN_BLOCK_MEANPOOL) {
+      assert_true(recall[h] == rec_gpu[h]);
+      if (!(fabs(recall[h] - rec_ref[h]) <= 1e-9))
+        fail_msg("%s: head %d recall %.17g on cuda, %.17g from the cpu-ref scores",
+                 mtrain_block_method_name(s->method), h, recall[h], rec_ref[h]);
+    }
+  }
+  print_message("select seed %llu N %lld %s %s: %lld query-block rows equal to cpu-ref's, %lld "
+                "differ at near ties\n",
+                (unsigned long long)p->seed, (long long)c->N, mtrain_block_method_name(s->method),
+                s->kind == MTRAIN_BUDGET_TOP_K ? "top-k 4" : "top-p 0.9", (long long)(rows - ties),
+                (long long)ties);
+  mtrain_pattern_destroy(pat);
+  csr_free(from_gpu, c->Hq), csr_free(from_ref, c->Hq);
+  free(recall), free(rec_gpu), free(rec_ref);
+}
+
+/* ---- the cases --------------------------------------------------------------------------------
+ */
+
+static void run_case(size_t ci) {
+  require_gpu();
+  problem_t p;
+  problem_make(&p, &cases[ci], ts_seed(3100 + ci));
+  mtrain_context_t *ref = make_ctx("cpu-ref", p.c.G), *gpu = make_ctx("cuda", p.c.G);
+  const int64_t n = p.tri * p.c.Hq;
+  double *want[3], *got[3];
+  for (int mi = 0; mi < 3; mi++) {
+    want[mi] = malloc(sizeof(double) * (size_t)n);
+    got[mi] = malloc(sizeof(double) * (size_t)n);
+    assert_true(want[mi] && got[mi]);
+    both_scores(&p, ref, gpu, methods[mi], want[mi], got[mi]);
+    compare_scores(&p, methods[mi], want[mi], got[mi]);
+    if (ci == 0 || ci == 3) check_subset(&p, gpu, methods[mi], got[mi]);
+  }
+  for (size_t si = 0; si < NSELS; si++) {
+    const int mi = (int)sels[si].method;
+    check_selection(&p, gpu, &sels[si], want[mi], got[mi]);
+  }
+  for (int mi = 0; mi < 3; mi++) free(want[mi]), free(got[mi]);
+  mtrain_context_destroy(ref);
+  mtrain_context_destroy(gpu);
+  problem_free(&p);
+}
+
+static void test_case0(void **state) { (void)state, run_case(0); }
+static void test_case1(void **state) { (void)state, run_case(1); }
+static void test_case2(void **state) { (void)state, run_case(2); }
+static void test_case3(void **state) { (void)state, run_case(3); }
+
+/* ---- (d): refusals ----------------------------------------------------------------------------
+ */
+
+static void test_refusals(void **state) {
+  (void)state;
+  require_gpu();
+  problem_t p;
+  const gcase_t small = {200, 64, 4, 2, 64, 8, MTRAIN_F32, 0};
+  problem_make(&p, &small, ts_seed(3199));
+  mtrain_context_t *gpu = make_ctx("cuda", p.c.G);
+  int64_t *ids = identity(p.nb);
+  mtrain_block_scores_args_t a = args_of(&p, MTRAIN_BLOCK_ANTIDIAG, ids, 1);
+  a.scores = p.dsc;
+  a.stride = 7;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "stride 7 does not divide the granularity 64");
+  a = args_of(&p, MTRAIN_BLOCK_PRECISE, ids, 1);
+  a.scores = p.dsc;
+  a.lse = NULL;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_NULL_POINTER, "needs lse");
+  a = args_of(&p, MTRAIN_BLOCK_MEANPOOL, ids, 1);
+  a.scores = p.dsc;
+  a.q_dtype = MTRAIN_F64;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_UNSUPPORTED_DTYPE, "q is fp64");
+  a = args_of(&p, MTRAIN_BLOCK_MEANPOOL, ids, 1);
+  a.scores = p.dsc;
+  a.num_kv_heads = 3;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_INVALID_ARGUMENT, "heads 4/3");
+  a = args_of(&p, MTRAIN_BLOCK_PRECISE, ids, 1);
+  a.scores = p.dsc;
+  a.method = (mtrain_block_method_t)9;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "unknown method 9");
+  free(ids);
+  mtrain_context_destroy(gpu);
+  problem_free(&p);
+}
+
+int main(void) {
+  have_gpu = mtrain_cuda_device_count() > 0;
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_case0), cmocka_unit_test(test_case1),    cmocka_unit_test(test_case2),
+      cmocka_unit_test(test_case3), cmocka_unit_test(test_refusals),
+  };
+  const int failed = cmocka_run_group_tests(tests, NULL, NULL);
+  if (failed) return 1;
+  return have_gpu ? 0 : 77;
+}
