@@ -125,6 +125,7 @@ mtrain_status_t mtrain_be_init(mtrain_context_t *ctx) {
 void mtrain_be_fini(mtrain_context_t *ctx) {
   mtrain_memory_tracker_t *t = &ctx->memory;
   if (ctx->backend && ctx->backend_state) {
+    mtrain_be_release_kept(ctx);
     for (size_t i = 0; i < t->num_live; i++) {
       if (ctx->allocator.alloc)
         ctx->allocator.free(t->live[i].ptr, t->live[i].bytes, ctx->allocator.user);
@@ -135,10 +136,30 @@ void mtrain_be_fini(mtrain_context_t *ctx) {
   }
   ctx->backend_state = NULL;
   mtrain_memory_tracker_clear(t);
+  mtrain_reuse_clear(&ctx->kept);
 }
 
 mtrain_status_t mtrain_be_supports(mtrain_context_t *ctx, mtrain_dtype_t dtype, int32_t head_dim) {
   return ctx->backend->supports(ctx->backend_state, dtype, head_dim);
+}
+
+/* The most the context keeps between calls (reuse_cache.h). */
+static size_t kept_limit(const mtrain_context_t *ctx) {
+  return ctx->reuse_limit == MTRAIN_REUSE_LIMIT_PEAK ? ctx->memory.highest : ctx->reuse_limit;
+}
+
+void mtrain_be_trim_kept(mtrain_context_t *ctx) {
+  const size_t limit = kept_limit(ctx);
+  size_t bytes;
+  while (ctx->kept.bytes > limit)
+    ctx->backend->free(ctx->backend_state, mtrain_reuse_pop_oldest(&ctx->kept, &bytes));
+}
+
+void mtrain_be_release_kept(mtrain_context_t *ctx) {
+  size_t bytes;
+  void *p;
+  while ((p = mtrain_reuse_pop_oldest(&ctx->kept, &bytes)))
+    ctx->backend->free(ctx->backend_state, p);
 }
 
 mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr) {
@@ -146,6 +167,7 @@ mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr)
   if (mtrain_memory_tracker_reserve(t))
     return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "memory accounting: out of host memory");
   void *p = NULL;
+  size_t held = bytes;
   if (ctx->allocator.alloc) {
     p = ctx->allocator.alloc(bytes, ctx->allocator.user);
     if (!p)
@@ -153,22 +175,36 @@ mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr)
                           "the caller's allocator (mtrain_context_set_allocator) returned NULL for "
                           "%zu bytes",
                           bytes);
+  } else if ((p = mtrain_reuse_take(&ctx->kept, bytes, &held))) {
+    ctx->reused_blocks++;
   } else {
     mtrain_status_t st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
+    if (st == MTRAIN_ERR_OUT_OF_MEMORY && ctx->kept.count > 0) {
+      /* the kept blocks of other sizes may be what is missing */
+      mtrain_clear_error();
+      mtrain_be_release_kept(ctx);
+      st = ctx->backend->alloc(ctx->backend_state, bytes, &p);
+    }
     if (st) return st;
   }
-  mtrain_memory_tracker_add(t, p, bytes);
+  mtrain_memory_tracker_add(t, p, bytes, held);
   *ptr = p;
   return MTRAIN_SUCCESS;
 }
 
 void mtrain_be_free(mtrain_context_t *ctx, void *ptr) {
   if (!ptr) return;
-  const size_t bytes = mtrain_memory_tracker_remove(&ctx->memory, ptr);
-  if (ctx->allocator.alloc)
+  size_t held;
+  const size_t bytes = mtrain_memory_tracker_remove(&ctx->memory, ptr, &held);
+  if (ctx->allocator.alloc) {
     ctx->allocator.free(ptr, bytes, ctx->allocator.user);
-  else
+    return;
+  }
+  if (bytes == 0 || held > kept_limit(ctx) || mtrain_reuse_put(&ctx->kept, ptr, held)) {
     ctx->backend->free(ctx->backend_state, ptr);
+    return;
+  }
+  mtrain_be_trim_kept(ctx);
 }
 
 mtrain_status_t mtrain_be_memset_zero(mtrain_context_t *ctx, void *ptr, size_t bytes) {

@@ -89,8 +89,15 @@ mtrain_status_t mtrain_be_supports(mtrain_context_t *ctx, mtrain_dtype_t dtype, 
  *  round up). On failure nothing is allocated or counted. Every backend
  *  allocation of the core goes through it. */
 mtrain_status_t mtrain_be_alloc(mtrain_context_t *ctx, size_t bytes, void **ptr);
-/** Frees a block of mtrain_be_alloc and uncounts it. NULL is a no-op. */
+/** Frees a block of mtrain_be_alloc and uncounts it. NULL is a no-op.
+ *  Without a caller's allocator the block is kept for reuse (reuse_cache.h)
+ *  within the context's reuse limit, the oldest kept blocks freed beyond it. */
 void mtrain_be_free(mtrain_context_t *ctx, void *ptr);
+/** Returns the oldest kept blocks to the backend until the kept bytes are
+ *  within the context's reuse limit. */
+void mtrain_be_trim_kept(mtrain_context_t *ctx);
+/** Returns every kept block to the backend. */
+void mtrain_be_release_kept(mtrain_context_t *ctx);
 mtrain_status_t mtrain_be_memset_zero(mtrain_context_t *ctx, void *ptr, size_t bytes);
 mtrain_status_t mtrain_be_copy_to_host(mtrain_context_t *ctx, void *host_dst, const void *src,
                                        size_t bytes);

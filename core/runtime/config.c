@@ -23,7 +23,9 @@ typedef struct env_snapshot {
   const char *num_threads;
   const char *check_inputs;
   const char *deterministic;
-  char granularity_buf[32], num_threads_buf[32], check_inputs_buf[32], deterministic_buf[32];
+  const char *reuse_limit;
+  char granularity_buf[32], num_threads_buf[32], check_inputs_buf[32], deterministic_buf[32],
+      reuse_limit_buf[32];
   int has_backend;
 } env_snapshot_t;
 
@@ -46,6 +48,24 @@ static void read_env_once(void) {
       copy_env("MTRAIN_CHECK_INPUTS", env.check_inputs_buf, sizeof env.check_inputs_buf);
   env.deterministic =
       copy_env("MTRAIN_DETERMINISTIC", env.deterministic_buf, sizeof env.deterministic_buf);
+  env.reuse_limit = copy_env("MTRAIN_REUSE_LIMIT", env.reuse_limit_buf, sizeof env.reuse_limit_buf);
+}
+
+mtrain_status_t mtrain_env_reuse_limit(size_t *out) {
+  pthread_once(&env_once, read_env_once);
+  *out = MTRAIN_REUSE_LIMIT_PEAK;
+  if (!env.reuse_limit || strcmp(env.reuse_limit, "peak") == 0) return MTRAIN_SUCCESS;
+  char *end = NULL;
+  errno = 0;
+  const unsigned long long v = strtoull(env.reuse_limit, &end, 10);
+  if (errno || end == env.reuse_limit || *end != '\0' || env.reuse_limit[0] == '-' ||
+      v >= (unsigned long long)MTRAIN_REUSE_LIMIT_PEAK)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "environment variable MTRAIN_REUSE_LIMIT='%s' is neither 'peak' nor a "
+                        "byte count",
+                        env.reuse_limit);
+  *out = (size_t)v;
+  return MTRAIN_SUCCESS;
 }
 
 static mtrain_status_t parse_int_env(const char *name, const char *text, int32_t lo, int32_t hi,

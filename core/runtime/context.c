@@ -102,6 +102,7 @@ mtrain_status_t mtrain_context_create(const mtrain_config_t *config, mtrain_comm
   MTRAIN_TRY(mtrain_config_validate(&ctx->config));
   MTRAIN_TRY(mtrain_config_apply_env(&ctx->config));
   MTRAIN_TRY(mtrain_config_validate(&ctx->config));
+  MTRAIN_TRY(mtrain_env_reuse_limit(&ctx->reuse_limit));
   MTRAIN_FAIL_IF(strlen(ctx->config.backend) >= sizeof ctx->backend_name, MTRAIN_ERR_INVALID_CONFIG,
                  "config.backend name too long");
   strcpy(ctx->backend_name, ctx->config.backend);
@@ -165,10 +166,32 @@ mtrain_status_t mtrain_context_set_allocator(mtrain_context_t *ctx,
                         "mtrain_context_set_allocator: allocator->%s is NULL (give both "
                         "functions, or a NULL allocator for the backend's own)",
                         !allocator->alloc ? "alloc" : "free");
+  mtrain_be_release_kept(ctx); /* the kept blocks are the backend's */
   if (allocator)
     ctx->allocator = *allocator;
   else
     memset(&ctx->allocator, 0, sizeof ctx->allocator);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_context_set_reuse_limit(mtrain_context_t *ctx, size_t max_bytes) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  ctx->reuse_limit = max_bytes;
+  mtrain_be_trim_kept(ctx);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_context_release_kept(mtrain_context_t *ctx) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  mtrain_be_release_kept(ctx);
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_context_kept(const mtrain_context_t *ctx, size_t *kept_bytes,
+                                    int64_t *reused_blocks) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  if (kept_bytes) *kept_bytes = ctx->kept.bytes;
+  if (reused_blocks) *reused_blocks = ctx->reused_blocks;
   return MTRAIN_SUCCESS;
 }
 

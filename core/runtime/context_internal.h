@@ -8,6 +8,7 @@
 #include "mtrain/mtrain_comm.h"
 
 #include "core/runtime/memory_stats.h"
+#include "core/runtime/reuse_cache.h"
 
 struct mtrain_context {
   mtrain_config_t config; /* effective config; config.backend points at backend_name */
@@ -19,6 +20,9 @@ struct mtrain_context {
   mtrain_call_stats_t last_stats; /* timing of the last attention call */
   mtrain_memory_tracker_t memory; /* backend bytes allocated through it (memory_stats.c) */
   mtrain_allocator_t allocator;   /* the caller's allocator; alloc NULL: the backend's own */
+  mtrain_reuse_cache_t kept;      /* freed backend blocks kept for reuse (reuse_cache.h) */
+  size_t reuse_limit;             /* most bytes kept, or MTRAIN_REUSE_LIMIT_PEAK */
+  int64_t reused_blocks;          /* allocations served from kept blocks */
   /* host memory the estimate reuses from call to call for the scores it
    * brings back (estimate.c): grow-only, freed with the context, so that a
    * call at a length seen before touches no fresh pages */
@@ -29,6 +33,10 @@ struct mtrain_context {
 /** Applies MTRAIN_* environment overrides to a config (the environment is
  *  read once per process). Fails naming the variable on a malformed value. */
 mtrain_status_t mtrain_config_apply_env(mtrain_config_t *config);
+/** The reuse limit of new contexts: MTRAIN_REUSE_LIMIT (bytes, or "peak")
+ *  from the environment, else MTRAIN_REUSE_LIMIT_PEAK. Fails naming the
+ *  variable on a malformed value. */
+mtrain_status_t mtrain_env_reuse_limit(size_t *out);
 /** Seconds on a monotonic clock. */
 double mtrain_now(void);
 

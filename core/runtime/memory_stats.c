@@ -23,20 +23,24 @@ int mtrain_memory_tracker_reserve(mtrain_memory_tracker_t *t) {
   return 0;
 }
 
-void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes) {
+void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes, size_t held) {
   t->live[t->num_live].ptr = ptr;
   t->live[t->num_live].bytes = bytes;
+  t->live[t->num_live].held = held;
   t->num_live++;
   t->current += bytes;
   if (t->current > t->peak) t->peak = t->current;
+  if (t->current > t->highest) t->highest = t->current;
   t->allocations++;
 }
 
-size_t mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr) {
+size_t mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr, size_t *held) {
   /* blocks are mostly freed in reverse order of allocation: search from the end */
+  *held = 0;
   for (size_t i = t->num_live; i-- > 0;) {
     if (t->live[i].ptr != ptr) continue;
     const size_t bytes = t->live[i].bytes;
+    *held = t->live[i].held;
     t->current -= bytes;
     t->live[i] = t->live[--t->num_live];
     return bytes;

@@ -12,10 +12,12 @@
 
 #include "mtrain/mtrain.h"
 
-/** One live backend block and the bytes it was requested with. */
+/** One live backend block, the bytes it was requested with and the bytes it
+ *  holds (more when a kept block a little larger was reused: reuse_cache.h). */
 typedef struct mtrain_memory_block {
   void *ptr;
   size_t bytes;
+  size_t held;
 } mtrain_memory_block_t;
 
 /** The accounting of one context (a member of struct mtrain_context). Like
@@ -24,17 +26,19 @@ typedef struct mtrain_memory_tracker {
   mtrain_memory_block_t *live; /* [num_live], capacity cap */
   size_t num_live, cap;
   size_t current, peak; /* requested bytes of the live blocks; the most since the last reset */
+  size_t highest;       /* the most requested bytes live at once since creation (never reset) */
   int64_t allocations;  /* successful allocations since the context was created */
 } mtrain_memory_tracker_t;
 
 /** Makes room to record one more block; 0 on success, 1 when out of host
  *  memory (nothing changed). */
 int mtrain_memory_tracker_reserve(mtrain_memory_tracker_t *t);
-/** Records a new live block of `bytes` (after a successful reserve). */
-void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes);
-/** Forgets a live block and returns its bytes (0, a no-op, for a pointer it
- *  does not hold). */
-size_t mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr);
+/** Records a new live block of `bytes` requested, `held` >= bytes held
+ *  (after a successful reserve). */
+void mtrain_memory_tracker_add(mtrain_memory_tracker_t *t, void *ptr, size_t bytes, size_t held);
+/** Forgets a live block and returns its requested bytes, its held bytes in
+ *  *held (0 for both, a no-op, for a pointer it does not hold). */
+size_t mtrain_memory_tracker_remove(mtrain_memory_tracker_t *t, void *ptr, size_t *held);
 /** Frees the accounting itself; the blocks must be freed already. */
 void mtrain_memory_tracker_clear(mtrain_memory_tracker_t *t);
 

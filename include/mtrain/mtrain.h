@@ -193,6 +193,30 @@ typedef struct mtrain_allocator {
  *  calls on the same context. Local (not collective). */
 MTRAIN_API mtrain_status_t mtrain_context_set_allocator(mtrain_context_t *ctx,
                                                         const mtrain_allocator_t *allocator);
+/** Block reuse. Without a caller's allocator, the blocks a call gives back
+ *  (accumulators, ring buffers, gathered bars, estimation scores) are kept by
+ *  the context, and a later request that a kept block holds with at most an
+ *  eighth to spare gets it instead of a fresh one from the backend: a loop
+ *  that repeats its shapes touches no fresh host pages (CPU backends) and
+ *  calls no cudaMalloc/cudaFree (which waits for the device) on "cuda". At
+ *  most `max_bytes` stay kept, the oldest blocks freed beyond it; the default
+ *  MTRAIN_REUSE_LIMIT_PEAK keeps at most the highest backend bytes the
+ *  context ever had live at once (so between calls it holds at most what its
+ *  largest call needed), 0 turns reuse off and frees what is kept. The
+ *  environment variable MTRAIN_REUSE_LIMIT (a byte count, or "peak") sets the
+ *  default of new contexts. A failed allocation frees the kept blocks and
+ *  tries once more. With a caller's allocator nothing is kept (setting one
+ *  frees the kept blocks). Kept bytes are not counted as live in
+ *  mtrain_context_memory (docs/MEMORY.md). Local (not collective); not
+ *  thread-safe with respect to ctx. */
+#define MTRAIN_REUSE_LIMIT_PEAK ((size_t)-1)
+MTRAIN_API mtrain_status_t mtrain_context_set_reuse_limit(mtrain_context_t *ctx, size_t max_bytes);
+/** Frees every kept block now (the next call allocates afresh). Local. */
+MTRAIN_API mtrain_status_t mtrain_context_release_kept(mtrain_context_t *ctx);
+/** The bytes kept now and the allocations served from kept blocks since the
+ *  context was created (either output may be NULL). Local. */
+MTRAIN_API mtrain_status_t mtrain_context_kept(const mtrain_context_t *ctx, size_t *kept_bytes,
+                                               int64_t *reused_blocks);
 /** Waits for the work of the context's stream-ordered calls (a backend's
  *  async mode: mtrain_cuda_set_async) and reports the first NaN/Inf that
  *  their deferred output checks found, as MTRAIN_ERR_NONFINITE naming the
