@@ -7,8 +7,8 @@
  * peak over the sequence stays within the bound, and that every byte comes
  * back (current 0) once the calls return. Built twice:
  *  - test_memory (one process): world size 1; the bound's O(N/W) scaling for
- *    W = 2..8 (plans of other ranks built through a stand-in communicator
- *    that only answers rank, size and all-gather); and a leak loop: the whole
+ *    W = 2..8 (plans of other ranks built through the planning communicator,
+ *    mtrain_comm_create_planning); and a leak loop: the whole
  *    sequence, context creation to destruction, 20 times, with current
  *    backend bytes 0 after each iteration and the process's resident set
  *    growing less than 1 MiB after the first two (not asserted under a
@@ -243,75 +243,17 @@ static void test_peaks_single_rank(void **state) {
   assert_true(ok);
 }
 
-/* A stand-in communicator of `size` ranks that answers rank, size and
- * all-gather (every rank's contribution is this one's): enough to create a
- * context and build the plan of any rank of any world size in one process.
- * Everything else fails. */
-typedef struct fake_comm {
-  int rank, size;
-} fake_comm_t;
-
-static int fake_rank(void *s) { return ((fake_comm_t *)s)->rank; }
-static int fake_size(void *s) { return ((fake_comm_t *)s)->size; }
-static mtrain_status_t fake_isend(void *s, const void *b, size_t n, int p, int t,
-                                  mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_irecv(void *s, void *b, size_t n, int p, int t,
-                                  mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_wait(void *s, mtrain_comm_request_t *r) {
-  (void)s, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_allreduce(void *s, void *b, int64_t n, mtrain_dtype_t dt,
-                                      mtrain_reduce_op_t op) {
-  (void)s, (void)b, (void)n, (void)dt, (void)op;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_allgather(void *s, const void *send, void *recv, size_t bytes) {
-  for (int r = 0; r < fake_size(s); r++) memcpy((char *)recv + (size_t)r * bytes, send, bytes);
-  return MTRAIN_SUCCESS;
-}
-static mtrain_status_t fake_barrier(void *s) {
-  (void)s;
-  return MTRAIN_SUCCESS;
-}
-static mtrain_status_t fake_split(void *s, int color, int key, mtrain_comm_t **out) {
-  (void)s, (void)color, (void)key, (void)out;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static void fake_abort(void *s, int code) { (void)s, (void)code; }
-static void fake_destroy(void *s) { (void)s; }
-
-static const mtrain_comm_ops_t fake_ops = {.api_version = MTRAIN_API_VERSION,
-                                           .name = "fake",
-                                           .rank = fake_rank,
-                                           .size = fake_size,
-                                           .isend = fake_isend,
-                                           .irecv = fake_irecv,
-                                           .wait = fake_wait,
-                                           .allreduce = fake_allreduce,
-                                           .allgather = fake_allgather,
-                                           .barrier = fake_barrier,
-                                           .split = fake_split,
-                                           .abort = fake_abort,
-                                           .destroy = fake_destroy};
-
 /* The bound of rank 0 of W ranks (W = 1: the single-rank plan). */
 static mtrain_memory_bound_t bound_of(const mtrain_pattern_t *p, int32_t W, int32_t rpn,
                                       mtrain_layout_kind_t kind, int32_t hkv, int32_t d) {
   const int64_t N = mtrain_pattern_seq_len(p);
   const int32_t G = mtrain_pattern_granularity(p);
-  fake_comm_t fc = {0, W};
-  mtrain_comm_t comm = {&fake_ops, &fc};
+  mtrain_comm_t *comm = NULL; /* rank 0 of W in this process */
+  assert_int_equal(mtrain_comm_create_planning(0, W, &comm), MTRAIN_SUCCESS);
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = G;
   mtrain_context_t *ctx = NULL;
-  assert_int_equal(mtrain_context_create(&cfg, W > 1 ? &comm : NULL, &ctx), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_context_create(&cfg, W > 1 ? comm : NULL, &ctx), MTRAIN_SUCCESS);
   mtrain_plan_t *plan = NULL;
   mtrain_layout_t *layout = NULL;
   if (W > 1) {
@@ -328,6 +270,7 @@ static mtrain_memory_bound_t bound_of(const mtrain_pattern_t *p, int32_t W, int3
   mtrain_plan_destroy(plan);
   mtrain_layout_destroy(layout);
   mtrain_context_destroy(ctx);
+  mtrain_comm_destroy(comm);
   return b;
 }
 

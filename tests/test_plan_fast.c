@@ -26,62 +26,6 @@
 #include "reference/reference.h"
 #include "test_support.h"
 
-/* ---- a stand-in communicator: any rank of any world size in one process ---- */
-
-typedef struct fake_comm {
-  int rank, size;
-} fake_comm_t;
-
-static int fake_rank(void *s) { return ((fake_comm_t *)s)->rank; }
-static int fake_size(void *s) { return ((fake_comm_t *)s)->size; }
-static mtrain_status_t fake_isend(void *s, const void *b, size_t n, int p, int t,
-                                  mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_irecv(void *s, void *b, size_t n, int p, int t,
-                                  mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_wait(void *s, mtrain_comm_request_t *r) {
-  (void)s, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_allreduce(void *s, void *b, int64_t n, mtrain_dtype_t dt,
-                                      mtrain_reduce_op_t op) {
-  (void)s, (void)b, (void)n, (void)dt, (void)op;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_allgather(void *s, const void *send, void *recv, size_t bytes) {
-  for (int r = 0; r < fake_size(s); r++) memcpy((char *)recv + (size_t)r * bytes, send, bytes);
-  return MTRAIN_SUCCESS;
-}
-static mtrain_status_t fake_barrier(void *s) {
-  (void)s;
-  return MTRAIN_SUCCESS;
-}
-static mtrain_status_t fake_split(void *s, int color, int key, mtrain_comm_t **out) {
-  (void)s, (void)color, (void)key, (void)out;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static void fake_abort(void *s, int code) { (void)s, (void)code; }
-static void fake_destroy(void *s) { (void)s; }
-
-static const mtrain_comm_ops_t fake_ops = {.api_version = MTRAIN_API_VERSION,
-                                           .name = "fake",
-                                           .rank = fake_rank,
-                                           .size = fake_size,
-                                           .isend = fake_isend,
-                                           .irecv = fake_irecv,
-                                           .wait = fake_wait,
-                                           .allreduce = fake_allreduce,
-                                           .allgather = fake_allgather,
-                                           .barrier = fake_barrier,
-                                           .split = fake_split,
-                                           .abort = fake_abort,
-                                           .destroy = fake_destroy};
-
 /* ---- bitwise comparison of plans ------------------------------------------- */
 
 static char where[1024]; /* what is being compared, for the failure message */
@@ -192,13 +136,13 @@ static void compare_plan_rank(const mtrain_pattern_t *p, int32_t W, int32_t r, i
                               int32_t rpn, int threads, const char *what) {
   const int64_t N = mtrain_pattern_seq_len(p);
   const int32_t G = mtrain_pattern_granularity(p);
-  fake_comm_t fc = {r, W};
-  mtrain_comm_t comm = {&fake_ops, &fc};
+  mtrain_comm_t *comm = NULL;
+  assert_int_equal(mtrain_comm_create_planning(r, W, &comm), MTRAIN_SUCCESS);
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = G;
   cfg.num_threads = threads;
   mtrain_context_t *ctx = NULL;
-  assert_int_equal(mtrain_context_create(&cfg, W > 1 ? &comm : NULL, &ctx), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_context_create(&cfg, W > 1 ? comm : NULL, &ctx), MTRAIN_SUCCESS);
   mtrain_layout_t *layout = NULL;
   mtrain_plan_t *fast = NULL, *ref = NULL;
   mtrain_status_t sf, sr;
@@ -221,6 +165,7 @@ static void compare_plan_rank(const mtrain_pattern_t *p, int32_t W, int32_t r, i
   ref_plan_destroy(ref);
   mtrain_layout_destroy(layout);
   mtrain_context_destroy(ctx);
+  mtrain_comm_destroy(comm);
 }
 
 /* Every rank of W = 1, 2, 3, 5 over every layout kind (flat; hierarchical

@@ -5,7 +5,8 @@
  * an absent optional slot gives MTRAIN_ERR_NOT_SUPPORTED naming the backend
  * and the slot, or its documented neutral behaviour; allocations through
  * the wrappers are counted. White-box: fake tables are altered copies of the
- * built-in ones, put into a context by hand. */
+ * built-in ones, put into a context by hand. The planning communicator
+ * (mtrain_comm_create_planning) answers, refuses and plans as documented. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,12 +14,14 @@
 #include <cmocka.h>
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/runtime/backend.h"
 #include "core/runtime/context_internal.h"
 #include "mtrain/mtrain_backend.h"
 #include "mtrain/mtrain_comm.h"
+#include "mtrain/mtrain_layout.h"
 #include "test_support.h"
 
 /* Asserts the last error contains `needle`. */
@@ -237,11 +240,71 @@ static void test_alloc_is_counted(void **state) {
   mtrain_context_destroy(ctx); /* frees b (under ASan: no leak) */
 }
 
+/* The planning communicator: its table passes, it answers the rank and size
+ * it was made for, all-gathers copies, refuses the rest naming the
+ * operation, and a context over it plans rank 2 of 3 but cannot run the
+ * ring. */
+static void test_planning_comm(void **state) {
+  (void)state;
+  mtrain_comm_t *pc = NULL;
+  TS_ASSERT_STATUS(mtrain_comm_create_planning(3, 3, &pc), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "rank 3 of size 3");
+  TS_ASSERT_STATUS(mtrain_comm_create_planning(0, 0, &pc), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "rank 0 of size 0");
+  TS_ASSERT_STATUS(mtrain_comm_create_planning(0, 1, NULL), MTRAIN_ERR_NULL_POINTER, "out");
+  assert_int_equal(mtrain_comm_create_planning(2, 3, &pc), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_comm_table_check(pc->ops), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_comm_rank(pc), 2);
+  assert_int_equal(mtrain_comm_size(pc), 3);
+  const int32_t mine = 7;
+  int32_t all[3] = {0, 0, 0};
+  assert_int_equal(pc->ops->allgather(pc->state, &mine, all, sizeof mine), MTRAIN_SUCCESS);
+  assert_true(all[0] == 7 && all[1] == 7 && all[2] == 7);
+  float x = 1.0f;
+  TS_ASSERT_STATUS(pc->ops->allreduce(pc->state, &x, 1, MTRAIN_F32, MTRAIN_REDUCE_SUM),
+                   MTRAIN_ERR_NOT_SUPPORTED, "allreduce");
+  mtrain_comm_t *sub = NULL;
+  TS_ASSERT_STATUS(mtrain_comm_split(pc, 0, 0, &sub), MTRAIN_ERR_NOT_SUPPORTED, "split");
+  enum { N = 256, G = 64, D = 16 };
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = G;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, pc, &ctx), MTRAIN_SUCCESS);
+  mtrain_pattern_t *p = NULL;
+  assert_int_equal(mtrain_pattern_create_dense(N, 1, G, &p), MTRAIN_SUCCESS);
+  mtrain_layout_t *layout = NULL;
+  assert_int_equal(mtrain_layout_create(MTRAIN_LAYOUT_ZIGZAG, N, G, 3, NULL, &layout),
+                   MTRAIN_SUCCESS);
+  mtrain_plan_t *plan = NULL;
+  assert_int_equal(mtrain_plan_create_ring(ctx, NULL, (const mtrain_layout_t *const[]){layout}, 0,
+                                           (const mtrain_pattern_t *const[]){p}, &plan),
+                   MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_plan_rank(plan), 2);
+  assert_int_equal(mtrain_plan_num_steps(plan), 3);
+  const int64_t T = mtrain_plan_local_tokens(plan);
+  float *buf = calloc((size_t)(5 * T * D), sizeof *buf);
+  assert_non_null(buf);
+  mtrain_tensor_t q = mtrain_tensor_3d(buf, MTRAIN_F32, T, 1, D);
+  mtrain_tensor_t k = mtrain_tensor_3d(buf + T * D, MTRAIN_F32, T, 1, D);
+  mtrain_tensor_t v = mtrain_tensor_3d(buf + 2 * T * D, MTRAIN_F32, T, 1, D);
+  mtrain_tensor_t o = mtrain_tensor_3d(buf + 3 * T * D, MTRAIN_F32, T, 1, D);
+  mtrain_tensor_t lse = mtrain_tensor_2d(buf + 4 * T * D, MTRAIN_F32, T, 1);
+  TS_ASSERT_STATUS(mtrain_attention_forward(ctx, plan, &q, &k, &v, &o, &lse),
+                   MTRAIN_ERR_NOT_SUPPORTED, "planning communicator");
+  free(buf);
+  mtrain_plan_destroy(plan);
+  mtrain_layout_destroy(layout);
+  mtrain_pattern_destroy(p);
+  mtrain_context_destroy(ctx);
+  mtrain_comm_destroy(pc);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_builtin_tables_pass), cmocka_unit_test(test_bad_backend_tables),
-      cmocka_unit_test(test_bad_comm_tables),     cmocka_unit_test(test_absent_optional_slots),
-      cmocka_unit_test(test_alloc_is_counted),    cmocka_unit_test(test_memory_space_mismatch),
+      cmocka_unit_test(test_planning_comm),         cmocka_unit_test(test_builtin_tables_pass),
+      cmocka_unit_test(test_bad_backend_tables),    cmocka_unit_test(test_bad_comm_tables),
+      cmocka_unit_test(test_absent_optional_slots), cmocka_unit_test(test_alloc_is_counted),
+      cmocka_unit_test(test_memory_space_mismatch),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -4,7 +4,7 @@
  * estimate (its scoring on the backend and its selection on the host,
  * mtrain_estimate_last_times), the plan of every --world size (W = 1:
  * mtrain_plan_create; W > 1: mtrain_plan_create_ring for one rank, built in
- * this process with a stand-in communicator) and, with --cuda-step, the
+ * this process with the planning communicator) and, with --cuda-step, the
  * host tables the cuda backend makes from each step of that plan, forward
  * and backward (the backend's own packing, backends/cuda/cuda_step_tables.c:
  * the host work only, no device). One cold call, then --steps warm calls;
@@ -245,62 +245,6 @@ static int parse(int argc, char **argv, opts_t *o) {
   return bad;
 }
 
-/* ---- a stand-in communicator: rank and size, all-gather of copies ---------- */
-
-typedef struct fake_comm {
-  int rank, size;
-} fake_comm_t;
-
-static int fake_rank(void *s) { return ((fake_comm_t *)s)->rank; }
-static int fake_size(void *s) { return ((fake_comm_t *)s)->size; }
-static mtrain_status_t fake_isend(void *s, const void *b, size_t n, int p, int t,
-                                  mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_irecv(void *s, void *b, size_t n, int p, int t,
-                                  mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_wait(void *s, mtrain_comm_request_t *r) {
-  (void)s, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_allreduce(void *s, void *b, int64_t n, mtrain_dtype_t dt,
-                                      mtrain_reduce_op_t op) {
-  (void)s, (void)b, (void)n, (void)dt, (void)op;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static mtrain_status_t fake_allgather(void *s, const void *send, void *recv, size_t bytes) {
-  for (int r = 0; r < fake_size(s); r++) memcpy((char *)recv + (size_t)r * bytes, send, bytes);
-  return MTRAIN_SUCCESS;
-}
-static mtrain_status_t fake_barrier(void *s) {
-  (void)s;
-  return MTRAIN_SUCCESS;
-}
-static mtrain_status_t fake_split(void *s, int color, int key, mtrain_comm_t **out) {
-  (void)s, (void)color, (void)key, (void)out;
-  return MTRAIN_ERR_NOT_SUPPORTED;
-}
-static void fake_abort(void *s, int code) { (void)s, (void)code; }
-static void fake_destroy(void *s) { (void)s; }
-
-static const mtrain_comm_ops_t fake_ops = {.api_version = MTRAIN_API_VERSION,
-                                           .name = "stand-in",
-                                           .rank = fake_rank,
-                                           .size = fake_size,
-                                           .isend = fake_isend,
-                                           .irecv = fake_irecv,
-                                           .wait = fake_wait,
-                                           .allreduce = fake_allreduce,
-                                           .allgather = fake_allgather,
-                                           .barrier = fake_barrier,
-                                           .split = fake_split,
-                                           .abort = fake_abort,
-                                           .destroy = fake_destroy};
-
 /* ---- timing ---------------------------------------------------------------- */
 
 /* One quantity: the cold call and the warm ones. */
@@ -379,15 +323,16 @@ static mtrain_status_t time_cuda_steps(const mtrain_plan_t *plan, int32_t hkv, d
 /* The plan of world size W (rank o->rank), timed, and its cuda step tables. */
 static int plan_once(const opts_t *o, const mtrain_pattern_t *p, int32_t W, double *t_plan,
                      double *t_cuda, int64_t *pairs) {
-  fake_comm_t fc = {W > 1 ? o->rank : 0, W};
-  mtrain_comm_t comm = {&fake_ops, &fc};
+  mtrain_comm_t *comm = NULL;
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.granularity = o->granularity;
   cfg.num_threads = o->threads;
   mtrain_context_t *ctx = NULL;
   mtrain_layout_t *layout = NULL;
   mtrain_plan_t *plan = NULL;
-  int rc = tool_failed(prog, "context", mtrain_context_create(&cfg, W > 1 ? &comm : NULL, &ctx));
+  int rc = tool_failed(prog, "planning communicator",
+                       mtrain_comm_create_planning(W > 1 ? o->rank : 0, W, &comm)) ||
+           tool_failed(prog, "context", mtrain_context_create(&cfg, W > 1 ? comm : NULL, &ctx));
   mtrain_layout_kind_t kind = MTRAIN_LAYOUT_STRIPED;
   if (!rc && W > 1)
     rc = tool_failed(prog, "--layout", mtrain_layout_kind_parse(o->layout, &kind)) ||
@@ -409,6 +354,7 @@ static int plan_once(const opts_t *o, const mtrain_pattern_t *p, int32_t W, doub
   mtrain_plan_destroy(plan);
   mtrain_layout_destroy(layout);
   mtrain_context_destroy(ctx);
+  mtrain_comm_destroy(comm);
   return rc;
 }
 

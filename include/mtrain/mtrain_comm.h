@@ -83,6 +83,17 @@ MTRAIN_API mtrain_status_t mtrain_comm_split(mtrain_comm_t *comm, int color, int
 
 /** Creates the single-rank communicator. */
 MTRAIN_API mtrain_status_t mtrain_comm_create_self(mtrain_comm_t **out);
+/** Creates the planning communicator: this process stands for rank `rank`
+ *  of a ring of `size` ranks (0 <= rank < size, else
+ *  MTRAIN_ERR_INVALID_ARGUMENT), so that a context over it builds that
+ *  rank's plan (mtrain_plan_create_ring), memory bound and predicted cost
+ *  without launching the other ranks. It assumes every rank plans the same
+ *  problem: its all-gather gives every slot this rank's contribution, its
+ *  barrier returns at once; point-to-point, all-reduce and split fail with
+ *  MTRAIN_ERR_NOT_SUPPORTED naming the operation, so attention calls and
+ *  estimates over it fail. Not collective; the caller destroys it (after
+ *  the contexts that borrow it). */
+MTRAIN_API mtrain_status_t mtrain_comm_create_planning(int rank, int size, mtrain_comm_t **out);
 /** Destroys a communicator created by mtrain. NULL is a no-op. */
 MTRAIN_API void mtrain_comm_destroy(mtrain_comm_t *comm);
 MTRAIN_API int mtrain_comm_rank(const mtrain_comm_t *comm);
