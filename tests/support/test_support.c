@@ -288,6 +288,16 @@ mtrain_pattern_t *ts_ring_pattern(int kind, int64_t N, int32_t heads, int32_t G,
   int64_t *v = malloc(sizeof(int64_t) * (size_t)(N + 1));
   int ok = d && v;
   for (int32_t h = 0; ok && h < heads; h++) {
+    if (kind == 4 && h % 2 == 0) {
+      uint8_t *mask = calloc((size_t)(nb * nb), 1);
+      ok = mask != NULL;
+      for (int64_t i = 0; ok && i < nb; i++)
+        for (int64_t j = 0; j <= i; j++)
+          mask[i * nb + j] = (uint8_t)(j == i || j == 0 || ts_rng_uniform(&rng) < 0.3);
+      ok = ok && mtrain_pattern_set_block_mask(p, h, mask) == MTRAIN_SUCCESS;
+      free(mask);
+      continue;
+    }
     int32_t nd = 0, nv = 0;
     for (int64_t t = 0; t < nb; t++)
       if (t == 0 || (kind == 3 ? t < 2 : ts_rng_uniform(&rng) < 0.3)) d[nd++] = (int32_t)t;

@@ -99,7 +99,10 @@ void ts_ring_fill(float *x, int64_t n, ts_rng_t *rng, int bf16_exact);
  *  probability 0.3, each key a vertical with probability 0.05); 2 the main
  *  block diagonal only (most query blocks see no key in most ring steps);
  *  3 budget-like (block diagonals 0 and 1, the first 8 keys and 2% of the
- *  others as verticals). Seeded (the same on every rank). NULL on failure. */
+ *  others as verticals); 4 mixed: even heads block masks (the diagonal block,
+ *  the first key block and each other causal block with probability 0.3, as
+ *  the block selections give), odd heads random sparse as kind 1. Seeded (the
+ *  same on every rank). NULL on failure. */
 mtrain_pattern_t *ts_ring_pattern(int kind, int64_t N, int32_t heads, int32_t G, uint64_t seed);
 
 /** Copies global row index[i] (of `width` floats) into local row i for the
