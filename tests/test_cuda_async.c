@@ -11,7 +11,11 @@
  *  (d) the first later call reports a completed finding itself;
  *  (e) the host does not wait: with a stream-ordered allocator
  *      (cudaMallocAsync on the context's stream), queueing a dense forward
- *      of 16K tokens takes under a quarter of its synchronous time.
+ *      of 16K tokens takes under a quarter of its synchronous time;
+ *  (f) the same with the backend's own allocator: the context's kept blocks
+ *      (mtrain_context_set_reuse_limit) serve the calls after the first, so
+ *      no cudaFree waits for the device, and the outputs are bitwise those of
+ *      a context that keeps nothing (where every free waits: timed, printed).
  * Skipped (exit 77) without a CUDA device. Seeds are printed. */
 #define _POSIX_C_SOURCE 200809L
 #include <setjmp.h>
@@ -325,12 +329,73 @@ static void test_host_does_not_wait(void **state) {
   problem_free(&p);
 }
 
+/* One context of (f): the warm-up call, then the best synchronous call, then
+ * the async calls' queueing time per call; the outputs copied to the host. */
+static void time_own_allocator(const problem_t *p, const mtrain_pattern_t *pat, size_t limit,
+                               double *sync_best, double *queued, int64_t *reused, void **o_host) {
+  mtrain_context_t *ctx = make_context("cuda", 128);
+  CHECK_OK(mtrain_context_set_reuse_limit(ctx, limit));
+  mtrain_plan_t *plan = make_plan(ctx, pat);
+  CHECK_OK(forward(ctx, plan, p));
+  *sync_best = 1e30;
+  for (int r = 0; r < 3; r++) {
+    const double t0 = now();
+    CHECK_OK(forward(ctx, plan, p));
+    const double t = now() - t0;
+    *sync_best = t < *sync_best ? t : *sync_best;
+  }
+  CHECK_OK(mtrain_cuda_set_async(ctx, 1));
+  CHECK_OK(forward(ctx, plan, p));
+  CHECK_OK(mtrain_context_check_deferred(ctx));
+  const int calls = 4;
+  const double t0 = now();
+  for (int r = 0; r < calls; r++) CHECK_OK(forward(ctx, plan, p));
+  *queued = (now() - t0) / calls;
+  CHECK_OK(mtrain_context_check_deferred(ctx));
+  CHECK_OK(mtrain_context_kept(ctx, NULL, reused));
+  *o_host = host_copy(p->o, p->bq);
+  mtrain_plan_destroy(plan);
+  CHECK_OK(mtrain_cuda_set_async(ctx, 0));
+  mtrain_context_destroy(ctx);
+}
+
+/* (f) */
+static void test_kept_blocks_do_not_wait(void **state) {
+  (void)state;
+  require_gpu();
+  const uint64_t seed = 0xa51c06;
+  const int64_t n = 16384;
+  print_message("kept blocks: dense %lld tokens, 16:2 heads, d 128, seed %llu\n", (long long)n,
+                (unsigned long long)seed);
+  problem_t p;
+  problem_init(&p, n, 16, 2, 128, seed);
+  mtrain_pattern_t *pat = ts_make_pattern(TS_PATTERN_DENSE, n, 16, 128, seed);
+  double sync_kept, queued_kept, sync_none, queued_none;
+  int64_t reused_kept, reused_none;
+  void *o_kept = NULL, *o_none = NULL;
+  time_own_allocator(&p, pat, MTRAIN_REUSE_LIMIT_PEAK, &sync_kept, &queued_kept, &reused_kept,
+                     &o_kept);
+  time_own_allocator(&p, pat, 0, &sync_none, &queued_none, &reused_none, &o_none);
+  print_message("blocks kept: synchronous call %.3f ms, async queued in %.3f ms per call, %lld "
+                "allocations served by kept blocks; none kept: %.3f ms, %.3f ms, %lld\n",
+                1e3 * sync_kept, 1e3 * queued_kept, (long long)reused_kept, 1e3 * sync_none,
+                1e3 * queued_none, (long long)reused_none);
+  assert_true(reused_kept > 0);
+  assert_int_equal(reused_none, 0);
+  assert_true(queued_kept < 0.25 * sync_kept);
+  if (memcmp(o_kept, o_none, p.bq) != 0) fail_msg("outputs differ with and without kept blocks");
+  free(o_kept);
+  free(o_none);
+  mtrain_pattern_destroy(pat);
+  problem_free(&p);
+}
+
 int main(void) {
   have_gpu = mtrain_cuda_device_count() > 0;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_api_on_cpu),         cmocka_unit_test(test_async_equals_sync),
       cmocka_unit_test(test_deferred_finding),   cmocka_unit_test(test_later_call_reports),
-      cmocka_unit_test(test_host_does_not_wait),
+      cmocka_unit_test(test_host_does_not_wait), cmocka_unit_test(test_kept_blocks_do_not_wait),
   };
   const int failed = cmocka_run_group_tests(tests, NULL, NULL);
   if (failed) return 1;

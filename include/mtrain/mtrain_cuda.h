@@ -72,9 +72,12 @@ MTRAIN_API mtrain_status_t mtrain_cuda_set_stream(mtrain_context_t *ctx, void *s
  *  reported as MTRAIN_ERR_NONFINITE, naming the call, tensor, token and head,
  *  by mtrain_context_check_deferred (which waits) or by the first later
  *  attention call on ctx that finds the scan complete (without waiting).
- *  Memory the call frees goes back to the allocator in stream order: use a
- *  stream-ordered allocator (mtrain_context_set_allocator, as torch's caching
- *  allocator), else every free waits for the stream. Staging buffers for the
+ *  Memory the call frees goes back in stream order: to a stream-ordered
+ *  allocator of the caller's (mtrain_context_set_allocator, as torch's
+ *  caching allocator), or, with the backend's own, into the context's kept
+ *  blocks (mtrain_context_set_reuse_limit), which later calls on the stream
+ *  reuse; only a block the context does not keep (reuse limit 0, or beyond
+ *  it) is freed with cudaFree after waiting for the stream. Staging buffers for the
  *  plan's step tables grow (up to 16 in flight) instead of waiting. Turning
  *  it off reports the pending findings (waits for them). Fails with
  *  MTRAIN_ERR_INVALID_ARGUMENT when ctx does not use "cuda". Not thread-safe
