@@ -41,7 +41,7 @@ static int64_t collect_keys(const row_keys_t *rk, int32_t r, int64_t *cols) {
       int64_t gk = v->k_block_global[kb];
       int32_t nc = mtrain_block_rows(v->k_tokens, G, kb, gk, v->seq_len);
       for (int32_t c = 0; c < nc; c++) {
-        if (gk == rk->gq && c > r) break; /* causal within the diagonal block */
+        if (v->causal && gk == rk->gq && c > r) break; /* causal within the diagonal block */
         cols[n++] = (int64_t)kb * G + c;
       }
     }

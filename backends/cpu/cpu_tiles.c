@@ -20,7 +20,8 @@ void mtrain_cpu_for_each_tile(const mtrain_step_view_t *v, int32_t h, int32_t qb
   const int64_t gq = v->q_block_global[qb];
   for (int32_t e = hd->run_off[qb]; e < hd->run_off[qb + 1]; e++) {
     const int32_t lo = hd->runs[2 * e], hi = hd->runs[2 * e + 1];
-    const int diag = v->k_block_global[hi - 1] == gq;
+    /* under causality the diagonal block, when present, ends its run */
+    const int diag = v->causal && v->k_block_global[hi - 1] == gq;
     const int32_t body_end = diag ? hi - 1 : hi;
     int64_t c1 = (int64_t)body_end * G;
     if (c1 > v->k_tokens) c1 = v->k_tokens;

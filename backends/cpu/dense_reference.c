@@ -1,5 +1,6 @@
 /* dense_reference.c: fp64 dense-masked attention from the pattern predicate
- * (mtrain_cpu.h). Every (i, j) with j <= i is tested with
+ * (mtrain_cpu.h). Every (i, j) with j <= i (every j of a non-causal pattern)
+ * is tested with
  * mtrain_pattern_allowed; nothing of the plan or the backends is used, so it
  * is an independent oracle for both. */
 #include <math.h>
@@ -49,18 +50,19 @@ mtrain_status_t mtrain_cpu_dense_reference_forward(const mtrain_pattern_t *p, in
     const int32_t hk = h / group;
     for (int64_t i = 0; i < N; i++) {
       const double *qi = q + (i * hq + h) * d;
+      const int64_t j_end = mtrain_pattern_is_causal(p) ? i + 1 : N;
       double m = -INFINITY;
-      for (int64_t j = 0; j <= i; j++) {
+      for (int64_t j = 0; j < j_end; j++) {
         row[j] = mtrain_pattern_allowed(p, h, i, j) ? scale * dot(qi, k + (j * hkv + hk) * d, d)
                                                     : -INFINITY;
         if (row[j] > m) m = row[j];
       }
       double sum = 0.0;
-      for (int64_t j = 0; j <= i; j++) sum += exp(row[j] - m);
+      for (int64_t j = 0; j < j_end; j++) sum += exp(row[j] - m);
       const double l = m + log(sum);
       double *oi = o + (i * hq + h) * d;
       memset(oi, 0, sizeof(double) * (size_t)d);
-      for (int64_t j = 0; j <= i; j++) {
+      for (int64_t j = 0; j < j_end; j++) {
         const double pij = exp(row[j] - l);
         if (pij == 0.0) continue;
         const double *vj = v + (j * hkv + hk) * d;
@@ -104,7 +106,8 @@ mtrain_status_t mtrain_cpu_dense_reference_backward(const mtrain_pattern_t *p, i
         const double *qi = q + (i * hq + h) * d, *doi = dout + (i * hq + h) * d;
         const double delta = dot(doi, o + (i * hq + h) * d, d), l = lse[i * hq + h];
         double *dqi = dq + (i * hq + h) * d;
-        for (int64_t j = 0; j <= i; j++) {
+        const int64_t j_end = mtrain_pattern_is_causal(p) ? i + 1 : N;
+        for (int64_t j = 0; j < j_end; j++) {
           if (!mtrain_pattern_allowed(p, h, i, j)) continue;
           const double *kj = k + (j * hkv + hk) * d, *vj = v + (j * hkv + hk) * d;
           const double pij = exp(scale * dot(qi, kj, d) - l);

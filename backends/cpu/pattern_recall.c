@@ -23,13 +23,14 @@ static double head_recall(const mtrain_pattern_t *p, int32_t h, int32_t hkv, int
   double total = 0.0;
   for (int64_t i = 0; i < n; i++) {
     const double *qi = q + (i * hq + h) * d;
+    const int64_t j_end = mtrain_pattern_is_causal(p) ? i + 1 : n;
     double m = -INFINITY;
-    for (int64_t j = 0; j <= i; j++) {
+    for (int64_t j = 0; j < j_end; j++) {
       row[j] = scale * dot(qi, k + (j * hkv + hk) * d, d);
       if (row[j] > m) m = row[j];
     }
     double all = 0.0, kept = 0.0;
-    for (int64_t j = 0; j <= i; j++) {
+    for (int64_t j = 0; j < j_end; j++) {
       const double e = exp(row[j] - m);
       all += e;
       if (mtrain_pattern_allowed(p, h, i, j)) kept += e;

@@ -78,6 +78,11 @@ mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t byte
 mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, int32_t hkv,
                                  int32_t d, double scale, int backward, cuda_step_t *out,
                                  int *slot) {
+  if (!v->causal)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda: the plan is non-causal (mtrain_pattern_create_noncausal): the cuda "
+                        "kernels compute causal attention only; run it on the cpu or cpu-ref "
+                        "backend");
   cuda_step_tables_t t;
   mtrain_status_t st = cuda_step_tables_size(v, hkv, backward, &t);
   if (st) return st;

@@ -4,8 +4,9 @@
  *     {"diagonals": [0, 1, 7], "verticals": [0, 1, 2, 4100]},
  *     {"block_mask": [[0, 0], [1, 0], [1, 1]]}]}
  * "diagonals" may be absent (only diagonal 0), "verticals" may be absent
- * (none). Unknown keys, at the top level and in heads, are rejected so that
- * typos are not silently ignored. Messages name the origin, the place
+ * (none). An optional top-level "causal": false makes a non-causal pattern
+ * (block-mask heads only, pairs above the diagonal allowed). Unknown keys, at the top level and in
+ * heads, are rejected so that typos are not silently ignored. Messages name the origin, the place
  * ("heads[3].verticals[7]") and the reason. */
 #define _POSIX_C_SOURCE 200809L
 
@@ -146,10 +147,11 @@ cleanup:
   return st;
 }
 
-/* Entry i of a block mask: a [qb, kb] pair with 0 <= kb <= qb < nb, after the
- * previous pair (prev[0], prev[1]) in (qb, kb) order. */
+/* Entry i of a block mask: a [qb, kb] pair with 0 <= kb <= qb < nb (kb < nb
+ * when not causal), after the previous pair (prev[0], prev[1]) in (qb, kb)
+ * order. */
 static mtrain_status_t get_block_pair(const json_ctx_t *c, const json_t *arr, size_t i, int64_t nb,
-                                      const int64_t *prev, int64_t *pair) {
+                                      int causal, const int64_t *prev, int64_t *pair) {
   char place[64];
   snprintf(place, sizeof place, "block_mask[%zu]", i);
   const json_t *e = json_array_get(arr, i);
@@ -169,10 +171,13 @@ static mtrain_status_t get_block_pair(const json_ctx_t *c, const json_t *arr, si
   if (pair[0] < 0 || pair[0] >= nb)
     return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, place, "query block %lld out of range [0, %lld)",
                    (long long)pair[0], (long long)nb);
-  if (pair[1] < 0 || pair[1] > pair[0])
+  if (causal && (pair[1] < 0 || pair[1] > pair[0]))
     return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, place,
                    "key block %lld out of range [0, %lld] (causal: key block <= query block)",
                    (long long)pair[1], (long long)pair[0]);
+  if (!causal && (pair[1] < 0 || pair[1] >= nb))
+    return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, place, "key block %lld out of range [0, %lld)",
+                   (long long)pair[1], (long long)nb);
   if (prev && (pair[0] < prev[0] || (pair[0] == prev[0] && pair[1] <= prev[1])))
     return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, place,
                    "[%lld, %lld] after [%lld, %lld]: pairs must be sorted by query block then "
@@ -201,7 +206,7 @@ static mtrain_status_t parse_mask_head(const json_ctx_t *c, const json_t *arr,
   mtrain_status_t st = MTRAIN_SUCCESS;
   MTRAIN_FAIL_IF(!off || !idx, MTRAIN_ERR_OUT_OF_MEMORY, "%s: out of memory", c->origin);
   for (size_t i = 0; i < n; i++) {
-    MTRAIN_TRY(get_block_pair(c, arr, i, nb, i ? prev : NULL, pair));
+    MTRAIN_TRY(get_block_pair(c, arr, i, nb, p->causal, i ? prev : NULL, pair));
     off[pair[0] + 1]++;
     idx[i] = (int32_t)pair[1];
     prev[0] = pair[0];
@@ -224,6 +229,10 @@ static mtrain_status_t parse_head(const json_ctx_t *c, const json_t *obj, mtrain
   mtrain_status_t st = check_keys(c, obj, "", allowed, "'diagonals', 'verticals', 'block_mask'");
   if (st != MTRAIN_SUCCESS) return st;
   const json_t *mask = json_object_get(obj, "block_mask");
+  if (!mask && !p->causal)
+    return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, "",
+                   "a non-causal pattern (\"causal\": false) holds block-mask heads only; "
+                   "this head has no 'block_mask'");
   if (!mask) return parse_vs_head(c, obj, p);
   if (json_object_get(obj, "diagonals") || json_object_get(obj, "verticals"))
     return fail_at(c, MTRAIN_ERR_FORMAT, "block_mask",
@@ -234,12 +243,12 @@ static mtrain_status_t parse_head(const json_ctx_t *c, const json_t *obj, mtrain
 /* Checks the top level and creates the pattern (heads still empty). */
 static mtrain_status_t parse_top(const json_ctx_t *c, const json_t *root, const json_t **heads,
                                  mtrain_pattern_t **out) {
-  static const char *const allowed[] = {"granularity", "seq_len", "heads", NULL};
+  static const char *const allowed[] = {"granularity", "seq_len", "heads", "causal", NULL};
   if (!json_is_object(root))
     return mtrain_error(MTRAIN_ERR_FORMAT, "%s: top level: expected an object, found %s", c->origin,
                         mtrain_json_type_name(root));
   mtrain_status_t st =
-      check_keys(c, root, "top level", allowed, "'granularity', 'seq_len', 'heads'");
+      check_keys(c, root, "top level", allowed, "'granularity', 'seq_len', 'heads', 'causal'");
   json_int_t g = 0, n = 0;
   if (st == MTRAIN_SUCCESS) st = get_top_int(c, root, "granularity", 1, INT32_MAX, &g);
   if (st == MTRAIN_SUCCESS) st = get_top_int(c, root, "seq_len", 1, INT64_MAX, &n);
@@ -255,7 +264,13 @@ static mtrain_status_t parse_top(const json_ctx_t *c, const json_t *root, const 
                    "empty array (a pattern needs at least one head)");
   if (nh > INT32_MAX)
     return fail_at(c, MTRAIN_ERR_FORMAT, "heads", "%zu heads, more than 2^31 - 1", nh);
-  st = mtrain_pattern_create((int64_t)n, (int32_t)nh, (int32_t)g, out);
+  const json_t *causal = json_object_get(root, "causal");
+  if (causal && !json_is_boolean(causal))
+    return fail_at(c, MTRAIN_ERR_FORMAT, "causal", "expected true or false, found %s",
+                   mtrain_json_type_name(causal));
+  st = causal && json_is_false(causal)
+           ? mtrain_pattern_create_noncausal((int64_t)n, (int32_t)nh, (int32_t)g, out)
+           : mtrain_pattern_create((int64_t)n, (int32_t)nh, (int32_t)g, out);
   if (st == MTRAIN_ERR_INVALID_ARGUMENT)
     return mtrain_error_prefix(MTRAIN_ERR_INVALID_PATTERN, "%s", c->origin);
   return st;
@@ -356,8 +371,8 @@ static void put_mask_head(writer_t *w, const mtrain_pattern_head_t *h, int64_t n
 }
 
 static void put_pattern(writer_t *w, const mtrain_pattern_t *p) {
-  put(w, "{\"granularity\": %d, \"seq_len\": %lld, \"heads\": [\n", p->granularity,
-      (long long)p->seq_len);
+  put(w, "{\"granularity\": %d, \"seq_len\": %lld, %s\"heads\": [\n", p->granularity,
+      (long long)p->seq_len, p->causal ? "" : "\"causal\": false, ");
   for (int32_t h = 0; h < p->num_heads; h++) {
     put(w, "  ");
     if (p->heads[h].mask_off)

@@ -48,6 +48,7 @@ mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_heads, int32_
   p->num_heads = num_heads;
   p->granularity = granularity;
   p->num_blocks = (seq_len + granularity - 1) / granularity;
+  p->causal = 1;
   p->heads = calloc((size_t)num_heads, sizeof *p->heads);
   if (!p->heads) {
     free(p);
@@ -88,6 +89,35 @@ mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads, 
   return MTRAIN_SUCCESS;
 }
 
+mtrain_status_t mtrain_pattern_create_noncausal(int64_t seq_len, int32_t num_heads,
+                                                int32_t granularity, mtrain_pattern_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  mtrain_pattern_t *p = NULL;
+  mtrain_status_t st = mtrain_pattern_create(seq_len, num_heads, granularity, &p);
+  if (st != MTRAIN_SUCCESS) return st;
+  p->causal = 0;
+  const int64_t nb = p->num_blocks;
+  int64_t *off = malloc((size_t)(nb + 1) * sizeof *off);
+  int32_t *idx = malloc((size_t)nb * sizeof *idx);
+  if (!off || !idx) st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "pattern: out of memory");
+  for (int64_t qb = 0; st == MTRAIN_SUCCESS && qb <= nb; qb++) {
+    off[qb] = qb;
+    if (qb < nb) idx[qb] = (int32_t)qb;
+  }
+  for (int32_t h = 0; h < num_heads && st == MTRAIN_SUCCESS; h++)
+    st = mtrain_pattern_set_block_csr(p, h, off, idx);
+  free(off);
+  free(idx);
+  if (st != MTRAIN_SUCCESS) {
+    mtrain_pattern_destroy(p);
+    return st;
+  }
+  *out = p;
+  return MTRAIN_SUCCESS;
+}
+
+int mtrain_pattern_is_causal(const mtrain_pattern_t *p) { return p ? p->causal : 1; }
+
 void mtrain_pattern_destroy(mtrain_pattern_t *p) {
   if (!p) return;
   if (p->heads)
@@ -109,6 +139,11 @@ mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *p, int32_t head, const
                                         int32_t num_verticals) {
   mtrain_status_t st = check_head(p, head, __func__);
   if (st != MTRAIN_SUCCESS) return st;
+  if (!p->causal)
+    return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
+                        "pattern head %d: a non-causal pattern holds block-mask heads only "
+                        "(vertical-slash heads are causal)",
+                        head);
   if (num_diagonals < 0 || num_verticals < 0)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "pattern head %d: negative count (diagonals %d, verticals %d)", head,
@@ -189,11 +224,13 @@ mtrain_status_t mtrain_pattern_set_block_csr(mtrain_pattern_t *p, int32_t head,
                           (long long)qb);
     for (int64_t e = mask_off[qb]; e < mask_off[qb + 1]; e++) {
       int32_t kb = mask_idx[e];
-      if (kb < 0 || kb > qb)
+      if (kb < 0 || kb >= nb || (p->causal && kb > qb))
         return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
-                            "pattern head %d: block mask entry (%lld, %d) is not causal "
-                            "(key block must be in [0, %lld])",
-                            head, (long long)qb, kb, (long long)qb);
+                            "pattern head %d: block mask entry (%lld, %d) %s (key block must be "
+                            "in [0, %lld])",
+                            head, (long long)qb, kb,
+                            kb >= 0 && kb < nb ? "is not causal" : "is out of range",
+                            p->causal ? (long long)qb : (long long)nb - 1);
       if (e > mask_off[qb] && kb <= mask_idx[e - 1])
         return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
                             "pattern head %d: block mask key blocks of query block %lld not "
@@ -213,8 +250,15 @@ mtrain_status_t mtrain_pattern_set_block_csr(mtrain_pattern_t *p, int32_t head,
   int64_t n = 0;
   for (int64_t qb = 0; qb < nb; qb++) {
     off[qb] = n;
-    for (int64_t e = mask_off[qb]; e < mask_off[qb + 1]; e++) idx[n++] = mask_idx[e];
-    if (n == off[qb] || idx[n - 1] != qb) idx[n++] = (int32_t)qb;
+    int placed = 0; /* the diagonal block, in key-block order */
+    for (int64_t e = mask_off[qb]; e < mask_off[qb + 1]; e++) {
+      if (!placed && mask_idx[e] >= qb) {
+        if (mask_idx[e] > qb) idx[n++] = (int32_t)qb;
+        placed = 1;
+      }
+      idx[n++] = mask_idx[e];
+    }
+    if (!placed) idx[n++] = (int32_t)qb;
   }
   off[nb] = n;
   mtrain_pattern_head_t *h = &p->heads[head];
@@ -236,7 +280,7 @@ mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *p, int32_t head,
   for (int64_t qb = 0; qb < nb; qb++)
     for (int64_t kb = 0; kb < nb; kb++) {
       if (!mask[qb * nb + kb]) continue;
-      if (kb > qb)
+      if (p->causal && kb > qb)
         return mtrain_error(MTRAIN_ERR_INVALID_PATTERN,
                             "pattern head %d: block mask entry (%lld, %lld) lies above the "
                             "causal diagonal",
@@ -253,7 +297,7 @@ mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *p, int32_t head,
   int64_t n = 0;
   for (int64_t qb = 0; qb < nb; qb++) {
     off[qb] = n;
-    for (int64_t kb = 0; kb <= qb; kb++)
+    for (int64_t kb = 0; kb < (p->causal ? qb + 1 : nb); kb++)
       if (mask[qb * nb + kb]) idx[n++] = (int32_t)kb;
   }
   off[nb] = n;
@@ -267,7 +311,10 @@ mtrain_status_t mtrain_pattern_clone(const mtrain_pattern_t *src, mtrain_pattern
   MTRAIN_CHECK_NOT_NULL(src);
   MTRAIN_CHECK_NOT_NULL(out);
   mtrain_pattern_t *p = NULL;
-  mtrain_status_t st = mtrain_pattern_create(src->seq_len, src->num_heads, src->granularity, &p);
+  mtrain_status_t st =
+      src->causal
+          ? mtrain_pattern_create(src->seq_len, src->num_heads, src->granularity, &p)
+          : mtrain_pattern_create_noncausal(src->seq_len, src->num_heads, src->granularity, &p);
   for (int32_t h = 0; h < src->num_heads && st == MTRAIN_SUCCESS; h++) {
     const mtrain_pattern_head_t *sh = &src->heads[h];
     if (sh->mask_off)
@@ -339,7 +386,7 @@ static int block_mask_has(const mtrain_pattern_head_t *h, int64_t qb, int64_t kb
 
 int mtrain_pattern_allowed(const mtrain_pattern_t *p, int32_t head, int64_t i, int64_t j) {
   if (!p || head < 0 || head >= p->num_heads) return 0;
-  if (i < 0 || j < 0 || i >= p->seq_len || j > i) return 0;
+  if (i < 0 || j < 0 || i >= p->seq_len || j >= p->seq_len || (p->causal && j > i)) return 0;
   const mtrain_pattern_head_t *h = &p->heads[head];
   int64_t qb = i / p->granularity, kb = j / p->granularity;
   if (h->mask_off) return block_mask_has(h, qb, kb);
@@ -347,11 +394,12 @@ int mtrain_pattern_allowed(const mtrain_pattern_t *p, int32_t head, int64_t i, i
   return kb < qb && has_vertical(h, j);
 }
 
-/* Valid causal pairs between query block qb and key block kb. */
+/* Valid pairs between query block qb and key block kb (causal: below the
+ * diagonal). */
 static int64_t block_pairs(const mtrain_pattern_t *p, int64_t qb, int64_t kb) {
   int64_t G = p->granularity;
   int64_t rows = p->seq_len - qb * G < G ? p->seq_len - qb * G : G;
-  if (kb < qb) {
+  if (kb != qb || !p->causal) {
     int64_t cols = p->seq_len - kb * G < G ? p->seq_len - kb * G : G;
     return rows * cols;
   }

@@ -8,8 +8,8 @@
 /** One query head. Vertical-slash form: diagonals (sorted, unique, 0 first)
  *  and verticals (sorted, unique). Block-mask form (mask_off != NULL): for
  *  query block qb the key blocks mask_idx[mask_off[qb] .. mask_off[qb+1]),
- *  increasing, each <= qb, qb itself always present; diagonals and verticals
- *  are then empty. */
+ *  increasing, each <= qb (any block of a non-causal pattern), qb itself
+ *  always present; diagonals and verticals are then empty. */
 typedef struct mtrain_pattern_head {
   int32_t *diagonals;
   int32_t num_diagonals;
@@ -24,6 +24,7 @@ struct mtrain_pattern {
   int32_t num_heads;
   int32_t granularity;
   int64_t num_blocks;
+  int causal; /* 1: key j <= query i (SPEC.md section 1); 0: block masks over all keys */
   mtrain_pattern_head_t *heads;
 };
 

@@ -297,11 +297,12 @@ static int segs_for_query(const mtrain_pattern_head_t *h, const head_aux_t *a,
 }
 
 /* Pairs computed by query block qb (of r rows, global gq) against the local
- * key-block run [lo, hi): full blocks, except the diagonal block (global ==
- * gq), whose lower triangle counts. */
+ * key-block run [lo, hi): full blocks, except in a causal pattern the
+ * diagonal block (global == gq), whose lower triangle counts. */
 static int64_t run_pairs(const mtrain_rank_blocks_t *k, const chunk_aux_t *c, int64_t gq, int64_t r,
-                         int32_t lo, int32_t hi, int64_t seq_len, int32_t G) {
+                         int32_t lo, int32_t hi, int64_t seq_len, int32_t G, int causal) {
   int64_t pairs = r * (c->row_prefix[hi] - c->row_prefix[lo]);
+  if (!causal) return pairs;
   const int32_t kd = chunk_lower_bound(c, k, gq);
   if (kd >= lo && kd < hi && k->global[kd] == gq)
     pairs += r * (r + 1) / 2 - r * rows_of(k, kd, seq_len, G);
@@ -336,7 +337,7 @@ static int build_step_head_core(const mtrain_pattern_t *pattern, int32_t head, c
         h->mask_off ? runs_block_mask(h, gq, k, c, &runs) : runs_vertical_slash(a, gq, k, c, &runs);
     const int64_t r = rows_of(q, qb, N, G);
     for (int64_t e = run_start; ok && e < runs.size; e += 2)
-      out->pairs += run_pairs(k, c, gq, r, runs.data[e], runs.data[e + 1], N, G);
+      out->pairs += run_pairs(k, c, gq, r, runs.data[e], runs.data[e + 1], N, G, pattern->causal);
     if (ok && cb.bars.size) {
       int64_t nbars = 0;
       ok = segs_for_query(h, a, &cb, gq, &segs, &nbars);
@@ -573,7 +574,8 @@ static mtrain_status_t step_init(mtrain_plan_t *plan, const mtrain_plan_seq_t *s
                           .num_k_blocks = num_k_blocks,
                           .q_block_global = s->q.global,
                           .k_block_global = k_block_global,
-                          .heads = step->head_views};
+                          .heads = step->head_views,
+                          .causal = s->pattern->causal};
   step->view = v;
   return MTRAIN_SUCCESS;
 }

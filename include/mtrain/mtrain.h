@@ -291,7 +291,8 @@ MTRAIN_API int mtrain_backend_list(const char **names, int cap);
 /** A sparse pattern of one sequence: for each query head either
  *  vertical-slash form (block diagonals D_h with diagonal 0 always present,
  *  sorted vertical key positions V_h) or a generic block mask (a set of
- *  (query block, key block) pairs with key block <= query block). */
+ *  (query block, key block) pairs with key block <= query block; any key
+ *  block in a non-causal pattern, mtrain_pattern_create_noncausal). */
 typedef struct mtrain_pattern mtrain_pattern_t;
 
 /** Most query blocks (ceil(seq_len / granularity)) of a pattern with a
@@ -307,6 +308,19 @@ MTRAIN_API mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_he
 /** The dense causal pattern (all block diagonals 0..nb-1, no verticals). */
 MTRAIN_API mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads,
                                                        int32_t granularity, mtrain_pattern_t **out);
+/** A non-causal pattern (SPEC.md section 1.3): every query may attend to
+ *  keys after it, within its head's block mask (the bidirectional attention
+ *  of encoders and video DiTs). Every head starts as the block mask of the
+ *  diagonal blocks only; set heads with mtrain_pattern_set_block_mask, whose
+ *  entries may then lie above the diagonal. Vertical-slash heads are causal:
+ *  mtrain_pattern_set_head refuses them here. Runs on the CPU backends; the
+ *  "cuda" backend refuses non-causal plans (MTRAIN_ERR_NOT_SUPPORTED). */
+MTRAIN_API mtrain_status_t mtrain_pattern_create_noncausal(int64_t seq_len, int32_t num_heads,
+                                                           int32_t granularity,
+                                                           mtrain_pattern_t **out);
+/** 1 for a causal pattern (every pattern but those of
+ *  mtrain_pattern_create_noncausal and their clones), 0 otherwise. */
+MTRAIN_API int mtrain_pattern_is_causal(const mtrain_pattern_t *pattern);
 MTRAIN_API void mtrain_pattern_destroy(mtrain_pattern_t *pattern);
 /** Deep copy. */
 MTRAIN_API mtrain_status_t mtrain_pattern_clone(const mtrain_pattern_t *pattern,
@@ -321,7 +335,8 @@ MTRAIN_API mtrain_status_t mtrain_pattern_set_head(mtrain_pattern_t *pattern, in
                                                    const int64_t *verticals, int32_t num_verticals);
 /** Sets head h to block-mask form: `mask` is nb*nb bytes, row-major
  *  [query block][key block], nonzero = computed. Entries above the block
- *  diagonal are rejected; the block diagonal is forced on. Copied. */
+ *  diagonal are rejected in a causal pattern (allowed in a non-causal one);
+ *  the block diagonal is forced on. Copied. */
 MTRAIN_API mtrain_status_t mtrain_pattern_set_block_mask(mtrain_pattern_t *pattern, int32_t head,
                                                          const uint8_t *mask);
 

@@ -25,8 +25,9 @@ extern "C" {
  *    s in [seg_off[qb], seg_off[qb+1]); bars are local key positions of the
  *    chunk, increasing. Segments of one query block are disjoint.
  *  A key block whose global index equals the query block's global index is
- *  the causal diagonal block: mask j > i there. Rows and columns whose global
- *  position is >= seq_len (padding) never take part. */
+ *  the causal diagonal block: mask j > i there (only where the step view's
+ *  `causal` is 1; a non-causal step computes every pair of its blocks). Rows
+ *  and columns whose global position is >= seq_len (padding) never take part. */
 typedef struct mtrain_step_head {
   const int32_t *run_off;
   const int32_t *runs;
@@ -52,6 +53,7 @@ typedef struct mtrain_step_view {
   const int64_t *q_block_global;   /**< [num_q_blocks] global block of each local q block */
   const int64_t *k_block_global;   /**< [num_k_blocks] global block of each chunk key block */
   const mtrain_step_head_t *heads; /**< [num_heads] */
+  int32_t causal; /**< 1: mask j > i in diagonal blocks; 0: non-causal (block masks only) */
 } mtrain_step_view_t;
 
 /** Number of valid rows of local block lb of a side with `tokens` local

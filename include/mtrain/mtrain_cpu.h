@@ -26,8 +26,8 @@ MTRAIN_API mtrain_status_t mtrain_cpu_dense_reference_backward(
     const double *dout, double *dq, double *dk, double *dv);
 
 /** Pattern quality: the share of the dense causal attention mass the pattern
- *  keeps. For each head and row i, the dense softmax over keys j <= i is
- *  summed over the allowed keys; the result is averaged over rows
+ *  keeps. For each head and row i, the dense softmax over keys j <= i (every
+ *  key, for a non-causal pattern) is summed over the allowed keys; the result is averaged over rows
  *  (per_head[h], when not NULL) and over heads (*mean). fp64,
  *  O(N^2 * Hq * d): for small N. q [N, Hq, d], k [N, Hkv, d] in fp64. */
 MTRAIN_API mtrain_status_t mtrain_cpu_pattern_recall(const mtrain_pattern_t *pattern,

@@ -196,6 +196,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
   view.q_block_global = qg.data();
   view.k_block_global = kg.data();
   view.heads = heads.data();
+  view.causal = 1;
   // device step
   vector<int32_t> meta(Hq * CUDA_HM_STRIDE, 0), idx;
   idx.reserve(1);

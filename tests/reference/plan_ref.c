@@ -395,7 +395,8 @@ static mtrain_status_t step_init(mtrain_plan_t *plan, const mtrain_plan_seq_t *s
                           .num_k_blocks = num_k_blocks,
                           .q_block_global = s->q.global,
                           .k_block_global = k_block_global,
-                          .heads = step->head_views};
+                          .heads = step->head_views,
+                          .causal = s->pattern->causal};
   step->view = v;
   return MTRAIN_SUCCESS;
 }
