@@ -1,6 +1,7 @@
 /* cpu_fast_common.c: step input preparation for the fast CPU path (fp32
  * widening, bar gathering) and OpenBLAS thread control. */
 #include <cblas.h>
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "backends/cpu/cpu_fast_common.h"
@@ -11,14 +12,33 @@
 void openblas_set_num_threads(int num_threads);
 int openblas_get_num_threads(void);
 
+/* OpenBLAS's thread count is one setting for the whole process, and its
+ * threaded sgemm is not safe to enter from several threads at once. So the
+ * single-threaded sections of all contexts (ranks run as threads, or a
+ * caller's threads with a context each) share one count: the first to enter
+ * sets one thread, the last to leave restores what it found. Restoring per
+ * caller let one context turn threading back on while another was still
+ * calling sgemm from its OpenMP threads: the distributed block selection's
+ * bitwise test then failed in 2 runs of 3 (2026-11-27). */
+static pthread_mutex_t blas_lock = PTHREAD_MUTEX_INITIALIZER;
+static int blas_users, blas_saved = 1;
+
 int cpu_blas_single_begin(void) {
-  int previous = openblas_get_num_threads();
-  if (previous != 1) openblas_set_num_threads(1);
-  return previous;
+  pthread_mutex_lock(&blas_lock);
+  if (blas_users++ == 0) {
+    blas_saved = openblas_get_num_threads();
+    if (blas_saved != 1) openblas_set_num_threads(1);
+  }
+  const int saved = blas_saved;
+  pthread_mutex_unlock(&blas_lock);
+  return saved;
 }
 
 void cpu_blas_single_end(int previous) {
-  if (previous != 1) openblas_set_num_threads(previous);
+  (void)previous;
+  pthread_mutex_lock(&blas_lock);
+  if (--blas_users == 0 && blas_saved != 1) openblas_set_num_threads(blas_saved);
+  pthread_mutex_unlock(&blas_lock);
 }
 
 /* fp32 view of a buffer: borrowed when already fp32, else a widened copy. */

@@ -87,7 +87,10 @@ int cpu_fwd_avx512_available(void);
 void cpu_fwd_avx512_item(const cpu_step_inputs_t *in, int32_t h, int32_t hk, int32_t qb,
                          int32_t row0, int32_t nr, float scale, cpu_fwd_avx512_ws_t *ws);
 
-/** Sets OpenBLAS to one thread (returns the previous count). */
+/** Enters a section that calls OpenBLAS from OpenMP threads: OpenBLAS runs
+ *  single-threaded until the last such section of the process ends (a
+ *  process-wide count under a mutex; thread-safe). Returns the thread count
+ *  found by the first to enter; cpu_blas_single_end takes it back. */
 int cpu_blas_single_begin(void);
 void cpu_blas_single_end(int previous);
 
