@@ -7,7 +7,8 @@
  * rule of the oracle (1e-4). Cases: every layout, the flat ring and (when the
  * world size allows) the hierarchical ring, dense, random sparse, diagonal-only
  * (query blocks with no key in most steps), real-budget patterns and block
- * masks (heads of both forms in one pattern, as the block selections give), GQA,
+ * masks (heads of both forms in one pattern, as the block selections give),
+ * non-causal block masks (mtrain_pattern_create_noncausal), GQA,
  * lengths that are not multiples of G * W, both backends; and packed batches
  * (varlen: several sequences of uneven lengths, each with its own pattern
  * and layout, bars in the ring and gathered in one batch) against the
@@ -31,7 +32,8 @@ typedef struct ring_case {
   int32_t ranks_per_node; /* 0: flat */
   int64_t N;
   int32_t hq, hkv, d, G;
-  int pattern; /* 0 dense, 1 random sparse, 2 diagonal only, 3 budget-like, 4 block masks */
+  int pattern; /* 0 dense, 1 random sparse, 2 diagonal only, 3 budget-like, 4 block masks,
+                  5 non-causal block masks */
   uint64_t seed;
 } ring_case_t;
 
@@ -198,7 +200,7 @@ static int varlen_case(const char *backend, int32_t ranks_per_node, uint64_t see
   const int64_t lens[S] = {G * world_ + 5, 3 * G * world_ + 29, 1 + (world_ > 1 ? 0 : 40)};
   const mtrain_layout_kind_t kinds[S] = {MTRAIN_LAYOUT_ZIGZAG, MTRAIN_LAYOUT_BALANCED,
                                          MTRAIN_LAYOUT_STRIPED};
-  const int pats[S] = {3, 4, 0};
+  const int pats[S] = {5, 4, 3}; /* non-causal, mixed block masks, budget-like */
   ring_case_t c = {backend, MTRAIN_LAYOUT_STRIPED, ranks_per_node, 0, 4, 2, 16, G, 0, seed};
   int64_t offsets[S + 1] = {0};
   for (int s = 0; s < S; s++) offsets[s + 1] = offsets[s] + lens[s];
@@ -440,7 +442,7 @@ int main(int argc, char **argv) {
   uint64_t seed = 1;
   for (int sc = 0; sc < nsched; sc++)
     for (int l = 0; l < 4; l++)
-      for (int pat = 0; pat < 5; pat++) {
+      for (int pat = 0; pat < 6; pat++) {
         ring_case_t c = {"cpu", layouts[l], schedules[sc], 0, 4, 2, 16, 16, pat, seed++};
         c.N = 16 * 2 * world_ * 3 + 37; /* never a multiple of G * W */
         if (pat == 1) c.hkv = 1, c.d = 32;

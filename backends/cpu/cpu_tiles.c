@@ -25,6 +25,14 @@ void mtrain_cpu_for_each_tile(const mtrain_step_view_t *v, int32_t h, int32_t qb
     const int32_t body_end = diag ? hi - 1 : hi;
     int64_t c1 = (int64_t)body_end * G;
     if (c1 > v->k_tokens) c1 = v->k_tokens;
+    if (!v->causal && body_end > lo) {
+      /* no causal mask hides the padding slots of a partial last block */
+      const int32_t last = body_end - 1;
+      const int64_t valid =
+          (int64_t)last * G +
+          mtrain_block_rows(v->k_tokens, G, last, v->k_block_global[last], v->seq_len);
+      if (c1 > valid) c1 = valid;
+    }
     emit_range((int64_t)lo * G, c1, tile_cols, 0, fn, ctx);
     if (diag) {
       int64_t d0 = (int64_t)(hi - 1) * G, d1 = d0 + G;

@@ -106,6 +106,11 @@ class Pattern:
     def num_blocks(self) -> int:
         return int(L.lib().pattern_num_blocks(self._ptr))
 
+    @property
+    def causal(self) -> bool:
+        """False for a non-causal pattern (block_mask_pattern(..., causal=False))."""
+        return bool(L.lib().pattern_is_causal(self._ptr))
+
     def is_block_mask(self, head: int) -> bool:
         """True when head `head` is in block-mask form."""
         self._check_head(head)
@@ -131,9 +136,10 @@ class Pattern:
         return int(L.lib().pattern_count_pairs(self._ptr, head))
 
     def density(self) -> float:
-        """Allowed pairs over the dense causal pairs, averaged over heads."""
+        """Allowed pairs over the dense pairs (causal: N (N + 1) / 2; non-causal:
+        N^2), averaged over heads."""
         n = self.seq_len
-        dense = n * (n + 1) // 2
+        dense = n * (n + 1) // 2 if self.causal else n * n
         return sum(self.count_pairs(h) for h in range(self.num_heads)) / (dense * self.num_heads)
 
     def mask(self) -> torch.Tensor:
@@ -142,6 +148,8 @@ class Pattern:
         n, g, nb = self.seq_len, self.granularity, self.num_blocks
         i = torch.arange(n)
         causal = i[:, None] >= i[None, :]
+        if not self.causal:
+            causal = torch.ones(n, n, dtype=torch.bool)
         qb = (i // g)[:, None]
         kb = (i // g)[None, :]
         out = torch.zeros(self.num_heads, n, n, dtype=torch.bool)
@@ -149,7 +157,7 @@ class Pattern:
             if self.is_block_mask(h):
                 blocks = torch.zeros(nb, nb, dtype=torch.bool)
                 for a in range(nb):
-                    for b in range(a + 1):
+                    for b in range(a + 1 if self.causal else nb):
                         blocks[a, b] = bool(
                             L.lib().pattern_allowed(self._ptr, h, min(a * g, n - 1), b * g)
                         )
@@ -220,10 +228,15 @@ def vertical_slash_pattern(
     return p
 
 
-def block_mask_pattern(mask: torch.Tensor, seq_len: int, granularity: int = 128) -> Pattern:
+def block_mask_pattern(
+    mask: torch.Tensor, seq_len: int, granularity: int = 128, causal: bool = True
+) -> Pattern:
     """A block-mask pattern from a bool tensor [H, nb, nb] (query block, key
-    block; nb = ceil(seq_len / granularity)): nonzero blocks are computed.
-    Blocks above the diagonal are rejected; the diagonal is always on."""
+    block; nb = ceil(seq_len / granularity)): nonzero blocks are computed;
+    the diagonal is always on. Causal (the default): blocks above the
+    diagonal are rejected and the diagonal block is masked token by token.
+    causal=False: bidirectional attention within the mask (SPEC.md section
+    1.3; the CPU backends run it, "cuda" refuses it)."""
     if not isinstance(mask, torch.Tensor) or mask.ndim != 3:
         raise L.fail(L.ERR_SHAPE_MISMATCH, "block mask must be a tensor [heads, blocks, blocks]")
     nb = -(-seq_len // granularity)
@@ -234,7 +247,8 @@ def block_mask_pattern(mask: torch.Tensor, seq_len: int, granularity: int = 128)
             f"{granularity} has {nb} blocks: expected [heads, {nb}, {nb}]",
         )
     heads = int(mask.shape[0])
-    p = _make_pattern(L.lib().pattern_create, seq_len, heads, granularity)
+    create = L.lib().pattern_create if causal else L.lib().pattern_create_noncausal
+    p = _make_pattern(create, seq_len, heads, granularity)
     data = mask.detach().to("cpu", torch.uint8).contiguous()
     for h in range(heads):
         ptr = ctypes.cast(data[h].data_ptr(), ctypes.POINTER(ctypes.c_uint8))

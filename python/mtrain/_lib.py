@@ -18,7 +18,7 @@ from .errors import MtrainError
 
 # ---- constants of mtrain.h / mtrain_layout.h / mtrain_comm.h / mtrain_backend.h ----
 
-API_VERSION = 4
+API_VERSION = 5
 SUCCESS = 0
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
@@ -211,6 +211,8 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_context_world": (ctypes.c_int, (P,)),
     "mtrain_pattern_create": (STATUS, (I64, I32, I32, PP)),
     "mtrain_pattern_create_dense": (STATUS, (I64, I32, I32, PP)),
+    "mtrain_pattern_create_noncausal": (STATUS, (I64, I32, I32, PP)),
+    "mtrain_pattern_is_causal": (ctypes.c_int, (P,)),
     "mtrain_pattern_destroy": (None, (P,)),
     "mtrain_pattern_set_head": (
         STATUS,

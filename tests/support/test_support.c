@@ -281,6 +281,22 @@ mtrain_pattern_t *ts_ring_pattern(int kind, int64_t N, int32_t heads, int32_t G,
   mtrain_pattern_t *p = NULL;
   const int64_t nb = (N + G - 1) / G;
   if (kind == 0) return mtrain_pattern_create_dense(N, heads, G, &p) ? NULL : p;
+  if (kind == 5) { /* non-causal block masks over every key block */
+    if (mtrain_pattern_create_noncausal(N, heads, G, &p)) return NULL;
+    ts_rng_t nrng = {seed * 11 + 3};
+    uint8_t *mask = calloc((size_t)(nb * nb), 1);
+    int ok = mask != NULL;
+    for (int32_t h = 0; ok && h < heads; h++) {
+      for (int64_t i = 0; i < nb; i++)
+        for (int64_t j = 0; j < nb; j++)
+          mask[i * nb + j] = (uint8_t)(j == 0 || ts_rng_uniform(&nrng) < 0.3);
+      ok = mtrain_pattern_set_block_mask(p, h, mask) == MTRAIN_SUCCESS;
+    }
+    free(mask);
+    if (ok) return p;
+    mtrain_pattern_destroy(p);
+    return NULL;
+  }
   if (mtrain_pattern_create(N, heads, G, &p)) return NULL;
   if (kind == 2) return p;
   ts_rng_t rng = {seed * 7 + 1};

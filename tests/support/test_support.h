@@ -101,8 +101,10 @@ void ts_ring_fill(float *x, int64_t n, ts_rng_t *rng, int bf16_exact);
  *  3 budget-like (block diagonals 0 and 1, the first 8 keys and 2% of the
  *  others as verticals); 4 mixed: even heads block masks (the diagonal block,
  *  the first key block and each other causal block with probability 0.3, as
- *  the block selections give), odd heads random sparse as kind 1. Seeded (the
- *  same on every rank). NULL on failure. */
+ *  the block selections give), odd heads random sparse as kind 1; 5
+ *  non-causal (mtrain_pattern_create_noncausal): every head a block mask of
+ *  the diagonal, the first block and each block w.p. 0.3, above the diagonal
+ *  too. Seeded (the same on every rank). NULL on failure. */
 mtrain_pattern_t *ts_ring_pattern(int kind, int64_t N, int32_t heads, int32_t G, uint64_t seed);
 
 /** Copies global row index[i] (of `width` floats) into local row i for the
