@@ -1,5 +1,5 @@
 /* test_noncausal.c: non-causal patterns (mtrain_pattern_create_noncausal,
- * SPEC.md section 1.3), the bidirectional block-sparse attention of encoders
+ * SPEC.md section 1, "Non-causal patterns"), the bidirectional block-sparse attention of encoders
  * and video DiTs:
  *  - the pattern: block masks above the diagonal accepted (refused in a
  *    causal pattern), the diagonal forced, vertical-slash heads refused,

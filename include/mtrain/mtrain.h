@@ -308,7 +308,7 @@ MTRAIN_API mtrain_status_t mtrain_pattern_create(int64_t seq_len, int32_t num_he
 /** The dense causal pattern (all block diagonals 0..nb-1, no verticals). */
 MTRAIN_API mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads,
                                                        int32_t granularity, mtrain_pattern_t **out);
-/** A non-causal pattern (SPEC.md section 1.3): every query may attend to
+/** A non-causal pattern (SPEC.md section 1, "Non-causal patterns"): every query may attend to
  *  keys after it, within its head's block mask (the bidirectional attention
  *  of encoders and video DiTs). Every head starts as the block mask of the
  *  diagonal blocks only; set heads with mtrain_pattern_set_block_mask, whose

@@ -122,6 +122,31 @@ def test_block_mask(gen: torch.Generator) -> None:
     assert_close_spec(got, reference(q, k, v, mask, do))
 
 
+def test_noncausal_block_mask(gen: torch.Generator, tmp_path: object) -> None:
+    """A non-causal block mask (SPEC.md section 1, "Non-causal patterns"): blocks above the diagonal
+    attend, the diagonal block is not masked token by token; through the op,
+    forward and every gradient, and through a pattern file."""
+    n, g, hq, hkv, d = 170, 32, 4, 2, 64
+    nb = -(-n // g)
+    q, k, v, do = inputs(gen, n, hq, hkv, d, torch.float32)
+    blocks = torch.rand(hq, nb, nb, generator=gen) < 0.4
+    pattern = mtrain.block_mask_pattern(blocks, n, g, causal=False)
+    assert not pattern.causal
+    mask = pattern.mask()
+    qb = (torch.arange(n) // g)[:, None]
+    kb = (torch.arange(n) // g)[None, :]
+    assert torch.equal(mask, blocks[:, qb, kb] | (qb == kb))
+    assert bool(mask.triu(1).any())  # keys after the query take part
+    expect = reference(q, k, v, mask, do)
+    assert_close_spec(run_mtrain(q, k, v, do, pattern=pattern), expect)
+    path = f"{tmp_path}/noncausal.json"
+    pattern.save(path)
+    assert not mtrain.load_pattern(path).causal
+    assert_close_spec(run_mtrain(q, k, v, do, pattern=path), expect)
+    with pytest.raises(mtrain.MtrainError, match="above the causal diagonal"):
+        mtrain.block_mask_pattern(blocks | torch.ones(nb, nb, dtype=torch.bool), n, g)
+
+
 def test_pattern_file_round_trip(gen: torch.Generator, tmp_path: object) -> None:
     n, g, hq, hkv, d = 140, 32, 2, 2, 64
     q, k, v, do = inputs(gen, n, hq, hkv, d, torch.float32)
