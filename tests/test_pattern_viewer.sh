@@ -78,6 +78,16 @@ expect_exit() {
 check_drawn "$work/h0.png" 520
 grep -q "7 verticals" "$work/out.txt" || fail "summary line: $(cat "$work/out.txt")"
 grep -q "52 px per block" "$work/out.txt" || fail "not 52 px per block: $(cat "$work/out.txt")"
+
+# a non-causal pattern: its blocks above the diagonal are computed and counted
+# (10 diagonal blocks and 3 listed: 13; nothing is drawn as 'not causal')
+cat > "$work/nc.json" <<'EOF'
+{"granularity": 64, "seq_len": 640, "causal": false,
+ "heads": [{"block_mask": [[0, 9], [3, 0], [5, 7]]}]}
+EOF
+"$bin" --pattern "$work/nc.json" --head 0 --out "$work/nc.png" > "$work/out.txt"
+check_drawn "$work/nc.png" 520
+grep -q "13 computed" "$work/out.txt" || fail "non-causal summary: $(cat "$work/out.txt")"
 "$bin" --pattern "$work/p.json" --head 1 --out "$work/h1.png" --size 64 > "$work/out.txt"
 check_drawn "$work/h1.png" 64
 "$bin" --pattern "$work/p.json" --head 1 --out "$work/h1n.png" --size 64 --no-legend > "$work/out.txt"

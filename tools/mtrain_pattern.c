@@ -4,7 +4,7 @@
  * dark blue, the causal part of the diagonal blocks teal, blocks that only
  * hold bars (verticals outside the computed blocks) orange, darker the more
  * verticals the key block has, causal blocks not computed white, the
- * non-causal part light grey, the padding past seq_len of the last block
+ * non-causal part of a causal pattern light grey, the padding past seq_len of the last block
  * hatched grey. By default the plot has whole pixels per block and at
  * least 512 pixels a side (up to 512 blocks; one pixel per block up to 1024
  * blocks; above that the blocks are max-pooled to 1024 pixels: diagonal >
@@ -60,7 +60,8 @@ static const char usage[] =
     "  --help                this text\n"
     "Colours: computed blocks dark blue; the causal part of a computed diagonal block teal;\n"
     "bars only (verticals) orange, darker with more verticals in the key block; causal\n"
-    "but not computed white; not causal light grey; padding past seq_len hatched grey.\n"
+    "but not computed white; above the diagonal of a causal pattern light grey; padding past "
+    "seq_len hatched grey.\n"
     "Exit status: 0 success, 1 error, 2 bad command line.\n";
 
 #define MIN_DEFAULT_PX 512
@@ -398,7 +399,7 @@ static void view_free(head_view_t *v) {
 /* Class of block (qb, kb); *bars: verticals drawn in it. */
 static int view_cell(const head_view_t *v, int64_t qb, int64_t kb, int64_t *bars) {
   *bars = 0;
-  if (kb > qb) return CELL_NONCAUSAL;
+  if (kb > qb && mtrain_pattern_is_causal(v->pattern)) return CELL_NONCAUSAL;
   int computed;
   if (v->block_mask) { /* allowed() of the block's last row and first column */
     const int64_t i = (qb + 1) * v->g - 1 < v->seq_len ? (qb + 1) * v->g - 1 : v->seq_len - 1;
@@ -452,7 +453,8 @@ static void cell_colour(int cls, int64_t bars, int64_t g, int x, int y, uint8_t 
 static int token_class(const head_view_t *v, int64_t i, int64_t j, int64_t *bars) {
   *bars = 0;
   const int64_t qb = i / v->g, kb = j / v->g;
-  if (kb > qb || (kb == qb && j > i)) return CELL_NONCAUSAL;
+  if (mtrain_pattern_is_causal(v->pattern) && (kb > qb || (kb == qb && j > i)))
+    return CELL_NONCAUSAL;
   if (i >= v->seq_len || j >= v->seq_len) return CELL_PADDING;
   const int cls = view_cell(v, qb, kb, bars);
   return cls == CELL_COMPUTED && qb == kb ? CELL_DIAGONAL : cls;
@@ -497,8 +499,9 @@ static void render(const head_view_t *v, int32_t px, canvas_t *c, int x0, int y0
 }
 
 static void count_computed(head_view_t *v) {
+  const int causal = mtrain_pattern_is_causal(v->pattern);
   for (int64_t qb = 0; qb < v->nb; qb++)
-    for (int64_t kb = 0; kb <= qb; kb++) {
+    for (int64_t kb = 0; kb < (causal ? qb + 1 : v->nb); kb++) {
       int64_t bars;
       if (view_cell(v, qb, kb, &bars) == CELL_COMPUTED) v->computed_blocks++;
     }
@@ -531,17 +534,19 @@ static void picture_layout(const head_view_t *v, int32_t head, int32_t plot, int
     p->w = p->h = plot;
     return;
   }
-  const int64_t causal = v->nb * (v->nb + 1) / 2;
+  const int is_causal = mtrain_pattern_is_causal(v->pattern);
+  const int64_t causal = is_causal ? v->nb * (v->nb + 1) / 2 : v->nb * v->nb;
   snprintf(p->title[0], sizeof p->title[0], "head %d: %lld tokens, %lld x %lld blocks of %lld",
            head, (long long)v->seq_len, (long long)v->nb, (long long)v->nb, (long long)v->g);
-  snprintf(p->title[1], sizeof p->title[1], "%lld of %lld causal blocks computed, %lld verticals",
-           (long long)v->computed_blocks, (long long)causal, (long long)v->verticals);
+  snprintf(p->title[1], sizeof p->title[1], "%lld of %lld %sblocks computed, %lld verticals",
+           (long long)v->computed_blocks, (long long)causal, is_causal ? "causal " : "",
+           (long long)v->verticals);
   snprintf(p->title[2], sizeof p->title[2], "rows: query blocks, columns: key blocks");
   p->legend[0] = v->block_mask ? "computed block (block mask)" : "computed block (block diagonal)";
-  p->legend[1] = "diagonal block: causal part computed";
+  p->legend[1] = is_causal ? "diagonal block: causal part computed" : "diagonal block (non-causal)";
   p->legend[2] = "bars only: verticals, darker = more";
-  p->legend[3] = "causal, not computed";
-  p->legend[4] = "not causal: key after query";
+  p->legend[3] = is_causal ? "causal, not computed" : "not computed";
+  p->legend[4] = is_causal ? "not causal: key after query" : "(non-causal pattern: none)";
   p->legend[5] = "padding: tokens past seq_len";
   int text_w = plot + 2;
   for (int t = 0; t < NUM_TITLE; t++) {
