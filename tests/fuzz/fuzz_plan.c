@@ -1,6 +1,7 @@
-/* fuzz_plan.c: libFuzzer target: a small random pattern and block layout
- * from the bytes; the step builder's plan over all ranks and steps must
- * compute every allowed pair exactly once. */
+/* fuzz_plan.c: libFuzzer target: a small random pattern (a causal
+ * vertical-slash head, or a non-causal block mask) and block layout from the
+ * bytes; the step builder's plan over all ranks and steps must compute every
+ * allowed pair exactly once. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,16 +21,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const int32_t G = 1 + take(&data, &size) % 8, W = 1 + take(&data, &size) % 5;
   const int64_t N = 1 + (take(&data, &size) | (take(&data, &size) << 8)) % 200;
   const int64_t nb = (N + G - 1) / G, nbp = (nb + W - 1) / W * W;
+  const int causal = !(take(&data, &size) & 1);
   mtrain_pattern_t *p = NULL;
-  if (mtrain_pattern_create(N, 1, G, &p) != MTRAIN_SUCCESS) abort();
   int32_t *d = malloc(sizeof(int32_t) * (size_t)nb);
   int64_t *v = malloc(sizeof(int64_t) * (size_t)N);
-  int32_t nd = 0, nv = 0;
-  for (int64_t t = 0; t < nb; t++)
-    if (take(&data, &size) & 1) d[nd++] = (int32_t)t;
-  for (int64_t j = 0; j < N; j++)
-    if ((take(&data, &size) & 7) == 0) v[nv++] = j;
-  if (mtrain_pattern_set_head(p, 0, d, nd, v, nv) != MTRAIN_SUCCESS) abort();
+  if (causal) {
+    if (mtrain_pattern_create(N, 1, G, &p) != MTRAIN_SUCCESS) abort();
+    int32_t nd = 0, nv = 0;
+    for (int64_t t = 0; t < nb; t++)
+      if (take(&data, &size) & 1) d[nd++] = (int32_t)t;
+    for (int64_t j = 0; j < N; j++)
+      if ((take(&data, &size) & 7) == 0) v[nv++] = j;
+    if (mtrain_pattern_set_head(p, 0, d, nd, v, nv) != MTRAIN_SUCCESS) abort();
+  } else {
+    if (mtrain_pattern_create_noncausal(N, 1, G, &p) != MTRAIN_SUCCESS) abort();
+    uint8_t *mask = malloc((size_t)(nb * nb));
+    for (int64_t x = 0; x < nb * nb; x++) mask[x] = take(&data, &size) & 1;
+    if (mtrain_pattern_set_block_mask(p, 0, mask) != MTRAIN_SUCCESS) abort();
+    free(mask);
+  }
   /* blocks dealt by the bytes: block b to rank byte % W, each rank's list increasing */
   int64_t **glob = calloc((size_t)W, sizeof *glob);
   mtrain_rank_blocks_t *rb = calloc((size_t)W, sizeof *rb);
@@ -60,7 +70,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             for (int32_t kb = st.runs[2 * e]; kb < st.runs[2 * e + 1]; kb++) {
               const int64_t gk = rb[s].global[kb];
               const int32_t nc = mtrain_block_rows(rb[s].tokens, G, kb, gk, N);
-              for (int32_t c = 0; c < nc && !(gk == gq && gk * G + c > i); c++)
+              for (int32_t c = 0; c < nc && !(causal && gk == gq && gk * G + c > i); c++)
                 if (++seen[i * N + gk * G + c] > 1) abort();
             }
           for (int32_t sg = st.seg_off[qb]; sg < st.seg_off[qb + 1]; sg++)
