@@ -59,7 +59,10 @@ MTRAIN_CPU_DISPATCH static void bwd_tile(void *ctx, const cpu_tile_t *t) {
     float *prow = P + (int64_t)r * ld, *dprow = dP + (int64_t)r * ld;
     const float lse = it->lse[(int64_t)r * Hq], delta = it->delta[(int64_t)r * Hq];
     for (int32_t c = 0; c < n; c++) {
-      const float p = mtrain_fast_exp(prow[c] - lse);
+      /* P <= 1 by definition: where the forward's LSE rounds below a score
+       * recomputed here, exp must not overflow (cpu_fast_fwd.c keeps the two
+       * consistent where the scores are large) */
+      const float p = mtrain_fast_exp(fminf(prow[c] - lse, 0.0f));
       prow[c] = p;
       dprow[c] = p * (dprow[c] - delta); /* dS */
     }

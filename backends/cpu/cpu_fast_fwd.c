@@ -127,6 +127,42 @@ static void ws_free(cpu_fwd_avx512_ws_t *ws) {
   free(ws->l);
 }
 
+/* Largest squared row norm of `rows` rows of d floats, `ld` apart (each row
+ * `heads` vectors of d). */
+static double max_norm2(const float *x, int64_t rows, int32_t heads, int32_t d, int64_t ld) {
+  double most = 0.0;
+  for (int64_t r = 0; r < rows; r++)
+    for (int32_t h = 0; h < heads; h++) {
+      const float *v = x + r * ld + (int64_t)h * d;
+      double s = 0.0;
+      for (int32_t c = 0; c < d; c++) s += (double)v[c] * v[c];
+      most = s > most ? s : most;
+    }
+  return most;
+}
+
+/* The AVX-512 kernels sum each score's products in another order than the
+ * backward's sgemm, so the forward's LSE and the scores the backward
+ * recomputes differ by a few fp32 ulps of the scores; exp(S - LSE) turns that
+ * into a relative error of a few ulp(|S|) of P, harmless while |S| is small
+ * and fatal when it is not (|S| ~ 5e8: P of 0 or inf, test_run_check_bound).
+ * They run only where scale * max|q_i| * max|k_j| (Cauchy-Schwarz: a bound on
+ * every |S|) is at most 1024 (ulp 1.2e-4); above it the OpenBLAS path, whose
+ * scores are the backward's bit for bit, runs. */
+#define AVX512_SCORE_LIMIT 1024.0
+
+static int scores_small(const cpu_step_inputs_t *in, double scale) {
+  const mtrain_step_view_t *v = in->view;
+  const double q2 = max_norm2(in->q, v->q_tokens, v->num_heads, in->d, in->ldq);
+  double k2 = max_norm2(in->k, v->k_tokens, in->hkv, in->d, in->ldk);
+  for (int32_t h = 0; in->kbar && h < v->num_heads; h++)
+    if (v->heads[h].num_bars > 0) {
+      const double b2 = max_norm2(in->kbar[h], v->heads[h].num_bars, 1, in->d, in->d);
+      k2 = b2 > k2 ? b2 : k2;
+    }
+  return scale * sqrt(q2) * sqrt(k2) <= AVX512_SCORE_LIMIT;
+}
+
 mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args_t *a) {
   cpu_state_t *s = state;
   const mtrain_step_view_t *v = a->view;
@@ -140,7 +176,7 @@ mtrain_status_t mtrain_cpu_fast_fwd_step(void *state, const mtrain_fwd_step_args
   const int64_t items = (int64_t)v->num_heads * v->num_q_blocks;
   int failed = 0;
   const int32_t rows = G < MTRAIN_CPU_ROWS ? G : MTRAIN_CPU_ROWS;
-  const int avx512 = cpu_fwd_avx512_available();
+  const int avx512 = cpu_fwd_avx512_available() && scores_small(&in, a->scale);
 #pragma omp parallel num_threads(s->num_threads) reduction(| : failed)
   {
     float *S = NULL, *O = NULL, *M = NULL;
