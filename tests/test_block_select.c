@@ -758,9 +758,15 @@ static void test_ring_bitwise(void **state) {
                 memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ||
                 memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq))
               fail_msg("%s seed %llu case %zu W %d %s rank %d: not bitwise the single-rank "
-                       "selection",
+                       "selection (masks %s, recall %s, top_k %s, blocks %s)",
                        backend, (unsigned long long)seed, ci, W, mtrain_layout_kind_name(kinds[ki]),
-                       r);
+                       r, same_masks(one, jobs[r].pattern) ? "equal" : "differ",
+                       memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ? "differs"
+                                                                                     : "equal",
+                       memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ? "differs"
+                                                                                    : "equal",
+                       memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq) ? "differ"
+                                                                                      : "equal");
             mtrain_pattern_destroy(jobs[r].pattern);
           }
           pthread_barrier_destroy(&sh.barrier);

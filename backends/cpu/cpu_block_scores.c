@@ -27,6 +27,14 @@
 
 static inline int64_t tri_row(int64_t qb) { return qb * (qb + 1) / 2; }
 
+/* The output row of (head h, local block lb, global block gb): the full
+ * triangle, or the compact rows of scores_row. */
+static double *out_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb) {
+  if (a->scores_row) return a->scores + (int64_t)h * a->scores_head_stride + a->scores_row[lb];
+  const int64_t nb = (a->seq_len + a->granularity - 1) / a->granularity;
+  return a->scores + (int64_t)h * (nb * (nb + 1) / 2) + tri_row(gb);
+}
+
 static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
   if (a->method != MTRAIN_BLOCK_PRECISE && a->method != MTRAIN_BLOCK_ANTIDIAG &&
       a->method != MTRAIN_BLOCK_MEANPOOL)
@@ -46,7 +54,7 @@ static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
 static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores_args_t *a) {
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t group = Hq / Hkv;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G;
   double *kbar = malloc(sizeof(double) * (size_t)(nb * Hkv * d));
   if (!kbar) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block scores: out of memory");
     /* kbar[kb][hk][x] = mean over the block's keys, keys ascending */
@@ -81,7 +89,7 @@ static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores
         sum += mtrain_cpu_load(a->q, a->q_dtype, (((int64_t)lb * G + r) * Hq + h) * d + x);
       qbar[x] = sum / (double)rows;
     }
-    double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+    double *out = out_row(a, h, lb, gb);
     for (int64_t kb = 0; kb <= gb; kb++) {
       const double *kv = kbar + (kb * Hkv + h / group) * d;
       double dot = 0.0;
@@ -177,7 +185,7 @@ mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scor
   if (st) return st;
   if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
   const int32_t G = a->granularity, Hq = a->num_heads;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G;
   const int64_t tasks = (int64_t)Hq * a->num_q_blocks;
   int failed = 0;
 #pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) reduction(| : failed)
@@ -187,7 +195,7 @@ mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scor
     if (gb >= nb) continue;
     const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
     if (rows <= 0) continue;
-    double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+    double *out = out_row(a, h, lb, gb);
     if (a->method == MTRAIN_BLOCK_PRECISE) {
       double *q = malloc(sizeof(double) * (size_t)a->head_dim);
       if (!q) {
@@ -347,7 +355,7 @@ mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_sco
   if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t S = a->stride;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G;
   const int64_t ncs = a->method == MTRAIN_BLOCK_ANTIDIAG ? (N + S - 1) / S : 0;
   fast_inputs_t f;
   st = fast_inputs(s, a, &f);
@@ -385,7 +393,7 @@ mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_sco
       if (gb >= nb) continue;
       const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
       if (rows <= 0) continue;
-      double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+      double *out = out_row(a, h, lb, gb);
       if (a->method == MTRAIN_BLOCK_PRECISE)
         fast_precise_row(a, &f, h, lb, gb, rows, A, out);
       else

@@ -146,12 +146,15 @@ typedef struct mtrain_scores_args {
 /** The block scores of SPEC.md section 9 (the optional block_scores slot).
  *  nb = ceil(N/G); the scores of a head form a lower triangle: the entry of
  *  (query block qb, key block kb <= qb) of head h is
- *  scores[h * tri + qb * (qb + 1) / 2 + kb], tri = nb * (nb + 1) / 2. The
- *  slot writes the rows of this rank's query blocks (global index < nb) and
- *  leaves every other entry as it found it (the caller zeroes the buffer),
- *  so the partial results of several ranks combine exactly by summation.
- *  Each entry is computed from its own query block and the keys alone, in
- *  the order the spec gives: the same bits whichever rank computes it. */
+ *  scores[h * tri + qb * (qb + 1) / 2 + kb], tri = nb * (nb + 1) / 2, when
+ *  scores_row is NULL. With scores_row (the compact form the core uses since
+ *  API version 5), the row of local block lb (its gb + 1 entries, gb its
+ *  global block) of head h starts at scores[h * scores_head_stride +
+ *  scores_row[lb]]: only this rank's rows are held. The slot writes the rows
+ *  of this rank's query blocks (global index < nb) and leaves every other
+ *  entry as it found it (the caller zeroes the buffer). Each entry is
+ *  computed from its own query block and the keys alone, in the order the
+ *  spec gives: the same bits whichever rank computes it, in either form. */
 typedef struct mtrain_block_scores_args {
   mtrain_block_method_t method;
   int64_t seq_len;     /**< N */
@@ -168,7 +171,11 @@ typedef struct mtrain_block_scores_args {
   const void *k;                 /**< [N, Hkv, d] every key of the sequence, in global order */
   mtrain_dtype_t lse_dtype;      /**< precise: fp32 or fp64 */
   const void *lse;               /**< precise: [q_tokens, Hq], the rows of q */
-  double *scores;                /**< [Hq * tri] fp64, backend memory */
+  double *scores;                /**< fp64, backend memory: [Hq * tri], or with scores_row
+                                      [Hq * scores_head_stride] */
+  const int64_t *scores_row;     /**< NULL, or [num_q_blocks] host: the offset of each local
+                                      block's row within a head (padding blocks: unused) */
+  int64_t scores_head_stride;    /**< with scores_row: doubles per head */
 } mtrain_block_scores_args_t;
 
 /** The vertical-slash selection of SPEC.md section 2 on the backend (the

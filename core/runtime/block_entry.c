@@ -1,0 +1,600 @@
+/* block_entry.c: the entry points of block-sparse selection (SPEC.md
+ * section 9): AdaSpa-style precise search from the forward's LSE,
+ * XAttention-style antidiagonal scoring and MoBA-style mean-pooled gating.
+ * The backend scores the (query block, key block) pairs of the query blocks
+ * this rank owns (the block_scores slot, in its compact form: only these
+ * rows are held), the head-adaptive budgets combine exact per-head gain
+ * curves (an fp64 all-reduce of exact-sum words), each rank selects its own
+ * rows, and the selected rows (per row: kept and total score, count, key
+ * blocks) are all-gathered, so every rank assembles the same pattern, bitwise
+ * the single-rank one. The distributed form still gathers every key (issue
+ * 23: a ring pass over the key chunks is what remains). */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/runtime/backend.h"
+#include "core/runtime/block_select.h"
+#include "core/runtime/context_internal.h"
+#include "core/runtime/exact_sum.h"
+#include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_error.h"
+#include "mtrain/mtrain_layout.h"
+
+static _Thread_local mtrain_block_times_t last_times;
+
+mtrain_block_times_t mtrain_block_last_times(void) { return last_times; }
+
+static int ctx_threads(const mtrain_context_t *ctx) {
+  return ctx->config.num_threads > 0 ? ctx->config.num_threads : omp_get_max_threads();
+}
+
+/* What the scores are computed from. */
+typedef struct block_input {
+  int64_t N;
+  int32_t Hq, Hkv, d;
+  mtrain_dtype_t q_dtype, k_dtype, lse_dtype;
+  const void *q; /* backend memory [q_tokens, Hq, d] */
+  int64_t q_tokens;
+  const void *k;                 /* backend memory [N, Hkv, d] */
+  const void *lse;               /* backend memory [q_tokens, Hq] or NULL */
+  const mtrain_layout_t *layout; /* the ranks' query blocks; NULL: one rank owns them all */
+} block_input_t;
+
+/* The query blocks (< nb, ascending) of rank r: the layout's, or all of them. */
+static int64_t rank_rows(const block_input_t *in, int64_t nb, int32_t r, const int64_t **blocks,
+                         int32_t *local) {
+  if (!in->layout) {
+    *blocks = NULL;
+    *local = (int32_t)nb;
+    return nb;
+  }
+  *blocks = mtrain_layout_rank_blocks(in->layout, r);
+  *local = mtrain_layout_rank_num_blocks(in->layout, r);
+  int64_t n = 0;
+  for (int32_t lb = 0; lb < *local; lb++) n += (*blocks)[lb] < nb;
+  return n;
+}
+
+static inline int64_t block_at(const int64_t *blocks, int64_t lb) {
+  return blocks ? blocks[lb] : lb;
+}
+
+/* The owned rows' scores: [Hq * R] host, row_off[lb] of each local block
+ * (R = the sum of gb + 1 over the local blocks gb < nb). */
+static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *in,
+                                    const mtrain_block_options_t *o, int32_t local,
+                                    const int64_t *blocks, int64_t *row_off, int64_t *R,
+                                    double **out) {
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  const int32_t G = ctx->config.granularity;
+  const int64_t nb = (in->N + G - 1) / G;
+  int64_t *global = malloc(sizeof(int64_t) * (size_t)(local + 1));
+  void *dev = NULL;
+  double *host = NULL;
+  MTRAIN_FAIL_IF(!global, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
+  *R = 0;
+  for (int32_t lb = 0; lb < local; lb++) {
+    global[lb] = block_at(blocks, lb);
+    row_off[lb] = *R;
+    if (global[lb] < nb) *R += global[lb] + 1;
+  }
+  const size_t n = (size_t)in->Hq * (size_t)*R;
+  host = malloc(sizeof(double) * (n + 1));
+  MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "block selection: out of host memory (%lld score rows, %d heads)", (long long)*R,
+                 in->Hq);
+  MTRAIN_TRY(mtrain_be_alloc(ctx, (n + 1) * sizeof(double), &dev));
+  MTRAIN_TRY(mtrain_be_memset_zero(ctx, dev, (n + 1) * sizeof(double)));
+  const mtrain_block_scores_args_t a = {.method = o->method,
+                                        .seq_len = in->N,
+                                        .granularity = G,
+                                        .num_heads = in->Hq,
+                                        .num_kv_heads = in->Hkv,
+                                        .head_dim = in->d,
+                                        .scale = ctx->config.softmax_scale > 0
+                                                     ? ctx->config.softmax_scale
+                                                     : 1.0 / sqrt((double)in->d),
+                                        .stride = o->stride,
+                                        .q_dtype = in->q_dtype,
+                                        .q = in->q,
+                                        .q_tokens = in->q_tokens,
+                                        .num_q_blocks = local,
+                                        .q_block_global = global,
+                                        .k_dtype = in->k_dtype,
+                                        .k = in->k,
+                                        .lse_dtype = in->lse_dtype,
+                                        .lse = in->lse,
+                                        .scores = dev,
+                                        .scores_row = row_off,
+                                        .scores_head_stride = *R};
+  MTRAIN_TRY(mtrain_be_block_scores(ctx, &a));
+  MTRAIN_TRY(mtrain_be_copy_to_host(ctx, host, dev, n * sizeof(double)));
+  last_times.score_bytes = (int64_t)(n * sizeof(double));
+  *out = host;
+  host = NULL;
+cleanup:
+  mtrain_be_free(ctx, dev);
+  free(host);
+  free(global);
+  return st;
+}
+
+/* The budgets: top_k, -1 for top-p, or the head-adaptive ones from the
+ * gain words of every rank's rows (an exact fp64 sum all-reduce). */
+static mtrain_status_t budgets(mtrain_context_t *ctx, const double *scores, int64_t R,
+                               const int64_t *row_off, const int64_t *row_qb, int64_t rows,
+                               int32_t Hq, int64_t nb, const mtrain_block_options_t *o,
+                               int32_t *budget) {
+  for (int32_t h = 0; h < Hq; h++) budget[h] = o->kind == MTRAIN_BUDGET_TOP_K ? o->top_k : -1;
+  if (o->kind != MTRAIN_BUDGET_TOP_K || !o->head_adaptive) return MTRAIN_SUCCESS;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  const int64_t cap = mtrain_block_gain_cap(nb, Hq, o);
+  const int64_t count = (int64_t)Hq * (cap + 1) * MTRAIN_XSUM_WORDS;
+  double *words = malloc(sizeof(double) * (size_t)count);
+  MTRAIN_FAIL_IF(!words, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "block selection: out of host memory (gain curves of %d heads, %lld ranks)", Hq,
+                 (long long)cap);
+  MTRAIN_TRY(mtrain_block_gain_words(scores, R, row_off, row_qb, rows, Hq, o, cap, ctx_threads(ctx),
+                                     words));
+  MTRAIN_TRY(mtrain_cm_allreduce(ctx, words, count, MTRAIN_F64, MTRAIN_REDUCE_SUM));
+  mtrain_block_budgets_from_words(words, Hq, nb, o, cap, budget);
+cleanup:
+  free(words);
+  return st;
+}
+
+/* One rank's selected rows as sent: kept [Hq][n], total [Hq][n] (fp64),
+ * count [Hq][n] (int32), then the key blocks of each (head, row) in that
+ * order (int32); n the rank's rows. */
+typedef struct rows_msg {
+  const double *kept, *total;
+  const int32_t *count, *idx;
+} rows_msg_t;
+
+static rows_msg_t rows_msg_at(const void *base, int32_t Hq, int64_t n) {
+  rows_msg_t m;
+  m.kept = base;
+  m.total = m.kept + (size_t)Hq * (size_t)n;
+  m.count = (const int32_t *)(m.total + (size_t)Hq * (size_t)n);
+  m.idx = m.count + (size_t)Hq * (size_t)n;
+  return m;
+}
+
+static size_t rows_msg_bytes(int32_t Hq, int64_t n, int64_t selected) {
+  const size_t b = (size_t)Hq * (size_t)n * (2 * sizeof(double) + sizeof(int32_t)) +
+                   sizeof(int32_t) * (size_t)selected;
+  return (b + 7) / 8 * 8;
+}
+
+/* Selects this rank's rows into its message (*msg, *bytes; malloc). */
+static mtrain_status_t select_rows(mtrain_context_t *ctx, const double *scores, int64_t R,
+                                   const int64_t *row_off, const int64_t *row_qb, int64_t n,
+                                   int32_t Hq, const mtrain_block_options_t *o,
+                                   const int32_t *budget, void **msg, size_t *bytes) {
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  int32_t *sel = malloc(sizeof(int32_t) * ((size_t)Hq * (size_t)R + 1));
+  double *kept = malloc(sizeof(double) * ((size_t)Hq * (size_t)n + 1));
+  double *total = malloc(sizeof(double) * ((size_t)Hq * (size_t)n + 1));
+  int32_t *count = malloc(sizeof(int32_t) * ((size_t)Hq * (size_t)n + 1));
+  void *buf = NULL;
+  int64_t most = 0;
+  for (int64_t r = 0; r < n; r++) most = row_qb[r] + 1 > most ? row_qb[r] + 1 : most;
+  int failed = !sel || !kept || !total || !count;
+  if (!failed) {
+    const int64_t tasks = (int64_t)Hq * n;
+#pragma omp parallel num_threads(ctx_threads(ctx)) reduction(| : failed)
+    {
+      int64_t *order = malloc(sizeof(int64_t) * (size_t)(most + 1));
+      uint8_t *keep = malloc((size_t)(most + 1));
+      const int ok = order && keep;
+      failed |= !ok;
+#pragma omp for schedule(dynamic, 16)
+      for (int64_t t = 0; t < tasks; t++) {
+        if (!ok) continue;
+        const int32_t h = (int32_t)(t / n);
+        const int64_t r = t % n, at = (int64_t)h * R + row_off[r];
+        count[t] = (int32_t)mtrain_block_select_row(scores + at, row_qb[r], o, budget[h], sel + at,
+                                                    order, keep, &kept[t], &total[t]);
+      }
+      free(order);
+      free(keep);
+    }
+  }
+  MTRAIN_FAIL_IF(failed, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
+  int64_t selected = 0;
+  for (int64_t t = 0; t < (int64_t)Hq * n; t++) selected += count[t];
+  *bytes = rows_msg_bytes(Hq, n, selected);
+  buf = calloc(1, *bytes + 8);
+  MTRAIN_FAIL_IF(!buf, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
+  {
+    rows_msg_t m = rows_msg_at(buf, Hq, n);
+    memcpy((double *)m.kept, kept, sizeof(double) * (size_t)Hq * (size_t)n);
+    memcpy((double *)m.total, total, sizeof(double) * (size_t)Hq * (size_t)n);
+    memcpy((int32_t *)m.count, count, sizeof(int32_t) * (size_t)Hq * (size_t)n);
+    int32_t *dst = (int32_t *)m.idx;
+    for (int64_t t = 0; t < (int64_t)Hq * n; t++) {
+      const int32_t h = (int32_t)(t / n);
+      memcpy(dst, sel + (int64_t)h * R + row_off[t % n], sizeof(int32_t) * (size_t)count[t]);
+      dst += count[t];
+    }
+  }
+  *msg = buf;
+  buf = NULL;
+cleanup:
+  free(buf);
+  free(sel);
+  free(kept);
+  free(total);
+  free(count);
+  return st;
+}
+
+/* Where each query block's row is in the gathered messages. */
+typedef struct row_source {
+  int32_t rank;
+  int64_t row;   /* the row's index in its rank's message */
+  int64_t *from; /* [Hq * n] per rank: the row's first key block in the message's idx */
+} row_source_t;
+
+/* Assembles the pattern from the W gathered messages (each `stride` bytes). */
+static mtrain_status_t assemble(mtrain_context_t *ctx, const block_input_t *in, int64_t nb,
+                                const char *all, size_t stride, const int32_t *budget,
+                                const mtrain_block_options_t *o,
+                                const mtrain_block_report_t *report, mtrain_pattern_t **out) {
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  const int32_t W = mtrain_context_world(ctx), Hq = in->Hq, G = ctx->config.granularity;
+  int32_t *owner = malloc(sizeof(int32_t) * (size_t)(nb + 1));
+  int64_t *pos = malloc(sizeof(int64_t) * (size_t)(nb + 1));
+  int64_t *nrows = calloc((size_t)W, sizeof(int64_t));
+  int64_t **from = calloc((size_t)W, sizeof(int64_t *));
+  mtrain_block_head_result_t *res = calloc((size_t)Hq, sizeof *res);
+  mtrain_status_t *status = malloc(sizeof(mtrain_status_t) * (size_t)Hq);
+  mtrain_pattern_t *p = NULL;
+  MTRAIN_FAIL_IF(!owner || !pos || !nrows || !from || !res || !status, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "block selection: out of host memory");
+  for (int64_t qb = 0; qb < nb; qb++) owner[qb] = -1;
+  int64_t most = 0; /* the most key blocks of one head */
+  for (int32_t r = 0; r < W; r++) {
+    const int64_t *blocks;
+    int32_t local;
+    const int64_t n = nrows[r] = rank_rows(in, nb, r, &blocks, &local);
+    int64_t i = 0;
+    for (int32_t lb = 0; lb < local; lb++) {
+      const int64_t gb = block_at(blocks, lb);
+      if (gb >= nb) continue;
+      MTRAIN_FAIL_IF(owner[gb] >= 0, MTRAIN_ERR_INVALID_ARGUMENT,
+                     "block selection: query block %lld is on ranks %d and %d", (long long)gb,
+                     owner[gb], r);
+      owner[gb] = r;
+      pos[gb] = i++;
+    }
+    const rows_msg_t m = rows_msg_at(all + (size_t)r * stride, Hq, n);
+    from[r] = malloc(sizeof(int64_t) * ((size_t)Hq * (size_t)n + 1));
+    MTRAIN_FAIL_IF(!from[r], MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
+    int64_t at = 0;
+    for (int32_t h = 0; h < Hq; h++) {
+      for (int64_t t = 0; t < n; t++) {
+        from[r][(int64_t)h * n + t] = at;
+        at += m.count[(int64_t)h * n + t];
+        res[h].blocks += m.count[(int64_t)h * n + t];
+      }
+    }
+  }
+  for (int64_t qb = 0; qb < nb; qb++)
+    MTRAIN_FAIL_IF(owner[qb] < 0, MTRAIN_ERR_INVALID_ARGUMENT,
+                   "block selection: query block %lld is on no rank", (long long)qb);
+  for (int32_t h = 0; h < Hq; h++) {
+    most = res[h].blocks > most ? res[h].blocks : most;
+    status[h] = MTRAIN_ERR_OUT_OF_MEMORY;
+  }
+  MTRAIN_TRY(mtrain_pattern_create(in->N, Hq, G, &p));
+  int threads = ctx_threads(ctx);
+  if (threads > Hq) threads = Hq;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(nb + 1));
+    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(most + 1));
+    const int ok = off && idx;
+#pragma omp for schedule(dynamic, 1)
+    for (int32_t h = 0; h < Hq; h++) {
+      if (!ok) continue;
+      double kept = 0.0, total = 0.0;
+      off[0] = 0;
+      for (int64_t qb = 0; qb < nb; qb++) {
+        const int32_t r = owner[qb];
+        const int64_t t = (int64_t)h * nrows[r] + pos[qb];
+        const rows_msg_t m = rows_msg_at(all + (size_t)r * stride, Hq, nrows[r]);
+        memcpy(idx + off[qb], m.idx + from[r][t], sizeof(int32_t) * (size_t)m.count[t]);
+        off[qb + 1] = off[qb] + m.count[t];
+        kept += m.kept[t];
+        total += m.total[t];
+      }
+      res[h].kept = kept;
+      res[h].total = total;
+      status[h] = mtrain_pattern_set_block_csr(p, h, off, idx);
+    }
+    free(off);
+    free(idx);
+  }
+  for (int32_t h = 0; h < Hq && st == MTRAIN_SUCCESS; h++)
+    if (status[h] != MTRAIN_SUCCESS)
+      st = mtrain_error(status[h], "block selection: head %d failed (%s)", h,
+                        mtrain_status_name(status[h]));
+  if (st) goto cleanup;
+  if (report) {
+    for (int32_t h = 0; h < Hq; h++) {
+      if (report->head_recall)
+        report->head_recall[h] =
+            o->method == MTRAIN_BLOCK_MEANPOOL ? NAN : res[h].kept / res[h].total;
+      if (report->head_top_k) report->head_top_k[h] = budget[h];
+      if (report->head_blocks) report->head_blocks[h] = res[h].blocks;
+    }
+  }
+  *out = p;
+  p = NULL;
+cleanup:
+  mtrain_pattern_destroy(p);
+  if (from)
+    for (int32_t r = 0; r < W; r++) free(from[r]);
+  free(from);
+  free(owner);
+  free(pos);
+  free(nrows);
+  free(res);
+  free(status);
+  return st;
+}
+
+static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in,
+                                  const mtrain_block_options_t *o,
+                                  const mtrain_block_report_t *report, mtrain_pattern_t **out) {
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  const int32_t G = ctx->config.granularity, rank = mtrain_context_rank(ctx),
+                W = mtrain_context_world(ctx);
+  const int64_t nb = (in->N + G - 1) / G;
+  const int64_t *blocks;
+  int32_t local;
+  const int64_t n = rank_rows(in, nb, rank, &blocks, &local);
+  int64_t *row_off = malloc(sizeof(int64_t) * (size_t)(local + 1));
+  int64_t *off = malloc(sizeof(int64_t) * (size_t)(n + 1)),
+          *qbs = malloc(sizeof(int64_t) * (size_t)(n + 1));
+  int32_t *budget = malloc(sizeof(int32_t) * (size_t)in->Hq);
+  double *scores = NULL;
+  void *msg = NULL;
+  char *all = NULL;
+  int64_t R = 0;
+  size_t bytes = 0;
+  memset(&last_times, 0, sizeof last_times);
+  const double t0 = mtrain_now();
+  MTRAIN_FAIL_IF(!row_off || !off || !qbs || !budget, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "block selection: out of host memory");
+  MTRAIN_TRY(owned_scores(ctx, in, o, local, blocks, row_off, &R, &scores));
+  /* the rows (< nb) of the local blocks, ascending */
+  for (int32_t lb = 0, i = 0; lb < local; lb++)
+    if (block_at(blocks, lb) < nb) off[i] = row_off[lb], qbs[i++] = block_at(blocks, lb);
+  const double t1 = mtrain_now();
+  last_times.scores = t1 - t0;
+  MTRAIN_TRY(budgets(ctx, scores, R, off, qbs, n, in->Hq, nb, o, budget));
+  MTRAIN_TRY(select_rows(ctx, scores, R, off, qbs, n, in->Hq, o, budget, &msg, &bytes));
+  free(scores);
+  scores = NULL;
+  /* the compact gather: every rank's message, padded to the longest */
+  double longest = (double)bytes;
+  MTRAIN_TRY(mtrain_cm_allreduce(ctx, &longest, 1, MTRAIN_F64, MTRAIN_REDUCE_MAX));
+  const size_t stride = (size_t)longest;
+  void *send = realloc(msg, stride + 8);
+  MTRAIN_FAIL_IF(!send, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
+  msg = send;
+  memset((char *)msg + bytes, 0, stride - bytes);
+  all = malloc(stride * (size_t)W + 8);
+  MTRAIN_FAIL_IF(!all, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "block selection: out of host memory gathering the selection (%zu bytes)",
+                 stride * (size_t)W);
+  MTRAIN_TRY(mtrain_cm_allgather(ctx, msg, all, stride));
+  last_times.gather_bytes = (int64_t)(stride * (size_t)W);
+  MTRAIN_TRY(assemble(ctx, in, nb, all, stride, budget, o, report, out));
+  last_times.select = mtrain_now() - t1;
+cleanup:
+  free(row_off);
+  free(off);
+  free(qbs);
+  free(budget);
+  free(scores);
+  free(msg);
+  free(all);
+  return st;
+}
+
+/* ---- argument checks and the two entry points -------------------------------------------- */
+
+static mtrain_status_t check_options(const mtrain_context_t *ctx, const mtrain_block_options_t *o) {
+  if (o->method != MTRAIN_BLOCK_PRECISE && o->method != MTRAIN_BLOCK_ANTIDIAG &&
+      o->method != MTRAIN_BLOCK_MEANPOOL)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "block selection: unknown method %d",
+                        (int)o->method);
+  if (o->kind == MTRAIN_BUDGET_TOP_K) {
+    if (o->top_k < 0)
+      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET, "block selection: top_k %d (>= 0)", o->top_k);
+  } else if (o->kind == MTRAIN_BUDGET_TOP_P) {
+    if (!(o->top_p > 0.0 && o->top_p <= 1.0))
+      return mtrain_error(MTRAIN_ERR_INVALID_BUDGET, "block selection: top_p %g (in (0, 1])",
+                          o->top_p);
+    if (o->method == MTRAIN_BLOCK_MEANPOOL)
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "block selection: meanpool gating is top-k only (its scores are "
+                          "logits, not masses)");
+  } else {
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "block selection: unknown budget kind %d",
+                        (int)o->kind);
+  }
+  if (o->head_adaptive && (o->kind != MTRAIN_BUDGET_TOP_K || o->method == MTRAIN_BLOCK_MEANPOOL))
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: head_adaptive needs top-k with precise or antidiag");
+  if (o->sink_blocks < 0 || o->local_blocks < 0)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: sink_blocks %d and local_blocks %d (>= 0)",
+                        o->sink_blocks, o->local_blocks);
+  if (o->method == MTRAIN_BLOCK_ANTIDIAG &&
+      (o->stride < 1 || ctx->config.granularity % o->stride != 0))
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: stride %d does not divide the granularity %d", o->stride,
+                        ctx->config.granularity);
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                    const mtrain_tensor_t *k, const mtrain_tensor_t *lse,
+                                    const mtrain_block_options_t *o, int64_t N) {
+  MTRAIN_CHECK_NOT_NULL(ctx);
+  MTRAIN_CHECK_NOT_NULL(q);
+  MTRAIN_CHECK_NOT_NULL(k);
+  MTRAIN_CHECK_NOT_NULL(o);
+  mtrain_status_t st = check_options(ctx, o);
+  if (st) return st;
+  if (q->ndim != 3 || k->ndim != 3)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "block selection: q and k must be [tokens, heads, head_dim] (ndim %d "
+                        "and %d)",
+                        q->ndim, k->ndim);
+  if (q->shape[0] < 1 || k->shape[0] != q->shape[0])
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH, "block selection: q has %lld tokens, k has %lld",
+                        (long long)q->shape[0], (long long)k->shape[0]);
+  if (k->shape[2] != q->shape[2] || q->shape[2] < 1)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "block selection: q has head_dim %lld, k has %lld", (long long)q->shape[2],
+                        (long long)k->shape[2]);
+  if (k->shape[1] < 1 || q->shape[1] % k->shape[1] != 0)
+    return mtrain_error(MTRAIN_ERR_HEAD_MISMATCH,
+                        "block selection: query heads %lld are not a multiple of kv heads %lld",
+                        (long long)q->shape[1], (long long)k->shape[1]);
+  if (k->dtype != q->dtype)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "block selection: q is %s but k is %s",
+                        mtrain_dtype_name(q->dtype), mtrain_dtype_name(k->dtype));
+  if (!q->data || !k->data)
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER, "block selection: tensor '%s' has data == NULL",
+                        q->data ? "k" : "q");
+  if (o->method == MTRAIN_BLOCK_PRECISE) {
+    if (!lse || !lse->data)
+      return mtrain_error(MTRAIN_ERR_NULL_POINTER,
+                          "block selection: the precise method needs the forward's lse");
+    if (lse->ndim != 2 || lse->shape[0] != q->shape[0] || lse->shape[1] != q->shape[1])
+      return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                          "block selection: lse must be [%lld, %lld] (the rows of q)",
+                          (long long)q->shape[0], (long long)q->shape[1]);
+    if (lse->dtype != MTRAIN_F32 && lse->dtype != MTRAIN_F64)
+      return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE, "block selection: lse is %s (fp32 or fp64)",
+                          mtrain_dtype_name(lse->dtype));
+  }
+  const int64_t nb = (N + ctx->config.granularity - 1) / ctx->config.granularity;
+  if (nb > MTRAIN_PATTERN_MAX_MASK_BLOCKS)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: %lld blocks, more than a block mask may have (%lld)",
+                        (long long)nb, (long long)MTRAIN_PATTERN_MAX_MASK_BLOCKS);
+  if (!mtrain_be_has_block_scores(ctx))
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "block selection: backend '%s' has no block scores (the optional "
+                        "block_scores slot)",
+                        ctx->backend_name);
+  return mtrain_be_supports(ctx, q->dtype, (int32_t)q->shape[2]);
+}
+
+mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx, const mtrain_tensor_t *q,
+                                             const mtrain_tensor_t *k, const mtrain_tensor_t *lse,
+                                             const mtrain_block_options_t *options,
+                                             const mtrain_block_report_t *report,
+                                             mtrain_pattern_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  MTRAIN_CHECK_NOT_NULL(q);
+  mtrain_status_t st = check_inputs(ctx, q, k, lse, options, q->shape[0]);
+  if (st) return st;
+  if (mtrain_context_world(ctx) != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: world size %d: use mtrain_pattern_select_blocks_ring "
+                        "with the layout of the ranks' tensors",
+                        mtrain_context_world(ctx));
+  const int64_t N = q->shape[0];
+  const int use_lse = options->method == MTRAIN_BLOCK_PRECISE;
+  const block_input_t in = {.N = N,
+                            .Hq = (int32_t)q->shape[1],
+                            .Hkv = (int32_t)k->shape[1],
+                            .d = (int32_t)q->shape[2],
+                            .q_dtype = q->dtype,
+                            .k_dtype = k->dtype,
+                            .lse_dtype = use_lse ? lse->dtype : MTRAIN_F32,
+                            .q = q->data,
+                            .q_tokens = N,
+                            .k = k->data,
+                            .lse = use_lse ? lse->data : NULL,
+                            .layout = NULL};
+  return block_core(ctx, &in, options, report, out);
+}
+
+mtrain_status_t
+mtrain_pattern_select_blocks_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
+                                  const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                  const mtrain_tensor_t *lse, const mtrain_block_options_t *options,
+                                  const mtrain_block_report_t *report, mtrain_pattern_t **out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  MTRAIN_CHECK_NOT_NULL(layout);
+  const int64_t N = mtrain_layout_seq_len(layout);
+  mtrain_status_t st = check_inputs(ctx, q, k, lse, options, N);
+  if (st) return st;
+  const int32_t rank = mtrain_context_rank(ctx), world = mtrain_context_world(ctx);
+  const int64_t T = mtrain_layout_local_tokens(layout, rank);
+  if (mtrain_layout_world(layout) != world)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: the layout is for %d ranks, the communicator has %d",
+                        mtrain_layout_world(layout), world);
+  if (mtrain_layout_granularity(layout) != ctx->config.granularity)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: the layout's granularity %d is not the context's %d",
+                        mtrain_layout_granularity(layout), ctx->config.granularity);
+  if (q->shape[0] != T)
+    return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
+                        "block selection: rank %d holds %lld token slots of the layout, q has "
+                        "%lld",
+                        rank, (long long)T, (long long)q->shape[0]);
+  const int32_t Hkv = (int32_t)k->shape[1], d = (int32_t)k->shape[2];
+  /* gather every key: each global row has one owner, the others add zeros */
+  const mtrain_dtype_t gdt = k->dtype == MTRAIN_F64 ? MTRAIN_F64 : MTRAIN_F32;
+  const size_t row = (size_t)Hkv * d, esz = mtrain_dtype_size(k->dtype),
+               gsz = mtrain_dtype_size(gdt);
+  void *host = calloc((size_t)N * row, gsz), *local = malloc((size_t)T * row * esz);
+  int64_t *index = malloc(sizeof(int64_t) * (size_t)T);
+  void *k_all = NULL;
+  MTRAIN_FAIL_IF(!host || !local || !index, MTRAIN_ERR_OUT_OF_MEMORY,
+                 "block selection: out of host memory gathering %lld keys", (long long)N);
+  MTRAIN_TRY(mtrain_layout_rank_token_index(layout, rank, index));
+  MTRAIN_TRY(mtrain_be_copy_to_host(ctx, local, k->data, (size_t)T * row * esz));
+  for (int64_t i = 0; i < T; i++)
+    if (index[i] < N)
+      MTRAIN_TRY(mtrain_convert((const char *)local + (size_t)i * row * esz, k->dtype,
+                                (char *)host + (size_t)index[i] * row * gsz, gdt, (int64_t)row));
+  MTRAIN_TRY(mtrain_cm_allreduce(ctx, host, (int64_t)((size_t)N * row), gdt, MTRAIN_REDUCE_SUM));
+  MTRAIN_TRY(mtrain_be_alloc(ctx, (size_t)N * row * gsz, &k_all));
+  MTRAIN_TRY(mtrain_be_copy_from_host(ctx, k_all, host, (size_t)N * row * gsz));
+  {
+    const int use_lse = options->method == MTRAIN_BLOCK_PRECISE;
+    const block_input_t in = {.N = N,
+                              .Hq = (int32_t)q->shape[1],
+                              .Hkv = Hkv,
+                              .d = d,
+                              .q_dtype = q->dtype,
+                              .k_dtype = gdt,
+                              .lse_dtype = use_lse ? lse->dtype : MTRAIN_F32,
+                              .q = q->data,
+                              .q_tokens = T,
+                              .k = k_all,
+                              .lse = use_lse ? lse->data : NULL,
+                              .layout = layout};
+    st = block_core(ctx, &in, options, report, out);
+  }
+cleanup:
+  mtrain_be_free(ctx, k_all);
+  free(host);
+  free(local);
+  free(index);
+  return st;
+}
