@@ -12,7 +12,12 @@
  *   split of the budget tried on a small case);
  * - the distributed form on W = 1, 2, 3, 5 ranks (threads in one process
  *   sharing a communicator) and every layout kind but balanced gives
- *   bitwise the single-rank pattern and report;
+ *   bitwise the single-rank pattern and report, each rank holding the
+ *   scores of its own query block rows only (the ranks' score bytes add up
+ *   to the single-rank triangles);
+ * - the exact sums of the head-adaptive gain curves: any order and any split
+ *   into ranks give the same bits, within an ulp of a long double sum;
+ *   NaN and infinities;
  * - a backend without the block_scores slot, and bad options, are refused.
  * Seeds are printed; MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
@@ -31,6 +36,7 @@
 #include "core/runtime/backend.h"
 #include "core/runtime/block_select.h"
 #include "core/runtime/context_internal.h"
+#include "core/runtime/exact_sum.h"
 #include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_comm.h"
 #include "mtrain/mtrain_cpu.h"
@@ -646,6 +652,7 @@ typedef struct rank_job {
   double recall[16];
   int32_t top_k[16];
   int64_t blocks[16];
+  mtrain_block_times_t times; /* the score and gather bytes of this rank */
   mtrain_status_t st;
 } rank_job_t;
 
@@ -685,6 +692,7 @@ static void *rank_main(void *arg) {
     mtrain_block_report_t rep = {j->recall, j->top_k, j->blocks};
     j->st =
         mtrain_pattern_select_blocks_ring(ctx, j->layout, &tq, &tk, &tl, &j->o, &rep, &j->pattern);
+    j->times = mtrain_block_last_times();
   }
   mtrain_context_destroy(ctx);
   free(index), free(q), free(k), free(lse);
@@ -737,6 +745,7 @@ static void test_ring_bitwise(void **state) {
           pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
           rank_job_t jobs[5];
           pthread_t th[5];
+          int64_t score_sum = 0;
           for (int r = 0; r < W; r++) {
             memset(&jobs[r], 0, sizeof jobs[r]);
             jobs[r].tc.sh = &sh;
@@ -768,7 +777,29 @@ static void test_ring_bitwise(void **state) {
                        memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq) ? "differ"
                                                                                       : "equal");
             mtrain_pattern_destroy(jobs[r].pattern);
+            /* the rank held the scores of its own query block rows only */
+            const int64_t *own = mtrain_layout_rank_blocks(layout, r);
+            int64_t rows = 0;
+            for (int32_t lb = 0; lb < mtrain_layout_rank_num_blocks(layout, r); lb++)
+              if (own[lb] < nblocks(&p)) rows += own[lb] + 1;
+            const int64_t want = (int64_t)sizeof(double) * p.Hq * rows;
+            if (jobs[r].times.score_bytes != want)
+              fail_msg("%s W %d %s rank %d: %lld score bytes, its rows have %lld", backend, W,
+                       mtrain_layout_kind_name(kinds[ki]), r, (long long)jobs[r].times.score_bytes,
+                       (long long)want);
+            score_sum += jobs[r].times.score_bytes;
+            if (ci == 0 && b == 0)
+              print_message("  W %d %s rank %d: score bytes %lld (one rank: %lld), gathered "
+                            "selection %lld bytes\n",
+                            W, mtrain_layout_kind_name(kinds[ki]), r,
+                            (long long)jobs[r].times.score_bytes,
+                            (long long)(sizeof(double) * (size_t)p.Hq *
+                                        (size_t)mtrain_block_tri(nblocks(&p))),
+                            (long long)jobs[r].times.gather_bytes);
           }
+          /* every row held once: the ranks' bytes add up to the single-rank triangles */
+          assert_int_equal(score_sum,
+                           (int64_t)sizeof(double) * p.Hq * mtrain_block_tri(nblocks(&p)));
           pthread_barrier_destroy(&sh.barrier);
           mtrain_layout_destroy(layout);
         }
@@ -779,6 +810,65 @@ static void test_ring_bitwise(void **state) {
     }
   }
   problem_free(&p);
+}
+
+/* ---- 5b. exact sums ------------------------------------------------------------------------ */
+
+/* The words of values[0 .. n) split at `cut` into two "ranks", summed. */
+static double xsum_split(const double *values, int64_t n, int64_t cut) {
+  double a[MTRAIN_XSUM_WORDS], b[MTRAIN_XSUM_WORDS];
+  mtrain_xsum_t x = {0}, y = {0};
+  for (int64_t i = 0; i < n; i++) mtrain_xsum_add(i < cut ? &x : &y, values[i]);
+  mtrain_xsum_export(&x, a);
+  mtrain_xsum_export(&y, b);
+  for (int w = 0; w < MTRAIN_XSUM_WORDS; w++) a[w] += b[w];
+  return mtrain_xsum_value(a);
+}
+
+static void test_exact_sum(void **state) {
+  (void)state;
+  const uint64_t seed = ts_seed(500);
+  ts_rng_t rng;
+  ts_rng_seed(&rng, seed);
+  enum { n = 2000 };
+  double *v = malloc(sizeof(double) * n);
+  assert_non_null(v);
+  /* masses over many binades, some subnormal, a few negative */
+  for (int i = 0; i < n; i++) {
+    const double e = ts_rng_normal(&rng) * 40.0;
+    v[i] = exp(e) * (1.0 + ts_rng_normal(&rng) * 0.1);
+    if (i % 97 == 0) v[i] = -v[i];
+    if (i % 501 == 0) v[i] = 4.9e-324 * (double)(i + 1);
+  }
+  long double ref = 0.0L;
+  for (int i = 0; i < n; i++) ref += (long double)v[i];
+  const double whole = xsum_split(v, n, n);
+  for (int t = 0; t < 20; t++) {
+    /* shuffle, and cut anywhere: the same bits */
+    for (int i = n - 1; i > 0; i--) {
+      const int j = (int)(ts_rng_uniform(&rng) * (i + 1));
+      const double x = v[i];
+      v[i] = v[j], v[j] = x;
+    }
+    const double got = xsum_split(v, n, (int64_t)(ts_rng_uniform(&rng) * n));
+    if (memcmp(&got, &whole, sizeof got))
+      fail_msg("exact sum seed %llu: %.17g after a shuffle, %.17g before", (unsigned long long)seed,
+               got, whole);
+  }
+  const double err = fabs((double)(ref - (long double)whole)) / fabs(whole);
+  print_message("exact sum seed %llu: %d values, %.17g, relative difference to long double %.3g\n",
+                (unsigned long long)seed, n, whole, err);
+  assert_true(err <= 4e-16);
+  /* special values */
+  const double small[3] = {1.0, 0.0, -0.0};
+  assert_true(xsum_split(small, 3, 1) == 1.0);
+  const double with_inf[3] = {1.0, INFINITY, 2.0};
+  assert_true(xsum_split(with_inf, 3, 2) == INFINITY);
+  const double both_inf[2] = {INFINITY, -INFINITY};
+  assert_true(isnan(xsum_split(both_inf, 2, 1)));
+  const double with_nan[2] = {NAN, 1.0};
+  assert_true(isnan(xsum_split(with_nan, 2, 0)));
+  free(v);
 }
 
 /* ---- 6. refusals ---------------------------------------------------------------------------- */
@@ -841,7 +931,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_scores),       cmocka_unit_test(test_selection_rule),
       cmocka_unit_test(test_end_to_end),   cmocka_unit_test(test_adaptive),
-      cmocka_unit_test(test_ring_bitwise), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_ring_bitwise), cmocka_unit_test(test_exact_sum),
+      cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
