@@ -17,7 +17,7 @@
  *   to the single-rank triangles);
  * - the exact sums of the head-adaptive gain curves: any order and any split
  *   into ranks give the same bits, within an ulp of a long double sum;
- *   NaN and infinities;
+ *   NaN and infinities; the gather of the selection in small pieces;
  * - a backend without the block_scores slot, and bad options, are refused.
  * Seeds are printed; MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
@@ -741,6 +741,8 @@ static void test_ring_bitwise(void **state) {
           mtrain_layout_t *layout = NULL;
           assert_int_equal(mtrain_layout_create(kinds[ki], p.N, p.G, W, NULL, &layout),
                            MTRAIN_SUCCESS);
+          /* case 1 gathers the selection in pieces of 100 bytes */
+          mtrain_block_gather_piece = ci == 1 ? 100 : (size_t)256 << 20;
           shared_comm_t sh = {.size = W};
           pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
           rank_job_t jobs[5];

@@ -347,6 +347,31 @@ cleanup:
   return st;
 }
 
+size_t mtrain_block_gather_piece = (size_t)256 << 20;
+
+/* The all-gather of `stride` bytes per rank in pieces of at most
+ * mtrain_block_gather_piece bytes (communicators may refuse 2 GiB per rank),
+ * into all [W][stride]. */
+static mtrain_status_t gather_pieces(mtrain_context_t *ctx, const char *msg, char *all,
+                                     size_t stride) {
+  const size_t piece = mtrain_block_gather_piece;
+  const int32_t W = mtrain_context_world(ctx);
+  if (stride <= piece) return mtrain_cm_allgather(ctx, msg, all, stride);
+  char *tmp = malloc(piece * (size_t)W);
+  if (!tmp)
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY,
+                        "block selection: out of host memory gathering the selection");
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  for (size_t off = 0; off < stride && !st; off += piece) {
+    const size_t n = stride - off < piece ? stride - off : piece;
+    st = mtrain_cm_allgather(ctx, msg + off, tmp, n);
+    for (int32_t r = 0; r < W && !st; r++)
+      memcpy(all + (size_t)r * stride + off, tmp + (size_t)r * n, n);
+  }
+  free(tmp);
+  return st;
+}
+
 static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in,
                                   const mtrain_block_options_t *o,
                                   const mtrain_block_report_t *report, mtrain_pattern_t **out) {
@@ -392,7 +417,7 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
   MTRAIN_FAIL_IF(!all, MTRAIN_ERR_OUT_OF_MEMORY,
                  "block selection: out of host memory gathering the selection (%zu bytes)",
                  stride * (size_t)W);
-  MTRAIN_TRY(mtrain_cm_allgather(ctx, msg, all, stride));
+  MTRAIN_TRY(gather_pieces(ctx, msg, all, stride));
   last_times.gather_bytes = (int64_t)(stride * (size_t)W);
   MTRAIN_TRY(assemble(ctx, in, nb, all, stride, budget, o, report, out));
   last_times.select = mtrain_now() - t1;
