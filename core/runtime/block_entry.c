@@ -600,6 +600,10 @@ mtrain_pattern_select_blocks_ring(mtrain_context_t *ctx, const struct mtrain_lay
   MTRAIN_TRY(mtrain_cm_allreduce(ctx, host, (int64_t)((size_t)N * row), gdt, MTRAIN_REDUCE_SUM));
   MTRAIN_TRY(mtrain_be_alloc(ctx, (size_t)N * row * gsz, &k_all));
   MTRAIN_TRY(mtrain_be_copy_from_host(ctx, k_all, host, (size_t)N * row * gsz));
+  free(host); /* the scoring needs only the backend's copy */
+  host = NULL;
+  free(local);
+  local = NULL;
   {
     const int use_lse = options->method == MTRAIN_BLOCK_PRECISE;
     const block_input_t in = {.N = N,
