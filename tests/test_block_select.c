@@ -11,7 +11,9 @@
  * - the head-adaptive budgets preserve the total and are optimal (every
  *   split of the budget tried on a small case);
  * - the distributed form on W = 1, 2, 3, 5 ranks (threads in one process
- *   sharing a communicator) and every layout kind but balanced gives
+ *   sharing a communicator, with point-to-point mailboxes) and every layout
+ *   kind but balanced, with the keys passed around the ring (precise and
+ *   meanpool) and with every key gathered (MTRAIN_BLOCK_KEY_GATHER=1), gives
  *   bitwise the single-rank pattern and report, each rank holding the
  *   scores of its own query block rows only (the ranks' score bytes add up
  *   to the single-rank triangles);
@@ -554,11 +556,29 @@ static void test_adaptive(void **state) {
 /* ---- 5. W ranks in one process ------------------------------------------------------------------
  */
 
+/* A message in flight between two threads. */
+typedef struct tc_msg {
+  struct tc_msg *next;
+  int src, tag;
+  size_t bytes;
+  void *data;
+} tc_msg_t;
+
 typedef struct shared_comm {
   int size;
   pthread_barrier_t barrier;
   void *bufs[8];
+  pthread_mutex_t mu; /* guards box */
+  pthread_cond_t cv;
+  tc_msg_t *box[8]; /* per destination: messages in order of sending */
 } shared_comm_t;
+
+/* A request: sends complete at once (copied), receives in tc_wait. */
+struct mtrain_comm_request {
+  int recv, peer, tag;
+  void *buf;
+  size_t bytes;
+};
 
 typedef struct thread_comm {
   shared_comm_t *sh;
@@ -567,19 +587,58 @@ typedef struct thread_comm {
 
 static int tc_rank(void *s) { return ((thread_comm_t *)s)->rank; }
 static int tc_size(void *s) { return ((thread_comm_t *)s)->sh->size; }
+/* Point-to-point through per-destination mailboxes (the ring pass over the keys). */
 static mtrain_status_t tc_isend(void *s, const void *b, size_t n, int p, int t,
                                 mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
+  thread_comm_t *c = s;
+  tc_msg_t *m = malloc(sizeof *m);
+  *r = calloc(1, sizeof **r);
+  if (!m || !*r) return MTRAIN_ERR_OUT_OF_MEMORY;
+  m->next = NULL, m->src = c->rank, m->tag = t, m->bytes = n, m->data = malloc(n + 1);
+  if (!m->data) return MTRAIN_ERR_OUT_OF_MEMORY;
+  memcpy(m->data, b, n);
+  pthread_mutex_lock(&c->sh->mu);
+  tc_msg_t **at = &c->sh->box[p];
+  while (*at) at = &(*at)->next;
+  *at = m;
+  pthread_cond_broadcast(&c->sh->cv);
+  pthread_mutex_unlock(&c->sh->mu);
+  return MTRAIN_SUCCESS;
 }
 static mtrain_status_t tc_irecv(void *s, void *b, size_t n, int p, int t,
                                 mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
+  (void)s;
+  *r = malloc(sizeof **r);
+  if (!*r) return MTRAIN_ERR_OUT_OF_MEMORY;
+  (*r)->recv = 1, (*r)->peer = p, (*r)->tag = t, (*r)->buf = b, (*r)->bytes = n;
+  return MTRAIN_SUCCESS;
 }
 static mtrain_status_t tc_wait(void *s, mtrain_comm_request_t *r) {
-  (void)s, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
+  thread_comm_t *c = s;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (r->recv) {
+    tc_msg_t *m = NULL;
+    pthread_mutex_lock(&c->sh->mu);
+    for (;;) {
+      tc_msg_t **at = &c->sh->box[c->rank];
+      while (*at && ((*at)->src != r->peer || (*at)->tag != r->tag)) at = &(*at)->next;
+      if (*at) {
+        m = *at;
+        *at = m->next;
+        break;
+      }
+      pthread_cond_wait(&c->sh->cv, &c->sh->mu);
+    }
+    pthread_mutex_unlock(&c->sh->mu);
+    if (m->bytes != r->bytes)
+      st = MTRAIN_ERR_INVALID_ARGUMENT;
+    else
+      memcpy(r->buf, m->data, m->bytes);
+    free(m->data);
+    free(m);
+  }
+  free(r);
+  return st;
 }
 static mtrain_status_t tc_barrier(void *s) {
   pthread_barrier_wait(&((thread_comm_t *)s)->sh->barrier);
@@ -735,79 +794,96 @@ static void test_ring_bitwise(void **state) {
       assert_int_equal(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, &rep, &one),
                        MTRAIN_SUCCESS);
       mtrain_context_destroy(ctx);
-      for (size_t wi = 0; wi < sizeof worlds / sizeof worlds[0]; wi++)
-        for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
-          const int W = worlds[wi];
-          mtrain_layout_t *layout = NULL;
-          assert_int_equal(mtrain_layout_create(kinds[ki], p.N, p.G, W, NULL, &layout),
-                           MTRAIN_SUCCESS);
-          /* case 1 gathers the selection in pieces of 100 bytes */
-          mtrain_block_gather_piece = ci == 1 ? 100 : (size_t)256 << 20;
-          shared_comm_t sh = {.size = W};
-          pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
-          rank_job_t jobs[5];
-          pthread_t th[5];
-          int64_t score_sum = 0;
-          for (int r = 0; r < W; r++) {
-            memset(&jobs[r], 0, sizeof jobs[r]);
-            jobs[r].tc.sh = &sh;
-            jobs[r].tc.rank = r;
-            jobs[r].p = &p;
-            jobs[r].layout = layout;
-            jobs[r].backend = backend;
-            jobs[r].o = o;
-            pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+      /* the ring pass over the keys (precise, meanpool), then the gather of every key */
+      for (int gather = 0; gather < 2; gather++)
+        for (size_t wi = 0; wi < sizeof worlds / sizeof worlds[0]; wi++)
+          for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
+            const int W = worlds[wi];
+            if (gather)
+              setenv("MTRAIN_BLOCK_KEY_GATHER", "1", 1);
+            else
+              unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+            mtrain_layout_t *layout = NULL;
+            assert_int_equal(mtrain_layout_create(kinds[ki], p.N, p.G, W, NULL, &layout),
+                             MTRAIN_SUCCESS);
+            /* case 1 gathers the selection in pieces of 100 bytes */
+            mtrain_block_gather_piece = ci == 1 ? 100 : (size_t)256 << 20;
+            shared_comm_t sh = {.size = W};
+            pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
+            pthread_mutex_init(&sh.mu, NULL);
+            pthread_cond_init(&sh.cv, NULL);
+            rank_job_t jobs[5];
+            pthread_t th[5];
+            int64_t score_sum = 0;
+            for (int r = 0; r < W; r++) {
+              memset(&jobs[r], 0, sizeof jobs[r]);
+              jobs[r].tc.sh = &sh;
+              jobs[r].tc.rank = r;
+              jobs[r].p = &p;
+              jobs[r].layout = layout;
+              jobs[r].backend = backend;
+              jobs[r].o = o;
+              pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+            }
+            for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+            for (int r = 0; r < W; r++) {
+              if (jobs[r].st != MTRAIN_SUCCESS)
+                fail_msg("%s W %d %s rank %d: %s (%s)", backend, W,
+                         mtrain_layout_kind_name(kinds[ki]), r, mtrain_status_name(jobs[r].st),
+                         mtrain_last_error());
+              if (!same_masks(one, jobs[r].pattern) ||
+                  memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ||
+                  memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ||
+                  memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq))
+                fail_msg("%s seed %llu case %zu W %d %s rank %d: not bitwise the single-rank "
+                         "selection (masks %s, recall %s, top_k %s, blocks %s)",
+                         backend, (unsigned long long)seed, ci, W,
+                         mtrain_layout_kind_name(kinds[ki]), r,
+                         same_masks(one, jobs[r].pattern) ? "equal" : "differ",
+                         memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ? "differs"
+                                                                                       : "equal",
+                         memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ? "differs"
+                                                                                      : "equal",
+                         memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq) ? "differ"
+                                                                                        : "equal");
+              mtrain_pattern_destroy(jobs[r].pattern);
+              /* the rank held the scores of its own query block rows only */
+              const int64_t *own = mtrain_layout_rank_blocks(layout, r);
+              int64_t rows = 0;
+              for (int32_t lb = 0; lb < mtrain_layout_rank_num_blocks(layout, r); lb++)
+                if (own[lb] < nblocks(&p)) rows += own[lb] + 1;
+              const int64_t want = (int64_t)sizeof(double) * p.Hq * rows;
+              if (jobs[r].times.score_bytes != want)
+                fail_msg("%s W %d %s rank %d: %lld score bytes, its rows have %lld", backend, W,
+                         mtrain_layout_kind_name(kinds[ki]), r,
+                         (long long)jobs[r].times.score_bytes, (long long)want);
+              score_sum += jobs[r].times.score_bytes;
+              if (ci == 0 && b == 0 && !gather)
+                print_message("  W %d %s rank %d: score bytes %lld (one rank: %lld), gathered "
+                              "selection %lld bytes\n",
+                              W, mtrain_layout_kind_name(kinds[ki]), r,
+                              (long long)jobs[r].times.score_bytes,
+                              (long long)(sizeof(double) * (size_t)p.Hq *
+                                          (size_t)mtrain_block_tri(nblocks(&p))),
+                              (long long)jobs[r].times.gather_bytes);
+            }
+            /* every row held once: the ranks' bytes add up to the single-rank triangles */
+            assert_int_equal(score_sum,
+                             (int64_t)sizeof(double) * p.Hq * mtrain_block_tri(nblocks(&p)));
+            pthread_barrier_destroy(&sh.barrier);
+            pthread_mutex_destroy(&sh.mu);
+            pthread_cond_destroy(&sh.cv);
+            for (int r = 0; r < W; r++) assert_null(sh.box[r]); /* every message received */
+            mtrain_layout_destroy(layout);
           }
-          for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
-          for (int r = 0; r < W; r++) {
-            if (jobs[r].st != MTRAIN_SUCCESS)
-              fail_msg("%s W %d %s rank %d: %s (%s)", backend, W,
-                       mtrain_layout_kind_name(kinds[ki]), r, mtrain_status_name(jobs[r].st),
-                       mtrain_last_error());
-            if (!same_masks(one, jobs[r].pattern) ||
-                memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ||
-                memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ||
-                memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq))
-              fail_msg("%s seed %llu case %zu W %d %s rank %d: not bitwise the single-rank "
-                       "selection (masks %s, recall %s, top_k %s, blocks %s)",
-                       backend, (unsigned long long)seed, ci, W, mtrain_layout_kind_name(kinds[ki]),
-                       r, same_masks(one, jobs[r].pattern) ? "equal" : "differ",
-                       memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ? "differs"
-                                                                                     : "equal",
-                       memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ? "differs"
-                                                                                    : "equal",
-                       memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq) ? "differ"
-                                                                                      : "equal");
-            mtrain_pattern_destroy(jobs[r].pattern);
-            /* the rank held the scores of its own query block rows only */
-            const int64_t *own = mtrain_layout_rank_blocks(layout, r);
-            int64_t rows = 0;
-            for (int32_t lb = 0; lb < mtrain_layout_rank_num_blocks(layout, r); lb++)
-              if (own[lb] < nblocks(&p)) rows += own[lb] + 1;
-            const int64_t want = (int64_t)sizeof(double) * p.Hq * rows;
-            if (jobs[r].times.score_bytes != want)
-              fail_msg("%s W %d %s rank %d: %lld score bytes, its rows have %lld", backend, W,
-                       mtrain_layout_kind_name(kinds[ki]), r, (long long)jobs[r].times.score_bytes,
-                       (long long)want);
-            score_sum += jobs[r].times.score_bytes;
-            if (ci == 0 && b == 0)
-              print_message("  W %d %s rank %d: score bytes %lld (one rank: %lld), gathered "
-                            "selection %lld bytes\n",
-                            W, mtrain_layout_kind_name(kinds[ki]), r,
-                            (long long)jobs[r].times.score_bytes,
-                            (long long)(sizeof(double) * (size_t)p.Hq *
-                                        (size_t)mtrain_block_tri(nblocks(&p))),
-                            (long long)jobs[r].times.gather_bytes);
-          }
-          /* every row held once: the ranks' bytes add up to the single-rank triangles */
-          assert_int_equal(score_sum,
-                           (int64_t)sizeof(double) * p.Hq * mtrain_block_tri(nblocks(&p)));
-          pthread_barrier_destroy(&sh.barrier);
-          mtrain_layout_destroy(layout);
-        }
-      print_message("ring %s seed %llu case %zu (%s): W 1, 2, 3, 5 x 3 layouts bitwise equal\n",
+      unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+      print_message("ring %s seed %llu case %zu (%s): W 1, 2, 3, 5 x 3 layouts bitwise equal, "
+                    "%s\n",
                     backend, (unsigned long long)seed, ci,
-                    mtrain_block_method_name(sel_cases[ci].method));
+                    mtrain_block_method_name(sel_cases[ci].method),
+                    sel_cases[ci].method == MTRAIN_BLOCK_ANTIDIAG
+                        ? "keys gathered (twice)"
+                        : "with the keys passed around the ring and with the keys gathered");
       mtrain_pattern_destroy(one);
     }
   }
@@ -919,6 +995,15 @@ static void test_refusals(void **state) {
   TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
                    "backend 'cpu' has no block_scores");
   ctx->backend = saved;
+  /* key chunks: not for the antidiagonal method */
+  const int64_t chunk[1] = {0};
+  a = (mtrain_block_scores_args_t){.method = MTRAIN_BLOCK_ANTIDIAG,
+                                   .granularity = 16,
+                                   .stride = 4,
+                                   .k_block_global = chunk,
+                                   .num_k_blocks = 1};
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
+                   "antidiagonal method needs every key");
   assert_null(out);
   /* names */
   mtrain_block_method_t m;

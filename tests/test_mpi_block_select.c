@@ -1,8 +1,10 @@
 /* test_mpi_block_select.c: the distributed block selection (SPEC.md section
  * 9) under mpiexec, over the MPI communicator. Every rank generates the same
  * inputs, runs the single-rank selection itself, takes its slots of the
- * layout and runs mtrain_pattern_select_blocks_ring (each rank scores and
- * selects its own query block rows; the selected rows are all-gathered);
+ * layout and runs mtrain_pattern_select_blocks_ring (each rank scores its
+ * own query block rows against the key chunks passed around the ring, or
+ * against every key gathered with MTRAIN_BLOCK_KEY_GATHER=1, both run here,
+ * and selects them; the selected rows are all-gathered);
  * the pattern and the report (per-head recall, top-k budget, blocks) must be
  * bitwise the single-rank ones on every rank. Cases: the contiguous, zigzag
  * and striped layouts, precise top-p, precise and antidiagonal head-adaptive
@@ -10,6 +12,7 @@
  * The seed is printed; MTRAIN_TEST_SEED overrides it. Exit 0 when every rank
  * passed every case.
  * usage: mpiexec -n W test_mpi_block_select */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
@@ -161,10 +164,15 @@ int main(int argc, char **argv) {
                                                 MTRAIN_LAYOUT_STRIPED};
   static const char *backends[2] = {"cpu", "cpu-ref"};
   int passed = 0, failed = 0;
-  for (int b = 0; b < 2; b++)
-    for (int l = 0; l < 3; l++)
-      for (int c = 0; c < 4; c++)
-        select_case(&in, kinds[l], backends[b], c, comm, seed) ? passed++ : failed++;
+  /* the keys passed around the ring (precise, meanpool), then every key gathered */
+  for (int gather = 0; gather < 2; gather++) {
+    if (gather) setenv("MTRAIN_BLOCK_KEY_GATHER", "1", 1);
+    if (rank_ == 0) printf("keys %s\n", gather ? "gathered" : "passed around the ring");
+    for (int b = 0; b < 2; b++)
+      for (int l = 0; l < 3; l++)
+        for (int c = 0; c < 4; c++)
+          select_case(&in, kinds[l], backends[b], c, comm, seed) ? passed++ : failed++;
+  }
   if (rank_ == 0) printf("%d passed, %d failed\n", passed, failed);
   inputs_free(&in);
   mtrain_comm_destroy(comm);

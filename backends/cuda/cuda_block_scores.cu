@@ -244,6 +244,10 @@ mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
     return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE,
                         "cuda block scores: q is %s and k is %s (fp32, bf16 or fp16)",
                         mtrain_dtype_name(a->q_dtype), mtrain_dtype_name(a->k_dtype));
+  if (a->k_block_global)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda block scores: key chunks (k_block_global) are not supported: give "
+                        "every key");
   if (!a->q || !a->k || !a->scores || (a->num_q_blocks > 0 && !a->q_block_global))
     return mtrain_error(MTRAIN_ERR_NULL_POINTER,
                         "cuda block scores: q, k, scores and q_block_global must be set");

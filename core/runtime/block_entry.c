@@ -19,6 +19,7 @@
 #include "core/runtime/context_internal.h"
 #include "core/runtime/exact_sum.h"
 #include "core/runtime/pattern_internal.h"
+#include "mtrain/mtrain_comm.h"
 #include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
 
@@ -40,6 +41,7 @@ typedef struct block_input {
   const void *k;                 /* backend memory [N, Hkv, d] */
   const void *lse;               /* backend memory [q_tokens, Hq] or NULL */
   const mtrain_layout_t *layout; /* the ranks' query blocks; NULL: one rank owns them all */
+  int key_ring; /* 1: k is this rank's own chunk [q_tokens, Hkv, d], passed around the ring */
 } block_input_t;
 
 /* The query blocks (< nb, ascending) of rank r: the layout's, or all of them. */
@@ -59,6 +61,75 @@ static int64_t rank_rows(const block_input_t *in, int64_t nb, int32_t r, const i
 
 static inline int64_t block_at(const int64_t *blocks, int64_t lb) {
   return blocks ? blocks[lb] : lb;
+}
+
+/* Posts the sends (send != 0) or receives of `bytes` in pieces below 1 GiB
+ * (communicators may refuse 2 GiB), appending their requests. */
+static mtrain_status_t post_pieces(mtrain_context_t *ctx, void *buf, size_t bytes, int peer,
+                                   int send, mtrain_comm_request_t **req, int *nreq) {
+  const size_t piece = (size_t)1 << 30;
+  for (size_t off = 0; off < bytes; off += piece) {
+    const size_t n = bytes - off < piece ? bytes - off : piece;
+    mtrain_status_t st =
+        send ? mtrain_cm_isend(ctx, (char *)buf + off, n, peer, MTRAIN_TAG_BLOCK_KEYS, &req[*nreq])
+             : mtrain_cm_irecv(ctx, (char *)buf + off, n, peer, MTRAIN_TAG_BLOCK_KEYS, &req[*nreq]);
+    if (st) return st;
+    (*nreq)++;
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* The ring pass over the key chunks: at step s this rank holds the keys of
+ * rank (rank - s) mod W, scores its query blocks against that chunk's key
+ * blocks while passing it on to rank + 1 and receiving the next from
+ * rank - 1. Two chunk buffers; no rank ever holds every key. */
+static mtrain_status_t score_key_ring(mtrain_context_t *ctx, const block_input_t *in,
+                                      mtrain_block_scores_args_t a) {
+  const int32_t W = mtrain_context_world(ctx), rank = mtrain_context_rank(ctx);
+  const size_t row = (size_t)in->Hkv * (size_t)in->d * mtrain_dtype_size(in->k_dtype);
+  int64_t most = 0;
+  for (int32_t r = 0; r < W; r++)
+    if (mtrain_layout_local_tokens(in->layout, r) > most)
+      most = mtrain_layout_local_tokens(in->layout, r);
+  const int pieces = (int)(((size_t)most * row) >> 30) + 2;
+  mtrain_comm_request_t **req = calloc((size_t)(2 * pieces), sizeof *req);
+  void *buf[2] = {NULL, NULL};
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (!req) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
+  if (W > 1) {
+    st = mtrain_be_alloc(ctx, (size_t)most * row + 8, &buf[0]);
+    if (!st) st = mtrain_be_alloc(ctx, (size_t)most * row + 8, &buf[1]);
+  }
+  const void *hand = in->k;
+  for (int32_t s = 0; s < W && !st; s++) {
+    const int32_t src = (rank - s + W) % W, next = (rank - s - 1 + W) % W;
+    int nreq = 0;
+    if (s + 1 < W) {
+      void *into = buf[(s + 1) % 2];
+      st = post_pieces(ctx, into, (size_t)mtrain_layout_local_tokens(in->layout, next) * row,
+                       (rank - 1 + W) % W, 0, req, &nreq);
+      if (!st)
+        st = post_pieces(ctx, (void *)hand,
+                         (size_t)mtrain_layout_local_tokens(in->layout, src) * row, (rank + 1) % W,
+                         1, req, &nreq);
+    }
+    if (!st) {
+      a.k = hand;
+      a.k_tokens = mtrain_layout_local_tokens(in->layout, src);
+      a.num_k_blocks = mtrain_layout_rank_num_blocks(in->layout, src);
+      a.k_block_global = mtrain_layout_rank_blocks(in->layout, src);
+      st = mtrain_be_block_scores(ctx, &a);
+    }
+    for (int i = 0; i < nreq; i++) {
+      const mtrain_status_t w = mtrain_cm_wait(ctx, req[i]);
+      if (!st) st = w;
+    }
+    hand = buf[(s + 1) % 2];
+  }
+  mtrain_be_free(ctx, buf[0]);
+  mtrain_be_free(ctx, buf[1]);
+  free(req);
+  return st;
 }
 
 /* The owned rows' scores: [Hq * R] host, row_off[lb] of each local block
@@ -109,7 +180,10 @@ static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *
                                         .scores = dev,
                                         .scores_row = row_off,
                                         .scores_head_stride = *R};
-  MTRAIN_TRY(mtrain_be_block_scores(ctx, &a));
+  if (in->key_ring)
+    MTRAIN_TRY(score_key_ring(ctx, in, a));
+  else
+    MTRAIN_TRY(mtrain_be_block_scores(ctx, &a));
   MTRAIN_TRY(mtrain_be_copy_to_host(ctx, host, dev, n * sizeof(double)));
   last_times.score_bytes = (int64_t)(n * sizeof(double));
   *out = host;
@@ -556,6 +630,17 @@ mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx, const mtrain
   return block_core(ctx, &in, options, report, out);
 }
 
+/* The ring pass over the key chunks where the backend scores key chunks
+ * (precise and meanpool) in host memory, unless MTRAIN_BLOCK_KEY_GATHER=1
+ * asks for the gather of every key (for comparisons). */
+static int key_ring_possible(const mtrain_context_t *ctx, const mtrain_block_options_t *o) {
+  const char *env = getenv("MTRAIN_BLOCK_KEY_GATHER");
+  if (env && strcmp(env, "1") == 0) return 0;
+  return ctx->backend->block_scores_key_chunks && o->method != MTRAIN_BLOCK_ANTIDIAG &&
+         mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_HOST &&
+         mtrain_cm_memory_space(ctx) != MTRAIN_MEMORY_DEVICE;
+}
+
 mtrain_status_t
 mtrain_pattern_select_blocks_ring(mtrain_context_t *ctx, const struct mtrain_layout *layout,
                                   const mtrain_tensor_t *q, const mtrain_tensor_t *k,
@@ -582,6 +667,23 @@ mtrain_pattern_select_blocks_ring(mtrain_context_t *ctx, const struct mtrain_lay
                         "%lld",
                         rank, (long long)T, (long long)q->shape[0]);
   const int32_t Hkv = (int32_t)k->shape[1], d = (int32_t)k->shape[2];
+  const int use_lse = options->method == MTRAIN_BLOCK_PRECISE;
+  if (key_ring_possible(ctx, options)) {
+    const block_input_t in = {.N = N,
+                              .Hq = (int32_t)q->shape[1],
+                              .Hkv = Hkv,
+                              .d = d,
+                              .q_dtype = q->dtype,
+                              .k_dtype = k->dtype,
+                              .lse_dtype = use_lse ? lse->dtype : MTRAIN_F32,
+                              .q = q->data,
+                              .q_tokens = T,
+                              .k = k->data,
+                              .lse = use_lse ? lse->data : NULL,
+                              .layout = layout,
+                              .key_ring = 1};
+    return block_core(ctx, &in, options, report, out);
+  }
   /* gather every key: each global row has one owner, the others add zeros */
   const mtrain_dtype_t gdt = k->dtype == MTRAIN_F64 ? MTRAIN_F64 : MTRAIN_F32;
   const size_t row = (size_t)Hkv * d, esz = mtrain_dtype_size(k->dtype),
@@ -605,7 +707,6 @@ mtrain_pattern_select_blocks_ring(mtrain_context_t *ctx, const struct mtrain_lay
   free(local);
   local = NULL;
   {
-    const int use_lse = options->method == MTRAIN_BLOCK_PRECISE;
     const block_input_t in = {.N = N,
                               .Hq = (int32_t)q->shape[1],
                               .Hkv = Hkv,

@@ -176,6 +176,15 @@ typedef struct mtrain_block_scores_args {
   const int64_t *scores_row;     /**< NULL, or [num_q_blocks] host: the offset of each local
                                       block's row within a head (padding blocks: unused) */
   int64_t scores_head_stride;    /**< with scores_row: doubles per head */
+  /** NULL: k holds all N keys in global order. Else (a backend with
+   *  block_scores_key_chunks; precise and meanpool only) k holds one chunk
+   *  of key blocks: [k_tokens, Hkv, d], its G-slot block x being global key
+   *  block k_block_global[x] (host; >= nb: padding), and only the entries
+   *  (qb, kb) of these key blocks are written, each with the same bits as
+   *  from all keys: the ring pass of the distributed selection. */
+  const int64_t *k_block_global;
+  int32_t num_k_blocks; /**< with k_block_global: key blocks in k */
+  int64_t k_tokens;     /**< with k_block_global: key slots in k */
 } mtrain_block_scores_args_t;
 
 /** The vertical-slash selection of SPEC.md section 2 on the backend (the
@@ -311,6 +320,10 @@ typedef struct mtrain_backend_ops {
    *  blocks (mtrain_block_scores_args_t). NULL: mtrain_pattern_select_blocks
    *  reports MTRAIN_ERR_NOT_SUPPORTED naming the backend. */
   mtrain_status_t (*block_scores)(void *state, const mtrain_block_scores_args_t *args);
+  /** 1 when block_scores takes key chunks (k_block_global) for the precise
+   *  and meanpool methods: the distributed selection then passes the keys
+   *  around the ring instead of gathering them all (host memory only). */
+  int block_scores_key_chunks;
 
   /** Optional: the vertical-slash selection on the backend
    *  (mtrain_select_args_t). NULL: the estimate copies the scores to the
