@@ -133,11 +133,13 @@ static mtrain_status_t score_key_ring(mtrain_context_t *ctx, const block_input_t
 }
 
 /* The owned rows' scores: [Hq * R] host, row_off[lb] of each local block
- * (R = the sum of gb + 1 over the local blocks gb < nb). */
+ * (R = the sum of gb + 1 over the local blocks gb < nb). A backend in host
+ * memory scores straight into *out, then *owner is that backend buffer (to
+ * free with mtrain_be_free), else *owner is NULL and *out is malloc'd. */
 static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *in,
                                     const mtrain_block_options_t *o, int32_t local,
                                     const int64_t *blocks, int64_t *row_off, int64_t *R,
-                                    double **out) {
+                                    double **out, void **owner) {
   mtrain_status_t st = MTRAIN_SUCCESS;
   const int32_t G = ctx->config.granularity;
   const int64_t nb = (in->N + G - 1) / G;
@@ -152,10 +154,13 @@ static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *
     if (global[lb] < nb) *R += global[lb] + 1;
   }
   const size_t n = (size_t)in->Hq * (size_t)*R;
-  host = malloc(sizeof(double) * (n + 1));
-  MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY,
-                 "block selection: out of host memory (%lld score rows, %d heads)", (long long)*R,
-                 in->Hq);
+  const int on_host = mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_HOST;
+  if (!on_host) {
+    host = malloc(sizeof(double) * (n + 1));
+    MTRAIN_FAIL_IF(!host, MTRAIN_ERR_OUT_OF_MEMORY,
+                   "block selection: out of host memory (%lld score rows, %d heads)", (long long)*R,
+                   in->Hq);
+  }
   MTRAIN_TRY(mtrain_be_alloc(ctx, (n + 1) * sizeof(double), &dev));
   MTRAIN_TRY(mtrain_be_memset_zero(ctx, dev, (n + 1) * sizeof(double)));
   const mtrain_block_scores_args_t a = {.method = o->method,
@@ -184,10 +189,17 @@ static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *
     MTRAIN_TRY(score_key_ring(ctx, in, a));
   else
     MTRAIN_TRY(mtrain_be_block_scores(ctx, &a));
-  MTRAIN_TRY(mtrain_be_copy_to_host(ctx, host, dev, n * sizeof(double)));
   last_times.score_bytes = (int64_t)(n * sizeof(double));
-  *out = host;
-  host = NULL;
+  if (on_host) {
+    *out = dev;
+    *owner = dev;
+    dev = NULL;
+  } else {
+    MTRAIN_TRY(mtrain_be_copy_to_host(ctx, host, dev, n * sizeof(double)));
+    *out = host;
+    *owner = NULL;
+    host = NULL;
+  }
 cleanup:
   mtrain_be_free(ctx, dev);
   free(host);
@@ -446,6 +458,15 @@ static mtrain_status_t gather_pieces(mtrain_context_t *ctx, const char *msg, cha
   return st;
 }
 
+static void release_scores(mtrain_context_t *ctx, double **scores, void **owner) {
+  if (*owner)
+    mtrain_be_free(ctx, *owner);
+  else
+    free(*scores);
+  *scores = NULL;
+  *owner = NULL;
+}
+
 static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in,
                                   const mtrain_block_options_t *o,
                                   const mtrain_block_report_t *report, mtrain_pattern_t **out) {
@@ -461,6 +482,7 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
           *qbs = malloc(sizeof(int64_t) * (size_t)(n + 1));
   int32_t *budget = malloc(sizeof(int32_t) * (size_t)in->Hq);
   double *scores = NULL;
+  void *scores_owner = NULL; /* the backend buffer holding scores, if any */
   void *msg = NULL;
   char *all = NULL;
   int64_t R = 0;
@@ -469,7 +491,7 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
   const double t0 = mtrain_now();
   MTRAIN_FAIL_IF(!row_off || !off || !qbs || !budget, MTRAIN_ERR_OUT_OF_MEMORY,
                  "block selection: out of host memory");
-  MTRAIN_TRY(owned_scores(ctx, in, o, local, blocks, row_off, &R, &scores));
+  MTRAIN_TRY(owned_scores(ctx, in, o, local, blocks, row_off, &R, &scores, &scores_owner));
   /* the rows (< nb) of the local blocks, ascending */
   for (int32_t lb = 0, i = 0; lb < local; lb++)
     if (block_at(blocks, lb) < nb) off[i] = row_off[lb], qbs[i++] = block_at(blocks, lb);
@@ -477,8 +499,7 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
   last_times.scores = t1 - t0;
   MTRAIN_TRY(budgets(ctx, scores, R, off, qbs, n, in->Hq, nb, o, budget));
   MTRAIN_TRY(select_rows(ctx, scores, R, off, qbs, n, in->Hq, o, budget, &msg, &bytes));
-  free(scores);
-  scores = NULL;
+  release_scores(ctx, &scores, &scores_owner);
   /* the compact gather: every rank's message, padded to the longest */
   double longest = (double)bytes;
   MTRAIN_TRY(mtrain_cm_allreduce(ctx, &longest, 1, MTRAIN_F64, MTRAIN_REDUCE_MAX));
@@ -500,7 +521,7 @@ cleanup:
   free(off);
   free(qbs);
   free(budget);
-  free(scores);
+  release_scores(ctx, &scores, &scores_owner);
   free(msg);
   free(all);
   return st;
