@@ -8,7 +8,8 @@
  * the pattern and the report (per-head recall, top-k budget, blocks) must be
  * bitwise the single-rank ones on every rank. Cases: the contiguous, zigzag
  * and striped layouts, precise top-p, precise and antidiagonal head-adaptive
- * top-k, meanpool top-k, GQA, N not a multiple of G * W, both CPU backends.
+ * top-k, meanpool top-k, GQA, N not a multiple of G * W, both CPU backends,
+ * fp32 inputs and (zigzag, cpu) bf16 inputs.
  * The seed is printed; MTRAIN_TEST_SEED overrides it. Exit 0 when every rank
  * passed every case.
  * usage: mpiexec -n W test_mpi_block_select */
@@ -84,8 +85,9 @@ static int same_report(const result_t *a, const result_t *b) {
 }
 
 static int select_case(const inputs_t *in, mtrain_layout_kind_t kind, const char *backend, int c,
-                       mtrain_comm_t *comm, uint64_t seed) {
+                       mtrain_dtype_t dtype, mtrain_comm_t *comm, uint64_t seed) {
   const int64_t N = in->N;
+  const size_t esz = mtrain_dtype_size(dtype);
   const mtrain_block_options_t o = options(c);
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.backend = backend;
@@ -97,29 +99,42 @@ static int select_case(const inputs_t *in, mtrain_layout_kind_t kind, const char
   result_t r1, rd;
   mtrain_block_report_t rep1 = {r1.recall, r1.top_k, r1.blocks};
   mtrain_block_report_t repd = {rd.recall, rd.top_k, rd.blocks};
-  mtrain_tensor_t tq = mtrain_tensor_3d(in->q, MTRAIN_F32, N, HQ, D);
-  mtrain_tensor_t tk = mtrain_tensor_3d(in->k, MTRAIN_F32, N, HKV, D);
+  /* q and k in `dtype` (bf16: rounded from the fp32 inputs) */
+  void *gq = malloc(esz * (size_t)(N * HQ * D)), *gk = malloc(esz * (size_t)(N * HKV * D));
+  if (!gq || !gk || mtrain_convert(in->q, MTRAIN_F32, gq, dtype, N * HQ * D) ||
+      mtrain_convert(in->k, MTRAIN_F32, gk, dtype, N * HKV * D)) {
+    printf("  rank %d: out of memory\n", rank_);
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  mtrain_tensor_t tq = mtrain_tensor_3d(gq, dtype, N, HQ, D);
+  mtrain_tensor_t tk = mtrain_tensor_3d(gk, dtype, N, HKV, D);
   mtrain_tensor_t tl = mtrain_tensor_2d(in->lse, MTRAIN_F32, N, HQ);
   mtrain_status_t st = mtrain_context_create(&cfg, NULL, &single);
   if (!st) st = mtrain_pattern_select_blocks(single, &tq, &tk, &tl, &o, &rep1, &p1);
   if (!st) st = mtrain_context_create(&cfg, comm, &dist);
   if (!st) st = mtrain_layout_create(kind, N, G, world_, NULL, &layout);
-  float *lq = NULL, *lk = NULL, *ll = NULL;
+  char *lq = NULL, *lk = NULL;
+  float *ll = NULL;
   int64_t *index = NULL;
   if (!st) {
     const int64_t T = mtrain_layout_local_tokens(layout, rank_);
-    lq = calloc((size_t)(T * HQ * D), sizeof(float));
-    lk = calloc((size_t)(T * HKV * D), sizeof(float));
+    lq = calloc((size_t)(T * HQ * D), esz);
+    lk = calloc((size_t)(T * HKV * D), esz);
     ll = calloc((size_t)(T * HQ), sizeof(float));
     index = malloc(sizeof(int64_t) * (size_t)T);
     st = mtrain_layout_rank_token_index(layout, rank_, index);
     if (!st) {
-      ts_ring_gather(lq, in->q, index, T, N, HQ * D);
-      ts_ring_gather(lk, in->k, index, T, N, HKV * D);
+      for (int64_t i = 0; i < T; i++)
+        if (index[i] < N) {
+          memcpy(lq + (size_t)i * HQ * D * esz, (char *)gq + (size_t)index[i] * HQ * D * esz,
+                 (size_t)HQ * D * esz);
+          memcpy(lk + (size_t)i * HKV * D * esz, (char *)gk + (size_t)index[i] * HKV * D * esz,
+                 (size_t)HKV * D * esz);
+        }
       ts_ring_gather(ll, in->lse, index, T, N, HQ);
     }
-    mtrain_tensor_t ltq = mtrain_tensor_3d(lq, MTRAIN_F32, T, HQ, D);
-    mtrain_tensor_t ltk = mtrain_tensor_3d(lk, MTRAIN_F32, T, HKV, D);
+    mtrain_tensor_t ltq = mtrain_tensor_3d(lq, dtype, T, HQ, D);
+    mtrain_tensor_t ltk = mtrain_tensor_3d(lk, dtype, T, HKV, D);
     mtrain_tensor_t ltl = mtrain_tensor_2d(ll, MTRAIN_F32, T, HQ);
     if (!st) st = mtrain_pattern_select_blocks_ring(dist, layout, &ltq, &ltk, &ltl, &o, &repd, &pd);
   }
@@ -135,11 +150,11 @@ static int select_case(const inputs_t *in, mtrain_layout_kind_t kind, const char
   int all = 0;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (rank_ == 0)
-    printf("%s: W=%d block selection (%s, case %d), %s layout, %s, N=%lld, seed %llu: %s\n",
+    printf("%s: W=%d block selection (%s, case %d), %s layout, %s, %s, N=%lld, seed %llu: %s\n",
            all ? "passed" : "FAILED", world_, mtrain_block_method_name(o.method), c,
-           mtrain_layout_kind_name(kind), backend, (long long)N, (unsigned long long)seed,
-           all ? "bitwise equal to one rank" : "differs");
-  free(lq), free(lk), free(ll), free(index);
+           mtrain_layout_kind_name(kind), backend, mtrain_dtype_name(dtype), (long long)N,
+           (unsigned long long)seed, all ? "bitwise equal to one rank" : "differs");
+  free(lq), free(lk), free(ll), free(index), free(gq), free(gk);
   mtrain_pattern_destroy(p1);
   mtrain_pattern_destroy(pd);
   mtrain_layout_destroy(layout);
@@ -171,7 +186,11 @@ int main(int argc, char **argv) {
     for (int b = 0; b < 2; b++)
       for (int l = 0; l < 3; l++)
         for (int c = 0; c < 4; c++)
-          select_case(&in, kinds[l], backends[b], c, comm, seed) ? passed++ : failed++;
+          select_case(&in, kinds[l], backends[b], c, MTRAIN_F32, comm, seed) ? passed++ : failed++;
+    /* bf16 inputs (chunks of 2-byte elements), the fast backend */
+    for (int c = 0; c < 4; c++)
+      select_case(&in, MTRAIN_LAYOUT_ZIGZAG, "cpu", c, MTRAIN_BF16, comm, seed) ? passed++
+                                                                                : failed++;
   }
   if (rank_ == 0) printf("%d passed, %d failed\n", passed, failed);
   inputs_free(&in);
