@@ -30,10 +30,11 @@ void mtrain_xsum_add(mtrain_xsum_t *s, double v);
  *  ready for an fp64 sum all-reduce with other ranks' words. */
 void mtrain_xsum_export(mtrain_xsum_t *s, double *words);
 
-/** The double of the summed words of one or more ranks: the exact sum
- *  rounded by a fixed rule (a deterministic function of the exact sum, within
- *  one unit in the last place); NaN if a NaN or both infinities were added,
- *  else +-inf if an infinity was added. */
+/** The double of the summed words of one or more ranks: a deterministic
+ *  function of the exact sum (the positive and the negative terms' sums,
+ *  each from its top three 32-bit limbs added top down, within one unit in
+ *  the last place; then their difference); NaN if a NaN or both infinities
+ *  were added, else +-inf if an infinity was added. */
 double mtrain_xsum_value(const double *words);
 
 #endif /* MTRAIN_CORE_EXACT_SUM_H */
