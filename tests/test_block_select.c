@@ -350,9 +350,11 @@ static void test_selection_rule(void **state) {
   ts_rng_t rng;
   ts_rng_seed(&rng, seed);
   print_message("selection rule seed %llu\n", (unsigned long long)seed);
-  const int64_t nb = 23;
-  double *w = malloc(sizeof(double) * (size_t)mtrain_block_tri(nb));
+  /* 150 blocks: top-p walks past the first 16 and 64 ranked candidates (the ranking is
+   * built as far as the walk goes) */
+  double *w = malloc(sizeof(double) * (size_t)mtrain_block_tri(150));
   for (int trial = 0; trial < 40; trial++) {
+    const int64_t nb = trial % 4 < 2 ? 23 : 150;
     /* integer scores in 0..4: many ties; sometimes a NaN */
     for (int64_t e = 0; e < mtrain_block_tri(nb); e++)
       w[e] = trial % 2 ? (double)ts_rng_below(&rng, 5) : ts_rng_uniform(&rng);
@@ -368,7 +370,7 @@ static void test_selection_rule(void **state) {
     check_select(w, nb, &o, k, what);
     if (trial % 5 == 4) continue; /* top-p with a NaN total keeps the forced blocks only */
     o.kind = MTRAIN_BUDGET_TOP_P;
-    o.top_p = 0.2 + 0.8 * ts_rng_uniform(&rng);
+    o.top_p = trial % 3 ? 0.2 + 0.8 * ts_rng_uniform(&rng) : 0.999;
     snprintf(what, sizeof what, "trial %d top-p %.3f sinks %d local %d", trial, o.top_p,
              o.sink_blocks, o.local_blocks);
     check_select(w, nb, &o, 0, what);

@@ -1,6 +1,8 @@
 /* block_select.c: the selection rules of block-sparse selection (SPEC.md
  * section 9): top-k or top-p per query block row with forced sink and local
- * blocks (each row on its own), and the head-adaptive top-k budgets, whose
+ * blocks (each row on its own, its candidates ranked only as far as the
+ * budget reaches: a quickselect, then a sort of that prefix), and the
+ * head-adaptive top-k budgets, whose
  * gain curves are exact sums (exact_sum.h) so that they come out the same
  * whichever rank holds which rows. The method names. */
 #include <math.h>
@@ -55,14 +57,47 @@ static inline int is_forced(const mtrain_block_options_t *o, int64_t qb, int64_t
   return kb == qb || kb < o->sink_blocks || kb > qb - o->local_blocks;
 }
 
-/* The candidates of row qb (not forced) in rank order; returns their count. */
+/* Orders idx[0 .. n) so that its first m entries are the m best by rank
+ * (rank_row set), sorted, and every later entry ranks below them: a
+ * quickselect (the rank order is total: no two entries are equal), then a
+ * sort of the first m. */
+static void rank_top(int64_t *idx, int64_t n, int64_t m) {
+  if (m <= 0) return;
+  if (m < n) {
+    int64_t lo = 0, hi = n - 1;
+    const int64_t k = m - 1;
+    while (lo < hi) {
+      const int64_t pivot = idx[lo + (hi - lo) / 2];
+      int64_t i = lo, j = hi;
+      while (i <= j) {
+        while (by_rank(&idx[i], &pivot) < 0) i++;
+        while (by_rank(&idx[j], &pivot) > 0) j--;
+        if (i <= j) {
+          const int64_t t = idx[i];
+          idx[i++] = idx[j];
+          idx[j--] = t;
+        }
+      }
+      if (k <= j)
+        hi = j;
+      else if (k >= i)
+        lo = i;
+      else
+        break;
+    }
+  }
+  qsort(idx, (size_t)(m < n ? m : n), sizeof *idx, by_rank);
+}
+
+/* The candidates of row qb (not forced), the first min(m, count) of them in
+ * rank order and the rest ranking below; returns their count. */
 static int64_t rank_candidates(const double *w, int64_t qb, const mtrain_block_options_t *o,
-                               int64_t *idx) {
+                               int64_t *idx, int64_t m) {
   int64_t n = 0;
   for (int64_t kb = 0; kb <= qb; kb++)
     if (!is_forced(o, qb, kb)) idx[n++] = kb;
   rank_row = w;
-  qsort(idx, (size_t)n, sizeof *idx, by_rank);
+  rank_top(idx, n, m);
   rank_row = NULL;
   return n;
 }
@@ -82,16 +117,25 @@ int64_t mtrain_block_select_row(const double *row, int64_t qb, const mtrain_bloc
     scratch_keep[kb] = (uint8_t)is_forced(o, qb, kb);
     if (scratch_keep[kb]) kept += row[kb];
   }
-  const int64_t n = rank_candidates(row, qb, o, scratch_idx);
   if (o->kind == MTRAIN_BUDGET_TOP_K) {
+    const int64_t n = rank_candidates(row, qb, o, scratch_idx, top_k);
     const int64_t take = top_k < n ? top_k : n;
     for (int64_t u = 0; u < take; u++) {
       scratch_keep[scratch_idx[u]] = 1;
       kept += row[scratch_idx[u]];
     }
   } else {
+    /* the ranking is built as far as the walk goes: 16 first, 4 times more each time */
+    int64_t ranked = 16;
+    const int64_t n = rank_candidates(row, qb, o, scratch_idx, ranked);
     const double target = o->top_p * total;
     for (int64_t u = 0; u < n && kept < target; u++) {
+      if (u == ranked) {
+        rank_row = row;
+        rank_top(scratch_idx + ranked, n - ranked, 3 * ranked);
+        rank_row = NULL;
+        ranked *= 4;
+      }
       scratch_keep[scratch_idx[u]] = 1;
       kept += row[scratch_idx[u]];
     }
@@ -156,7 +200,7 @@ mtrain_status_t mtrain_block_gain_words(const double *scores, int64_t head_strid
         double total = 0.0;
         for (int64_t kb = 0; kb <= qb; kb++) total += row[kb];
         mtrain_xsum_add(&acc[0], total);
-        const int64_t n = rank_candidates(row, qb, o, idx);
+        const int64_t n = rank_candidates(row, qb, o, idx, cap);
         for (int64_t u = 0; u < n && u < cap; u++) mtrain_xsum_add(&acc[1 + u], row[idx[u]]);
       }
       for (int64_t u = 0; u <= cap; u++)
