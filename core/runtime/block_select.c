@@ -2,9 +2,9 @@
  * section 9): top-k or top-p per query block row with forced sink and local
  * blocks (each row on its own, its candidates ranked only as far as the
  * budget reaches: a quickselect, then a sort of that prefix), and the
- * head-adaptive top-k budgets, whose
- * gain curves are exact sums (exact_sum.h) so that they come out the same
- * whichever rank holds which rows. The method names. */
+ * head-adaptive top-k budgets, whose gain curves are exact sums
+ * (exact_sum.h) so that they come out the same whichever rank holds which
+ * rows. The method names. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
