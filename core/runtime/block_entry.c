@@ -653,7 +653,8 @@ mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx, const mtrain
 
 /* The ring pass over the key chunks where the backend scores key chunks
  * (precise and meanpool) in host memory, unless MTRAIN_BLOCK_KEY_GATHER=1
- * asks for the gather of every key (for comparisons). */
+ * asks for the gather of every key (for comparisons; the same on every rank,
+ * as the backend and the options are). */
 static int key_ring_possible(const mtrain_context_t *ctx, const mtrain_block_options_t *o) {
   const char *env = getenv("MTRAIN_BLOCK_KEY_GATHER");
   if (env && strcmp(env, "1") == 0) return 0;
