@@ -7,8 +7,9 @@
  * curves (an fp64 all-reduce of exact-sum words), each rank selects its own
  * rows, and the selected rows (per row: kept and total score, count, key
  * blocks) are all-gathered, so every rank assembles the same pattern, bitwise
- * the single-rank one. The distributed form still gathers every key (issue
- * 23: a ring pass over the key chunks is what remains). */
+ * the single-rank one. The keys: passed around the ring in chunks (precise
+ * and meanpool on a backend that scores key chunks, host memory), else
+ * gathered on every rank (antidiag, cuda, MTRAIN_BLOCK_KEY_GATHER=1). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
