@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "core/runtime/backend.h"
+#include "core/runtime/block_rows.h"
 #include "core/runtime/block_select.h"
 #include "core/runtime/context_internal.h"
 #include "core/runtime/exact_sum.h"

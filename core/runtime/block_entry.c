@@ -11,15 +11,14 @@
  * and meanpool on a backend that scores key chunks, host memory), else
  * gathered on every rank (antidiag, cuda, MTRAIN_BLOCK_KEY_GATHER=1). */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/runtime/backend.h"
+#include "core/runtime/block_rows.h"
 #include "core/runtime/block_select.h"
 #include "core/runtime/context_internal.h"
 #include "core/runtime/exact_sum.h"
-#include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_comm.h"
 #include "mtrain/mtrain_error.h"
 #include "mtrain/mtrain_layout.h"
@@ -27,10 +26,6 @@
 static _Thread_local mtrain_block_times_t last_times;
 
 mtrain_block_times_t mtrain_block_last_times(void) { return last_times; }
-
-static int ctx_threads(const mtrain_context_t *ctx) {
-  return ctx->config.num_threads > 0 ? ctx->config.num_threads : omp_get_max_threads();
-}
 
 /* What the scores are computed from. */
 typedef struct block_input {
@@ -44,25 +39,6 @@ typedef struct block_input {
   const mtrain_layout_t *layout; /* the ranks' query blocks; NULL: one rank owns them all */
   int key_ring; /* 1: k is this rank's own chunk [q_tokens, Hkv, d], passed around the ring */
 } block_input_t;
-
-/* The query blocks (< nb, ascending) of rank r: the layout's, or all of them. */
-static int64_t rank_rows(const block_input_t *in, int64_t nb, int32_t r, const int64_t **blocks,
-                         int32_t *local) {
-  if (!in->layout) {
-    *blocks = NULL;
-    *local = (int32_t)nb;
-    return nb;
-  }
-  *blocks = mtrain_layout_rank_blocks(in->layout, r);
-  *local = mtrain_layout_rank_num_blocks(in->layout, r);
-  int64_t n = 0;
-  for (int32_t lb = 0; lb < *local; lb++) n += (*blocks)[lb] < nb;
-  return n;
-}
-
-static inline int64_t block_at(const int64_t *blocks, int64_t lb) {
-  return blocks ? blocks[lb] : lb;
-}
 
 /* Posts the sends (send != 0) or receives of `bytes` in pieces below 1 GiB
  * (communicators may refuse 2 GiB), appending their requests. */
@@ -150,7 +126,7 @@ static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *
   MTRAIN_FAIL_IF(!global, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
   *R = 0;
   for (int32_t lb = 0; lb < local; lb++) {
-    global[lb] = block_at(blocks, lb);
+    global[lb] = mtrain_block_at(blocks, lb);
     row_off[lb] = *R;
     if (global[lb] < nb) *R += global[lb] + 1;
   }
@@ -223,239 +199,12 @@ static mtrain_status_t budgets(mtrain_context_t *ctx, const double *scores, int6
   MTRAIN_FAIL_IF(!words, MTRAIN_ERR_OUT_OF_MEMORY,
                  "block selection: out of host memory (gain curves of %d heads, %lld ranks)", Hq,
                  (long long)cap);
-  MTRAIN_TRY(mtrain_block_gain_words(scores, R, row_off, row_qb, rows, Hq, o, cap, ctx_threads(ctx),
-                                     words));
+  MTRAIN_TRY(mtrain_block_gain_words(scores, R, row_off, row_qb, rows, Hq, o, cap,
+                                     mtrain_block_threads(ctx), words));
   MTRAIN_TRY(mtrain_cm_allreduce(ctx, words, count, MTRAIN_F64, MTRAIN_REDUCE_SUM));
   mtrain_block_budgets_from_words(words, Hq, nb, o, cap, budget);
 cleanup:
   free(words);
-  return st;
-}
-
-/* One rank's selected rows as sent: kept [Hq][n], total [Hq][n] (fp64),
- * count [Hq][n] (int32), then the key blocks of each (head, row) in that
- * order (int32); n the rank's rows. */
-typedef struct rows_msg {
-  const double *kept, *total;
-  const int32_t *count, *idx;
-} rows_msg_t;
-
-static rows_msg_t rows_msg_at(const void *base, int32_t Hq, int64_t n) {
-  rows_msg_t m;
-  m.kept = base;
-  m.total = m.kept + (size_t)Hq * (size_t)n;
-  m.count = (const int32_t *)(m.total + (size_t)Hq * (size_t)n);
-  m.idx = m.count + (size_t)Hq * (size_t)n;
-  return m;
-}
-
-static size_t rows_msg_bytes(int32_t Hq, int64_t n, int64_t selected) {
-  const size_t b = (size_t)Hq * (size_t)n * (2 * sizeof(double) + sizeof(int32_t)) +
-                   sizeof(int32_t) * (size_t)selected;
-  return (b + 7) / 8 * 8;
-}
-
-/* Selects this rank's rows into its message (*msg, *bytes; malloc). */
-static mtrain_status_t select_rows(mtrain_context_t *ctx, const double *scores, int64_t R,
-                                   const int64_t *row_off, const int64_t *row_qb, int64_t n,
-                                   int32_t Hq, const mtrain_block_options_t *o,
-                                   const int32_t *budget, void **msg, size_t *bytes) {
-  mtrain_status_t st = MTRAIN_SUCCESS;
-  int32_t *sel = malloc(sizeof(int32_t) * ((size_t)Hq * (size_t)R + 1));
-  double *kept = malloc(sizeof(double) * ((size_t)Hq * (size_t)n + 1));
-  double *total = malloc(sizeof(double) * ((size_t)Hq * (size_t)n + 1));
-  int32_t *count = malloc(sizeof(int32_t) * ((size_t)Hq * (size_t)n + 1));
-  void *buf = NULL;
-  int64_t most = 0;
-  for (int64_t r = 0; r < n; r++) most = row_qb[r] + 1 > most ? row_qb[r] + 1 : most;
-  int failed = !sel || !kept || !total || !count;
-  if (!failed) {
-    const int64_t tasks = (int64_t)Hq * n;
-#pragma omp parallel num_threads(ctx_threads(ctx)) reduction(| : failed)
-    {
-      int64_t *order = malloc(sizeof(int64_t) * (size_t)(most + 1));
-      uint8_t *keep = malloc((size_t)(most + 1));
-      const int ok = order && keep;
-      failed |= !ok;
-#pragma omp for schedule(dynamic, 16)
-      for (int64_t t = 0; t < tasks; t++) {
-        if (!ok) continue;
-        const int32_t h = (int32_t)(t / n);
-        const int64_t r = t % n, at = (int64_t)h * R + row_off[r];
-        count[t] = (int32_t)mtrain_block_select_row(scores + at, row_qb[r], o, budget[h], sel + at,
-                                                    order, keep, &kept[t], &total[t]);
-      }
-      free(order);
-      free(keep);
-    }
-  }
-  MTRAIN_FAIL_IF(failed, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
-  int64_t selected = 0;
-  for (int64_t t = 0; t < (int64_t)Hq * n; t++) selected += count[t];
-  *bytes = rows_msg_bytes(Hq, n, selected);
-  buf = calloc(1, *bytes + 8);
-  MTRAIN_FAIL_IF(!buf, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
-  {
-    rows_msg_t m = rows_msg_at(buf, Hq, n);
-    memcpy((double *)m.kept, kept, sizeof(double) * (size_t)Hq * (size_t)n);
-    memcpy((double *)m.total, total, sizeof(double) * (size_t)Hq * (size_t)n);
-    memcpy((int32_t *)m.count, count, sizeof(int32_t) * (size_t)Hq * (size_t)n);
-    int32_t *dst = (int32_t *)m.idx;
-    for (int64_t t = 0; t < (int64_t)Hq * n; t++) {
-      const int32_t h = (int32_t)(t / n);
-      memcpy(dst, sel + (int64_t)h * R + row_off[t % n], sizeof(int32_t) * (size_t)count[t]);
-      dst += count[t];
-    }
-  }
-  *msg = buf;
-  buf = NULL;
-cleanup:
-  free(buf);
-  free(sel);
-  free(kept);
-  free(total);
-  free(count);
-  return st;
-}
-
-/* Where each query block's row is in the gathered messages. */
-typedef struct row_source {
-  int32_t rank;
-  int64_t row;   /* the row's index in its rank's message */
-  int64_t *from; /* [Hq * n] per rank: the row's first key block in the message's idx */
-} row_source_t;
-
-/* Assembles the pattern from the W gathered messages (each `stride` bytes). */
-static mtrain_status_t assemble(mtrain_context_t *ctx, const block_input_t *in, int64_t nb,
-                                const char *all, size_t stride, const int32_t *budget,
-                                const mtrain_block_options_t *o,
-                                const mtrain_block_report_t *report, mtrain_pattern_t **out) {
-  mtrain_status_t st = MTRAIN_SUCCESS;
-  const int32_t W = mtrain_context_world(ctx), Hq = in->Hq, G = ctx->config.granularity;
-  int32_t *owner = malloc(sizeof(int32_t) * (size_t)(nb + 1));
-  int64_t *pos = malloc(sizeof(int64_t) * (size_t)(nb + 1));
-  int64_t *nrows = calloc((size_t)W, sizeof(int64_t));
-  int64_t **from = calloc((size_t)W, sizeof(int64_t *));
-  mtrain_block_head_result_t *res = calloc((size_t)Hq, sizeof *res);
-  mtrain_status_t *status = malloc(sizeof(mtrain_status_t) * (size_t)Hq);
-  mtrain_pattern_t *p = NULL;
-  MTRAIN_FAIL_IF(!owner || !pos || !nrows || !from || !res || !status, MTRAIN_ERR_OUT_OF_MEMORY,
-                 "block selection: out of host memory");
-  for (int64_t qb = 0; qb < nb; qb++) owner[qb] = -1;
-  int64_t most = 0; /* the most key blocks of one head */
-  for (int32_t r = 0; r < W; r++) {
-    const int64_t *blocks;
-    int32_t local;
-    const int64_t n = nrows[r] = rank_rows(in, nb, r, &blocks, &local);
-    int64_t i = 0;
-    for (int32_t lb = 0; lb < local; lb++) {
-      const int64_t gb = block_at(blocks, lb);
-      if (gb >= nb) continue;
-      MTRAIN_FAIL_IF(owner[gb] >= 0, MTRAIN_ERR_INVALID_ARGUMENT,
-                     "block selection: query block %lld is on ranks %d and %d", (long long)gb,
-                     owner[gb], r);
-      owner[gb] = r;
-      pos[gb] = i++;
-    }
-    const rows_msg_t m = rows_msg_at(all + (size_t)r * stride, Hq, n);
-    from[r] = malloc(sizeof(int64_t) * ((size_t)Hq * (size_t)n + 1));
-    MTRAIN_FAIL_IF(!from[r], MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
-    int64_t at = 0;
-    for (int32_t h = 0; h < Hq; h++) {
-      for (int64_t t = 0; t < n; t++) {
-        from[r][(int64_t)h * n + t] = at;
-        at += m.count[(int64_t)h * n + t];
-        res[h].blocks += m.count[(int64_t)h * n + t];
-      }
-    }
-  }
-  for (int64_t qb = 0; qb < nb; qb++)
-    MTRAIN_FAIL_IF(owner[qb] < 0, MTRAIN_ERR_INVALID_ARGUMENT,
-                   "block selection: query block %lld is on no rank", (long long)qb);
-  for (int32_t h = 0; h < Hq; h++) {
-    most = res[h].blocks > most ? res[h].blocks : most;
-    status[h] = MTRAIN_ERR_OUT_OF_MEMORY;
-  }
-  MTRAIN_TRY(mtrain_pattern_create(in->N, Hq, G, &p));
-  int threads = ctx_threads(ctx);
-  if (threads > Hq) threads = Hq;
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t *off = malloc(sizeof(int64_t) * (size_t)(nb + 1));
-    int32_t *idx = malloc(sizeof(int32_t) * (size_t)(most + 1));
-    const int ok = off && idx;
-#pragma omp for schedule(dynamic, 1)
-    for (int32_t h = 0; h < Hq; h++) {
-      if (!ok) continue;
-      double kept = 0.0, total = 0.0;
-      off[0] = 0;
-      for (int64_t qb = 0; qb < nb; qb++) {
-        const int32_t r = owner[qb];
-        const int64_t t = (int64_t)h * nrows[r] + pos[qb];
-        const rows_msg_t m = rows_msg_at(all + (size_t)r * stride, Hq, nrows[r]);
-        memcpy(idx + off[qb], m.idx + from[r][t], sizeof(int32_t) * (size_t)m.count[t]);
-        off[qb + 1] = off[qb] + m.count[t];
-        kept += m.kept[t];
-        total += m.total[t];
-      }
-      res[h].kept = kept;
-      res[h].total = total;
-      status[h] = mtrain_pattern_set_block_csr(p, h, off, idx);
-    }
-    free(off);
-    free(idx);
-  }
-  for (int32_t h = 0; h < Hq && st == MTRAIN_SUCCESS; h++)
-    if (status[h] != MTRAIN_SUCCESS)
-      st = mtrain_error(status[h], "block selection: head %d failed (%s)", h,
-                        mtrain_status_name(status[h]));
-  if (st) goto cleanup;
-  if (report) {
-    for (int32_t h = 0; h < Hq; h++) {
-      if (report->head_recall)
-        report->head_recall[h] =
-            o->method == MTRAIN_BLOCK_MEANPOOL ? NAN : res[h].kept / res[h].total;
-      if (report->head_top_k) report->head_top_k[h] = budget[h];
-      if (report->head_blocks) report->head_blocks[h] = res[h].blocks;
-    }
-  }
-  *out = p;
-  p = NULL;
-cleanup:
-  mtrain_pattern_destroy(p);
-  if (from)
-    for (int32_t r = 0; r < W; r++) free(from[r]);
-  free(from);
-  free(owner);
-  free(pos);
-  free(nrows);
-  free(res);
-  free(status);
-  return st;
-}
-
-size_t mtrain_block_gather_piece = (size_t)256 << 20;
-
-/* The all-gather of `stride` bytes per rank in pieces of at most
- * mtrain_block_gather_piece bytes (communicators may refuse 2 GiB per rank),
- * into all [W][stride]. */
-static mtrain_status_t gather_pieces(mtrain_context_t *ctx, const char *msg, char *all,
-                                     size_t stride) {
-  const size_t piece = mtrain_block_gather_piece;
-  const int32_t W = mtrain_context_world(ctx);
-  if (stride <= piece) return mtrain_cm_allgather(ctx, msg, all, stride);
-  char *tmp = malloc(piece * (size_t)W);
-  if (!tmp)
-    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY,
-                        "block selection: out of host memory gathering the selection");
-  mtrain_status_t st = MTRAIN_SUCCESS;
-  for (size_t off = 0; off < stride && !st; off += piece) {
-    const size_t n = stride - off < piece ? stride - off : piece;
-    st = mtrain_cm_allgather(ctx, msg + off, tmp, n);
-    for (int32_t r = 0; r < W && !st; r++)
-      memcpy(all + (size_t)r * stride + off, tmp + (size_t)r * n, n);
-  }
-  free(tmp);
   return st;
 }
 
@@ -477,7 +226,7 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
   const int64_t nb = (in->N + G - 1) / G;
   const int64_t *blocks;
   int32_t local;
-  const int64_t n = rank_rows(in, nb, rank, &blocks, &local);
+  const int64_t n = mtrain_block_rank_rows(in->layout, nb, rank, &blocks, &local);
   int64_t *row_off = malloc(sizeof(int64_t) * (size_t)(local + 1));
   int64_t *off = malloc(sizeof(int64_t) * (size_t)(n + 1)),
           *qbs = malloc(sizeof(int64_t) * (size_t)(n + 1));
@@ -495,27 +244,20 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
   MTRAIN_TRY(owned_scores(ctx, in, o, local, blocks, row_off, &R, &scores, &scores_owner));
   /* the rows (< nb) of the local blocks, ascending */
   for (int32_t lb = 0, i = 0; lb < local; lb++)
-    if (block_at(blocks, lb) < nb) off[i] = row_off[lb], qbs[i++] = block_at(blocks, lb);
+    if (mtrain_block_at(blocks, lb) < nb)
+      off[i] = row_off[lb], qbs[i++] = mtrain_block_at(blocks, lb);
   const double t1 = mtrain_now();
   last_times.scores = t1 - t0;
   MTRAIN_TRY(budgets(ctx, scores, R, off, qbs, n, in->Hq, nb, o, budget));
-  MTRAIN_TRY(select_rows(ctx, scores, R, off, qbs, n, in->Hq, o, budget, &msg, &bytes));
+  MTRAIN_TRY(
+      mtrain_block_select_rows(ctx, scores, R, off, qbs, n, in->Hq, o, budget, &msg, &bytes));
   release_scores(ctx, &scores, &scores_owner);
   /* the compact gather: every rank's message, padded to the longest */
-  double longest = (double)bytes;
-  MTRAIN_TRY(mtrain_cm_allreduce(ctx, &longest, 1, MTRAIN_F64, MTRAIN_REDUCE_MAX));
-  const size_t stride = (size_t)longest;
-  void *send = realloc(msg, stride + 8);
-  MTRAIN_FAIL_IF(!send, MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
-  msg = send;
-  memset((char *)msg + bytes, 0, stride - bytes);
-  all = malloc(stride * (size_t)W + 8);
-  MTRAIN_FAIL_IF(!all, MTRAIN_ERR_OUT_OF_MEMORY,
-                 "block selection: out of host memory gathering the selection (%zu bytes)",
-                 stride * (size_t)W);
-  MTRAIN_TRY(gather_pieces(ctx, msg, all, stride));
+  size_t stride = 0;
+  MTRAIN_TRY(mtrain_block_gather_rows(ctx, &msg, bytes, &all, &stride));
   last_times.gather_bytes = (int64_t)(stride * (size_t)W);
-  MTRAIN_TRY(assemble(ctx, in, nb, all, stride, budget, o, report, out));
+  MTRAIN_TRY(
+      mtrain_block_assemble(ctx, in->layout, in->N, in->Hq, all, stride, budget, o, report, out));
   last_times.select = mtrain_now() - t1;
 cleanup:
   free(row_off);

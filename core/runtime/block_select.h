@@ -84,8 +84,4 @@ typedef struct mtrain_block_times {
 } mtrain_block_times_t;
 mtrain_block_times_t mtrain_block_last_times(void);
 
-/** The largest all-gather of the distributed selection, in bytes per rank
- *  (256 MiB; longer messages go in pieces). Settable for the tests. */
-extern size_t mtrain_block_gather_piece;
-
 #endif /* MTRAIN_CORE_BLOCK_SELECT_H */
