@@ -2,8 +2,8 @@
  * (SPEC.md section 9): from the block scores of query block rows to their
  * selected key blocks, and the head-adaptive budgets. Pure host logic
  * (block_select.c), shared by every backend and exposed here for the
- * white-box tests; the entry points that score, select and gather are in
- * block_entry.c. */
+ * white-box tests; the entry points that score are in block_entry.c, the
+ * per-rank selection, its gather and the assembly in block_rows.c. */
 #ifndef MTRAIN_CORE_BLOCK_SELECT_H
 #define MTRAIN_CORE_BLOCK_SELECT_H
 
