@@ -11,8 +11,15 @@
  * - the head-adaptive budgets preserve the total and are optimal (every
  *   split of the budget tried on a small case);
  * - the distributed form on W = 1, 2, 3, 5 ranks (threads in one process
- *   sharing a communicator) and every layout kind but balanced gives
- *   bitwise the single-rank pattern and report;
+ *   sharing a communicator, with point-to-point mailboxes) and every layout
+ *   kind but balanced, with the keys passed around the ring (precise and
+ *   meanpool) and with every key gathered (MTRAIN_BLOCK_KEY_GATHER=1), gives
+ *   bitwise the single-rank pattern and report, each rank holding the
+ *   scores of its own query block rows only (the ranks' score bytes add up
+ *   to the single-rank triangles);
+ * - the exact sums of the head-adaptive gain curves: any order and any split
+ *   into ranks give the same bits, within an ulp of a long double sum;
+ *   NaN and infinities; the gather of the selection in small pieces;
  * - a backend without the block_scores slot, and bad options, are refused.
  * Seeds are printed; MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
@@ -29,8 +36,10 @@
 #include <string.h>
 
 #include "core/runtime/backend.h"
+#include "core/runtime/block_rows.h"
 #include "core/runtime/block_select.h"
 #include "core/runtime/context_internal.h"
+#include "core/runtime/exact_sum.h"
 #include "core/runtime/pattern_internal.h"
 #include "mtrain/mtrain_comm.h"
 #include "mtrain/mtrain_cpu.h"
@@ -342,9 +351,11 @@ static void test_selection_rule(void **state) {
   ts_rng_t rng;
   ts_rng_seed(&rng, seed);
   print_message("selection rule seed %llu\n", (unsigned long long)seed);
-  const int64_t nb = 23;
-  double *w = malloc(sizeof(double) * (size_t)mtrain_block_tri(nb));
+  /* 150 blocks: top-p walks past the first 16 and 64 ranked candidates (the ranking is
+   * built as far as the walk goes) */
+  double *w = malloc(sizeof(double) * (size_t)mtrain_block_tri(150));
   for (int trial = 0; trial < 40; trial++) {
+    const int64_t nb = trial % 4 < 2 ? 23 : 150;
     /* integer scores in 0..4: many ties; sometimes a NaN */
     for (int64_t e = 0; e < mtrain_block_tri(nb); e++)
       w[e] = trial % 2 ? (double)ts_rng_below(&rng, 5) : ts_rng_uniform(&rng);
@@ -360,7 +371,7 @@ static void test_selection_rule(void **state) {
     check_select(w, nb, &o, k, what);
     if (trial % 5 == 4) continue; /* top-p with a NaN total keeps the forced blocks only */
     o.kind = MTRAIN_BUDGET_TOP_P;
-    o.top_p = 0.2 + 0.8 * ts_rng_uniform(&rng);
+    o.top_p = trial % 3 ? 0.2 + 0.8 * ts_rng_uniform(&rng) : 0.999;
     snprintf(what, sizeof what, "trial %d top-p %.3f sinks %d local %d", trial, o.top_p,
              o.sink_blocks, o.local_blocks);
     check_select(w, nb, &o, 0, what);
@@ -548,11 +559,29 @@ static void test_adaptive(void **state) {
 /* ---- 5. W ranks in one process ------------------------------------------------------------------
  */
 
+/* A message in flight between two threads. */
+typedef struct tc_msg {
+  struct tc_msg *next;
+  int src, tag;
+  size_t bytes;
+  void *data;
+} tc_msg_t;
+
 typedef struct shared_comm {
   int size;
   pthread_barrier_t barrier;
   void *bufs[8];
+  pthread_mutex_t mu; /* guards box */
+  pthread_cond_t cv;
+  tc_msg_t *box[8]; /* per destination: messages in order of sending */
 } shared_comm_t;
+
+/* A request: sends complete at once (copied), receives in tc_wait. */
+struct mtrain_comm_request {
+  int recv, peer, tag;
+  void *buf;
+  size_t bytes;
+};
 
 typedef struct thread_comm {
   shared_comm_t *sh;
@@ -561,19 +590,58 @@ typedef struct thread_comm {
 
 static int tc_rank(void *s) { return ((thread_comm_t *)s)->rank; }
 static int tc_size(void *s) { return ((thread_comm_t *)s)->sh->size; }
+/* Point-to-point through per-destination mailboxes (the ring pass over the keys). */
 static mtrain_status_t tc_isend(void *s, const void *b, size_t n, int p, int t,
                                 mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
+  thread_comm_t *c = s;
+  tc_msg_t *m = malloc(sizeof *m);
+  *r = calloc(1, sizeof **r);
+  if (!m || !*r) return MTRAIN_ERR_OUT_OF_MEMORY;
+  m->next = NULL, m->src = c->rank, m->tag = t, m->bytes = n, m->data = malloc(n + 1);
+  if (!m->data) return MTRAIN_ERR_OUT_OF_MEMORY;
+  memcpy(m->data, b, n);
+  pthread_mutex_lock(&c->sh->mu);
+  tc_msg_t **at = &c->sh->box[p];
+  while (*at) at = &(*at)->next;
+  *at = m;
+  pthread_cond_broadcast(&c->sh->cv);
+  pthread_mutex_unlock(&c->sh->mu);
+  return MTRAIN_SUCCESS;
 }
 static mtrain_status_t tc_irecv(void *s, void *b, size_t n, int p, int t,
                                 mtrain_comm_request_t **r) {
-  (void)s, (void)b, (void)n, (void)p, (void)t, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
+  (void)s;
+  *r = malloc(sizeof **r);
+  if (!*r) return MTRAIN_ERR_OUT_OF_MEMORY;
+  (*r)->recv = 1, (*r)->peer = p, (*r)->tag = t, (*r)->buf = b, (*r)->bytes = n;
+  return MTRAIN_SUCCESS;
 }
 static mtrain_status_t tc_wait(void *s, mtrain_comm_request_t *r) {
-  (void)s, (void)r;
-  return MTRAIN_ERR_NOT_SUPPORTED;
+  thread_comm_t *c = s;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (r->recv) {
+    tc_msg_t *m = NULL;
+    pthread_mutex_lock(&c->sh->mu);
+    for (;;) {
+      tc_msg_t **at = &c->sh->box[c->rank];
+      while (*at && ((*at)->src != r->peer || (*at)->tag != r->tag)) at = &(*at)->next;
+      if (*at) {
+        m = *at;
+        *at = m->next;
+        break;
+      }
+      pthread_cond_wait(&c->sh->cv, &c->sh->mu);
+    }
+    pthread_mutex_unlock(&c->sh->mu);
+    if (m->bytes != r->bytes)
+      st = MTRAIN_ERR_INVALID_ARGUMENT;
+    else
+      memcpy(r->buf, m->data, m->bytes);
+    free(m->data);
+    free(m);
+  }
+  free(r);
+  return st;
 }
 static mtrain_status_t tc_barrier(void *s) {
   pthread_barrier_wait(&((thread_comm_t *)s)->sh->barrier);
@@ -646,6 +714,7 @@ typedef struct rank_job {
   double recall[16];
   int32_t top_k[16];
   int64_t blocks[16];
+  mtrain_block_times_t times; /* the score and gather bytes of this rank */
   mtrain_status_t st;
 } rank_job_t;
 
@@ -685,6 +754,7 @@ static void *rank_main(void *arg) {
     mtrain_block_report_t rep = {j->recall, j->top_k, j->blocks};
     j->st =
         mtrain_pattern_select_blocks_ring(ctx, j->layout, &tq, &tk, &tl, &j->o, &rep, &j->pattern);
+    j->times = mtrain_block_last_times();
   }
   mtrain_context_destroy(ctx);
   free(index), free(q), free(k), free(lse);
@@ -727,52 +797,159 @@ static void test_ring_bitwise(void **state) {
       assert_int_equal(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, &rep, &one),
                        MTRAIN_SUCCESS);
       mtrain_context_destroy(ctx);
-      for (size_t wi = 0; wi < sizeof worlds / sizeof worlds[0]; wi++)
-        for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
-          const int W = worlds[wi];
-          mtrain_layout_t *layout = NULL;
-          assert_int_equal(mtrain_layout_create(kinds[ki], p.N, p.G, W, NULL, &layout),
-                           MTRAIN_SUCCESS);
-          shared_comm_t sh = {.size = W};
-          pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
-          rank_job_t jobs[5];
-          pthread_t th[5];
-          for (int r = 0; r < W; r++) {
-            memset(&jobs[r], 0, sizeof jobs[r]);
-            jobs[r].tc.sh = &sh;
-            jobs[r].tc.rank = r;
-            jobs[r].p = &p;
-            jobs[r].layout = layout;
-            jobs[r].backend = backend;
-            jobs[r].o = o;
-            pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+      /* the ring pass over the keys (precise, meanpool), then the gather of every key */
+      for (int gather = 0; gather < 2; gather++)
+        for (size_t wi = 0; wi < sizeof worlds / sizeof worlds[0]; wi++)
+          for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
+            const int W = worlds[wi];
+            if (gather)
+              setenv("MTRAIN_BLOCK_KEY_GATHER", "1", 1);
+            else
+              unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+            mtrain_layout_t *layout = NULL;
+            assert_int_equal(mtrain_layout_create(kinds[ki], p.N, p.G, W, NULL, &layout),
+                             MTRAIN_SUCCESS);
+            /* case 1 gathers the selection in pieces of 100 bytes */
+            mtrain_block_gather_piece = ci == 1 ? 100 : (size_t)256 << 20;
+            shared_comm_t sh = {.size = W};
+            pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
+            pthread_mutex_init(&sh.mu, NULL);
+            pthread_cond_init(&sh.cv, NULL);
+            rank_job_t jobs[5];
+            pthread_t th[5];
+            int64_t score_sum = 0;
+            for (int r = 0; r < W; r++) {
+              memset(&jobs[r], 0, sizeof jobs[r]);
+              jobs[r].tc.sh = &sh;
+              jobs[r].tc.rank = r;
+              jobs[r].p = &p;
+              jobs[r].layout = layout;
+              jobs[r].backend = backend;
+              jobs[r].o = o;
+              pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+            }
+            for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+            for (int r = 0; r < W; r++) {
+              if (jobs[r].st != MTRAIN_SUCCESS)
+                fail_msg("%s W %d %s rank %d: %s (%s)", backend, W,
+                         mtrain_layout_kind_name(kinds[ki]), r, mtrain_status_name(jobs[r].st),
+                         mtrain_last_error());
+              if (!same_masks(one, jobs[r].pattern) ||
+                  memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ||
+                  memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ||
+                  memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq))
+                fail_msg("%s seed %llu case %zu W %d %s rank %d: not bitwise the single-rank "
+                         "selection (masks %s, recall %s, top_k %s, blocks %s)",
+                         backend, (unsigned long long)seed, ci, W,
+                         mtrain_layout_kind_name(kinds[ki]), r,
+                         same_masks(one, jobs[r].pattern) ? "equal" : "differ",
+                         memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ? "differs"
+                                                                                       : "equal",
+                         memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ? "differs"
+                                                                                      : "equal",
+                         memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq) ? "differ"
+                                                                                        : "equal");
+              mtrain_pattern_destroy(jobs[r].pattern);
+              /* the rank held the scores of its own query block rows only */
+              const int64_t *own = mtrain_layout_rank_blocks(layout, r);
+              int64_t rows = 0;
+              for (int32_t lb = 0; lb < mtrain_layout_rank_num_blocks(layout, r); lb++)
+                if (own[lb] < nblocks(&p)) rows += own[lb] + 1;
+              const int64_t want = (int64_t)sizeof(double) * p.Hq * rows;
+              if (jobs[r].times.score_bytes != want)
+                fail_msg("%s W %d %s rank %d: %lld score bytes, its rows have %lld", backend, W,
+                         mtrain_layout_kind_name(kinds[ki]), r,
+                         (long long)jobs[r].times.score_bytes, (long long)want);
+              score_sum += jobs[r].times.score_bytes;
+              if (ci == 0 && b == 0 && !gather)
+                print_message("  W %d %s rank %d: score bytes %lld (one rank: %lld), gathered "
+                              "selection %lld bytes\n",
+                              W, mtrain_layout_kind_name(kinds[ki]), r,
+                              (long long)jobs[r].times.score_bytes,
+                              (long long)(sizeof(double) * (size_t)p.Hq *
+                                          (size_t)mtrain_block_tri(nblocks(&p))),
+                              (long long)jobs[r].times.gather_bytes);
+            }
+            /* every row held once: the ranks' bytes add up to the single-rank triangles */
+            assert_int_equal(score_sum,
+                             (int64_t)sizeof(double) * p.Hq * mtrain_block_tri(nblocks(&p)));
+            pthread_barrier_destroy(&sh.barrier);
+            pthread_mutex_destroy(&sh.mu);
+            pthread_cond_destroy(&sh.cv);
+            for (int r = 0; r < W; r++) assert_null(sh.box[r]); /* every message received */
+            mtrain_layout_destroy(layout);
           }
-          for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
-          for (int r = 0; r < W; r++) {
-            if (jobs[r].st != MTRAIN_SUCCESS)
-              fail_msg("%s W %d %s rank %d: %s (%s)", backend, W,
-                       mtrain_layout_kind_name(kinds[ki]), r, mtrain_status_name(jobs[r].st),
-                       mtrain_last_error());
-            if (!same_masks(one, jobs[r].pattern) ||
-                memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ||
-                memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ||
-                memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq))
-              fail_msg("%s seed %llu case %zu W %d %s rank %d: not bitwise the single-rank "
-                       "selection",
-                       backend, (unsigned long long)seed, ci, W, mtrain_layout_kind_name(kinds[ki]),
-                       r);
-            mtrain_pattern_destroy(jobs[r].pattern);
-          }
-          pthread_barrier_destroy(&sh.barrier);
-          mtrain_layout_destroy(layout);
-        }
-      print_message("ring %s seed %llu case %zu (%s): W 1, 2, 3, 5 x 3 layouts bitwise equal\n",
+      unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+      print_message("ring %s seed %llu case %zu (%s): W 1, 2, 3, 5 x 3 layouts bitwise equal, "
+                    "%s\n",
                     backend, (unsigned long long)seed, ci,
-                    mtrain_block_method_name(sel_cases[ci].method));
+                    mtrain_block_method_name(sel_cases[ci].method),
+                    sel_cases[ci].method == MTRAIN_BLOCK_ANTIDIAG
+                        ? "keys gathered (twice)"
+                        : "with the keys passed around the ring and with the keys gathered");
       mtrain_pattern_destroy(one);
     }
   }
   problem_free(&p);
+}
+
+/* ---- 5b. exact sums ------------------------------------------------------------------------ */
+
+/* The words of values[0 .. n) split at `cut` into two "ranks", summed. */
+static double xsum_split(const double *values, int64_t n, int64_t cut) {
+  double a[MTRAIN_XSUM_WORDS], b[MTRAIN_XSUM_WORDS];
+  mtrain_xsum_t x = {0}, y = {0};
+  for (int64_t i = 0; i < n; i++) mtrain_xsum_add(i < cut ? &x : &y, values[i]);
+  mtrain_xsum_export(&x, a);
+  mtrain_xsum_export(&y, b);
+  for (int w = 0; w < MTRAIN_XSUM_WORDS; w++) a[w] += b[w];
+  return mtrain_xsum_value(a);
+}
+
+static void test_exact_sum(void **state) {
+  (void)state;
+  const uint64_t seed = ts_seed(500);
+  ts_rng_t rng;
+  ts_rng_seed(&rng, seed);
+  enum { n = 2000 };
+  double *v = malloc(sizeof(double) * n);
+  assert_non_null(v);
+  /* masses over many binades, some subnormal, a few negative */
+  for (int i = 0; i < n; i++) {
+    const double e = ts_rng_normal(&rng) * 40.0;
+    v[i] = exp(e) * (1.0 + ts_rng_normal(&rng) * 0.1);
+    if (i % 97 == 0) v[i] = -v[i];
+    if (i % 501 == 0) v[i] = 4.9e-324 * (double)(i + 1);
+  }
+  long double ref = 0.0L;
+  for (int i = 0; i < n; i++) ref += (long double)v[i];
+  const double whole = xsum_split(v, n, n);
+  for (int t = 0; t < 20; t++) {
+    /* shuffle, and cut anywhere: the same bits */
+    for (int i = n - 1; i > 0; i--) {
+      const int j = (int)(ts_rng_uniform(&rng) * (i + 1));
+      const double x = v[i];
+      v[i] = v[j], v[j] = x;
+    }
+    const double got = xsum_split(v, n, (int64_t)(ts_rng_uniform(&rng) * n));
+    if (memcmp(&got, &whole, sizeof got))
+      fail_msg("exact sum seed %llu: %.17g after a shuffle, %.17g before", (unsigned long long)seed,
+               got, whole);
+  }
+  const double err = fabs((double)(ref - (long double)whole)) / fabs(whole);
+  print_message("exact sum seed %llu: %d values, %.17g, relative difference to long double %.3g\n",
+                (unsigned long long)seed, n, whole, err);
+  assert_true(err <= 4e-16);
+  /* special values */
+  const double small[3] = {1.0, 0.0, -0.0};
+  assert_true(xsum_split(small, 3, 1) == 1.0);
+  const double with_inf[3] = {1.0, INFINITY, 2.0};
+  assert_true(xsum_split(with_inf, 3, 2) == INFINITY);
+  const double both_inf[2] = {INFINITY, -INFINITY};
+  assert_true(isnan(xsum_split(both_inf, 2, 1)));
+  const double with_nan[2] = {NAN, 1.0};
+  assert_true(isnan(xsum_split(with_nan, 2, 0)));
+  free(v);
 }
 
 /* ---- 6. refusals ---------------------------------------------------------------------------- */
@@ -821,6 +998,15 @@ static void test_refusals(void **state) {
   TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
                    "backend 'cpu' has no block_scores");
   ctx->backend = saved;
+  /* key chunks: not for the antidiagonal method */
+  const int64_t chunk[1] = {0};
+  a = (mtrain_block_scores_args_t){.method = MTRAIN_BLOCK_ANTIDIAG,
+                                   .granularity = 16,
+                                   .stride = 4,
+                                   .k_block_global = chunk,
+                                   .num_k_blocks = 1};
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
+                   "antidiagonal method needs every key");
   assert_null(out);
   /* names */
   mtrain_block_method_t m;
@@ -835,7 +1021,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_scores),       cmocka_unit_test(test_selection_rule),
       cmocka_unit_test(test_end_to_end),   cmocka_unit_test(test_adaptive),
-      cmocka_unit_test(test_ring_bitwise), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_ring_bitwise), cmocka_unit_test(test_exact_sum),
+      cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -9,7 +9,8 @@
  *      only the last bits of exp() differ;
  *  (b) the distributed contract: scoring only the odd query blocks (their
  *      slots packed, as a rank holds them) writes bitwise the rows of the
- *      whole run and leaves every other row at zero;
+ *      whole run and leaves every other row at zero, and in the compact form
+ *      (scores_row: only those rows held) writes the same bits;
  *  (c) patterns selected end to end on a cuda context (device tensors;
  *      top-p and top-k, all three methods) equal the host selection of the
  *      cuda scores exactly, and the selection of the cpu-ref scores except in
@@ -283,6 +284,25 @@ static void check_subset(const problem_t *p, mtrain_context_t *gpu, mtrain_block
       }
   print_message("subset %s N %lld: %lld owned entries bitwise the whole run's, the rest zero\n",
                 mtrain_block_method_name(m), (long long)c->N, (long long)owned);
+  /* the compact form (scores_row): only the odd rows held, the same bits */
+  int64_t *row = malloc(sizeof(int64_t) * (size_t)(nloc + 1)), R = 0;
+  assert_non_null(row);
+  for (int64_t lb = 0; lb < nloc; lb++) row[lb] = R, R += ids[lb] + 1;
+  a.scores_row = row;
+  a.scores_head_stride = R;
+  CHECK_OK(mtrain_be_memset_zero(gpu, p->dsc, sizeof(double) * (size_t)(R * c->Hq)));
+  CHECK_OK(mtrain_be_block_scores(gpu, &a));
+  CHECK_OK(mtrain_be_copy_to_host(gpu, got, p->dsc, sizeof(double) * (size_t)(R * c->Hq)));
+  for (int32_t h = 0; h < c->Hq; h++)
+    for (int64_t lb = 0; lb < nloc; lb++)
+      if (memcmp(got + h * R + row[lb], full + h * p->tri + mtrain_block_tri(ids[lb]),
+                 sizeof(double) * (size_t)(ids[lb] + 1)))
+        fail_msg("cuda %s scores, compact rows: head %d query block %lld differs from the whole "
+                 "run's row",
+                 mtrain_block_method_name(m), h, (long long)ids[lb]);
+  print_message("subset %s N %lld: the compact rows (%lld of %lld entries) bitwise the same\n",
+                mtrain_block_method_name(m), (long long)c->N, (long long)(R * c->Hq), (long long)n);
+  free(row);
   mtrain_cuda_free(dq), mtrain_cuda_free(dl);
   free(ids), free(q), free(lse), free(got);
 }

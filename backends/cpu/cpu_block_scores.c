@@ -5,12 +5,13 @@
  *
  * The reference computes every logit as an fp64 dot product and adds in the
  * order the spec gives. The fast path computes the logits of a query block
- * with sgemm in fp32 (tiles at fixed global column offsets) and adds in
- * fp64. Each (head, query block) row of the output is one task (OpenMP,
- * dynamic schedule) that reads only its own query block and the keys, so a
- * row's bits depend on neither the thread count nor which rank computes it.
- * Mean-pooled gating is cheap (O(nb^2 d) per head) and shares the
- * reference's fp64 code in both backends. */
+ * with sgemm in fp32, one key block per call, and adds in fp64. The precise
+ * and mean-pooled scores also take the keys as chunks of key blocks
+ * (k_block_global: the ring pass of the distributed selection), each entry
+ * with the same bits as from all keys. Each (head, query block) row of the output is one task
+ * (OpenMP, dynamic schedule) that reads only its own query block and the keys, so a row's bits
+ * depend on neither the thread count nor which rank computes it. Mean-pooled gating is cheap
+ * (O(nb^2 d) per head) and shares the reference's fp64 code in both backends. */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
@@ -19,15 +20,40 @@
 #include "backends/cpu/cpu_fast_common.h"
 #include "mtrain/mtrain_error.h"
 
-/* Query rows per sgemm of the precise fast path, and key columns per tile. */
+/* Query rows per sgemm of the precise fast path. */
 #define BLK_ROWS 256
-#define BLK_COLS 1024
 /* Strided rows per chunk of the antidiagonal fast path. */
 #define BLK_AROWS 32
 
 static inline int64_t tri_row(int64_t qb) { return qb * (qb + 1) / 2; }
 
+/* The output row of (head h, local block lb, global block gb): the full
+ * triangle, or the compact rows of scores_row. */
+static double *out_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb) {
+  if (a->scores_row) return a->scores + (int64_t)h * a->scores_head_stride + a->scores_row[lb];
+  const int64_t nb = (a->seq_len + a->granularity - 1) / a->granularity;
+  return a->scores + (int64_t)h * (nb * (nb + 1) / 2) + tri_row(gb);
+}
+
+/* The key blocks of a call: every block (k holds all keys) or the chunk's. */
+static int64_t call_blocks(const mtrain_block_scores_args_t *a) {
+  return a->k_block_global ? a->num_k_blocks : (a->seq_len + a->granularity - 1) / a->granularity;
+}
+
+static int64_t call_block(const mtrain_block_scores_args_t *a, int64_t x) {
+  return a->k_block_global ? a->k_block_global[x] : x;
+}
+
+/* The slot in k of global key j, in call block x (global key block kb). */
+static int64_t key_slot(const mtrain_block_scores_args_t *a, int64_t x, int64_t kb, int64_t j) {
+  return a->k_block_global ? x * a->granularity + (j - kb * a->granularity) : j;
+}
+
 static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
+  if (a->k_block_global && a->method == MTRAIN_BLOCK_ANTIDIAG)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "block scores: the antidiagonal method needs every key (its softmax "
+                        "runs over all strided columns), not a key chunk");
   if (a->method != MTRAIN_BLOCK_PRECISE && a->method != MTRAIN_BLOCK_ANTIDIAG &&
       a->method != MTRAIN_BLOCK_MEANPOOL)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "block scores: unknown method %d",
@@ -46,19 +72,21 @@ static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
 static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores_args_t *a) {
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t group = Hq / Hkv;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
-  double *kbar = malloc(sizeof(double) * (size_t)(nb * Hkv * d));
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G, nx = call_blocks(a);
+  double *kbar = malloc(sizeof(double) * (size_t)(nx * Hkv * d + 1));
   if (!kbar) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block scores: out of memory");
-    /* kbar[kb][hk][x] = mean over the block's keys, keys ascending */
+    /* kbar[kx][hk][x] = mean over the keys of call block kx, keys ascending */
 #pragma omp parallel for num_threads(s->num_threads) schedule(static)
-  for (int64_t kb = 0; kb < nb; kb++) {
+  for (int64_t kx = 0; kx < nx; kx++) {
+    const int64_t kb = call_block(a, kx);
+    if (kb >= nb) continue;
     const int64_t j0 = kb * G, j1 = j0 + G < N ? j0 + G : N;
     for (int32_t hk = 0; hk < Hkv; hk++)
       for (int32_t x = 0; x < d; x++) {
         double sum = 0.0;
         for (int64_t j = j0; j < j1; j++)
-          sum += mtrain_cpu_load(a->k, a->k_dtype, (j * Hkv + hk) * d + x);
-        kbar[(kb * Hkv + hk) * d + x] = sum / (double)(j1 - j0);
+          sum += mtrain_cpu_load(a->k, a->k_dtype, (key_slot(a, kx, kb, j) * Hkv + hk) * d + x);
+        kbar[(kx * Hkv + hk) * d + x] = sum / (double)(j1 - j0);
       }
   }
   int failed = 0;
@@ -81,9 +109,11 @@ static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores
         sum += mtrain_cpu_load(a->q, a->q_dtype, (((int64_t)lb * G + r) * Hq + h) * d + x);
       qbar[x] = sum / (double)rows;
     }
-    double *out = a->scores + (int64_t)h * tri + tri_row(gb);
-    for (int64_t kb = 0; kb <= gb; kb++) {
-      const double *kv = kbar + (kb * Hkv + h / group) * d;
+    double *out = out_row(a, h, lb, gb);
+    for (int64_t kx = 0; kx < nx; kx++) {
+      const int64_t kb = call_block(a, kx);
+      if (kb > gb) continue; /* also padding: kb >= nb > gb */
+      const double *kv = kbar + (kx * Hkv + h / group) * d;
       double dot = 0.0;
       for (int32_t x = 0; x < d; x++) dot += qbar[x] * kv[x];
       out[kb] = a->scale * dot;
@@ -104,6 +134,7 @@ static void load_q(const mtrain_block_scores_args_t *a, int32_t lb, int32_t r, i
   for (int32_t x = 0; x < a->head_dim; x++) q[x] = mtrain_cpu_load(a->q, a->q_dtype, base + x);
 }
 
+/* q . the key in slot j of k. */
 static double dot_k(const mtrain_block_scores_args_t *a, const double *q, int64_t j, int32_t hk) {
   const int64_t base = (j * a->num_kv_heads + hk) * a->head_dim;
   double dot = 0.0;
@@ -112,16 +143,24 @@ static double dot_k(const mtrain_block_scores_args_t *a, const double *q, int64_
   return dot;
 }
 
-/* Precise: out[kb] += exp(s q_i.k_j - lse_i), i ascending, then j ascending. */
+/* Precise: out[kb] += exp(s q_i.k_j - lse_i), i ascending, then j ascending,
+ * for each key block kb of the call (kb <= gb). */
 static void ref_precise_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
                             int32_t rows, double *q, double *out) {
   const int32_t G = a->granularity, hk = h / (a->num_heads / a->num_kv_heads);
-  for (int32_t r = 0; r < rows; r++) {
-    const int64_t i = gb * G + r;
-    load_q(a, lb, r, h, q);
-    const double lse =
-        mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r) * a->num_heads + h);
-    for (int64_t j = 0; j <= i; j++) out[j / G] += exp(a->scale * dot_k(a, q, j, hk) - lse);
+  const int64_t nx = call_blocks(a);
+  for (int64_t kx = 0; kx < nx; kx++) {
+    const int64_t kb = call_block(a, kx);
+    if (kb > gb) continue;
+    for (int32_t r = 0; r < rows; r++) {
+      const int64_t i = gb * G + r, j0 = kb * G, j1 = j0 + G < i + 1 ? j0 + G : i + 1;
+      if (j1 <= j0) continue;
+      load_q(a, lb, r, h, q);
+      const double lse =
+          mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r) * a->num_heads + h);
+      for (int64_t j = j0; j < j1; j++)
+        out[kb] += exp(a->scale * dot_k(a, q, key_slot(a, kx, kb, j), hk) - lse);
+    }
   }
 }
 
@@ -177,7 +216,7 @@ mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scor
   if (st) return st;
   if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
   const int32_t G = a->granularity, Hq = a->num_heads;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G;
   const int64_t tasks = (int64_t)Hq * a->num_q_blocks;
   int failed = 0;
 #pragma omp parallel for num_threads(s->num_threads) schedule(dynamic, 1) reduction(| : failed)
@@ -187,7 +226,7 @@ mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scor
     if (gb >= nb) continue;
     const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
     if (rows <= 0) continue;
-    double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+    double *out = out_row(a, h, lb, gb);
     if (a->method == MTRAIN_BLOCK_PRECISE) {
       double *q = malloc(sizeof(double) * (size_t)a->head_dim);
       if (!q) {
@@ -215,7 +254,7 @@ typedef struct fast_inputs {
 static mtrain_status_t fast_inputs(cpu_state_t *s, const mtrain_block_scores_args_t *a,
                                    fast_inputs_t *f) {
   const int64_t nq = a->q_tokens * a->num_heads * a->head_dim;
-  const int64_t nk = a->seq_len * a->num_kv_heads * a->head_dim;
+  const int64_t nk = (a->k_block_global ? a->k_tokens : a->seq_len) * a->num_kv_heads * a->head_dim;
   f->own_q = f->own_k = NULL;
   if (a->q_dtype != MTRAIN_F32) f->own_q = malloc(sizeof(float) * (size_t)(nq + 1));
   if (a->k_dtype != MTRAIN_F32) f->own_k = malloc(sizeof(float) * (size_t)(nk + 1));
@@ -232,34 +271,37 @@ static mtrain_status_t fast_inputs(cpu_state_t *s, const mtrain_block_scores_arg
 }
 
 /* Precise, one (head, query block): row chunks of BLK_ROWS at fixed offsets
- * in the block, key tiles of BLK_COLS at fixed global offsets; per (row, key
- * block, tile) an fp32 partial of expf(A - lse), added into the fp64 entry in
- * row order. */
+ * in the block; per chunk and key block of the call one sgemm over the key
+ * block's causal columns (A [nr x G]); per (row, key block) an fp32 partial
+ * of expf(A - lse), added into the fp64 entry in row order. The calls depend
+ * on (gb, kb, rows) alone, so a key block gives the same bits whether k holds
+ * every key or a chunk. */
 static int fast_precise_row(const mtrain_block_scores_args_t *a, const fast_inputs_t *f, int32_t h,
                             int32_t lb, int64_t gb, int32_t rows, float *A, double *out) {
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t hk = h / (Hq / Hkv);
+  const int64_t nx = call_blocks(a);
   for (int32_t r0 = 0; r0 < rows; r0 += BLK_ROWS) {
     const int32_t nr = rows - r0 < BLK_ROWS ? rows - r0 : BLK_ROWS;
     const int64_t i_last = gb * G + r0 + nr - 1;
     const float *qp = f->q + (((int64_t)lb * G + r0) * Hq + h) * d;
-    for (int64_t c0 = 0; c0 <= i_last; c0 += BLK_COLS) {
-      const int64_t c1 = c0 + BLK_COLS <= i_last + 1 ? c0 + BLK_COLS : i_last + 1;
+    for (int64_t kx = 0; kx < nx; kx++) {
+      const int64_t kb = call_block(a, kx), c0 = kb * G;
+      if (kb > gb || c0 > i_last) continue;
+      const int64_t c1 = c0 + G <= i_last + 1 ? c0 + G : i_last + 1;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, (int)(c1 - c0), d, (float)a->scale,
-                  qp, (int64_t)Hq * d, f->k + (c0 * Hkv + hk) * d, (int64_t)Hkv * d, 0.0f, A,
-                  BLK_COLS);
+                  qp, (int64_t)Hq * d, f->k + (key_slot(a, kx, kb, c0) * Hkv + hk) * d,
+                  (int64_t)Hkv * d, 0.0f, A, G);
       for (int32_t r = 0; r < nr; r++) {
         const int64_t i = gb * G + r0 + r;
+        const int64_t jend = i + 1 < c1 ? i + 1 : c1;
+        if (jend <= c0) continue;
         const float lse =
             (float)mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r0 + r) * Hq + h);
-        const int64_t jend = i + 1 < c1 ? i + 1 : c1;
-        const float *row = A + (int64_t)r * BLK_COLS;
-        for (int64_t j = c0; j < jend;) {
-          const int64_t kb = j / G, kend = (kb + 1) * G < jend ? (kb + 1) * G : jend;
-          float part = 0.0f;
-          for (; j < kend; j++) part += expf(row[j - c0] - lse);
-          out[kb] += (double)part;
-        }
+        const float *row = A + (int64_t)r * G;
+        float part = 0.0f;
+        for (int64_t j = c0; j < jend; j++) part += expf(row[j - c0] - lse);
+        out[kb] += (double)part;
       }
     }
   }
@@ -347,7 +389,7 @@ mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_sco
   if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t S = a->stride;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, tri = nb * (nb + 1) / 2;
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G;
   const int64_t ncs = a->method == MTRAIN_BLOCK_ANTIDIAG ? (N + S - 1) / S : 0;
   fast_inputs_t f;
   st = fast_inputs(s, a, &f);
@@ -370,7 +412,7 @@ mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_sco
   {
     float *A = NULL, *qs = NULL;
     if (a->method == MTRAIN_BLOCK_PRECISE) {
-      A = malloc(sizeof(float) * (size_t)BLK_ROWS * BLK_COLS);
+      A = malloc(sizeof(float) * (size_t)BLK_ROWS * (size_t)G);
     } else {
       A = malloc(sizeof(float) * (size_t)(BLK_AROWS * ncs));
       qs = malloc(sizeof(float) * (size_t)BLK_AROWS * S * d);
@@ -385,7 +427,7 @@ mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_sco
       if (gb >= nb) continue;
       const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
       if (rows <= 0) continue;
-      double *out = a->scores + (int64_t)h * tri + tri_row(gb);
+      double *out = out_row(a, h, lb, gb);
       if (a->method == MTRAIN_BLOCK_PRECISE)
         fast_precise_row(a, &f, h, lb, gb, rows, A, out);
       else

@@ -55,6 +55,7 @@ const mtrain_backend_ops_t mtrain_cpu_ref_backend = {
     .attn_bwd_step = mtrain_cpu_ref_bwd_step,
     .pattern_scores = mtrain_cpu_ref_pattern_scores,
     .block_scores = mtrain_cpu_ref_block_scores,
+    .block_scores_key_chunks = 1,
     .synchronize = mtrain_cpu_synchronize,
 };
 
@@ -82,5 +83,6 @@ const mtrain_backend_ops_t mtrain_cpu_backend = {
     .attn_bwd_step = mtrain_cpu_fast_bwd_step,
     .pattern_scores = mtrain_cpu_fast_pattern_scores,
     .block_scores = mtrain_cpu_fast_block_scores,
+    .block_scores_key_chunks = 1,
     .synchronize = mtrain_cpu_synchronize,
 };

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "backends/cuda/cuda_device.cuh"
 #include "mtrain/mtrain_error.h"
@@ -32,12 +33,13 @@ __device__ __forceinline__ double ld_d(const void *p, mtrain_dtype_t t, int64_t 
 }
 
 struct blk_params {
-  int64_t N, nb, tri, q_tokens, ncs, item0;
+  int64_t N, nb, head_stride, q_tokens, ncs, item0;
   int G, Hq, Hkv, d, S, num_q_blocks;
   double scale;
   mtrain_dtype_t q_dtype, k_dtype, lse_dtype;
   const void *q, *k, *lse;
-  const int64_t *q_block_global; /* device */
+  const int64_t *q_block_global; /* device [num_q_blocks], then row_off */
+  const int64_t *row_off;        /* device [num_q_blocks]: each local block's row in a head */
   double *scores, *work;         /* work: kbar (meanpool) or strided logits (antidiag) */
   const float *kp;               /* interleaved keys: [Hkv][P][d][ceil(N/P)], P = G or S */
 };
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) precise_kernel(blk_params p) {
   int64_t gb;
   if (!item_of(p, &h, &lb, &gb, &rows)) return;
   const int hk = h / (p.Hq / p.Hkv), tid = threadIdx.x;
-  double *out = p.scores + (int64_t)h * p.tri + gb * (gb + 1) / 2;
+  double *out = p.scores + (int64_t)h * p.head_stride + p.row_off[lb];
   const float *kp = p.kp + (int64_t)hk * p.G * p.d * p.nb; /* [G][d][nb] */
   for (int64_t kb0 = 0; kb0 <= gb; kb0 += kThreads) {
     const int64_t kb = kb0 + tid;
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) antidiag_kernel(blk_params p) {
   const int hk = h / (p.Hq / p.Hkv), tid = threadIdx.x, S = p.S, d = p.d;
   double *X = p.work + (int64_t)blockIdx.x * p.ncs;
   const float *kp = p.kp + (int64_t)hk * S * d * p.ncs; /* [S][d][ncs] */
-  double *out = p.scores + (int64_t)h * p.tri + gb * (gb + 1) / 2;
+  double *out = p.scores + (int64_t)h * p.head_stride + p.row_off[lb];
   const double sS = __ddiv_rn(p.scale, (double)S);
   const int64_t a_first = gb * p.G / S, a_end = (gb * p.G + rows + S - 1) / S;
   for (int64_t ar = a_first; ar < a_end; ar++) {
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) meanpool_kernel(blk_params p) {
     qbar[x] = __ddiv_rn(sum, (double)rows);
   }
   __syncthreads();
-  double *out = p.scores + (int64_t)h * p.tri + gb * (gb + 1) / 2;
+  double *out = p.scores + (int64_t)h * p.head_stride + p.row_off[lb];
   for (int64_t kb = threadIdx.x; kb <= gb; kb += kThreads) {
     const double *kv = p.work + (kb * p.Hkv + hk) * p.d;
     double dot = 0.0;
@@ -242,6 +244,10 @@ mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
     return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE,
                         "cuda block scores: q is %s and k is %s (fp32, bf16 or fp16)",
                         mtrain_dtype_name(a->q_dtype), mtrain_dtype_name(a->k_dtype));
+  if (a->k_block_global)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "cuda block scores: key chunks (k_block_global) are not supported: give "
+                        "every key");
   if (!a->q || !a->k || !a->scores || (a->num_q_blocks > 0 && !a->q_block_global))
     return mtrain_error(MTRAIN_ERR_NULL_POINTER,
                         "cuda block scores: q, k, scores and q_block_global must be set");
@@ -278,7 +284,7 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
   p.N = a->seq_len;
   p.G = a->granularity;
   p.nb = (p.N + p.G - 1) / p.G;
-  p.tri = p.nb * (p.nb + 1) / 2;
+  p.head_stride = a->scores_row ? a->scores_head_stride : p.nb * (p.nb + 1) / 2;
   p.q_tokens = a->q_tokens;
   p.Hq = a->num_heads;
   p.Hkv = a->num_kv_heads;
@@ -301,10 +307,19 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
   cudaStream_t stream = (cudaStream_t)s->stream;
   void *dev = NULL;
   int slot = -1;
-  st = cuda_upload_small(s, a->q_block_global, sizeof(int64_t) * (size_t)p.num_q_blocks, &dev,
-                         &slot);
+  /* the global blocks and the rows' offsets (the full triangle's without scores_row) */
+  int64_t *blocks = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)p.num_q_blocks);
+  if (!blocks) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda block scores: out of memory");
+  for (int lb = 0; lb < p.num_q_blocks; lb++) {
+    const int64_t gb = a->q_block_global[lb];
+    blocks[lb] = gb;
+    blocks[p.num_q_blocks + lb] = a->scores_row ? a->scores_row[lb] : gb * (gb + 1) / 2;
+  }
+  st = cuda_upload_small(s, blocks, sizeof(int64_t) * 2 * (size_t)p.num_q_blocks, &dev, &slot);
+  free(blocks);
   if (st) return st;
   p.q_block_global = (const int64_t *)dev;
+  p.row_off = p.q_block_global + p.num_q_blocks;
   char who[96];
   snprintf(who, sizeof who, "block scores (%s, granularity %d, head_dim %d)",
            mtrain_block_method_name(a->method), p.G, p.d);

@@ -618,7 +618,8 @@ typedef struct mtrain_block_report {
  *  selection is host code shared by every backend. Deterministic: the same
  *  inputs give the same pattern bitwise on one backend, at every thread
  *  count. The result has the context's granularity; the caller destroys
- *  it. `report` may be NULL. Single rank (world 1). */
+ *  it. `report` may be NULL. Single rank (world 1). Host memory: the Hq
+ *  lower-triangular score matrices, Hq nb (nb + 1) / 2 doubles. */
 MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks(
     mtrain_context_t *ctx, const mtrain_tensor_t *q, const mtrain_tensor_t *k,
     const mtrain_tensor_t *lse, const mtrain_block_options_t *options,
@@ -626,14 +627,24 @@ MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks(
 
 /** The distributed block selection: q, k (and lse) are this rank's
  *  [local tokens, ...] slots of a sequence laid out by `layout` (as the
- *  attention tensors of mtrain_plan_create_ring). The keys are gathered
- *  (every rank then holds all N x Hkv x d of them, in fp32, or fp64 for fp64
- *  inputs), each rank scores the query blocks it owns, the scores are
- *  combined exactly (each entry has one contributor) and every rank selects
- *  the same pattern, bitwise equal to mtrain_pattern_select_blocks of the
- *  whole sequence on the same backend, for every world size and layout.
- *  Collective over the context's communicator; `report` as above, the same
- *  on every rank. Host memory O(Hq nb^2 / 2) doubles for the scores. */
+ *  attention tensors of mtrain_plan_create_ring). Each rank scores only the
+ *  query blocks it owns: for the precise and meanpool methods on the CPU
+ *  backends against the key chunks passed around the ring (W steps, two
+ *  chunks held at a time), otherwise (antidiag, cuda, or
+ *  MTRAIN_BLOCK_KEY_GATHER=1) against every key gathered (all N x Hkv x d,
+ *  in fp32, or fp64 for fp64 inputs). Each rank then selects its own rows
+ *  (the head-adaptive budgets from exact per-head sums, all-reduced) and the
+ *  selected rows are all-gathered in compact form (per head and query block:
+ *  kept and total score, count, key blocks), so every rank ends with the same
+ *  pattern, bitwise equal to mtrain_pattern_select_blocks of the whole
+ *  sequence on the same backend, for every world size and layout.
+ *  Collective over the context's communicator (point-to-point on the ring,
+ *  all-reduces and one all-gather); `report` as above, the same on every
+ *  rank. Host memory per rank: the scores of its own rows, Hq times the sum
+ *  of qb + 1 over its query blocks qb (about Hq nb^2 / (2W) doubles with
+ *  zigzag or striped layouts), the gathered selection (about 4 bytes per
+ *  selected block pair of the whole pattern) and the keys (two chunks on the
+ *  ring, all of them gathered) (SPEC.md section 9.6). */
 MTRAIN_API mtrain_status_t mtrain_pattern_select_blocks_ring(
     mtrain_context_t *ctx, const struct mtrain_layout *layout, const mtrain_tensor_t *q,
     const mtrain_tensor_t *k, const mtrain_tensor_t *lse, const mtrain_block_options_t *options,

@@ -148,12 +148,15 @@ typedef struct mtrain_scores_args {
 /** The block scores of SPEC.md section 9 (the optional block_scores slot).
  *  nb = ceil(N/G); the scores of a head form a lower triangle: the entry of
  *  (query block qb, key block kb <= qb) of head h is
- *  scores[h * tri + qb * (qb + 1) / 2 + kb], tri = nb * (nb + 1) / 2. The
- *  slot writes the rows of this rank's query blocks (global index < nb) and
- *  leaves every other entry as it found it (the caller zeroes the buffer),
- *  so the partial results of several ranks combine exactly by summation.
- *  Each entry is computed from its own query block and the keys alone, in
- *  the order the spec gives: the same bits whichever rank computes it. */
+ *  scores[h * tri + qb * (qb + 1) / 2 + kb], tri = nb * (nb + 1) / 2, when
+ *  scores_row is NULL. With scores_row (the compact form the core uses since
+ *  API version 5), the row of local block lb (its gb + 1 entries, gb its
+ *  global block) of head h starts at scores[h * scores_head_stride +
+ *  scores_row[lb]]: only this rank's rows are held. The slot writes the rows
+ *  of this rank's query blocks (global index < nb) and leaves every other
+ *  entry as it found it (the caller zeroes the buffer). Each entry is
+ *  computed from its own query block and the keys alone, in the order the
+ *  spec gives: the same bits whichever rank computes it, in either form. */
 typedef struct mtrain_block_scores_args {
   mtrain_block_method_t method;
   int64_t seq_len;     /**< N */
@@ -170,7 +173,20 @@ typedef struct mtrain_block_scores_args {
   const void *k;                 /**< [N, Hkv, d] every key of the sequence, in global order */
   mtrain_dtype_t lse_dtype;      /**< precise: fp32 or fp64 */
   const void *lse;               /**< precise: [q_tokens, Hq], the rows of q */
-  double *scores;                /**< [Hq * tri] fp64, backend memory */
+  double *scores;                /**< fp64, backend memory: [Hq * tri], or with scores_row
+                                      [Hq * scores_head_stride] */
+  const int64_t *scores_row;     /**< NULL, or [num_q_blocks] host: the offset of each local
+                                      block's row within a head (padding blocks: unused) */
+  int64_t scores_head_stride;    /**< with scores_row: doubles per head */
+  /** NULL: k holds all N keys in global order. Else (a backend with
+   *  block_scores_key_chunks; precise and meanpool only) k holds one chunk
+   *  of key blocks: [k_tokens, Hkv, d], its G-slot block x being global key
+   *  block k_block_global[x] (host; >= nb: padding), and only the entries
+   *  (qb, kb) of these key blocks are written, each with the same bits as
+   *  from all keys: the ring pass of the distributed selection. */
+  const int64_t *k_block_global;
+  int32_t num_k_blocks; /**< with k_block_global: key blocks in k */
+  int64_t k_tokens;     /**< with k_block_global: key slots in k */
 } mtrain_block_scores_args_t;
 
 /** The vertical-slash selection of SPEC.md section 2 on the backend (the
@@ -306,6 +322,10 @@ typedef struct mtrain_backend_ops {
    *  blocks (mtrain_block_scores_args_t). NULL: mtrain_pattern_select_blocks
    *  reports MTRAIN_ERR_NOT_SUPPORTED naming the backend. */
   mtrain_status_t (*block_scores)(void *state, const mtrain_block_scores_args_t *args);
+  /** 1 when block_scores takes key chunks (k_block_global) for the precise
+   *  and meanpool methods: the distributed selection then passes the keys
+   *  around the ring instead of gathering them all (host memory only). */
+  int block_scores_key_chunks;
 
   /** Optional: the vertical-slash selection on the backend
    *  (mtrain_select_args_t). NULL: the estimate copies the scores to the

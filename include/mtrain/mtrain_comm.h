@@ -28,6 +28,7 @@ typedef enum mtrain_comm_tag {
   MTRAIN_TAG_RING_INNER = 11,         /**< K/V chunks around a node's inner ring */
   MTRAIN_TAG_RING_OUTER = 12,         /**< K/V chunks to the next node */
   MTRAIN_TAG_RING_INNER_PARTIAL = 13, /**< backward: dK/dV partial sums along the inner ring */
+  MTRAIN_TAG_BLOCK_KEYS = 14,         /**< block selection: key chunks around the ring */
   MTRAIN_TAG_RING_PARTIAL = 100,      /**< backward: node partials to the chunk owner, + o */
   MTRAIN_TAG_USER = 1 << 20,          /**< first tag free for other users of the table */
 } mtrain_comm_tag_t;
