@@ -299,12 +299,59 @@ static void test_planning_comm(void **state) {
   mtrain_comm_destroy(pc);
 }
 
+/* A backend whose table lacks `noncausal` (as "cuda"): a plan with a
+ * non-causal pattern is refused before any work, naming the backend and the
+ * sequence; the same backend runs causal plans. */
+static void test_noncausal_refused(void **state) {
+  (void)state;
+  enum { N = 96, G = 32, D = 16 };
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = G;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_SUCCESS);
+  assert_int_equal(ctx->backend->noncausal, 1);
+  const mtrain_backend_ops_t *real = ctx->backend;
+  mtrain_backend_ops_t causal_only = *real;
+  causal_only.noncausal = 0;
+  ctx->backend = &causal_only;
+  static float q[N * D], k[N * D], v[N * D], o[N * D], lse[N], dq[N * D], dk[N * D], dv[N * D];
+  const mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, 1, D);
+  const mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, N, 1, D);
+  const mtrain_tensor_t tv = mtrain_tensor_3d(v, MTRAIN_F32, N, 1, D);
+  mtrain_tensor_t to = mtrain_tensor_3d(o, MTRAIN_F32, N, 1, D);
+  mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F32, N, 1);
+  mtrain_tensor_t tdq = mtrain_tensor_3d(dq, MTRAIN_F32, N, 1, D);
+  mtrain_tensor_t tdk = mtrain_tensor_3d(dk, MTRAIN_F32, N, 1, D);
+  mtrain_tensor_t tdv = mtrain_tensor_3d(dv, MTRAIN_F32, N, 1, D);
+  mtrain_pattern_t *nc = NULL, *causal = NULL;
+  assert_int_equal(mtrain_pattern_create_noncausal(N, 1, G, &nc), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_pattern_create_dense(N, 1, G, &causal), MTRAIN_SUCCESS);
+  mtrain_plan_t *plan = NULL;
+  assert_int_equal(mtrain_plan_create(ctx, NULL, (const mtrain_pattern_t *const[]){nc}, &plan),
+                   MTRAIN_SUCCESS);
+  TS_ASSERT_STATUS(mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl),
+                   MTRAIN_ERR_NOT_SUPPORTED,
+                   "backend 'cpu' computes causal attention only, and sequence 0");
+  TS_ASSERT_STATUS(
+      mtrain_attention_backward(ctx, plan, &tq, &tk, &tv, &to, &tl, &to, &tdq, &tdk, &tdv),
+      MTRAIN_ERR_NOT_SUPPORTED, "computes causal attention only");
+  mtrain_plan_destroy(plan);
+  assert_int_equal(mtrain_plan_create(ctx, NULL, (const mtrain_pattern_t *const[]){causal}, &plan),
+                   MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_attention_forward(ctx, plan, &tq, &tk, &tv, &to, &tl), MTRAIN_SUCCESS);
+  mtrain_plan_destroy(plan);
+  ctx->backend = real;
+  mtrain_pattern_destroy(nc);
+  mtrain_pattern_destroy(causal);
+  mtrain_context_destroy(ctx);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_planning_comm),         cmocka_unit_test(test_builtin_tables_pass),
-      cmocka_unit_test(test_bad_backend_tables),    cmocka_unit_test(test_bad_comm_tables),
-      cmocka_unit_test(test_absent_optional_slots), cmocka_unit_test(test_alloc_is_counted),
-      cmocka_unit_test(test_memory_space_mismatch),
+      cmocka_unit_test(test_noncausal_refused),   cmocka_unit_test(test_planning_comm),
+      cmocka_unit_test(test_builtin_tables_pass), cmocka_unit_test(test_bad_backend_tables),
+      cmocka_unit_test(test_bad_comm_tables),     cmocka_unit_test(test_absent_optional_slots),
+      cmocka_unit_test(test_alloc_is_counted),    cmocka_unit_test(test_memory_space_mismatch),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

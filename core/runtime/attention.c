@@ -73,6 +73,13 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "plan granularity %d differs from the context's %d", plan->granularity,
                         ctx->config.granularity);
+  for (int32_t s = 0; !ctx->backend->noncausal && s < plan->num_seqs; s++)
+    if (!mtrain_pattern_is_causal(plan->seqs[s].pattern))
+      return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                          "backend '%s' computes causal attention only, and sequence %d of the "
+                          "plan has a non-causal pattern (mtrain_pattern_create_noncausal); run "
+                          "it on the cpu or cpu-ref backend",
+                          ctx->backend_name, s);
   if (q->ndim != 3)
     return mtrain_error(MTRAIN_ERR_SHAPE_MISMATCH,
                         "tensor 'q' has %d dimensions, expected 3 "

@@ -326,6 +326,11 @@ typedef struct mtrain_backend_ops {
    *  and meanpool methods: the distributed selection then passes the keys
    *  around the ring instead of gathering them all (host memory only). */
   int block_scores_key_chunks;
+  /** 1 when the attention slots compute non-causal step views (`causal`
+   *  0: no mask in the diagonal block). 0: the core refuses a plan that
+   *  holds a non-causal pattern with MTRAIN_ERR_NOT_SUPPORTED naming the
+   *  backend, before any work (mtrain_attention_forward / _backward). */
+  int noncausal;
 
   /** Optional: the vertical-slash selection on the backend
    *  (mtrain_select_args_t). NULL: the estimate copies the scores to the
