@@ -74,6 +74,9 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
     return 1
   fi
   local arm extra
+  # the starting weights at this length before any step: how much of the skill carries over
+  train "zeroshot-$n" --arm dense --seq-len "$n" --batch "$b" --steps 0 --init-from "$from" ||
+    return 1
   for arm in $ARMS; do
     extra=()
     if [ "$arm" = window ]; then

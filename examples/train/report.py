@@ -43,6 +43,8 @@ def loss_chart(runs: list[dict[str, Any]], path: Path, window: int) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in runs:
+        if not r["steps"]:  # an evaluation only (--steps 0)
+            continue
         steps = [s["step"] for s in r["steps"]]
         ax.plot(steps, smooth([s["loss"] for s in r["steps"]], window), label=r["_label"])
     ax.set_xlabel("step")
@@ -106,7 +108,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         mem = r.get("peak_memory_bytes")
         cells = [
             r["_label"],
-            f"{r['final_loss']:.4f}",
+            f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "- (no steps)",
             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
             f"{statistics.median(shares):.0%}" if shares else "-",
             f"{dens:.3f}" if dens is not None else "1 (dense)",

@@ -236,7 +236,10 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         "probes": probed,
         "eval_history": history,
         "eval": final,
-        "final_loss": statistics.mean(s["loss"] for s in steps[-max(1, len(steps) // 10) :]),
+        # --steps 0 evaluates the initial (or --init-from) weights only: no loss
+        "final_loss": statistics.mean(s["loss"] for s in steps[-max(1, len(steps) // 10) :])
+        if steps
+        else None,
     }
     if dev.type == "cuda":
         results["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)

@@ -76,3 +76,14 @@ def test_resume_refuses_another_run(tmp_path: Path) -> None:
     done = run(_cfg(tmp_path, "b", "dense", resume=str(ckpt)), log=print)
     assert done["complete"] and len(done["steps"]) == STEPS
     assert (tmp_path / "b.json").exists()
+
+
+def test_steps_zero_evaluates_the_weights(tmp_path: Path) -> None:
+    """--steps 0 --init-from W: no training step, the evaluation of W (the device script's
+    zeroshot-N runs); it equals the evaluation at the end of the run that wrote W."""
+    trained = run(_cfg(tmp_path, "w", "dense"), log=lambda *_: None)
+    cfg = _cfg(tmp_path, "zero", "dense", init_from=str(tmp_path / "w.pt"))
+    cfg.steps, cfg.save = 0, ""
+    r = run(cfg, log=lambda *_: None)
+    assert r["steps"] == [] and r["final_loss"] is None and r["tokens_per_s"] is None
+    assert r["eval"] == trained["eval"]
