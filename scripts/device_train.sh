@@ -8,11 +8,13 @@
 #   MTRAIN_LIBRARY=build-cuda/libmtrain.so scripts/device_train.sh PHASE OUT_DIR
 #
 # PHASE: pretrain   dense, short sequences, from random weights (weights: OUT_DIR/pretrain.pt)
+#        extend     dense, 2K then 8K tokens (LADDER), from pretrain.pt (weights: extended.pt)
 #        arms-16k   dense, mtrain-static, window (matched to static's density), mtrain-topp at
-#                   16K tokens, each continuing from pretrain.pt
-#        arms-32k   the same at 32K tokens
+#                   16K tokens, each continuing from extended.pt
+#        arms-32k   the same at 32K tokens, from the dense 16K run (dense-16384.pt)
 #        report     report.py over OUT_DIR/*.json: OUT_DIR/report.md and the charts
 #        status     which runs are done, which are partial, at what step
+#        A comma-separated list (pretrain,extend) runs them in order in one call.
 # Environment: PYTHON (default python3), CALL_S (seconds this call may use, default 540),
 # MARGIN_S (left for start-up, final evaluation and writing, default 75), ARMS (the arms of the
 # arms-* phases, in order; default "dense mtrain-static window mtrain-topp").
@@ -42,6 +44,8 @@ PRE_LR=${PRE_LR:-1e-3}
 EXT_STEPS=${EXT_STEPS:-300}
 EXT_LR=${EXT_LR:-1e-3}
 EXT_EVAL=${EXT_EVAL:-100}
+# the extend phase: dense rungs LENGTH:BATCH:STEPS, each continuing from the one before
+LADDER=${LADDER:-2048:16:400 8192:4:300}
 
 # train NAME ARGS...: one resumable run with what is left of this call; 0 when its results JSON
 # exists at the end, 1 when it stopped early (call the phase again)
@@ -96,30 +100,56 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
   done
 }
 
-case "$phase" in
-pretrain)
-  train pretrain --arm dense --seq-len "$PRE_LEN" --batch "$PRE_BATCH" --steps "$PRE_STEPS" \
-    --lr "$PRE_LR" --warmup 100 --eval-every 250 --save "$out/pretrain.pt"
-  ;;
-arms-16k) arms "${LEN_16K:-16384}" "${BATCH_16K:-4}" "$out/pretrain.pt" ;;
-arms-32k) arms "${LEN_32K:-32768}" "${BATCH_32K:-2}" "$out/dense-${LEN_16K:-16384}.pt" ;;
-report)
-  "$PY" -m examples.train.report "$out"/*.json --out-dir "$out" | tee "$out/report.md"
-  ;;
-status)
-  for f in "$out"/*.ckpt; do
-    [ -e "$f" ] || continue
-    name=$(basename "$f" .ckpt)
-    if [ -f "$out/$name.json" ]; then
-      echo "$name: done"
-    else
-      "$PY" -c "import sys, torch; c = torch.load(sys.argv[1], weights_only=False); \
-print(sys.argv[2] + ':', 'step', c['step'], 'of', c['config']['steps'])" "$f" "$name"
-    fi
+extend() { # dense, each rung of LADDER from the one before; the last rung's weights: extended.pt
+  local from=$out/pretrain.pt rung n b k
+  if [ ! -f "$from" ]; then
+    echo "no $from: run the pretrain phase first" >&2
+    return 1
+  fi
+  for rung in $LADDER; do
+    IFS=: read -r n b k <<<"$rung"
+    train "extend-$n" --arm dense --seq-len "$n" --batch "$b" --steps "$k" --lr "$EXT_LR" \
+      --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" --save "$out/extend-$n.pt" ||
+      return 1
+    from=$out/extend-$n.pt
   done
-  ;;
-*)
-  echo "unknown phase $phase (pretrain, arms-16k, arms-32k, report, status)" >&2
-  exit 2
-  ;;
-esac
+  cp "$from" "$out/extended.pt"
+}
+
+run_phase() {
+  case "$1" in
+  pretrain)
+    train pretrain --arm dense --seq-len "$PRE_LEN" --batch "$PRE_BATCH" --steps "$PRE_STEPS" \
+      --lr "$PRE_LR" --warmup 100 --eval-every 250 --save "$out/pretrain.pt"
+    ;;
+  extend) extend ;;
+  arms-16k) arms "${LEN_16K:-16384}" "${BATCH_16K:-4}" "$out/extended.pt" ;;
+  arms-32k) arms "${LEN_32K:-32768}" "${BATCH_32K:-2}" "$out/dense-${LEN_16K:-16384}.pt" ;;
+  report)
+    "$PY" -m examples.train.report "$out"/*.json --out-dir "$out" | tee "$out/report.md"
+    ;;
+  status)
+    for f in "$out"/*.ckpt; do
+      [ -e "$f" ] || continue
+      name=$(basename "$f" .ckpt)
+      if [ -f "$out/$name.json" ]; then
+        echo "$name: done"
+      else
+        "$PY" -c "import sys, torch; c = torch.load(sys.argv[1], weights_only=False); \
+  print(sys.argv[2] + ':', 'step', c['step'], 'of', c['config']['steps'])" "$f" "$name"
+      fi
+    done
+    ;;
+  *)
+    echo "unknown phase $1 (pretrain, extend, arms-16k, arms-32k, report, status)" >&2
+    exit 2
+    ;;
+  esac
+}
+
+# PHASE may be a comma-separated list (pretrain,extend): run in order, stop at the first that
+# is not complete
+IFS=, read -r -a phases <<<"$phase"
+for p in "${phases[@]}"; do
+  run_phase "$p" || exit 1
+done
