@@ -34,8 +34,8 @@ mkdir -p "$out"
 
 # The settings the CPU study supports (docs/TRAINING.md, "Learnability study on the CPU").
 SIZE=${SIZE:-mini}
-task=(--task mix --num-keys 64 --num-values 64 --num-filler 256 --mqar-pairs 8
-  --mqar-queries 64 --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4
+task=(--task mix --num-keys 32 --num-values 32 --num-filler 256 --mqar-pairs 4
+  --mqar-queries 24 --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4
   --seed 0 --data-seed 1)
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
@@ -48,7 +48,7 @@ EXT_EVAL=${EXT_EVAL:-100}
 LADDER=${LADDER:-2048:16:400 8192:4:300}
 
 # train NAME ARGS...: one resumable run with what is left of this call; 0 when its results JSON
-# exists at the end, 1 when it stopped early (call the phase again)
+# exists at the end, 1 when it stopped at the time limit (call the phase again), 3 when it failed
 train() {
   local name=$1
   shift
@@ -64,8 +64,13 @@ train() {
   echo "$name: training for at most $left s"
   "$PY" -m examples.train --size "$SIZE" "${task[@]}" "$@" --resume "$out/$name.ckpt" \
     --ckpt-every 200 --time-limit "$left" --out "$out/$name.json" 2>&1 | tee -a "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
   if [ -f "$out/$name.json" ]; then
     return 0
+  fi
+  if [ "$rc" -ne 0 ]; then
+    echo "$name: failed (exit status $rc), see $out/$name.log" >&2
+    return 3
   fi
   echo "$name: stopped at the time limit: call the phase again"
   return 1
@@ -75,18 +80,18 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
   local n=$1 b=$2 from=$3
   if [ ! -f "$from" ]; then
     echo "no $from: run the phase before this one first" >&2
-    return 1
+    return 3
   fi
   local arm extra
   # the starting weights at this length before any step: how much of the skill carries over
   train "zeroshot-$n" --arm dense --seq-len "$n" --batch "$b" --steps 0 --init-from "$from" ||
-    return 1
+    return $?
   for arm in $ARMS; do
     extra=()
     if [ "$arm" = window ]; then
       if [ ! -f "$out/mtrain-static-$n.json" ]; then
         echo "window-$n: needs mtrain-static-$n.json first (ARMS order)" >&2
-        return 1
+        return 3
       fi
       extra=(--match "$out/mtrain-static-$n.json")
     fi
@@ -96,7 +101,7 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
     fi
     train "$arm-$n" --arm "$arm" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
       --lr "$EXT_LR" --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" \
-      "${extra[@]}" || return 1
+      "${extra[@]}" || return $?
   done
 }
 
@@ -104,13 +109,13 @@ extend() { # dense, each rung of LADDER from the one before; the last rung's wei
   local from=$out/pretrain.pt rung n b k
   if [ ! -f "$from" ]; then
     echo "no $from: run the pretrain phase first" >&2
-    return 1
+    return 3
   fi
   for rung in $LADDER; do
     IFS=: read -r n b k <<<"$rung"
     train "extend-$n" --arm dense --seq-len "$n" --batch "$b" --steps "$k" --lr "$EXT_LR" \
       --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" --save "$out/extend-$n.pt" ||
-      return 1
+      return $?
     from=$out/extend-$n.pt
   done
   cp "$from" "$out/extended.pt"
@@ -151,5 +156,5 @@ run_phase() {
 # is not complete
 IFS=, read -r -a phases <<<"$phase"
 for p in "${phases[@]}"; do
-  run_phase "$p" || exit 1
+  run_phase "$p" || exit $?
 done
