@@ -29,6 +29,9 @@ class RunConfig:
     rope_theta: float = 10000.0
     init_from: str = ""  # a checkpoint (--save of an earlier run): context extension
     save: str = ""
+    resume: str = ""  # checkpoint file: resumed from when it exists, written while training
+    ckpt_every: int = 0  # with --resume: also write the checkpoint every k steps (0: never)
+    time_limit: float = 0.0  # with --resume: stop (checkpoint written) after this many seconds
     out: str = "results.json"
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # float32, or bfloat16 (autocast; weights and optimiser in float32)
@@ -69,6 +72,11 @@ HELP = {
     "rope_theta": "RoPE base (raise it when continuing at a longer length)",
     "init_from": "start from this checkpoint (written by --save): context extension",
     "save": "write the final weights here",
+    "resume": "checkpoint (weights, optimiser, step, RNG, history): continue from it when it "
+    "exists, write it at the end, every --ckpt-every steps and at --time-limit",
+    "ckpt_every": "with --resume: write the checkpoint every k steps (0: only at the end or limit)",
+    "time_limit": "with --resume: stop after the step that passes this many seconds of this call, "
+    "write the checkpoint, skip the final evaluation and --out (0: no limit)",
     "out": "the results JSON file",
     "dtype": "float32 or bfloat16 (autocast); auto: bfloat16 on GPU, float32 on CPU",
     "threads": "torch CPU threads (0: default)",

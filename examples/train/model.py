@@ -22,6 +22,9 @@ class Size:
 SIZES: dict[str, Size] = {
     # CPU and CI: 2 layers, GQA 4:2, head_dim 32
     "tiny": Size(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=384),
+    # between tiny and small: 4 layers, GQA 4:2, head_dim 64 (mtrain's tensor-core kernels on
+    # the GPU take head_dim 64 or 128; tiny's 32 runs its SIMT path)
+    "mini": Size(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768),
     # one GPU: 6 layers, GQA 8:2, head_dim 64 (24-26M parameters with a 6K-8K vocabulary)
     "small": Size(layers=6, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536),
     # one GPU, head_dim 128 (about 40M parameters with an 8K vocabulary)

@@ -43,6 +43,8 @@ def loss_chart(runs: list[dict[str, Any]], path: Path, window: int) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in runs:
+        if not r["steps"]:  # an evaluation only (--steps 0)
+            continue
         steps = [s["step"] for s in r["steps"]]
         ax.plot(steps, smooth([s["loss"] for s in r["steps"]], window), label=r["_label"])
     ax.set_xlabel("step")
@@ -65,10 +67,13 @@ def heatmaps(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     tasks = sorted({t for r in runs for t in r["eval"]})
     for task in tasks:
         rows = [r for r in runs if task in r["eval"]]
-        buckets = rows[0]["eval"][task]["buckets"]
+        # runs of several lengths: MQAR's distance buckets of a shorter run are a prefix of a
+        # longer run's; the grid takes the longest list and leaves the rest blank
+        buckets = max((r["eval"][task]["buckets"] for r in rows), key=len)
         grid = [
             [float("nan") if a is None else a for a in r["eval"][task]["accuracy"]] for r in rows
         ]
+        grid = [row + [float("nan")] * (len(buckets) - len(row)) for row in grid]
         fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(buckets), 1.2 + 0.5 * len(rows)))
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(buckets)), buckets, rotation=45, ha="right")
@@ -103,7 +108,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         mem = r.get("peak_memory_bytes")
         cells = [
             r["_label"],
-            f"{r['final_loss']:.4f}",
+            f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "- (no steps)",
             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
             f"{statistics.median(shares):.0%}" if shares else "-",
             f"{dens:.3f}" if dens is not None else "1 (dense)",

@@ -94,9 +94,11 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
     arm = Arm(cfg.arm, size.heads, budget)
     arm.set_length(cfg.seq_len)
     model = M.build(size, vocab.size, cfg.seq_len, cfg.rope_theta, arm.attn_name, cfg.seed)
+    ckpt = load_checkpoint(cfg)
     if cfg.init_from:
-        state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
+        if ckpt is None:  # resuming: the weights come from the checkpoint
+            state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
         M.set_rope_theta(model, cfg.rope_theta, cfg.seq_len)
     model.to(dev).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -112,12 +114,30 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     probed: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
+    segments: list[dict[str, Any]] = []
+    first = 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        set_rng(ckpt["rng"], dev)
+        first = ckpt["step"]
+        steps, probed, history = ckpt["steps"], ckpt["probes"], ckpt["eval_history"]
+        segments = ckpt["segments"]
+        log(f"resumed from {cfg.resume} at step {first} of {cfg.steps}")
+    segment = len(segments)
+    segments.append({"first_step": first, "date": _now()})
     tokens = cfg.batch * cfg.seq_len
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
     )
-    for step in range(cfg.steps):
+
+    def checkpoint(step: int) -> None:
+        segments[-1].update(last_step=step - 1, wall_s=time.perf_counter() - t_call)
+        save_checkpoint(cfg, model, opt, dev, step, steps, probed, history, segments)
+
+    t_call = time.perf_counter()
+    for step in range(first, cfg.steps):
         ids, labels, _, _ = _batch(tasks, cfg, step)
         ids, labels = ids.to(dev), labels.to(dev)
         for group in opt.param_groups:
@@ -136,7 +156,9 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         value = float(loss.detach())  # synchronises
         sync(dev)
         dt = time.perf_counter() - t0
-        steps.append({"step": step, "loss": value, "time_s": dt, "probed": watch})
+        steps.append(
+            {"step": step, "loss": value, "time_s": dt, "probed": watch, "segment": segment}
+        )
         if watch:
             PROBE.stop()
             attn = PROBE.fwd_s + PROBE.bwd_s
@@ -164,17 +186,35 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
             )  # fmt: skip
             history.append({"step": step + 1, "eval": ev})
             log(f"step {step + 1}: " + ", ".join(f"{k} {v['overall']:.3f}" for k, v in ev.items()))
+        done = step + 1
+        if cfg.resume and cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
+            checkpoint(done)
+        late = cfg.time_limit and time.perf_counter() - t_call >= cfg.time_limit
+        if cfg.resume and late and done < cfg.steps:
+            checkpoint(done)
+            log(f"time limit: stopped after step {done} of {cfg.steps}; checkpoint {cfg.resume}")
+            return {"complete": False, "step": done, "steps": steps}
+    if cfg.resume:
+        checkpoint(cfg.steps)
     final = evaluate(
         model, tasks, names, cfg.data_seed + EVAL_SEED_OFFSET, cfg.eval_seqs, cfg.eval_batch,
         dev, autocast,
     )  # fmt: skip
     log("final accuracy: " + ", ".join(f"{k} {v['overall']:.3f}" for k, v in final.items()))
-    plain = [s["time_s"] for s in steps[min(3, len(steps) - 1) :] if not s["probed"]]
+    # the first 3 steps of every call (warm-up, allocations) and probed steps are left out
+    starts = {g["first_step"] for g in segments}
+    plain = [
+        s["time_s"]
+        for s in steps
+        if not s["probed"] and not any(0 <= s["step"] - f < 3 for f in starts)
+    ]
     step_s = statistics.median(plain) if plain else None
     results: dict[str, Any] = {
         "config": asdict(cfg),
         "command": [sys.executable, "-m", "examples.train", *sys.argv[1:]],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": _now(),
+        "complete": True,
+        "segments": segments,
         "device": torch.cuda.get_device_name(dev)
         if dev.type == "cuda"
         else platform.processor() or platform.machine(),
@@ -196,7 +236,10 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         "probes": probed,
         "eval_history": history,
         "eval": final,
-        "final_loss": statistics.mean(s["loss"] for s in steps[-max(1, len(steps) // 10) :]),
+        # --steps 0 evaluates the initial (or --init-from) weights only: no loss
+        "final_loss": statistics.mean(s["loss"] for s in steps[-max(1, len(steps) // 10) :])
+        if steps
+        else None,
     }
     if dev.type == "cuda":
         results["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
@@ -207,6 +250,81 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         Path(cfg.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), cfg.save)
     return results
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# options that may change between the calls of one resumed run (where results go, how long a
+# call lasts); any other difference is refused: the run would no longer be one run
+RESUME_FREE = ("out", "save", "resume", "ckpt_every", "time_limit", "threads")
+
+
+def load_checkpoint(cfg: RunConfig) -> dict[str, Any] | None:
+    """The checkpoint of --resume when it exists (None otherwise), checked
+    against this run's configuration."""
+    if not cfg.resume or not Path(cfg.resume).exists():
+        return None
+    ckpt = torch.load(cfg.resume, map_location="cpu", weights_only=False)
+    now = asdict(cfg)
+    diff = [
+        f"{k}: {v!r} (checkpoint) != {now.get(k)!r}"
+        for k, v in ckpt["config"].items()
+        if k not in RESUME_FREE and now.get(k) != v
+    ]
+    if diff:
+        raise ValueError(f"{cfg.resume} was written by another run: " + "; ".join(diff))
+    return ckpt
+
+
+def rng_state(dev: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if dev.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng(state: dict[str, Any], dev: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if dev.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    dev: torch.device,
+    step: int,
+    steps: list[dict[str, Any]],
+    probed: list[dict[str, Any]],
+    history: list[dict[str, Any]],
+    segments: list[dict[str, Any]],
+) -> None:
+    """Everything the next call needs to continue as if it had not stopped:
+    weights, AdamW's moments and step counts, the step counter (which gives
+    the learning rate and the data position, sequences step * batch on), the
+    RNG states, and the per-step records. Written to a temporary file and
+    renamed, so that a call killed while writing leaves the last checkpoint."""
+    path = Path(cfg.resume)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "version": 1,
+        "config": asdict(cfg),
+        "step": step,
+        "data_position": step * cfg.batch,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": rng_state(dev),
+        "steps": steps,
+        "probes": probed,
+        "eval_history": history,
+        "segments": segments,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def _batch(tasks: list[Task], cfg: RunConfig, step: int) -> tuple[torch.Tensor, ...]:

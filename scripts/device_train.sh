@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Issue 19's training experiment on one GPU, one named phase per call, each call within one
+# 10-minute device command (docs/TRAINING.md, "The GPU protocol"). Every run is resumable
+# (--resume): a phase that runs out of its call's time stops with a checkpoint, and calling the
+# same phase again continues it; finished runs are skipped. Builds nothing: the caller gives the
+# CUDA build of libmtrain in MTRAIN_LIBRARY, and a python with torch and transformers.
+#
+#   MTRAIN_LIBRARY=build-cuda/libmtrain.so scripts/device_train.sh PHASE OUT_DIR
+#
+# PHASE: pretrain   dense, short sequences, from random weights (weights: OUT_DIR/pretrain.pt)
+#        extend     dense, 2K then 8K tokens (LADDER), from pretrain.pt (weights: extended.pt)
+#        arms-16k   dense, mtrain-static, window (matched to static's density), mtrain-topp at
+#                   16K tokens, each continuing from extended.pt
+#        arms-32k   the same at 32K tokens, from the dense 16K run (dense-16384.pt)
+#        report     report.py over OUT_DIR/*.json: OUT_DIR/report.md and the charts
+#        status     which runs are done, which are partial, at what step
+#        A comma-separated list (pretrain,extend) runs them in order in one call.
+# Environment: PYTHON (default python3), CALL_S (seconds this call may use, default 540),
+# MARGIN_S (left for start-up, final evaluation and writing, default 75), ARMS (the arms of the
+# arms-* phases, in order; default "dense mtrain-static window mtrain-topp").
+set -euo pipefail
+
+phase=${1:?usage: device_train.sh PHASE OUT_DIR}
+out=${2:?usage: device_train.sh PHASE OUT_DIR}
+PY=${PYTHON:-python3}
+CALL_S=${CALL_S:-540}
+MARGIN_S=${MARGIN_S:-75}
+ARMS=${ARMS:-dense mtrain-static window mtrain-topp}
+t_end=$(($(date +%s) + CALL_S))
+
+cd "$(dirname "$0")/.."
+export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$out"
+
+# The settings the CPU study supports (docs/TRAINING.md, "Learnability study on the CPU").
+SIZE=${SIZE:-mini}
+task=(--task mix --num-keys 32 --num-values 32 --num-filler 256 --mqar-pairs 4
+  --mqar-queries 24 --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4
+  --seed 0 --data-seed 1)
+PRE_LEN=${PRE_LEN:-512}
+PRE_BATCH=${PRE_BATCH:-64}
+PRE_STEPS=${PRE_STEPS:-6000}
+PRE_LR=${PRE_LR:-1e-3}
+EXT_STEPS=${EXT_STEPS:-300}
+EXT_LR=${EXT_LR:-1e-3}
+EXT_EVAL=${EXT_EVAL:-100}
+# the extend phase: dense rungs LENGTH:BATCH:STEPS, each continuing from the one before
+LADDER=${LADDER:-2048:16:400 8192:4:300}
+
+# train NAME ARGS...: one resumable run with what is left of this call; 0 when its results JSON
+# exists at the end, 1 when it stopped at the time limit (call the phase again), 3 when it failed
+train() {
+  local name=$1
+  shift
+  if [ -f "$out/$name.json" ]; then
+    echo "$name: done"
+    return 0
+  fi
+  local left=$((t_end - $(date +%s) - MARGIN_S))
+  if [ "$left" -lt 30 ]; then
+    echo "$name: not started, no time left in this call: call the phase again"
+    return 1
+  fi
+  echo "$name: training for at most $left s"
+  "$PY" -m examples.train --size "$SIZE" "${task[@]}" "$@" --resume "$out/$name.ckpt" \
+    --ckpt-every 200 --time-limit "$left" --out "$out/$name.json" 2>&1 | tee -a "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  if [ -f "$out/$name.json" ]; then
+    return 0
+  fi
+  if [ "$rc" -ne 0 ]; then
+    echo "$name: failed (exit status $rc), see $out/$name.log" >&2
+    return 3
+  fi
+  echo "$name: stopped at the time limit: call the phase again"
+  return 1
+}
+
+arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH tokens
+  local n=$1 b=$2 from=$3
+  if [ ! -f "$from" ]; then
+    echo "no $from: run the phase before this one first" >&2
+    return 3
+  fi
+  local arm extra
+  # the starting weights at this length before any step: how much of the skill carries over
+  train "zeroshot-$n" --arm dense --seq-len "$n" --batch "$b" --steps 0 --init-from "$from" ||
+    return $?
+  for arm in $ARMS; do
+    extra=()
+    if [ "$arm" = window ]; then
+      if [ ! -f "$out/mtrain-static-$n.json" ]; then
+        echo "window-$n: needs mtrain-static-$n.json first (ARMS order)" >&2
+        return 3
+      fi
+      extra=(--match "$out/mtrain-static-$n.json")
+    fi
+    # the dense arm keeps its weights: the next length continues from them
+    if [ "$arm" = dense ]; then
+      extra=(--save "$out/dense-$n.pt")
+    fi
+    train "$arm-$n" --arm "$arm" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
+      --lr "$EXT_LR" --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" \
+      "${extra[@]}" || return $?
+  done
+}
+
+extend() { # dense, each rung of LADDER from the one before; the last rung's weights: extended.pt
+  local from=$out/pretrain.pt rung n b k
+  if [ ! -f "$from" ]; then
+    echo "no $from: run the pretrain phase first" >&2
+    return 3
+  fi
+  for rung in $LADDER; do
+    IFS=: read -r n b k <<<"$rung"
+    train "extend-$n" --arm dense --seq-len "$n" --batch "$b" --steps "$k" --lr "$EXT_LR" \
+      --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" --save "$out/extend-$n.pt" ||
+      return $?
+    from=$out/extend-$n.pt
+  done
+  cp "$from" "$out/extended.pt"
+}
+
+run_phase() {
+  case "$1" in
+  pretrain)
+    train pretrain --arm dense --seq-len "$PRE_LEN" --batch "$PRE_BATCH" --steps "$PRE_STEPS" \
+      --lr "$PRE_LR" --warmup 100 --eval-every 250 --save "$out/pretrain.pt"
+    ;;
+  extend) extend ;;
+  arms-16k) arms "${LEN_16K:-16384}" "${BATCH_16K:-4}" "$out/extended.pt" ;;
+  arms-32k) arms "${LEN_32K:-32768}" "${BATCH_32K:-2}" "$out/dense-${LEN_16K:-16384}.pt" ;;
+  report)
+    "$PY" -m examples.train.report "$out"/*.json --out-dir "$out" | tee "$out/report.md"
+    ;;
+  status)
+    for f in "$out"/*.ckpt; do
+      [ -e "$f" ] || continue
+      name=$(basename "$f" .ckpt)
+      if [ -f "$out/$name.json" ]; then
+        echo "$name: done"
+      else
+        "$PY" -c "import sys, torch; c = torch.load(sys.argv[1], weights_only=False); \
+  print(sys.argv[2] + ':', 'step', c['step'], 'of', c['config']['steps'])" "$f" "$name"
+      fi
+    done
+    ;;
+  *)
+    echo "unknown phase $1 (pretrain, extend, arms-16k, arms-32k, report, status)" >&2
+    exit 2
+    ;;
+  esac
+}
+
+# PHASE may be a comma-separated list (pretrain,extend): run in order, stop at the first that
+# is not complete
+IFS=, read -r -a phases <<<"$phase"
+for p in "${phases[@]}"; do
+  run_phase "$p" || exit $?
+done
