@@ -128,30 +128,45 @@ class Mqar:
         values = torch.randint(v.value0, v.value0 + v.num_values, (p,), generator=g)
         ids[1 : 2 * p + 1 : 2] = keys
         ids[2 : 2 * p + 2 : 2] = values
-        used = torch.zeros(n, dtype=torch.bool)
-        used[: 2 * p + 1] = True
-        key_pos = 1 + 2 * torch.arange(p)
+        # the placement loop runs on Python ints (tensor ops per query made the generator the
+        # slowest part of a GPU step); it draws the same random numbers as before
+        used = bytearray(n)
+        used[: 2 * p + 1] = b"\x01" * (2 * p + 1)
+        key_pos = [1 + 2 * i for i in range(p)]
+        key_list, value_list = keys.tolist(), values.tolist()
         lo, hi = math.log(self.min_distance), math.log(self.max_distance + 1)
+        q_first, q_last = 2 * p + 1, n - 2
+        at: list[int] = []
+        token: list[int] = []
+        answer_at: list[int] = []
+        answer: list[int] = []
+        answer_bucket: list[int] = []
         placed = 0
         for _ in range(self.num_queries * 200):
             if placed == self.num_queries:
                 break
             u = float(torch.rand((), generator=g))
             d = min(int(math.exp(lo + u * (hi - lo))), self.max_distance)
-            q = key_pos + d  # query position for each pair
-            ok = (q >= 2 * p + 1) & (q <= n - 2)
-            qc = q.clamp(max=n - 2)
-            ok &= ~used[qc] & ~used[qc + 1]
-            cand = torch.nonzero(ok).flatten()
-            if cand.numel() == 0:
+            cand = [
+                i
+                for i, k in enumerate(key_pos)
+                if q_first <= k + d <= q_last and not used[k + d] and not used[k + d + 1]
+            ]
+            if not cand:
                 continue
-            i = int(cand[torch.randint(cand.numel(), (1,), generator=g)])
-            pos = int(q[i])
-            ids[pos], ids[pos + 1] = keys[i], values[i]
-            labels[pos + 1] = values[i]
-            bucket[pos + 1] = self.bucket_of(d)
-            used[pos : pos + 2] = True
+            i = cand[int(torch.randint(len(cand), (1,), generator=g))]
+            pos = key_pos[i] + d
+            at += [pos, pos + 1]
+            token += [key_list[i], value_list[i]]
+            answer_at.append(pos + 1)
+            answer.append(value_list[i])
+            answer_bucket.append(self.bucket_of(d))
+            used[pos] = used[pos + 1] = 1
             placed += 1
+        if at:
+            ids[at] = torch.tensor(token)
+            labels[answer_at] = torch.tensor(answer)
+            bucket[answer_at] = torch.tensor(answer_bucket)
         if placed < self.num_queries:
             raise RuntimeError(f"could not place {self.num_queries} queries in {n} tokens")
         return Sample(ids, labels, bucket)
