@@ -1,8 +1,8 @@
 /* test_nccl_fault.c: a GPU peer that dies or stops answering in the middle
- * of the ring must not hang the other rank. Two processes, one GPU each,
+ * of the ring must not hang the other ranks. W >= 2 processes, one GPU each,
  * through the NCCL communicator with a short timeout (TIMEOUT_S), run under
- * mpiexec -n 2 --enable-recovery by test_nccl_fault.sh (so that the
- * survivor outlives a killed peer). Both ranks first run two complete
+ * mpiexec -n W --enable-recovery by test_nccl_fault.sh (so that the
+ * survivors outlive a killed peer). All ranks first run two complete
  * iterations (forward and backward of the dense striped ring: they set up
  * NCCL's connections, and the second times the phases); in the next
  * iteration rank 1 injects the fault:
@@ -14,15 +14,19 @@
  *   stall-bwd  the same in its backward.
  * (With 2 ranks the forward's one exchange is posted at its start, so a
  * fault half-way through the forward reaches the survivor in its backward.)
- * Rank 0 goes on for up to MAX_ITER iterations: one of its calls must fail
- * with MTRAIN_ERR_TIMEOUT (a message stating the timeout) or MTRAIN_ERR_COMM
- * (NCCL's error) within the timeout plus a margin; a further call must then
- * fail at once; destroying its plan, context and communicator must return.
- * It prints "rank 0: PASS ..." or "rank 0: FAIL ..." and ends the job
- * (MPI_Abort: its peer is dead or asleep). A wall-clock guard (alarm) turns
- * a hang into a failure and prints where the main thread was. Skips (exit
- * 77) where fewer than 2 GPUs are visible.
- * usage: mpiexec -n 2 test_nccl_fault MODE */
+ * Every other rank (the survivors: rank 0, and ranks 2..W-1, of which only
+ * rank 2 exchanges with rank 1) goes on for up to MAX_ITER iterations: one of its
+ * calls must fail with MTRAIN_ERR_TIMEOUT (a message stating the timeout) or
+ * MTRAIN_ERR_COMM (NCCL's error) within the timeout plus a margin; a further
+ * call must then fail at once; destroying its plan, context and
+ * communicator must return. Each prints "rank r: PASS ..." or "rank r: FAIL
+ * ...". With W = 2 rank 0 then ends the job (MPI_Abort: its peer is dead or
+ * asleep); with W > 2 each survivor also writes its verdict into DONE_DIR
+ * (no MPI collective can run beside a dead rank), and rank 0 ends the job
+ * once every survivor's verdict is there. A wall-clock guard (alarm) turns a
+ * hang into a failure and prints where the main thread was. Skips (exit 77)
+ * where fewer than W GPUs are visible.
+ * usage: mpiexec -n W test_nccl_fault MODE [DONE_DIR] (DONE_DIR: W > 2) */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <execinfo.h>
@@ -45,10 +49,11 @@ enum { N = 262144, HQ = 16, HKV = 2, D = 128, G = 128, MAX_ITER = 4 };
 #define GUARD_S 120   /* the whole run's wall-clock limit */
 #define STALL_S 600   /* how long a stalled rank sleeps (the job ends first) */
 
-static int rank_;
+static int rank_, world_;
 static pthread_t main_thread_;
 static volatile sig_atomic_t phase_ = 0; /* for the guard's message */
-static const char *const phase_names[] = {"set-up", "warm-up", "faulty iteration", "destroy"};
+static const char *const phase_names[] = {"set-up", "warm-up", "faulty iteration", "destroy",
+                                          "wait for the other survivors"};
 
 static double now(void) {
   struct timespec ts;
@@ -132,7 +137,7 @@ static mtrain_status_t ring_create(mtrain_comm_t *comm, ring_t *r) {
   mtrain_layout_t *layout = NULL;
   mtrain_pattern_t *pattern = NULL;
   mtrain_status_t st = mtrain_context_create(&cfg, comm, &r->ctx);
-  if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, N, G, 2, NULL, &layout);
+  if (!st) st = mtrain_layout_create(MTRAIN_LAYOUT_STRIPED, N, G, world_, NULL, &layout);
   if (!st) st = mtrain_pattern_create_dense(N, HQ, G, &pattern);
   if (!st)
     st = mtrain_plan_create_ring(r->ctx, NULL, (const mtrain_layout_t *const[]){layout}, 0,
@@ -190,9 +195,9 @@ static void rank1_fault(ring_t *r, const char *mode, double t_fwd, double t_bwd)
   stall_here(0);
 }
 
-/* Rank 0: goes on until a call fails, then checks the failure, a further
- * call and the destroys. Returns 1 when every check passed. */
-static int rank0_survive(ring_t *r, mtrain_comm_t *comm, const char *mode, double bound) {
+/* A survivor: goes on until a call fails, then checks the failure, a
+ * further call and the destroys. Returns 1 when every check passed. */
+static int survive(ring_t *r, mtrain_comm_t *comm, const char *mode, double bound) {
   const double t0 = now();
   mtrain_status_t st = MTRAIN_SUCCESS;
   const char *where = "";
@@ -209,11 +214,11 @@ static int rank0_survive(ring_t *r, mtrain_comm_t *comm, const char *mode, doubl
   char msg[1024];
   snprintf(msg, sizeof msg, "%s", mtrain_last_error());
   if (!st) {
-    printf("rank 0: FAIL: mode %s: %d iterations returned success although rank 1 %s\n", mode,
-           MAX_ITER, strncmp(mode, "kill", 4) == 0 ? "was killed" : "stalled");
+    printf("rank %d: FAIL: mode %s: %d iterations returned success although rank 1 %s\n", rank_,
+           mode, MAX_ITER, strncmp(mode, "kill", 4) == 0 ? "was killed" : "stalled");
     return 0;
   }
-  printf("rank 0: %s of iteration %d failed after %.2f s: %s: %s\n", where, iter, t_fail,
+  printf("rank %d: %s of iteration %d failed after %.2f s: %s: %s\n", rank_, where, iter, t_fail,
          mtrain_status_name(st), msg);
   int ok = 1;
   if (st == MTRAIN_ERR_TIMEOUT) {
@@ -223,20 +228,22 @@ static int rank0_survive(ring_t *r, mtrain_comm_t *comm, const char *mode, doubl
   } else {
     ok = 0;
   }
-  if (!ok) printf("rank 0: FAIL: expected MTRAIN_ERR_TIMEOUT or an NCCL error (MTRAIN_ERR_COMM)\n");
+  if (!ok)
+    printf("rank %d: FAIL: expected MTRAIN_ERR_TIMEOUT or an NCCL error (MTRAIN_ERR_COMM)\n",
+           rank_);
   if (t_fail > bound) {
-    printf("rank 0: FAIL: the error came after %.2f s, more than the bound %.2f s\n", t_fail,
-           bound);
+    printf("rank %d: FAIL: the error came after %.2f s, more than the bound %.2f s\n", rank_,
+           t_fail, bound);
     ok = 0;
   }
   /* the communicator was aborted: a further call fails at once */
   const double t1 = now();
   const mtrain_status_t again = forward(r);
   const double t_again = now() - t1;
-  printf("rank 0: a further forward returned %s after %.3f s: %s\n", mtrain_status_name(again),
-         t_again, mtrain_last_error());
+  printf("rank %d: a further forward returned %s after %.3f s: %s\n", rank_,
+         mtrain_status_name(again), t_again, mtrain_last_error());
   if (again == MTRAIN_SUCCESS || t_again > TIMEOUT_S + 5.0) {
-    printf("rank 0: FAIL: the call after the failure %s\n",
+    printf("rank %d: FAIL: the call after the failure %s\n", rank_,
            again == MTRAIN_SUCCESS ? "succeeded" : "was not refused at once");
     ok = 0;
   }
@@ -244,34 +251,72 @@ static int rank0_survive(ring_t *r, mtrain_comm_t *comm, const char *mode, doubl
   const double t2 = now();
   ring_destroy(r);
   mtrain_comm_destroy(comm);
-  printf("rank 0: plan, context and communicator destroyed in %.3f s\n", now() - t2);
+  printf("rank %d: plan, context and communicator destroyed in %.3f s\n", rank_, now() - t2);
   if (ok)
-    printf("rank 0: PASS: mode %s: the %s failed after %.2f s (timeout %.1f s), no hang\n", mode,
-           where, t_fail, TIMEOUT_S);
+    printf("rank %d: PASS: mode %s: the %s failed after %.2f s (timeout %.1f s), no hang\n", rank_,
+           mode, where, t_fail, TIMEOUT_S);
   return ok;
+}
+
+/* W > 2: this survivor's verdict as a file DIR/rank-R holding 1 or 0. */
+static void write_verdict(const char *dir, int ok) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/rank-%d", dir, rank_);
+  FILE *f = fopen(path, "w");
+  if (f) {
+    fprintf(f, "%d\n", ok);
+    fclose(f);
+  }
+}
+
+/* Rank 0 with W > 2: waits (up to the guard) for every survivor's verdict;
+ * returns 1 when all of them passed. */
+static int all_verdicts(const char *dir) {
+  int pass = 1;
+  for (int r = 2; r < world_; r++) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/rank-%d", dir, r);
+    int v = -1;
+    while (v < 0) {
+      FILE *f = fopen(path, "r");
+      if (f) {
+        if (fscanf(f, "%d", &v) != 1) v = -1;
+        fclose(f);
+      }
+      if (v < 0) {
+        struct timespec t = {0, 50000000};
+        nanosleep(&t, NULL);
+      }
+    }
+    printf("rank 0: rank %d's verdict: %s\n", r, v ? "PASS" : "FAIL");
+    pass &= v == 1;
+  }
+  return pass;
 }
 
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
-  int world = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_size(MPI_COMM_WORLD, &world_);
   const char *mode = argc > 1 ? argv[1] : "stall-fwd";
+  const char *done_dir = argc > 2 ? argv[2] : NULL;
   const char *const modes[] = {"kill", "kill-fwd", "kill-bwd", "stall-fwd", "stall-bwd"};
   int known = 0;
   for (size_t m = 0; m < sizeof modes / sizeof modes[0]; m++) known |= strcmp(mode, modes[m]) == 0;
-  if (!known || world != 2) {
+  if (!known || world_ < 2 || (world_ > 2 && !done_dir)) {
     if (rank_ == 0)
       fprintf(stderr,
-              "usage: mpiexec -n 2 test_nccl_fault kill|kill-fwd|kill-bwd|stall-fwd|"
-              "stall-bwd (got '%s' on %d ranks)\n",
-              mode, world);
+              "usage: mpiexec -n W test_nccl_fault kill|kill-fwd|kill-bwd|stall-fwd|"
+              "stall-bwd [DONE_DIR] (W >= 2; DONE_DIR, an existing folder, when W > 2; got "
+              "'%s' on %d ranks%s)\n",
+              mode, world_, world_ > 2 && !done_dir ? " without DONE_DIR" : "");
     MPI_Finalize();
     return 2;
   }
-  if (!all_ranks(mtrain_cuda_device_count() >= 2)) {
+  if (!all_ranks(mtrain_cuda_device_count() >= world_)) {
     if (rank_ == 0)
-      printf("SKIPPED: 2 ranks need 2 GPUs of one host; %d visible\n", mtrain_cuda_device_count());
+      printf("SKIPPED: %d ranks need %d GPUs of one host; %d visible\n", world_, world_,
+             mtrain_cuda_device_count());
     MPI_Finalize();
     return 77;
   }
@@ -288,7 +333,7 @@ int main(int argc, char **argv) {
     printf("rank %d: FAIL: set-up: %s: %s\n", rank_, mtrain_status_name(st), mtrain_last_error());
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
-  /* the warm-up: both ranks, complete, twice (the second one timed) */
+  /* the warm-up: all ranks, complete, twice (the second one timed) */
   phase_ = 1;
   double t_fwd = 0, t_bwd = 0;
   for (int w = 0; w < 2 && !st; w++) {
@@ -304,12 +349,28 @@ int main(int argc, char **argv) {
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
   printf("rank %d: warm-up forward %.3f s, backward %.3f s\n", rank_, t_fwd, t_bwd);
+  /* the slowest rank's phase times: rank 1 fires its fault half-way through them */
+  double times[2] = {t_fwd, t_bwd};
+  MPI_Allreduce(MPI_IN_PLACE, times, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  t_fwd = times[0];
+  t_bwd = times[1];
   MPI_Barrier(MPI_COMM_WORLD);
   phase_ = 2;
   if (rank_ == 1) rank1_fault(&r, mode, t_fwd, t_bwd); /* does not return */
-  /* the bound: the iterations up to the fault, the timeout, a margin */
-  const double bound = 2.0 * (t_fwd + t_bwd) + TIMEOUT_S + 10.0;
-  const int ok = rank0_survive(&r, comm, mode, bound);
-  MPI_Abort(MPI_COMM_WORLD, ok ? 0 : 1); /* ends the peer too (asleep, or gone) */
+  /* the bound: the iterations up to the fault, the timeout, a margin; a
+   * survivor away from rank 1 may learn of the fault through a neighbour's
+   * abort, one more timeout later at most */
+  const double bound = 2.0 * (t_fwd + t_bwd) + (world_ > 2 ? 2.0 : 1.0) * TIMEOUT_S + 10.0;
+  int ok = survive(&r, comm, mode, bound);
+  if (world_ > 2) {
+    phase_ = 4;
+    if (rank_ != 0) {
+      write_verdict(done_dir, ok);
+      stall_here(0); /* rank 0 ends the job */
+      return 1;
+    }
+    ok &= all_verdicts(done_dir);
+  }
+  MPI_Abort(MPI_COMM_WORLD, ok ? 0 : 1); /* ends the peers too (asleep, or gone) */
   return ok ? 0 : 1;
 }
