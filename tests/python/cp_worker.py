@@ -102,6 +102,24 @@ def case_disagree(rank: int, world: int) -> dict[str, Any]:
     return {"status": "none", "message": ""}
 
 
+def case_layouts(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 striped, the others zigzag: equal slot counts (380 tokens, 12
+    blocks of G 32, a multiple of 2W for W = 2 and 3), so only the agreement on
+    the layout catches it (before it, the ring ran and gave wrong results);
+    every rank fails."""
+    del world
+    b = global_batch()
+    layout = "striped" if rank == 0 else "zigzag"
+    ql, _, info = mtrain.dispatch(b["q"][:380], dist.group.WORLD, layout=layout, granularity=G)
+    kl = mtrain.dispatch(b["k"][:380], info=info).local
+    res: dict[str, Any] = {"local_tokens": info.local_tokens}
+    try:
+        mtrain.attention(ql, kl, kl, **info.attention_kwargs())
+    except mtrain.MtrainError as e:
+        return {**res, "status": e.status, "message": e.message}
+    return {**res, "status": "none", "message": ""}
+
+
 def case_split(rank: int, world: int) -> dict[str, Any]:
     """mtrain_comm_split on the torch communicator (3 ranks): the even ranks
     {2, 0} (ordered by key) and {1}; contexts created on them check their
@@ -207,6 +225,7 @@ def case_hf(rank: int, world: int) -> dict[str, Any]:
 CASES = {
     "ring": case_ring,
     "disagree": case_disagree,
+    "layouts": case_layouts,
     "split": case_split,
     "timeout": case_timeout,
     "hf": case_hf,
