@@ -17,8 +17,9 @@ head dim 128, bf16 (fp32 on the CPU), causal, scale 1/sqrt(d). Methods (--method
   mtrain-dense   the same API with pattern=None (the dense causal pattern), zigzag layout.
   torch-cp       torch's own context parallel:
                  torch.distributed.tensor.experimental.context_parallel over a 1-d DeviceMesh,
-                 F.scaled_dot_product_attention(is_causal=True) under sdpa_kernel(--torch-cp-backend,
-                 flash by default) with torch's head-tail load balancing; the K/V rotation is
+                 F.scaled_dot_product_attention(is_causal=True) under
+                 sdpa_kernel(--torch-cp-backend, flash by default) with torch's head-tail load
+                 balancing; the K/V rotation is
                  --torch-cp-rotate (torch's default allgather). GQA: --torch-cp-gqa expand (k, v
                  repeated to Hq heads inside the step, as torchtitan's models do; default) or
                  native (enable_gqa=True). Which tokens a rank holds is taken from
@@ -80,8 +81,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 PROG = "bench_cp_torch"
 HERE = Path(__file__).resolve().parent
@@ -238,8 +239,11 @@ def time_step(env: Env, clock: Clock, step: Step, args: argparse.Namespace) -> d
         if i >= args.warmup:
             runs.append(t)
         elif env.rank == 0:
-            print(f"{PROG}:   warm-up {i + 1}: fwd {t[0]:.4f} s, fwd+bwd {t[1]:.4f} s (rank 0)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{PROG}:   warm-up {i + 1}: fwd {t[0]:.4f} s, fwd+bwd {t[1]:.4f} s (rank 0)",
+                file=sys.stderr,
+                flush=True,
+            )
     mine = torch.tensor(runs, dtype=torch.float64)
     slowest = collective_tensor(env, mine)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=env.group)
@@ -369,8 +373,17 @@ def bench_mtrain(env: Env, clock: Clock, args: argparse.Namespace, n: int, spars
     o.backward(dol)
     clock.sync()
     bs = last_stats(ctx)
-    mine = [fs.ring_seconds, fs.compute_seconds, fs.wait_seconds, float(fs.steps),
-            bs.ring_seconds, bs.compute_seconds, bs.wait_seconds, float(bs.steps), pairs]  # fmt: skip
+    mine = [
+        fs.ring_seconds,
+        fs.compute_seconds,
+        fs.wait_seconds,
+        float(fs.steps),
+        bs.ring_seconds,
+        bs.compute_seconds,
+        bs.wait_seconds,
+        float(bs.steps),
+        pairs,
+    ]
     rows = gather_floats(env, mine)
 
     def ratio(r: list[float], i: int) -> float:
@@ -379,17 +392,26 @@ def bench_mtrain(env: Env, clock: Clock, args: argparse.Namespace, n: int, spars
     res["ring_over_compute"] = {
         "fwd": max(ratio(r, 0) for r in rows),
         "bwd": max(ratio(r, 4) for r in rows),
-        "per_rank": [{"fwd_ring_s": r[0], "fwd_compute_s": r[1], "fwd_wait_s": r[2],
-                      "fwd_steps": r[3], "bwd_ring_s": r[4], "bwd_compute_s": r[5],
-                      "bwd_wait_s": r[6], "bwd_steps": r[7]} for r in rows],
+        "per_rank": [
+            {
+                "fwd_ring_s": r[0],
+                "fwd_compute_s": r[1],
+                "fwd_wait_s": r[2],
+                "fwd_steps": r[3],
+                "bwd_ring_s": r[4],
+                "bwd_compute_s": r[5],
+                "bwd_wait_s": r[6],
+                "bwd_steps": r[7],
+            }
+            for r in rows
+        ],
         "source": "mtrain_context_last_stats (C library), one untimed iteration after the runs",
-    }  # fmt: skip
+    }
     if sparse:
         total = sum(r[8] for r in rows)
         res["density"] = total / (hq * n * (n + 1) / 2)
         res["estimate"] = f"budgets {Path(args.budgets).name} layer {args.layer}, every iteration"
     res["layout"] = layout
-    del o, ql, kl, vl, dol, local
     return res
 
 
@@ -448,7 +470,7 @@ def torch_cp_sdpa(
     args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
     """F.scaled_dot_product_attention, causal, on [1, H, S, D] local shards (inside the context)."""
-    import torch.nn.functional as F  # noqa: N812 -- the usual alias
+    import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     g = q.shape[1] // k.shape[1]
@@ -484,8 +506,10 @@ def torch_cp_check(env: Env, args: argparse.Namespace) -> dict[str, Any]:
         got = {"o": o.detach(), "dq": ql.grad}
     # the reference outside the context: the same global tensors, the usual SDPA
     gen = generator(env, args.seed + 99)
-    full = [randn((1, h, n, args.head_dim), env, gen) for h in
-            (args.heads, args.kv_heads, args.kv_heads, args.heads)]  # fmt: skip
+    full = [
+        randn((1, h, n, args.head_dim), env, gen)
+        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    ]
     qf, kf, vf = (t.detach().requires_grad_() for t in full[:3])
     of = torch_cp_sdpa(args, qf, kf, vf)
     of.backward(full[3])
@@ -524,7 +548,6 @@ def bench_torch_cp(env: Env, clock: Clock, args: argparse.Namespace, n: int) -> 
 
         res.update(time_step(env, clock, step, args))
         res["peak_gib_per_rank"] = peak_per_rank(env)
-        del ql, kl, vl, dol
     res["ring_over_compute"] = None
     res["comm_note"] = NO_RING_STATS
     res["torch_cp"] = {
@@ -555,8 +578,9 @@ def bench_peer(env: Env, clock: Clock, args: argparse.Namespace, n: int) -> dict
     gqa = attn.probe_gqa(env.device, env.dtype, args.peer_gqa)
     ring = peer.Ring(env.rank, env.world)
     acc = torch.promote_types(env.dtype, torch.float32)
-    q, kv, do = peer.local_inputs(env.rank, env.world, n, hq, hkv, d, env.dtype, env.device,
-                                  args.seed + 7)  # fmt: skip
+    q, kv, do = peer.local_inputs(
+        env.rank, env.world, n, hq, hkv, d, env.dtype, env.device, args.seed + 7
+    )
     reset_peak(env)
 
     def step(c: Clock) -> dict[str, Any]:
@@ -622,18 +646,28 @@ def run_method(env: Env, clock: Clock, args: argparse.Namespace, method: str, n:
         outcome = ("failed", f"{type(e).__name__}: {first}"[:400])
         trace = traceback.format_exc()
     if method == "torch-cp" and env.device.type == "cpu" and outcome[0] == "failed":
-        outcome = ("skipped", "torch's context_parallel runs the CUDA SDPA kernels only (flash, "
-                   "memory-efficient, cuDNN); on the CPU: " + outcome[1])  # fmt: skip
+        outcome = (
+            "skipped",
+            "torch's context_parallel runs the CUDA SDPA kernels only (flash, "
+            "memory-efficient, cuDNN); on the CPU: " + outcome[1],
+        )
     elif trace:
-        print(f"{PROG}: [rank {env.rank}] {method} at N={n} failed:\n{trace}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"{PROG}: [rank {env.rank}] {method} at N={n} failed:\n{trace}",
+            file=sys.stderr,
+            flush=True,
+        )
     outcomes: list[Any] = [None] * env.world
     dist.all_gather_object(outcomes, outcome, group=env.group)
     bad = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
     if bad:
         r, (status, reason) = bad[0]
-        res = {"method": method, "seq_len": n, "status": status,
-               "reason": f"rank {r}: {reason}" if len(bad) < env.world else reason}  # fmt: skip
+        res = {
+            "method": method,
+            "seq_len": n,
+            "status": status,
+            "reason": f"rank {r}: {reason}" if len(bad) < env.world else reason,
+        }
         if method.startswith("mtrain") and status == "failed":
             import mtrain
 
@@ -669,13 +703,17 @@ def table(results: list[dict[str, Any]]) -> str:
             notes.append(f"{r['peer']['attention']}, gqa {r['peer']['gqa']}")
         if r.get("torch_cp"):
             t = r["torch_cp"]
-            notes.append(f"{t['backend']}, {t['rotate']}, gqa {t['gqa']}"
-                         + ("" if t["head_tail_load_balance"] else ", NOT load-balanced"))  # fmt: skip
+            notes.append(
+                f"{t['backend']}, {t['rotate']}, gqa {t['gqa']}"
+                + ("" if t["head_tail_load_balance"] else ", NOT load-balanced")
+            )
         if r.get("check"):
             e = r["check"]["max_rel_err"]
             notes.append(f"check N={r['check']['n']}: o {e['o']:.1e}, dq {e['dq']:.1e}")
         rc = r.get("ring_over_compute")
-        ring = f"{rc['fwd']:.3f}, {rc['bwd']:.3f}" if rc else ("n/a" if r["status"] == "ok" else "-")
+        ring = (
+            f"{rc['fwd']:.3f}, {rc['bwd']:.3f}" if rc else ("n/a" if r["status"] == "ok" else "-")
+        )
         peak = max(r["peak_gib_per_rank"]) if r.get("peak_gib_per_rank") else None
         lines.append(
             f"| {r['seq_len']} | {r['method']} | {r['status']} | {cell(r.get('fwd_s'), '.4f')} "
@@ -697,11 +735,14 @@ def main() -> None:
     except Exception as e:  # the mtrain methods will report it
         lib = f"unavailable ({type(e).__name__}: {e})"
     if env.rank == 0:
-        print(f"{PROG}: W={env.world} {env.device.type} ({name}), torch {torch.__version__}, "
-              f"{str(env.dtype).replace('torch.', '')}, {args.heads}:{args.kv_heads} heads, d "
-              f"{args.head_dim}, causal; N {args.seq_lens}; methods {args.methods}; warm-up "
-              f"{args.warmup}, reps {args.reps}; libmtrain {lib}; NCCL_NVLS_ENABLE="
-              f"{os.environ.get('NCCL_NVLS_ENABLE')}", flush=True)  # fmt: skip
+        print(
+            f"{PROG}: W={env.world} {env.device.type} ({name}), torch {torch.__version__}, "
+            f"{str(env.dtype).replace('torch.', '')}, {args.heads}:{args.kv_heads} heads, d "
+            f"{args.head_dim}, causal; N {args.seq_lens}; methods {args.methods}; warm-up "
+            f"{args.warmup}, reps {args.reps}; libmtrain {lib}; NCCL_NVLS_ENABLE="
+            f"{os.environ.get('NCCL_NVLS_ENABLE')}",
+            flush=True,
+        )
     results = []
     for n in args.seq_lens:
         for method in args.methods:
@@ -711,32 +752,58 @@ def main() -> None:
             results.append(r)
             if env.rank == 0:
                 extra = r.get("reason", "")
-                print(f"{PROG}: {method} at N={n}: {r['status']} {extra} "
-                      f"fwd {cell(r.get('fwd_s'), '.4f')} s, fwd+bwd "
-                      f"{cell(r.get('fwdbwd_s'), '.4f')} s ({r['wall_s']:.1f} s)", flush=True)  # fmt: skip
+                print(
+                    f"{PROG}: {method} at N={n}: {r['status']} {extra} "
+                    f"fwd {cell(r.get('fwd_s'), '.4f')} s, fwd+bwd "
+                    f"{cell(r.get('fwdbwd_s'), '.4f')} s ({r['wall_s']:.1f} s)",
+                    flush=True,
+                )
     failed = [r for r in results if r["status"] == "failed"]
     if env.rank == 0:
         print()
         print(table(results))
         print()
-        print("ring/compute: the C library's ring time over the steps' summed compute "
-              "(mtrain_context_last_stats, max over ranks; 1.00 = transfers hidden). "
-              f"torch-cp, ring-peer: {NO_RING_STATS}.", flush=True)  # fmt: skip
+        print(
+            "ring/compute: the C library's ring time over the steps' summed compute "
+            "(mtrain_context_last_stats, max over ranks; 1.00 = transfers hidden). "
+            f"torch-cp, ring-peer: {NO_RING_STATS}.",
+            flush=True,
+        )
         if args.json:
             doc = {
-                "tool": PROG, "world": env.world, "device": env.device.type, "device_name": name,
-                "torch": torch.__version__, "libmtrain": lib, "dtype": str(env.dtype)[6:],
-                "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                "causal": True, "granularity": args.granularity, "budgets": args.budgets,
-                "layer": args.layer, "reps": args.reps, "warmup": args.warmup,
-                "seq_lens": args.seq_lens, "methods": args.methods,
+                "tool": PROG,
+                "world": env.world,
+                "device": env.device.type,
+                "device_name": name,
+                "torch": torch.__version__,
+                "libmtrain": lib,
+                "dtype": str(env.dtype)[6:],
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "head_dim": args.head_dim,
+                "causal": True,
+                "granularity": args.granularity,
+                "budgets": args.budgets,
+                "layer": args.layer,
+                "reps": args.reps,
+                "warmup": args.warmup,
+                "seq_lens": args.seq_lens,
+                "methods": args.methods,
                 "timing": "CUDA events (perf_counter on the CPU); per run the slowest rank; "
-                          "median of runs; fwd and fwd+bwd from the same runs",
-                "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",
-                        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                        "MTRAIN_COMM_TIMEOUT", "MTRAIN_NUM_THREADS")},
-                "results": results, "failed": len(failed),
-            }  # fmt: skip
+                "median of runs; fwd and fwd+bwd from the same runs",
+                "env": {
+                    k: os.environ.get(k)
+                    for k in (
+                        "NCCL_NVLS_ENABLE",
+                        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                        "NVSHMEM_DISABLE_NVLS",
+                        "MTRAIN_COMM_TIMEOUT",
+                        "MTRAIN_NUM_THREADS",
+                    )
+                },
+                "results": results,
+                "failed": len(failed),
+            }
             Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
     status = 1 if failed else 0
     try:

@@ -470,8 +470,12 @@ def compare(got: Result, refs: Refs, src: Source, dtype_name: str) -> dict[str, 
     for name in OUTPUTS:
         e, m = max_err(got.out[name], refs.single.out[name])
         passed = e <= tol * m
-        row["vs_single"][name] = {"err": e, "max_ref": m, "rel": e / m if m > 0 else e,
-                                  "passed": passed}  # fmt: skip
+        row["vs_single"][name] = {
+            "err": e,
+            "max_ref": m,
+            "rel": e / m if m > 0 else e,
+            "passed": passed,
+        }
         ok &= passed
     if refs.ref64 is not None:
         row["vs_fp64"] = {}
@@ -483,8 +487,13 @@ def compare(got: Result, refs: Refs, src: Source, dtype_name: str) -> dict[str, 
                 e_naive, _ = max_err(refs.naive[name], refs.ref64[name])
                 bound = max(bound, 2 * e_naive)
             passed = e <= bound
-            row["vs_fp64"][name] = {"err": e, "max_ref": m, "e_naive": e_naive, "bound": bound,
-                                    "passed": passed}  # fmt: skip
+            row["vs_fp64"][name] = {
+                "err": e,
+                "max_ref": m,
+                "e_naive": e_naive,
+                "bound": bound,
+                "passed": passed,
+            }
             ok &= passed
     row["passed"] = bool(ok)
     return row
@@ -532,8 +541,11 @@ def run_cases(env: Env, args: argparse.Namespace, cfg: dict[str, Any]) -> list[d
                     if budget_heads is None:
                         budget_heads = budget_file_heads(args.budgets, args.layer)
                     if budget_heads != hq:
-                        log(env, f"{PROG}: source budgets skipped: layer {args.layer} of "
-                                 f"{args.budgets} has {budget_heads} query heads, --heads is {hq}")  # fmt: skip
+                        log(
+                            env,
+                            f"{PROG}: source budgets skipped: layer {args.layer} of "
+                            f"{args.budgets} has {budget_heads} query heads, --heads is {hq}",
+                        )
                         continue
                     src.budgets, src.layer = args.budgets, args.layer
                 elif sname == "blockmask":
@@ -548,15 +560,23 @@ def run_cases(env: Env, args: argparse.Namespace, cfg: dict[str, Any]) -> list[d
                 if env.rank == 0:
                     try:
                         refs = make_refs(b, src, g, dtype_name, env.device, args)
-                        log(env, f"{PROG}: references of {sname} d{d} {dtype_name}: one device "
-                                 f"+ fp64 ({refs.ref64_kind}) in {refs.seconds:.1f} s; pattern density "
-                                 f"{refs.density:.4f}")  # fmt: skip
+                        log(
+                            env,
+                            f"{PROG}: references of {sname} d{d} {dtype_name}: one device "
+                            f"+ fp64 ({refs.ref64_kind}) in {refs.seconds:.1f} s; pattern density "
+                            f"{refs.density:.4f}",
+                        )
                     except Exception:
                         err = traceback.format_exc()
                 errs = gather_errors(env, err)  # also the barrier while rank 0 computes
                 for layout in cfg["layouts"]:
-                    row: dict[str, Any] = {"layout": layout, "source": sname, "head_dim": d,
-                                           "dtype": dtype_name, "seed": seed}  # fmt: skip
+                    row: dict[str, Any] = {
+                        "layout": layout,
+                        "source": sname,
+                        "head_dim": d,
+                        "dtype": dtype_name,
+                        "seed": seed,
+                    }
                     if errs[0] is not None:
                         row["error"] = f"rank 0, the single-device reference:\n{errs[0]}"
                         row["passed"] = False
@@ -576,8 +596,12 @@ def run_cases(env: Env, args: argparse.Namespace, cfg: dict[str, Any]) -> list[d
                         row["error"] = f"rank {r}:\n{e}"
                         row["passed"] = False
                         if env.rank == 0:
-                            print(f"{PROG}: case {layout} {sname} d{d} {dtype_name} failed on "
-                                  f"rank {r}:\n{e}", file=sys.stderr, flush=True)  # fmt: skip
+                            print(
+                                f"{PROG}: case {layout} {sname} d{d} {dtype_name} failed on "
+                                f"rank {r}:\n{e}",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                         mtrain.reset()  # a failed collective leaves the communicator unusable
                     elif env.rank == 0:
                         assert got is not None and refs is not None
@@ -633,19 +657,35 @@ def error_checks(env: Env, cfg: dict[str, Any], args: argparse.Namespace) -> lis
     n = 4 * w * g - 3
     q, k = qkv(n)
     lay = "striped" if env.rank == 0 else "zigzag"
-    checks.append(("layouts differ (rank 0 striped, the others zigzag; equal slot counts)",
-                   "MTRAIN_ERR_INVALID_CONFIG", "layout",
-                   lambda: attend(q, k, layout=lay, granularity=g)))  # fmt: skip
+    checks.append(
+        (
+            "layouts differ (rank 0 striped, the others zigzag; equal slot counts)",
+            "MTRAIN_ERR_INVALID_CONFIG",
+            "layout",
+            lambda: attend(q, k, layout=lay, granularity=g),
+        )
+    )
     # 2. granularities
     gr = g if env.rank == 0 else 2 * g
-    checks.append(("granularities differ (rank 0 G, the others 2G)", "MTRAIN_ERR_INVALID_CONFIG",
-                   "granularity", lambda: attend(q, k, layout="striped", granularity=gr)))  # fmt: skip
+    checks.append(
+        (
+            "granularities differ (rank 0 G, the others 2G)",
+            "MTRAIN_ERR_INVALID_CONFIG",
+            "granularity",
+            lambda: attend(q, k, layout="striped", granularity=gr),
+        )
+    )
     # 3. batches: the same tokens, cut into two sequences at different places
     cut = g + 5 if env.rank == 0 else 2 * g + 5
     cu = torch.tensor([0, cut, n])
-    checks.append(("batches differ (cu_seqlens [0, G+5, n] on rank 0, [0, 2G+5, n] on the others)",
-                   "MTRAIN_ERR_SHAPE_MISMATCH", "",
-                   lambda: attend(q, k, layout="striped", granularity=g, cu_seqlens=cu)))  # fmt: skip
+    checks.append(
+        (
+            "batches differ (cu_seqlens [0, G+5, n] on rank 0, [0, 2G+5, n] on the others)",
+            "MTRAIN_ERR_SHAPE_MISMATCH",
+            "",
+            lambda: attend(q, k, layout="striped", granularity=g, cu_seqlens=cu),
+        )
+    )
     out = []
     for what, status, word, fn in checks:
         try:
@@ -699,21 +739,33 @@ def main() -> None:
 
     cfg = config(args, env)
     n = sum(cfg["seq_lens"])
-    log(env, f"{PROG}: W={env.world} device={env.device.type} "
-             f"({torch.cuda.get_device_name(env.device) if env.device.type == 'cuda' else 'cpu'}) "
-             f"backend={dist.get_backend()} torch={torch.__version__} "
-             f"libmtrain={mtrain.library_path()}")  # fmt: skip
-    log(env, f"{PROG}: batch {cfg['seq_lens']} ({n} tokens; W*G = {env.world * cfg['granularity']}), "
-             f"heads {args.heads}:{args.kv_heads}, head dims {cfg['head_dims']}, dtypes "
-             f"{cfg['dtypes']}, G {cfg['granularity']}, layouts {cfg['layouts']}, sources "
-             f"{cfg['sources']} (topk {cfg['topk']}, budgets layer {args.layer}, block density "
-             f"{args.block_density}); seed {args.seed}; fp64 reference {args.ref64}")  # fmt: skip
+    log(
+        env,
+        f"{PROG}: W={env.world} device={env.device.type} "
+        f"({torch.cuda.get_device_name(env.device) if env.device.type == 'cuda' else 'cpu'}) "
+        f"backend={dist.get_backend()} torch={torch.__version__} "
+        f"libmtrain={mtrain.library_path()}",
+    )
+    log(
+        env,
+        f"{PROG}: batch {cfg['seq_lens']} ({n} tokens; W*G = {env.world * cfg['granularity']}), "
+        f"heads {args.heads}:{args.kv_heads}, head dims {cfg['head_dims']}, dtypes "
+        f"{cfg['dtypes']}, G {cfg['granularity']}, layouts {cfg['layouts']}, sources "
+        f"{cfg['sources']} (topk {cfg['topk']}, budgets layer {args.layer}, block density "
+        f"{args.block_density}); seed {args.seed}; fp64 reference {args.ref64}",
+    )
     if args.perturb_rank >= 0:
-        log(env, f"{PROG}: TEST MODE: rank {args.perturb_rank}'s local q is perturbed (+0.5): "
-                 "every case must fail")  # fmt: skip
+        log(
+            env,
+            f"{PROG}: TEST MODE: rank {args.perturb_rank}'s local q is perturbed (+0.5): "
+            "every case must fail",
+        )
     tols = ", ".join(f"{k} {v:.3g}" for k, v in DIST_TOL.items())
-    log(env, f"{PROG}: columns o..dv: max|group - one device| / max|one device| (bound: {tols}); "
-             "fp64: the worst max|group - fp64| / bound over the five (pass <= 1)")  # fmt: skip
+    log(
+        env,
+        f"{PROG}: columns o..dv: max|group - one device| / max|one device| (bound: {tols}); "
+        "fp64: the worst max|group - fp64| / bound over the five (pass <= 1)",
+    )
     log(env, "| case | patterns | o | lse | dq | dk | dv | fp64 | result |")
     log(env, "|---|---|---|---|---|---|---|---|---|")
     t0 = time.perf_counter()
@@ -723,16 +775,28 @@ def main() -> None:
     if env.rank == 0:
         failed = [r for r in rows if not r.get("passed")]
         cfailed = [c for c in checks if not c["passed"]]
-        print(f"{PROG}: {len(rows)} cases, {len(failed)} failed; {len(checks)} error checks, "
-              f"{len(cfailed)} failed; {time.perf_counter() - t0:.1f} s: "
-              f"{'PASS' if not failed and not cfailed and rows else 'FAIL'}", flush=True)  # fmt: skip
+        print(
+            f"{PROG}: {len(rows)} cases, {len(failed)} failed; {len(checks)} error checks, "
+            f"{len(cfailed)} failed; {time.perf_counter() - t0:.1f} s: "
+            f"{'PASS' if not failed and not cfailed and rows else 'FAIL'}",
+            flush=True,
+        )
         status = 0 if rows and not failed and not cfailed else 1
         if args.json:
-            doc = {"world": env.world, "device": str(env.device), "torch": torch.__version__,
-                   "seed": args.seed, "config": cfg, "heads": args.heads,
-                   "kv_heads": args.kv_heads, "ref64": args.ref64,
-                   "perturb_rank": args.perturb_rank, "cases": rows, "error_checks": checks,
-                   "passed": status == 0}  # fmt: skip
+            doc = {
+                "world": env.world,
+                "device": str(env.device),
+                "torch": torch.__version__,
+                "seed": args.seed,
+                "config": cfg,
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "ref64": args.ref64,
+                "perturb_rank": args.perturb_rank,
+                "cases": rows,
+                "error_checks": checks,
+                "passed": status == 0,
+            }
             Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
     st = torch.tensor([status], device=env.device if env.device.type == "cuda" else "cpu")
     dist.broadcast(st, 0, group=env.group)
