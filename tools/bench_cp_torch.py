@@ -272,7 +272,8 @@ def gather_floats(env: Env, x: list[float]) -> list[list[float]]:
 
 
 def randn(shape: tuple[int, ...], env: Env, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen, device=env.device, dtype=torch.float32).to(env.dtype)
+    """N(0, 1) in the run's dtype, drawn on the device (the same on every rank)."""
+    return torch.randn(*shape, generator=gen, device=env.device, dtype=env.dtype)
 
 
 def generator(env: Env, seed: int) -> torch.Generator:
@@ -342,71 +343,52 @@ def bench_mtrain(env: Env, clock: Clock, args: argparse.Namespace, n: int, spars
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
     kw = info.attention_kwargs()
     reset_peak(env)
+    # the C library's statistics of the last call, read after each forward and backward (the
+    # ring's calls return after reading their device timers: no synchronisation is added)
+    stats: list[list[float]] = []
+    ctx: list[Any] = []
 
     def step(c: Clock) -> dict[str, Any]:
         m = {"start": c.mark()}
+        pairs = math.nan
         if sparse:
             plan = mtrain.estimate_pattern(ql, kl, args.budgets, args.layer, **kw)
             m["est"] = c.mark()
+            pairs = float(plan.computed_pairs)
             o = mtrain.attention(ql, kl, vl, pattern=plan)
         else:
             o = mtrain.attention(ql, kl, vl, **kw)
         m["fwd"] = c.mark()
+        if not ctx:
+            ctx.append(group_context(env))
+        fs = last_stats(ctx[0])
         o.backward(dol)
         m["bwd"] = c.mark()
+        bs = last_stats(ctx[0])
+        stats.append([fs.ring_seconds, fs.compute_seconds, fs.wait_seconds, float(fs.steps),
+                      bs.ring_seconds, bs.compute_seconds, bs.wait_seconds, float(bs.steps),
+                      pairs])  # fmt: skip
         ql.grad = kl.grad = vl.grad = None
         return m  # the plan and the graph die here: the next iteration estimates and plans anew
 
     res = time_step(env, clock, step, args)
     res["peak_gib_per_rank"] = peak_per_rank(env)
-    # one more iteration, untimed: the C library's ring statistics and the plan's pairs
-    if sparse:
-        plan = mtrain.estimate_pattern(ql, kl, args.budgets, args.layer, **kw)
-        pairs = float(plan.computed_pairs)
-        o = mtrain.attention(ql, kl, vl, pattern=plan)
-    else:
-        pairs = math.nan
-        o = mtrain.attention(ql, kl, vl, **kw)
-    clock.sync()
-    ctx = group_context(env)
-    fs = last_stats(ctx)
-    o.backward(dol)
-    clock.sync()
-    bs = last_stats(ctx)
-    mine = [
-        fs.ring_seconds,
-        fs.compute_seconds,
-        fs.wait_seconds,
-        float(fs.steps),
-        bs.ring_seconds,
-        bs.compute_seconds,
-        bs.wait_seconds,
-        float(bs.steps),
-        pairs,
-    ]
-    rows = gather_floats(env, mine)
+    rows = gather_floats(env, stats[-1])  # the last timed iteration
 
     def ratio(r: list[float], i: int) -> float:
         return r[i] / r[i + 1] if r[i + 1] > 0 else math.nan
 
+    keys = ("ring_s", "compute_s", "wait_s", "steps")
     res["ring_over_compute"] = {
         "fwd": max(ratio(r, 0) for r in rows),
         "bwd": max(ratio(r, 4) for r in rows),
         "per_rank": [
-            {
-                "fwd_ring_s": r[0],
-                "fwd_compute_s": r[1],
-                "fwd_wait_s": r[2],
-                "fwd_steps": r[3],
-                "bwd_ring_s": r[4],
-                "bwd_compute_s": r[5],
-                "bwd_wait_s": r[6],
-                "bwd_steps": r[7],
-            }
+            {**{f"fwd_{k}": r[i] for i, k in enumerate(keys)},
+             **{f"bwd_{k}": r[4 + i] for i, k in enumerate(keys)}}
             for r in rows
         ],
-        "source": "mtrain_context_last_stats (C library), one untimed iteration after the runs",
-    }
+        "source": "mtrain_context_last_stats (C library) of the last timed iteration",
+    }  # fmt: skip
     if sparse:
         total = sum(r[8] for r in rows)
         res["density"] = total / (hq * n * (n + 1) / 2)
@@ -448,6 +430,9 @@ def sdpa_backend(name: str) -> Any:
     }[name]
 
 
+_MESH: list[Any] = []  # one DeviceMesh over the world for every torch-cp run
+
+
 @contextlib.contextmanager
 def torch_cp_positions(env: Env, args: argparse.Namespace, n: int) -> Iterator[torch.Tensor]:
     """Inside torch's context_parallel for a sequence of n tokens: yields the global positions
@@ -460,7 +445,9 @@ def torch_cp_positions(env: Env, args: argparse.Namespace, n: int) -> Iterator[t
     except ImportError as e:
         if args.torch_cp_rotate != "allgather":
             raise Skip(f"torch {torch.__version__}: no set_rotate_method ({e})") from e
-    mesh = init_device_mesh(env.device.type, (env.world,))
+    if not _MESH:
+        _MESH.append(init_device_mesh(env.device.type, (env.world,)))
+    mesh = _MESH[0]
     pos = torch.arange(n, device=env.device, dtype=torch.int64).view(1, n)
     with context_parallel(mesh, buffers=[pos], buffer_seq_dims=[1], no_restore_buffers={pos}):
         yield pos.view(-1).clone()
