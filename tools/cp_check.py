@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", help="fp32, bf16, fp16 (GPU bf16,fp16; CPU fp32)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="layouts (all four)")
     p.add_argument("--sources", default=",".join(SOURCES), help="pattern sources (all four)")
-    p.add_argument("--topk", help="V,S of mtrain.TopK for the topk source (GPU 256,512; CPU 8,48)")
+    p.add_argument("--topk", help="V,S of mtrain.TopK for the topk source (GPU 1024,128; CPU 8,48)")
     p.add_argument("--last-q", type=int, default=64, help="estimate: voting queries (64)")
     p.add_argument("--budgets", default=str(DEFAULT_BUDGETS), help="budget file (Qwen2.5-3B)")
     p.add_argument("--layer", type=int, default=31, help="budget file layer (31)")
@@ -722,7 +722,7 @@ def config(args: argparse.Namespace, env: Env) -> dict[str, Any]:
         "dtypes": words(args.dtypes) if args.dtypes else (["bf16", "fp16"] if gpu else ["fp32"]),
         "layouts": words(args.layouts),
         "sources": words(args.sources),
-        "topk": ints(args.topk) if args.topk else ([256, 512] if gpu else [8, 48]),
+        "topk": ints(args.topk) if args.topk else ([1024, 128] if gpu else [8, 48]),
     }
     if len(cfg["topk"]) != 2:
         die("--topk takes V,S")
