@@ -553,6 +553,8 @@ def bench_peer(env: Env, clock: Clock, args: argparse.Namespace, n: int) -> dict
     sys.path.insert(0, str(HERE))
     import bench_ring_torch_peer as peer
 
+    if env.world < 2:
+        raise Skip("the peer's ring needs 2 or more ranks (it sends to itself otherwise)")
     if n % (2 * env.world):
         raise Skip(f"N = {n} is not a multiple of 2W = {2 * env.world} (the peer's zigzag chunks)")
     hq, hkv, d = args.heads, args.kv_heads, args.head_dim
