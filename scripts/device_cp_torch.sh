@@ -4,8 +4,9 @@
 # check and the benchmark"). Builds nothing: it assumes `bash scripts/device_cuda.sh build` has
 # built build-cuda/libmtrain.so (with the NCCL communicator; MTRAIN_LIBRARY overrides the path)
 # and that /tmp/deps holds the unpacked dependencies (device_cuda.sh unpacks .device/debs there);
-# python3 (or $PYTHON) with torch and CUDA, torchrun on the PATH (or $PYTHON -m torch.distributed.run).
-# With W = the GPUs on the host, the package from python/ (PYTHONPATH), one process per GPU:
+# python3 (or $PYTHON) with torch and CUDA; torchrun on the PATH (else $PYTHON -m
+# torch.distributed.run). With W = the GPUs on the host, the package from python/ (PYTHONPATH),
+# one process per GPU:
 #  1. tools/cp_check.py on W GPUs (NCCL): mtrain's context parallel against one GPU, a packed
 #     batch of 7001 + 5003 + 2950 tokens, 16:2 heads, head dims 128 and 64, bf16 and fp16, the
 #     four layouts and the four pattern sources, the fp64 reference, the error paths;
@@ -19,17 +20,18 @@
 #     MTRAIN_CP_DENSE_1M=0 leaves them out (mtrain's dense ring stays: it is the baseline of the
 #     speed-up).
 # MTRAIN_CP_CHECK_ARGS and MTRAIN_CP_BENCH_ARGS are appended to the tools' arguments (a later
-# option wins: --seq-lens 8192 makes a short trial). Each step has its own timeout, cut to what is left of $MTRAIN_CP_DEADLINE seconds (default
-# 540) since the start; logs in $OUT (default build-cuda/device-out), five files: cp-check-wW.log,
-# cp-check-w2.log, cp-bench.log, cp-bench.json (128K and 512K), cp-bench-1m.json; a summary is
-# printed last. Expected: about 6 minutes on 4 H100s. Exit status 0 when every step passed.
+# option wins: --seq-lens 8192 makes a short trial). Each step has its own timeout, cut to what
+# is left of $MTRAIN_CP_DEADLINE seconds (default 540) since the start; logs in $OUT (default
+# build-cuda/device-out), five files: cp-check-wW.log, cp-check-w2.log, cp-bench.log,
+# cp-bench.json (128K and 512K), cp-bench-1m.json; a summary is printed last. Expected: about 6
+# minutes on 4 H100s. Exit status 0 when every step passed.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-build-cuda/device-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:/tmp/deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export MTRAIN_LIBRARY=${MTRAIN_LIBRARY:-build-cuda/libmtrain.so}
+export MTRAIN_LIBRARY=${MTRAIN_LIBRARY:-$PWD/build-cuda/libmtrain.so}
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
 export MTRAIN_COMM_TIMEOUT=${MTRAIN_COMM_TIMEOUT:-120}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
