@@ -551,6 +551,7 @@ def run_cases(env: Env, args: argparse.Namespace, cfg: dict[str, Any]) -> list[d
                     src.budgets, src.layer = args.budgets, args.layer
                 elif sname == "blockmask":
                     mseed = seed + 17
+                    log(env, f"{PROG}: block masks seed {mseed} (density {args.block_density})")
                     src.masks = block_masks(lens, hq, g, args.block_density, mseed)
                     src.patterns = [
                         mtrain.block_mask_pattern(m, n, g)
