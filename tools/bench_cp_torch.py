@@ -729,7 +729,7 @@ def main() -> None:
             f"{PROG}: W={env.world} {env.device.type} ({name}), torch {torch.__version__}, "
             f"{str(env.dtype).replace('torch.', '')}, {args.heads}:{args.kv_heads} heads, d "
             f"{args.head_dim}, causal; N {args.seq_lens}; methods {args.methods}; warm-up "
-            f"{args.warmup}, reps {args.reps}; libmtrain {lib}; NCCL_NVLS_ENABLE="
+            f"{args.warmup}, reps {args.reps}; seed {args.seed}; libmtrain {lib}; NCCL_NVLS_ENABLE="
             f"{os.environ.get('NCCL_NVLS_ENABLE')}",
             flush=True,
         )
@@ -779,6 +779,7 @@ def main() -> None:
                 "warmup": args.warmup,
                 "seq_lens": args.seq_lens,
                 "methods": args.methods,
+                "seed": args.seed,
                 "timing": "CUDA events (perf_counter on the CPU); per run the slowest rank; "
                 "median of runs; fwd and fwd+bwd from the same runs",
                 "env": {
