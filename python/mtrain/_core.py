@@ -554,7 +554,12 @@ def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
     from . import _comm
 
     comm = _comm.communicator(opts.group, dev)
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+    # the layout and the ring schedule are compared too (not part of the
+    # context, but of every plan made with it): the library's plan checks the
+    # ranks' slot counts only, and two layouts of equal counts (striped and
+    # zigzag) ran without an error and with wrong results
+    agreed = (key, opts.layout, opts.ranks_per_node)
+    digest = hashlib.blake2b(repr(agreed).encode(), digest_size=16).digest()
     same, all_cached = comm.agree_context(digest, ctx is not None)
     if same and all_cached:
         assert ctx is not None
@@ -564,7 +569,8 @@ def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
         raise L.fail(
             L.ERR_INVALID_CONFIG,
             f"the ranks ask for different contexts (this rank: backend {backend}, granularity "
-            f"{opts.granularity}, softmax_scale {opts.scale}, deterministic {opts.deterministic})",
+            f"{opts.granularity}, softmax_scale {opts.scale}, deterministic {opts.deterministic}, "
+            f"layout {opts.layout}, ranks_per_node {opts.ranks_per_node})",
         )
     with _lock:
         _contexts[key] = fresh

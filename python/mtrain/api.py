@@ -370,6 +370,10 @@ def attention(
             n = int(batched[1]) * world if batched else int(q3.shape[0]) * world
             if seq_len is not None:
                 n = seq_len
+            elif cu is not None and batched is None:
+                # packed: the global offsets give the length (under a group the local
+                # slots times the world include the layout's padding)
+                n = int(cu[-1])
             pats = _as_patterns(pattern, n, granularity or 128)
             g = pats[0].granularity
             if granularity is not None and granularity != g:

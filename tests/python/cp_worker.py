@@ -102,6 +102,43 @@ def case_disagree(rank: int, world: int) -> dict[str, Any]:
     return {"status": "none", "message": ""}
 
 
+def case_layouts(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 striped, the others zigzag: equal slot counts (380 tokens, 12
+    blocks of G 32, a multiple of 2W for W = 2 and 3), so only the agreement on
+    the layout catches it (before it, the ring ran and gave wrong results);
+    every rank fails."""
+    del world
+    b = global_batch()
+    layout = "striped" if rank == 0 else "zigzag"
+    ql, _, info = mtrain.dispatch(b["q"][:380], dist.group.WORLD, layout=layout, granularity=G)
+    kl = mtrain.dispatch(b["k"][:380], info=info).local
+    res: dict[str, Any] = {"local_tokens": info.local_tokens}
+    try:
+        mtrain.attention(ql, kl, kl, **info.attention_kwargs())
+    except mtrain.MtrainError as e:
+        return {**res, "status": e.status, "message": e.message}
+    return {**res, "status": "none", "message": ""}
+
+
+def case_block_mask(rank: int, world: int) -> dict[str, Any]:
+    """A bool block mask as pattern= for one sequence of 301 tokens (not a multiple of W * G:
+    the layout pads it), with the dispatch's attention_kwargs; the output gathered back."""
+    del rank, world
+    q, k, v, mask = block_mask_batch()
+    ql, _, info = mtrain.dispatch(q, dist.group.WORLD, layout="striped", granularity=G)
+    kl, vl = (mtrain.dispatch(t, info=info).local for t in (k, v))
+    o = mtrain.attention(ql, kl, vl, pattern=mask, **info.attention_kwargs())
+    return {"o": mtrain.undispatch(o, info)}
+
+
+def block_mask_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    n, nb = 301, -(-301 // G)
+    q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
+    mask = (torch.rand(HQ, nb, nb, generator=g) < 0.3).tril()
+    return q, k, v, mask
+
+
 def case_split(rank: int, world: int) -> dict[str, Any]:
     """mtrain_comm_split on the torch communicator (3 ranks): the even ranks
     {2, 0} (ordered by key) and {1}; contexts created on them check their
@@ -207,6 +244,8 @@ def case_hf(rank: int, world: int) -> dict[str, Any]:
 CASES = {
     "ring": case_ring,
     "disagree": case_disagree,
+    "layouts": case_layouts,
+    "block_mask": case_block_mask,
     "split": case_split,
     "timeout": case_timeout,
     "hf": case_hf,

@@ -78,7 +78,7 @@ def assert_ring_matches(got: dict[str, Any], ref: dict[str, Any], what: str) -> 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_against_single_process(world: int, tmp_path: Path) -> None:
     print(f"seeds: batch 77, batched 5; world {world}")
-    cases = ["ring", "disagree", "split"] if world == 3 else ["ring", "disagree"]
+    cases = ["ring", "disagree", "layouts", "block_mask"] + (["split"] if world == 3 else [])
     results = spawn(world, cases, tmp_path)
     ref = single_process()
     n = sum(cp_worker.LENS)
@@ -99,6 +99,16 @@ def test_ring_against_single_process(world: int, tmp_path: Path) -> None:
         dis = res["disagree"]
         assert dis["status"] == "MTRAIN_ERR_INVALID_CONFIG", dis
         assert "granularity" in dis["message"]
+        # different layouts of equal slot counts: refused on every rank
+        lay = res["layouts"]
+        assert lay["local_tokens"] == results[0]["layouts"]["local_tokens"], lay
+        assert lay["status"] == "MTRAIN_ERR_INVALID_CONFIG", lay
+        assert "layout" in lay["message"], lay
+        # a bool block mask as pattern= for a sequence the layout pads
+        q, k, v, mask = cp_worker.block_mask_batch()
+        want = mtrain.attention(q, k, v, pattern=mask, granularity=cp_worker.G)
+        e = (res["block_mask"]["o"] - want).abs().max().item()
+        assert e <= 1e-5 * want.abs().max().item(), f"rank {r} block mask: {e:.3e}"
     for layout in cp_worker.LAYOUTS:
         rows = torch.cat([res["ring"][layout]["rows"] for res in results])
         assert sorted(rows[rows >= 0].tolist()) == list(range(n)), layout
