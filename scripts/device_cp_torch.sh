@@ -19,6 +19,8 @@
 #     (dense, several seconds per iteration) only when MTRAIN_CP_DENSE_1M=1 (the default);
 #     MTRAIN_CP_DENSE_1M=0 leaves them out (mtrain's dense ring stays: it is the baseline of the
 #     speed-up).
+# MTRAIN_CP_STEPS picks the steps (default "check bench bench1m": 1-2, 3, 4), so that the
+# checks and the benchmark can go in two device commands on the same machine.
 # MTRAIN_CP_CHECK_ARGS and MTRAIN_CP_BENCH_ARGS are appended to the tools' arguments (a later
 # option wins: --seq-lens 8192 makes a short trial). Each step has its own timeout, cut to what
 # is left of $MTRAIN_CP_DEADLINE seconds (default 540) since the start; logs in $OUT (default
@@ -94,11 +96,14 @@ step() {
   return $rc
 }
 
+steps=" ${MTRAIN_CP_STEPS:-check bench bench1m} "
 chk="$OUT/cp-check-w$W.log"
+if [[ $steps == *" check "* ]]; then
 : > "$chk"
 # shellcheck disable=SC2086 # the extra arguments are words
 step "cp_check W=$W" 150 "$chk" "$W" tools/cp_check.py ${MTRAIN_CP_CHECK_ARGS:-}
-if [ "$W" -ge 4 ]; then
+fi
+if [[ $steps == *" check "* ]] && [ "$W" -ge 4 ]; then
   : > "$OUT/cp-check-w2.log"
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=0,1 step "cp_check W=2" 120 "$OUT/cp-check-w2.log" 2 tools/cp_check.py \
@@ -111,10 +116,10 @@ bench="$OUT/cp-bench.log"
   nvidia-smi topo -m 2>&1
 } > "$bench"
 # shellcheck disable=SC2086
-step "bench 128K, 512K" 200 "$bench" "$W" tools/bench_cp_torch.py --seq-lens 131072,524288 \
+[[ $steps == *" bench "* ]] && step "bench 128K, 512K" 200 "$bench" "$W" tools/bench_cp_torch.py --seq-lens 131072,524288 \
   --reps 3 --warmup 1 --json "$OUT/cp-bench.json" ${MTRAIN_CP_BENCH_ARGS:-}
 # shellcheck disable=SC2086
-step "bench 1M" 200 "$bench" "$W" tools/bench_cp_torch.py --seq-lens 1048576 \
+[[ $steps == *" bench1m "* ]] && step "bench 1M" 200 "$bench" "$W" tools/bench_cp_torch.py --seq-lens 1048576 \
   --reps 1 --warmup 1 --methods "$methods" --json "$OUT/cp-bench-1m.json" ${MTRAIN_CP_BENCH_ARGS:-}
 
 echo
