@@ -107,6 +107,8 @@ def run(
     final weights (a state dict) are put in state["model"] (the tests compare ranks)."""
     if cp is None:
         cp = open_cp(cfg)
+    if cp.on and cp.layout != cfg.cp_layout:
+        raise ValueError(f"--cp-layout {cfg.cp_layout} but the process group runs {cp.layout}")
     if not cp.main:
         log = _silent
     dev = device_of(cfg, cp)
