@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +209,9 @@ def start(mode: str, device: str, layout: str, timeout_s: float = 1800.0) -> Cp:
         kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
         if cuda:
             kw["device_id"] = torch.device("cuda", local)
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            # --cp on without a launcher: a group of one process (the same code path)
+            kw.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         dist.init_process_group("nccl" if cuda else "gloo", **kw)
     group = dist.group.WORLD
     return Cp(
@@ -219,6 +223,12 @@ def start(mode: str, device: str, layout: str, timeout_s: float = 1800.0) -> Cp:
         backend=str(dist.get_backend(group)),
         owns_group=owns,
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def teardown(cp: Cp) -> None:

@@ -165,7 +165,8 @@ def run(
     segment = len(segments)
     segments.append({"first_step": first, "date": _now(), **cp.describe()})
     tokens = cfg.batch * cfg.seq_len  # the whole job's (every rank holds its slots of them)
-    where = f", context parallel over {cp.world} ranks ({cp.backend}, {cp.layout})" * cp.on
+    ranks = f"{cp.world} rank" + "s" * (cp.world != 1)
+    where = f", context parallel over {ranks} ({cp.backend}, {cp.layout})" * cp.on
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
