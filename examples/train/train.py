@@ -172,6 +172,11 @@ def run(
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
         + where
     )
+    if cp.on and cfg.arm == "dense":
+        log(
+            "dense arm under context parallel: mtrain's dense causal attention on the ring (SDPA"
+            " has no ring); on one process the dense arm is SDPA"
+        )
     params = list(model.parameters())
 
     def checkpoint(step: int) -> None:
