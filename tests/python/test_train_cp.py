@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+import mtrain
+
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -71,7 +73,9 @@ def _free_port() -> int:
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"MTRAIN_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **extra})
-    path = [str(ROOT / "python"), str(ROOT)]
+    # the mtrain this process imported (the installed package, or python/ with MTRAIN_LIBRARY)
+    # and the repository root (examples)
+    path = [str(Path(mtrain.__file__).resolve().parents[1]), str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join([*path, env.get("PYTHONPATH", "")])
     return env
 
