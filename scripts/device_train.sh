@@ -18,6 +18,16 @@
 # Environment: PYTHON (default python3), CALL_S (seconds this call may use, default 540),
 # MARGIN_S (left for start-up, final evaluation and writing, default 75), ARMS (the arms of the
 # arms-* phases, in order; default "dense mtrain-static window mtrain-topp").
+# Context parallel (docs/TRAINING.md, "Context parallel"): CP_WORLD=W (default 1: one GPU, the
+# phases as they were) launches every run with torchrun on W GPUs of this host (one rank per
+# GPU, NCCL; every arm on mtrain's ring), CP_LAYOUT its token layout (default striped);
+# FROM_DIR (default OUT_DIR) is where the arms-* phases take their starting weights
+# (extended.pt, dense-16384.pt), so that W GPUs continue from the single-GPU run's weights:
+#
+#   scripts/device_train.sh pretrain,extend,arms-16k runs/gpu              # one GPU
+#   CP_WORLD=2 FROM_DIR=runs/gpu scripts/device_train.sh arms-16k runs/gpu-cp2
+#   python -m examples.train.report runs/gpu/*-16384.json runs/gpu-cp2/*-16384.json \
+#     --out-dir runs/cmp        # the same runs side by side; the W-GPU ones labelled (cpW)
 set -euo pipefail
 
 phase=${1:?usage: device_train.sh PHASE OUT_DIR}
@@ -26,11 +36,21 @@ PY=${PYTHON:-python3}
 CALL_S=${CALL_S:-540}
 MARGIN_S=${MARGIN_S:-75}
 ARMS=${ARMS:-dense mtrain-static window mtrain-topp}
+CP_WORLD=${CP_WORLD:-1}
+CP_LAYOUT=${CP_LAYOUT:-striped}
 t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.."
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
+FROM_DIR=${FROM_DIR:-$out}
+# how a run is launched: one process, or torchrun with one rank per GPU
+launch=("$PY" -m examples.train)
+if [ "$CP_WORLD" -gt 1 ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 # no NVLink multicast
+  launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$CP_WORLD"
+    -m examples.train --cp-layout "$CP_LAYOUT")
+fi
 
 # The settings the CPU study supports (docs/TRAINING.md, "Learnability study on the CPU").
 SIZE=${SIZE:-mini}
@@ -62,7 +82,7 @@ train() {
     return 1
   fi
   echo "$name: training for at most $left s"
-  "$PY" -m examples.train --size "$SIZE" "${task[@]}" "$@" --resume "$out/$name.ckpt" \
+  "${launch[@]}" --size "$SIZE" "${task[@]}" "$@" --resume "$out/$name.ckpt" \
     --ckpt-every 200 --time-limit "$left" --out "$out/$name.json" 2>&1 | tee -a "$out/$name.log"
   local rc=${PIPESTATUS[0]}
   if [ -f "$out/$name.json" ]; then
@@ -128,8 +148,8 @@ run_phase() {
       --lr "$PRE_LR" --warmup 100 --eval-every 250 --save "$out/pretrain.pt"
     ;;
   extend) extend ;;
-  arms-16k) arms "${LEN_16K:-16384}" "${BATCH_16K:-4}" "$out/extended.pt" ;;
-  arms-32k) arms "${LEN_32K:-32768}" "${BATCH_32K:-2}" "$out/dense-${LEN_16K:-16384}.pt" ;;
+  arms-16k) arms "${LEN_16K:-16384}" "${BATCH_16K:-4}" "$FROM_DIR/extended.pt" ;;
+  arms-32k) arms "${LEN_32K:-32768}" "${BATCH_32K:-2}" "$FROM_DIR/dense-${LEN_16K:-16384}.pt" ;;
   report)
     "$PY" -m examples.train.report "$out"/*.json --out-dir "$out" | tee "$out/report.md"
     ;;

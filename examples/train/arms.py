@@ -2,7 +2,10 @@
 registered with transformers under its own name ("train-<arm>") as a thin
 wrapper around the real attention (SDPA, or mtrain.register_transformers'),
 so that the probe (probe.py) can time it and read its pattern on the steps it
-watches without changing what is computed."""
+watches without changing what is computed. Under context parallel (cp.py)
+every arm runs mtrain over the process group: dense as mtrain's dense causal
+pattern on the ring (SDPA has no ring), the mtrain arms estimating on the
+ring, window with its given pattern."""
 
 from __future__ import annotations
 
@@ -89,12 +92,13 @@ class Arm:
     """An arm bound to a model's head count; ``attn_name`` is what the model's
     config._attn_implementation must be. set_length re-targets the arm at a
     sequence length (the budgets scale with it; the window's pattern is
-    rebuilt)."""
+    rebuilt). ``cp``: context parallel (the model's forward passes
+    mtrain_dispatch=info, which mtrain's attention function takes)."""
 
-    def __init__(self, name: str, heads: int, budget: Budget) -> None:
+    def __init__(self, name: str, heads: int, budget: Budget, cp: bool = False) -> None:
         if name not in ARMS:
             raise ValueError(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
-        self.name, self.heads, self.budget = name, heads, budget
+        self.name, self.heads, self.budget, self.cp = name, heads, budget, cp
         self.attn_name = f"train-{name}"
         self.inner = f"mtrain-{name}"
         self.seq_len = 0
@@ -105,9 +109,14 @@ class Arm:
         b, self.seq_len = self.budget, n
         common = {"granularity": b.granularity}
         est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
-        if self.name == "dense":
+        if self.name == "dense" and not self.cp:
             base: Any = sdpa_attention_forward
             mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+        elif self.name == "dense":
+            # SDPA has no ring: mtrain's dense causal pattern over the group
+            mtrain.register_transformers(self.inner, **common)
+            base = ALL_ATTENTION_FUNCTIONS[self.inner]
+            mask = ALL_MASK_ATTENTION_FUNCTIONS[self.inner]
         else:
             if self.name == "mtrain-full":
                 self.budgets = mtrain.TopK(n, n)
@@ -127,6 +136,9 @@ class Arm:
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"arm": self.name, "granularity": self.budget.granularity}
+        out["attention"] = (
+            "sdpa" if self.name == "dense" and not self.cp else "mtrain" + " ring" * self.cp
+        )
         if self.budgets is not None:
             out["budgets"] = {type(self.budgets).__name__: list(self.budgets)}
             out["estimate"] = {
@@ -143,18 +155,23 @@ class Arm:
             out["nominal_density"] = self.budget.static_density(self.seq_len)
         return out
 
-    def plan_of(self, q: torch.Tensor, k: torch.Tensor) -> list[mtrain.Pattern] | None:
+    def plan_of(
+        self, q: torch.Tensor, k: torch.Tensor, info: Any = None
+    ) -> list[mtrain.Pattern] | None:
         """The patterns this arm computes for q, k ([B, N, H, d], post-RoPE):
         the estimate again (the same inputs and options give the same
-        pattern), the window's, or None (dense)."""
+        pattern), the window's, or None (dense). Under context parallel q and k
+        are this rank's slots and ``info`` their DispatchInfo: the estimate
+        runs on the ring (collective) and gives the global patterns."""
         b = self.budget
         if self.pattern is not None:
             return [self.pattern] * q.shape[0]
         if self.budgets is None:
             return None
+        where = info.attention_kwargs() if info is not None else {"granularity": b.granularity}
         plan = mtrain.estimate_pattern(
-            q, k, self.budgets, granularity=b.granularity, last_q=b.last_q,
-            num_sinks=b.sinks, window=b.local_window,
+            q, k, self.budgets, last_q=b.last_q, num_sinks=b.sinks, window=b.local_window,
+            **where,
         )  # fmt: skip
         return plan.patterns
 
@@ -173,7 +190,9 @@ def _wrap(arm: Arm, base: Any) -> Any:
             query, key = query.to(value.dtype), key.to(value.dtype)
         if not PROBE.active:
             return base(module, query, key, value, attention_mask, **kwargs)
-        PROBE.pattern_stats(arm, module, query, key, kwargs.get("scaling"))
+        PROBE.pattern_stats(
+            arm, module, query, key, kwargs.get("scaling"), kwargs.get("mtrain_dispatch")
+        )
         query, key, value = PROBE.enter(query, key, value)
         out, extra = base(module, query, key, value, attention_mask, **kwargs)
         return PROBE.leave(out), extra

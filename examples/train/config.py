@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from .arms import ARMS
+from .cp import LAYOUTS, MODES
 from .model import SIZES
 
 
@@ -36,6 +37,8 @@ class RunConfig:
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # float32, or bfloat16 (autocast; weights and optimiser in float32)
     threads: int = 0  # torch CPU threads (0: torch's default)
+    cp: str = "auto"  # context parallel: auto (when WORLD_SIZE > 1, torchrun), on, off
+    cp_layout: str = "striped"  # the layout of the tokens over the ranks (mtrain.dispatch)
     probe_every: int = 0  # probe (attention timing, pattern stats) every k steps; 0: ~8 probes
     granularity: int = 0  # block size G (0: 64 on CPU, 128 on GPU)
     sinks: int = 30
@@ -80,6 +83,9 @@ HELP = {
     "out": "the results JSON file",
     "dtype": "float32 or bfloat16 (autocast); auto: bfloat16 on GPU, float32 on CPU",
     "threads": "torch CPU threads (0: default)",
+    "cp": "context parallel over a process group: auto (when the launcher sets WORLD_SIZE > 1, "
+    "torchrun), on (also for one process), off",
+    "cp_layout": "context parallel: the layout of every sequence's tokens over the ranks",
     "probe_every": "time the attention and read the pattern every k steps (0: about 8 probes)",
     "granularity": "mtrain block size G (0: 64 on CPU, 128 on GPU)",
     "sinks": "mtrain estimate: forced sink keys (top-k)",
@@ -110,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = RunConfig.__dataclass_fields__[f.name].default
         kind = type(default)
-        extra = {"choices": list(ARMS)} if f.name == "arm" else {}
+        choices = {"arm": ARMS, "cp": MODES, "cp_layout": LAYOUTS}.get(f.name)
+        extra = {"choices": list(choices)} if choices else {}
         p.add_argument(flag, type=kind, default=default, help=HELP.get(f.name, f.name), **extra)
     return p
 

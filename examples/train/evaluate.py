@@ -1,6 +1,7 @@
 """The loss on answer tokens and the evaluation: accuracy of the greedy
 prediction of every answer token, per task and per bucket (MQAR: distance
-buckets; passkey: depth buckets)."""
+buckets; passkey: depth buckets). Under context parallel (cp.py) each rank
+computes its slots' answers and the counts are summed over the ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .cp import Cp, Shard
 from .tasks import IGNORE, Mqar, Task, batch
 
 
@@ -31,6 +33,22 @@ def answer_loss(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits, target)
 
 
+def shard_logits(model: Any, s: Shard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """answer_logits on this rank's slots (context parallel): the targets are already shifted
+    (in global order, before the dispatch), so every slot predicts its own target."""
+    hidden = model.model(input_ids=s.ids, **s.kwargs).last_hidden_state
+    mask = s.targets != IGNORE
+    logits = model.lm_head(hidden[mask])
+    return logits.float(), s.targets[mask], mask
+
+
+def shard_loss_sum(model: Any, s: Shard) -> tuple[torch.Tensor, int]:
+    """The sum of this rank's answer-token losses (0, still part of the graph, when it holds
+    no answer) and their count."""
+    logits, target, _ = shard_logits(model, s)
+    return F.cross_entropy(logits, target, reduction="sum"), int(target.numel())
+
+
 def chance(task: Task) -> float:
     """Accuracy of guessing: MQAR a value among the context's pairs, passkey a digit."""
     return 1.0 / task.num_pairs if isinstance(task, Mqar) else 0.1
@@ -46,7 +64,11 @@ def evaluate(
     batch_size: int,
     device: torch.device,
     autocast: AbstractContextManager[Any],
+    cp: Cp | None = None,
+    granularity: int = 0,
 ) -> dict[str, Any]:
+    """Accuracy per task and bucket; with a context-parallel ``cp`` (all ranks call it) the
+    sequences are dispatched with ``granularity`` and the counts summed over the ranks."""
     was = model.training
     model.eval()
     out: dict[str, Any] = {}
@@ -56,12 +78,22 @@ def evaluate(
         count = torch.zeros(nb, dtype=torch.long)
         for s in range(0, seqs, batch_size):
             ids, labels, bucket, _ = batch([t], seed, s, min(batch_size, seqs - s), True)
-            with autocast:
-                logits, target, mask = answer_logits(model, ids.to(device), labels.to(device))
+            if cp is not None and cp.on:
+                sh = cp.shard(ids, labels, granularity, device, extra=bucket)
+                with autocast:
+                    logits, target, mask = shard_logits(model, sh)
+                assert sh.extra is not None
+                b = sh.extra[mask.cpu()]
+            else:
+                with autocast:
+                    logits, target, mask = answer_logits(model, ids.to(device), labels.to(device))
+                b = bucket[:, 1:][mask.cpu()]
             hit = (logits.argmax(-1) == target).cpu().long()
-            b = bucket[:, 1:][mask.cpu()]
             correct += torch.bincount(b, weights=hit, minlength=nb).long()
             count += torch.bincount(b, minlength=nb)
+        if cp is not None and cp.on:
+            both = cp.all_reduce(torch.stack([correct, count]).to(device)).cpu()
+            correct, count = both[0], both[1]
         acc = [float(c) / float(n) if n else None for c, n in zip(correct, count, strict=True)]
         out[name] = {
             "buckets": t.buckets,

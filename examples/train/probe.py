@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+import mtrain
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -54,27 +56,44 @@ class Probe:
     # -- the pattern ---------------------------------------------------------
     @torch.no_grad()
     def pattern_stats(
-        self, arm: Any, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, scale: Any
+        self,
+        arm: Any,
+        module: torch.nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: Any,
+        info: Any = None,
     ) -> None:
-        """q, k: [B, H, N, d] as transformers hands them."""
+        """q, k: [B, H, N, d] as transformers hands them; under context
+        parallel this rank's slots, ``info`` their mtrain DispatchInfo (every
+        rank makes the same collective calls here)."""
         if not self.stats:
             return
         sync(q.device)
         t0 = time.perf_counter()
         try:
-            self._pattern_stats(arm, module, q, k, scale)
+            self._pattern_stats(arm, module, q, k, scale, info)
         finally:
             sync(q.device)
             self.stats_s += time.perf_counter() - t0
 
     def _pattern_stats(
-        self, arm: Any, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, scale: Any
+        self,
+        arm: Any,
+        module: torch.nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: Any,
+        info: Any,
     ) -> None:
         qt = q.transpose(1, 2).contiguous()
         kt = k.transpose(1, 2).contiguous()
-        patterns = arm.plan_of(qt, kt)
+        patterns = arm.plan_of(qt, kt, info)
         if patterns is None:
             return
+        if info is not None:
+            # the recall reads whole sequences: every rank's slots, in global order
+            qt, kt = mtrain.undispatch(qt, info), mtrain.undispatch(kt, info)
         layer = int(getattr(module, "layer_idx", len(self.layers)))
         density = sum(p.density() for p in patterns) / len(patterns)
         sc = float(scale) if scale is not None else q.shape[-1] ** -0.5

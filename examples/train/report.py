@@ -20,7 +20,9 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     runs = []
     for p in paths:
         r = json.loads(Path(p).read_text())
-        r["_label"] = Path(p).stem
+        # a context-parallel run is told from the single-GPU run of the same name
+        world = int(r.get("world_size", 1))
+        r["_label"] = Path(p).stem + (f" (cp{world})" if world > 1 else "")
         runs.append(r)
     return runs
 
@@ -96,7 +98,8 @@ def heatmaps(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 def table(runs: list[dict[str, Any]]) -> str:
     tasks = sorted({t for r in runs for t in r["eval"]})
-    head = ["run", "final loss", "tokens/s", "attention share", "density", "recall", "peak GiB"]
+    head = ["run", "ranks", "final loss", "tokens/s", "attention share", "density", "recall"]
+    head += ["peak GiB"]
     head += [f"{t} acc" for t in tasks]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
@@ -108,6 +111,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         mem = r.get("peak_memory_bytes")
         cells = [
             r["_label"],
+            str(r.get("world_size", 1)),  # context parallel: tokens/s of all ranks together
             f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "- (no steps)",
             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
             f"{statistics.median(shares):.0%}" if shares else "-",

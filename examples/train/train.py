@@ -1,6 +1,9 @@
 """The training run: one arm, one model, one data stream; writes the results
 JSON (config, per-step loss and time, tokens/s, attention share and pattern
-statistics on probed steps, peak memory, accuracy per bucket)."""
+statistics on probed steps, peak memory, accuracy per bucket). Under context
+parallel (cp.py; torchrun) every rank runs this with the same configuration:
+the same weights and batches, each its slots of every sequence, the loss and
+the gradients summed over the ranks; rank 0 logs and writes the files."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,20 +26,40 @@ import transformers
 
 import mtrain
 
+from . import cp as CP
 from . import model as M
 from .arms import Arm, Budget
 from .config import RunConfig
-from .evaluate import answer_loss, evaluate
+from .evaluate import answer_loss, evaluate, shard_loss_sum
 from .probe import PROBE, sync
 from .tasks import Task, Vocab, batch, make_task
 
 EVAL_SEED_OFFSET = 10**6
 
 
-def device_of(cfg: RunConfig) -> torch.device:
+def device_of(cfg: RunConfig, cp: CP.Cp | None = None) -> torch.device:
+    """The run's device; under context parallel on GPUs cuda:LOCAL_RANK (one GPU per rank)."""
     if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(cfg.device)
+    if cp is not None and cp.on and dev.type == "cuda":
+        return torch.device("cuda", cp.local_rank)
+    return dev
+
+
+def granularity_of(cfg: RunConfig, dev: torch.device) -> int:
+    return cfg.granularity or (128 if dev.type == "cuda" else 64)
+
+
+def open_cp(cfg: RunConfig) -> CP.Cp:
+    """The run's context-parallel state (cp.start), after the checks every rank makes before
+    the process group exists (cp.check): single-process unless --cp on or WORLD_SIZE > 1."""
+    world = CP.env_world()
+    if CP.wanted(cfg.cp, world):
+        g = granularity_of(cfg, device_of(cfg))
+        CP.check(cfg.arm, cfg.seq_len, g, cfg.cp_layout, world)
+    return CP.start(cfg.cp, cfg.device, cfg.cp_layout)
 
 
 def tasks_of(cfg: RunConfig, vocab: Vocab) -> tuple[list[Task], list[str]]:
@@ -72,8 +96,22 @@ def probe_steps(cfg: RunConfig) -> set[int]:
     return {s for s in range(cfg.steps) if s % every == every - 1}
 
 
-def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
-    dev = device_of(cfg)
+def run(
+    cfg: RunConfig,
+    log: Any = print,
+    cp: CP.Cp | None = None,
+    state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One run (or one call of a resumed run). ``cp``: the context-parallel state (open_cp;
+    None: opened here from cfg, single-process without a launcher). ``state``: when given, the
+    final weights (a state dict) are put in state["model"] (the tests compare ranks)."""
+    if cp is None:
+        cp = open_cp(cfg)
+    if cp.on and cp.layout != cfg.cp_layout:
+        raise ValueError(f"--cp-layout {cfg.cp_layout} but the process group runs {cp.layout}")
+    if not cp.main:
+        log = _silent
+    dev = device_of(cfg, cp)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
@@ -82,7 +120,7 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         if dtype == "bfloat16"
         else contextlib.nullcontext()
     )
-    g = cfg.granularity or (128 if dev.type == "cuda" else 64)
+    g = granularity_of(cfg, dev)
     size = M.SIZES[cfg.size]
     vocab = Vocab(cfg.num_keys, cfg.num_values, cfg.num_filler)
     tasks, names = tasks_of(cfg, vocab)
@@ -91,14 +129,14 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         v_frac=cfg.v_frac, s_frac=cfg.s_frac, p_v=cfg.p_v, p_s=cfg.p_s,
         window_blocks=cfg.window_blocks, match_density=measured_density(cfg.match),
     )  # fmt: skip
-    arm = Arm(cfg.arm, size.heads, budget)
+    arm = Arm(cfg.arm, size.heads, budget, cp=cp.on)
     arm.set_length(cfg.seq_len)
     model = M.build(size, vocab.size, cfg.seq_len, cfg.rope_theta, arm.attn_name, cfg.seed)
     ckpt = load_checkpoint(cfg)
     if cfg.init_from:
         if ckpt is None:  # resuming: the weights come from the checkpoint
-            state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
-            model.load_state_dict(state)
+            weights = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+            model.load_state_dict(weights)
         M.set_rope_theta(model, cfg.rope_theta, cfg.seq_len)
     model.to(dev).train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -125,21 +163,42 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         segments = ckpt["segments"]
         log(f"resumed from {cfg.resume} at step {first} of {cfg.steps}")
     segment = len(segments)
-    segments.append({"first_step": first, "date": _now()})
-    tokens = cfg.batch * cfg.seq_len
+    segments.append({"first_step": first, "date": _now(), **cp.describe()})
+    tokens = cfg.batch * cfg.seq_len  # the whole job's (every rank holds its slots of them)
+    ranks = f"{cp.world} rank" + "s" * (cp.world != 1)
+    where = f", context parallel over {ranks} ({cp.backend}, {cp.layout})" * cp.on
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
+        + where
     )
+    if cp.on and cfg.arm == "dense":
+        log(
+            "dense arm under context parallel: mtrain's dense causal attention on the ring (SDPA"
+            " has no ring); on one process the dense arm is SDPA"
+        )
+    params = list(model.parameters())
 
     def checkpoint(step: int) -> None:
         segments[-1].update(last_step=step - 1, wall_s=time.perf_counter() - t_call)
-        save_checkpoint(cfg, model, opt, dev, step, steps, probed, history, segments)
+        if cp.main:
+            save_checkpoint(cfg, model, opt, dev, step, steps, probed, history, segments)
+        cp.barrier()  # the next call (or the next run in this process) reads it
+
+    def evaluation() -> dict[str, Any]:
+        return evaluate(
+            model, tasks, names, cfg.data_seed + EVAL_SEED_OFFSET, cfg.eval_seqs,
+            cfg.eval_batch, dev, autocast, cp, g,
+        )  # fmt: skip
 
     t_call = time.perf_counter()
     for step in range(first, cfg.steps):
         ids, labels, _, _ = _batch(tasks, cfg, step)
-        ids, labels = ids.to(dev), labels.to(dev)
+        if cp.on:
+            shard = cp.shard(ids, labels, g, dev)
+            answers = int((labels[:, 1:] != CP.IGNORE).sum())  # of the whole batch
+        else:
+            ids, labels = ids.to(dev), labels.to(dev)
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         watch = step in probes
@@ -147,9 +206,21 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
             PROBE.start(stats=cfg.arm != "dense")
         sync(dev)
         t0 = time.perf_counter()
-        with autocast:
-            loss = answer_loss(model, ids, labels)
-        loss.backward()
+        if cp.on:
+            # this rank's share of the batch's mean answer loss; the shares' gradients and
+            # loss sums are summed over the ranks: the single-process step's
+            with autocast:
+                loss_sum, mine = shard_loss_sum(model, shard)
+            (loss_sum / answers).backward()
+            local = torch.stack([loss_sum.detach().float(), torch.tensor(float(mine), device=dev)])
+            total = cp.sync_gradients(params, local)
+            if round(float(total[1])) != answers:
+                raise RuntimeError(f"step {step}: the ranks hold {total[1]} answers of {answers}")
+            loss = total[0] / answers
+        else:
+            with autocast:
+                loss = answer_loss(model, ids, labels)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -180,26 +251,26 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
             )
             log(f"step {step}: loss {value:.4f}, {dt:.3f} s, attention {attn / net:.0%}{extra}")
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            ev = evaluate(
-                model, tasks, names, cfg.data_seed + EVAL_SEED_OFFSET, cfg.eval_seqs,
-                cfg.eval_batch, dev, autocast,
-            )  # fmt: skip
+            ev = evaluation()
             history.append({"step": step + 1, "eval": ev})
             log(f"step {step + 1}: " + ", ".join(f"{k} {v['overall']:.3f}" for k, v in ev.items()))
         done = step + 1
         if cfg.resume and cfg.ckpt_every and done % cfg.ckpt_every == 0 and done < cfg.steps:
             checkpoint(done)
-        late = cfg.time_limit and time.perf_counter() - t_call >= cfg.time_limit
+        late = bool(cfg.time_limit) and time.perf_counter() - t_call >= cfg.time_limit
+        if cfg.resume and cfg.time_limit and done < cfg.steps:
+            late = cp.any(late, dev)  # every rank stops after the same step
         if cfg.resume and late and done < cfg.steps:
             checkpoint(done)
             log(f"time limit: stopped after step {done} of {cfg.steps}; checkpoint {cfg.resume}")
             return {"complete": False, "step": done, "steps": steps}
     if cfg.resume:
         checkpoint(cfg.steps)
-    final = evaluate(
-        model, tasks, names, cfg.data_seed + EVAL_SEED_OFFSET, cfg.eval_seqs, cfg.eval_batch,
-        dev, autocast,
-    )  # fmt: skip
+    # every rank must hold the same weights (the same summed gradients, the same update)
+    replica_diff = cp.replica_diff(model)
+    if replica_diff:
+        log(f"warning: the ranks' weights differ by up to {replica_diff:.3e}")
+    final = evaluation()
     log("final accuracy: " + ", ".join(f"{k} {v['overall']:.3f}" for k, v in final.items()))
     # the first 3 steps of every call (warm-up, allocations) and probed steps are left out
     starts = {g["first_step"] for g in segments}
@@ -215,9 +286,14 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         "date": _now(),
         "complete": True,
         "segments": segments,
-        "device": torch.cuda.get_device_name(dev)
-        if dev.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device": (f"{cp.world} x " * cp.on)
+        + (
+            torch.cuda.get_device_name(dev)
+            if dev.type == "cuda"
+            else platform.processor() or platform.machine()
+        ),
+        "world_size": cp.world,
+        "cp": {**cp.describe(), "replica_max_diff": replica_diff} if cp.on else None,
         "cpu_threads": torch.get_num_threads(),
         "dtype": dtype,
         "versions": {
@@ -229,7 +305,7 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
         "model": {**M.describe(size), "parameters": M.parameters(model), "vocab": vocab.size},
         "arm": arm.describe(),
         "tasks": names,
-        "tokens_per_step": tokens,
+        "tokens_per_step": tokens,  # the whole job's, as tokens_per_s
         "steps": steps,
         "step_s_median": step_s,
         "tokens_per_s": tokens / step_s if step_s else None,
@@ -243,13 +319,20 @@ def run(cfg: RunConfig, log: Any = print) -> dict[str, Any]:
     }
     if dev.type == "cuda":
         results["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev)
-    if cfg.out:
+    if cfg.out and cp.main:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(results, indent=1) + "\n")
-    if cfg.save:
+    if cfg.save and cp.main:
         Path(cfg.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), cfg.save)
+    if state is not None:
+        state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    cp.barrier()  # rank 0's files are written before any rank goes on
     return results
+
+
+def _silent(*_: Any) -> None:
+    """The log of ranks other than 0."""
 
 
 def _now() -> str:
@@ -257,8 +340,9 @@ def _now() -> str:
 
 
 # options that may change between the calls of one resumed run (where results go, how long a
-# call lasts); any other difference is refused: the run would no longer be one run
-RESUME_FREE = ("out", "save", "resume", "ckpt_every", "time_limit", "threads")
+# call lasts, how the tokens are spread over the ranks: the same steps up to rounding); any
+# other difference is refused: the run would no longer be one run
+RESUME_FREE = ("out", "save", "resume", "ckpt_every", "time_limit", "threads", "cp", "cp_layout")
 
 
 def load_checkpoint(cfg: RunConfig) -> dict[str, Any] | None:
@@ -279,15 +363,19 @@ def load_checkpoint(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def rng_state(dev: torch.device) -> dict[str, Any]:
+    """The CPU generator's state and the run's own GPU's (not every visible GPU's: under
+    context parallel each rank touches only its device)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
     if dev.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state(dev)
     return state
 
 
 def set_rng(state: dict[str, Any], dev: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    if dev.type == "cuda" and "cuda" in state:
+    if dev.type == "cuda" and "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], dev)
+    elif dev.type == "cuda" and "cuda" in state:  # checkpoints written before context parallel
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -332,9 +420,30 @@ def _batch(tasks: list[Task], cfg: RunConfig, step: int) -> tuple[torch.Tensor, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Under context parallel the run ends with cp.teardown (barrier,
+    mtrain.reset, the group destroyed) and leaves through os._exit, skipping the interpreter's
+    teardown (docs/PYTORCH.md, "Context parallel"); an exception is printed first and gives
+    exit status 1."""
     from .config import from_args
 
     cfg = from_args(argv)
     os.environ.setdefault("MTRAIN_NUM_THREADS", str(cfg.threads or torch.get_num_threads()))
-    run(cfg)
-    return 0
+    cp = open_cp(cfg)
+    if not cp.on:
+        run(cfg, cp=cp)
+        return 0
+    rc = 0
+    try:
+        run(cfg, cp=cp)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        try:
+            if rc == 0:
+                CP.teardown(cp)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    return rc
