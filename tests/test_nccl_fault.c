@@ -20,10 +20,12 @@
  * MTRAIN_ERR_COMM (NCCL's error) within the timeout plus a margin; a further
  * call must then fail at once; destroying its plan, context and
  * communicator must return. Each prints "rank r: PASS ..." or "rank r: FAIL
- * ...". With W = 2 rank 0 then ends the job (MPI_Abort: its peer is dead or
- * asleep); with W > 2 each survivor also writes its verdict into DONE_DIR
- * (no MPI collective can run beside a dead rank), and rank 0 ends the job
- * once every survivor's verdict is there. A wall-clock guard (alarm) turns a
+ * ...". With W > 2 each other survivor then writes its verdict into
+ * DONE_DIR (no MPI collective can run beside a dead rank) and exits; rank 0
+ * waits for every verdict, kills rank 1 (asleep, or gone; the ranks share
+ * one host and swapped their process ids at the start) and ends the job
+ * (MPI_Abort alone did not end the other survivors under --enable-recovery
+ * on 4 H100s). A wall-clock guard (alarm) turns a
  * hang into a failure and prints where the main thread was. Skips (exit 77)
  * where fewer than W GPUs are visible.
  * usage: mpiexec -n W test_nccl_fault MODE [DONE_DIR] (DONE_DIR: W > 2) */
@@ -50,6 +52,7 @@ enum { N = 262144, HQ = 16, HKV = 2, D = 128, G = 128, MAX_ITER = 4 };
 #define STALL_S 600   /* how long a stalled rank sleeps (the job ends first) */
 
 static int rank_, world_;
+static int pids_[64]; /* every rank's process id (one host) */
 static pthread_t main_thread_;
 static volatile sig_atomic_t phase_ = 0; /* for the guard's message */
 static const char *const phase_names[] = {"set-up", "warm-up", "faulty iteration", "destroy",
@@ -303,11 +306,11 @@ int main(int argc, char **argv) {
   const char *const modes[] = {"kill", "kill-fwd", "kill-bwd", "stall-fwd", "stall-bwd"};
   int known = 0;
   for (size_t m = 0; m < sizeof modes / sizeof modes[0]; m++) known |= strcmp(mode, modes[m]) == 0;
-  if (!known || world_ < 2 || (world_ > 2 && !done_dir)) {
+  if (!known || world_ < 2 || world_ > 64 || (world_ > 2 && !done_dir)) {
     if (rank_ == 0)
       fprintf(stderr,
               "usage: mpiexec -n W test_nccl_fault kill|kill-fwd|kill-bwd|stall-fwd|"
-              "stall-bwd [DONE_DIR] (W >= 2; DONE_DIR, an existing folder, when W > 2; got "
+              "stall-bwd [DONE_DIR] (2 <= W <= 64; DONE_DIR, an existing folder, when W > 2; got "
               "'%s' on %d ranks%s)\n",
               mode, world_, world_ > 2 && !done_dir ? " without DONE_DIR" : "");
     MPI_Finalize();
@@ -320,6 +323,8 @@ int main(int argc, char **argv) {
     MPI_Finalize();
     return 77;
   }
+  const int me = (int)getpid();
+  MPI_Allgather(&me, 1, MPI_INT, pids_, 1, MPI_INT, MPI_COMM_WORLD);
   main_thread_ = pthread_self();
   signal(SIGALRM, guard_expired);
   signal(SIGUSR1, stall_here);
@@ -366,11 +371,11 @@ int main(int argc, char **argv) {
     phase_ = 4;
     if (rank_ != 0) {
       write_verdict(done_dir, ok);
-      stall_here(0); /* rank 0 ends the job */
-      return 1;
+      _exit(ok ? 0 : 1);
     }
     ok &= all_verdicts(done_dir);
   }
-  MPI_Abort(MPI_COMM_WORLD, ok ? 0 : 1); /* ends the peers too (asleep, or gone) */
+  kill((pid_t)pids_[1], SIGKILL); /* asleep, or already gone */
+  MPI_Abort(MPI_COMM_WORLD, ok ? 0 : 1);
   return ok ? 0 : 1;
 }

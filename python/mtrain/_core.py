@@ -525,6 +525,27 @@ def _device_guard(device: torch.device) -> Any:
     return _NullGuard()
 
 
+def agreement_digest(backend: str, opts: Options, device_type: str) -> bytes:
+    """What the ranks of a group must ask for alike, as a digest they compare
+    before a collective call: the context's settings, and the layout and ring
+    schedule (not part of the context, but of every plan made with it: the
+    library's plan checks the ranks' slot counts only, and two layouts of equal
+    counts, striped and zigzag, ran without an error and with wrong results).
+    Not the device index: each rank of an NCCL group has its own GPU (the
+    index in the digest made every call on several GPUs fail)."""
+    agreed = (
+        backend,
+        opts.granularity,
+        opts.scale,
+        opts.deterministic,
+        opts.group,
+        device_type,
+        opts.layout,
+        opts.ranks_per_node,
+    )
+    return hashlib.blake2b(repr(agreed).encode(), digest_size=16).digest()
+
+
 def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
     """The cached context for these options, device and dtype's backend. With
     a group, collective: the ranks first compare what they ask for; when they
@@ -554,12 +575,7 @@ def context(opts: Options, device: torch.device, dtype: torch.dtype) -> Context:
     from . import _comm
 
     comm = _comm.communicator(opts.group, dev)
-    # the layout and the ring schedule are compared too (not part of the
-    # context, but of every plan made with it): the library's plan checks the
-    # ranks' slot counts only, and two layouts of equal counts (striped and
-    # zigzag) ran without an error and with wrong results
-    agreed = (key, opts.layout, opts.ranks_per_node)
-    digest = hashlib.blake2b(repr(agreed).encode(), digest_size=16).digest()
+    digest = agreement_digest(backend, opts, device.type)
     same, all_cached = comm.agree_context(digest, ctx is not None)
     if same and all_cached:
         assert ctx is not None

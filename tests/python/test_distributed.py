@@ -7,6 +7,7 @@ peer."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,35 @@ def test_transformers_context_parallel(tmp_path: Path) -> None:
         e = (g - p.grad).abs().max().item()
         m = p.grad.abs().max().item()
         assert e <= 1e-4 * m, f"{n}: {e:.3e} > 1e-4 * {m:.3e}"
+
+
+def test_ranks_on_different_gpus_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the ranks compare before a collective call leaves out the CUDA
+    device index (each rank of an NCCL group has its own GPU: with the index
+    in it every call on several GPUs failed, found on 4 H100s on 2026-11-27)
+    and keeps the layout. Runs without a GPU: the communicator and the
+    context are stand-ins that record what would be compared."""
+    from mtrain import _comm, _core
+
+    digests: list[bytes] = []
+
+    class Recorder:
+        def agree_context(self, digest: bytes, cached: bool) -> tuple[bool, bool]:
+            digests.append(digest)
+            return True, False
+
+    monkeypatch.setattr(_comm, "communicator", lambda group, dev: Recorder())
+    monkeypatch.setattr(_core, "Context", lambda backend, opts, dev: object())
+    monkeypatch.setattr(_core, "backend_for", lambda opts, device, dtype: "cuda")
+    monkeypatch.setattr(_core, "_contexts", {})
+    opts = _core.Options(group="g")
+    for index in (0, 1, 3):
+        _core.context(opts, torch.device("cuda", index), torch.bfloat16)
+    assert digests[0] == digests[1] == digests[2]
+    _core.context(
+        dataclasses.replace(opts, layout="zigzag"), torch.device("cuda", 0), torch.bfloat16
+    )
+    _core.context(
+        dataclasses.replace(opts, granularity=64), torch.device("cuda", 0), torch.bfloat16
+    )
+    assert len({digests[0], digests[3], digests[4]}) == 3
