@@ -59,7 +59,8 @@ task=(--task mix --num-keys 32 --num-values 32 --num-filler 256 --mqar-pairs 4
   --seed 0 --data-seed 1)
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
-PRE_STEPS=${PRE_STEPS:-6000}
+# 2500: on an H100 passkey was at 1.0 from step 1750 and MQAR had not moved by 3000 (2026-11-27)
+PRE_STEPS=${PRE_STEPS:-2500}
 PRE_LR=${PRE_LR:-1e-3}
 EXT_STEPS=${EXT_STEPS:-300}
 EXT_LR=${EXT_LR:-1e-3}
