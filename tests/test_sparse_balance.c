@@ -205,6 +205,116 @@ static void test_assign_against_optimum(void **state) {
                 lpt_only_worse);
 }
 
+/* The first solver, kept here as the reference of the faster one: LPT, then
+ * the local search scanning every (item on the busiest rank, rank) move and
+ * every (item, lighter item elsewhere) swap per round, the first smallest
+ * larger load winning. */
+static void reference_assign(const double *w, int32_t n, int32_t R, int32_t *rank_of) {
+  int32_t *order = malloc((size_t)n * sizeof *order);
+  double *load = calloc((size_t)R, sizeof *load);
+  assert_non_null(order);
+  assert_non_null(load);
+  for (int32_t i = 0; i < n; i++) order[i] = i;
+  for (int32_t a = 1; a < n; a++) /* insertion sort: weight descending, index ascending */
+    for (int32_t b = a; b > 0; b--) {
+      const int32_t x = order[b - 1], y = order[b];
+      if (w[x] > w[y] || (w[x] == w[y] && x < y)) break;
+      order[b - 1] = y;
+      order[b] = x;
+    }
+  for (int32_t j = 0; j < n; j++) {
+    int32_t best = 0;
+    for (int32_t b = 1; b < R; b++)
+      if (load[b] < load[best]) best = b;
+    rank_of[order[j]] = best;
+    load[best] += w[order[j]];
+  }
+  for (int64_t round = 0; round < 64 * (int64_t)n; round++) {
+    int32_t top = 0;
+    for (int32_t r = 1; r < R; r++)
+      if (load[r] > load[top]) top = r;
+    const double L = load[top];
+    double best = L;
+    int32_t bi = -1, bj = -1, br = -1;
+    for (int32_t i = 0; i < n; i++) {
+      if (rank_of[i] != top || !(w[i] > 0)) continue;
+      for (int32_t r = 0; r < R; r++) {
+        if (r == top) continue;
+        const double a = L - w[i], b = load[r] + w[i], m = a > b ? a : b;
+        if (m < best) {
+          best = m;
+          bi = i;
+          bj = -1;
+          br = r;
+        }
+      }
+      for (int32_t j = 0; j < n; j++) {
+        const int32_t r = rank_of[j];
+        if (r == top || !(w[j] < w[i])) continue;
+        const double a = L - w[i] + w[j], b = load[r] + w[i] - w[j], m = a > b ? a : b;
+        if (m < best) {
+          best = m;
+          bi = i;
+          bj = j;
+          br = r;
+        }
+      }
+    }
+    if (bi < 0) break;
+    rank_of[bi] = br;
+    if (bj >= 0) rank_of[bj] = top;
+    load[top] = load[br] = 0;
+    for (int32_t i = 0; i < n; i++)
+      if (rank_of[i] == top || rank_of[i] == br) load[rank_of[i]] += w[i];
+  }
+  free(order);
+  free(load);
+}
+
+/* The solver's local search (per-rank lists sorted by weight) chooses what
+ * the full scan chose, move for move: equal assignments on random batches,
+ * many of them full of equal weights (ties), zeros, one rank, more ranks than
+ * items. */
+static void test_assign_equals_full_scan(void **state) {
+  (void)state;
+  ts_rng_t rng;
+  const uint64_t seed = ts_seed(17);
+  ts_rng_seed(&rng, seed);
+  enum { NMAX = 400 };
+  double w[NMAX];
+  int32_t got[NMAX], want[NMAX], micro[NMAX];
+  int moved = 0;
+  for (int trial = 0; trial < 300; trial++) {
+    const int32_t n = 1 + (int32_t)ts_rng_below(&rng, trial < 200 ? 60 : NMAX);
+    const int32_t R = 1 + (int32_t)ts_rng_below(&rng, trial % 5 == 0 ? 80 : 17);
+    const int kind = trial % 4;
+    for (int32_t i = 0; i < n; i++) {
+      if (kind == 0)
+        w[i] = ts_rng_uniform(&rng) * 1e3;
+      else if (kind == 1) /* few distinct values: ties everywhere */
+        w[i] = 128.0 * (double)(1 + ts_rng_below(&rng, 4));
+      else if (kind == 2) /* long tail with zeros */
+        w[i] = ts_rng_below(&rng, 10) == 0   ? 0.0
+               : ts_rng_below(&rng, 20) == 0 ? 1e4 * (1 + ts_rng_uniform(&rng))
+                                             : 1 + ts_rng_uniform(&rng) * 16;
+      else
+        w[i] = (double)(1 + ts_rng_below(&rng, 50));
+    }
+    assert_int_equal(mtrain_balance_assign(w, n, R, 1, MTRAIN_BATCH_COST, got, micro),
+                     MTRAIN_SUCCESS);
+    reference_assign(w, n, R, want);
+    for (int32_t i = 0; i < n; i++)
+      if (got[i] != want[i])
+        fail_msg("seed %llu, trial %d (n %d, R %d, kind %d): item %d on rank %d, the full scan "
+                 "put it on %d",
+                 (unsigned long long)seed, trial, n, R, kind, i, got[i], want[i]);
+    moved += n > 1 && R > 1;
+  }
+  print_message("assign: 300 random batches (%d with something to balance) equal to the full "
+                "scan (seed %llu)\n",
+                moved, (unsigned long long)seed);
+}
+
 static void test_assign_micro_and_sorted(void **state) {
   (void)state;
   double w[40];
@@ -462,6 +572,7 @@ int main(void) {
       cmocka_unit_test(test_pairs_real_budgets),
       cmocka_unit_test(test_predict_definition),
       cmocka_unit_test(test_assign_against_optimum),
+      cmocka_unit_test(test_assign_equals_full_scan),
       cmocka_unit_test(test_assign_micro_and_sorted),
       cmocka_unit_test(test_tune_bounds_and_target),
       cmocka_unit_test(test_mass_curve),
