@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime
 import gc
 import inspect
 import json
@@ -81,6 +80,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
+import cp_launch  # tools/, beside this script
 import torch
 import torch.distributed as dist
 
@@ -96,10 +96,8 @@ NO_RING_STATS = (
 
 
 def die(msg: str, code: int = 2) -> None:
-    rank = os.environ.get("RANK")
-    where = f"[rank {rank}] " if rank is not None else ""
-    print(f"{PROG}: {where}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
+    """Prints an error (no traceback) and exits."""
+    cp_launch.die(PROG, msg, code)
 
 
 class Skip(Exception):  # noqa: N818 -- a method that does not apply, with the reason
@@ -163,35 +161,9 @@ class Env:
 
 
 def setup(args: argparse.Namespace) -> Env:
-    want = args.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        die("--device cuda: no CUDA device is visible")
-    if not dist.is_available():
-        die("torch.distributed is not available in this torch")
-    if "RANK" not in os.environ:  # one process without a launcher: a group of one
-        os.environ.update(
-            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-        )
-        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    timeout = datetime.timedelta(minutes=args.timeout_min)
-    if want == "cuda":
-        if local >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local} but {torch.cuda.device_count()} GPUs are visible")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    else:
-        device = torch.device("cpu")
-        lw = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, lw)))
-        os.environ.setdefault("MTRAIN_NUM_THREADS", str(torch.get_num_threads()))
-        dist.init_process_group("gloo", timeout=timeout)
+    rank, world, device, group = cp_launch.init_group(PROG, args.device, args.timeout_min)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    return Env(rank, world, device, dtype, dist.group.WORLD)
+    return Env(rank, world, device, dtype, group)
 
 
 class Clock:

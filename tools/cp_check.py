@@ -45,7 +45,6 @@ q after dispatch, so that the check must fail.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cp_launch  # tools/, beside this script
 import torch
 import torch.distributed as dist
 
@@ -74,10 +74,7 @@ REF64_AUTO_TOKENS = 4096
 
 def die(msg: str, code: int = 2) -> None:
     """Prints an error (no traceback) and exits."""
-    rank = os.environ.get("RANK")
-    where = f"[rank {rank}] " if rank is not None else ""
-    print(f"{PROG}: {where}error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
+    cp_launch.die(PROG, msg, code)
 
 
 def ints(text: str) -> list[int]:
@@ -144,34 +141,8 @@ class Env:
 
 def setup(args: argparse.Namespace) -> Env:
     """init_process_group: NCCL with one GPU per rank (cuda:LOCAL_RANK), or gloo on the CPU."""
-    want = args.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        die("--device cuda: no CUDA device is visible")
-    if not dist.is_available():
-        die("torch.distributed is not available in this torch")
-    if "RANK" not in os.environ:  # a group of one, without a launcher
-        os.environ.update(
-            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-        )
-        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    timeout = datetime.timedelta(minutes=args.timeout_min)
-    if want == "cuda":
-        if local >= torch.cuda.device_count():
-            die(f"LOCAL_RANK {local} but {torch.cuda.device_count()} GPUs are visible")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    else:
-        device = torch.device("cpu")
-        lw = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, lw)))
-        os.environ.setdefault("MTRAIN_NUM_THREADS", str(torch.get_num_threads()))
-        dist.init_process_group("gloo", timeout=timeout)
-    return Env(rank, world, device, dist.group.WORLD)
+    rank, world, device, group = cp_launch.init_group(PROG, args.device, args.timeout_min)
+    return Env(rank, world, device, group)
 
 
 def log(env: Env, msg: str) -> None:
