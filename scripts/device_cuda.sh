@@ -25,7 +25,8 @@
 #   nccl      (two or more GPUs) the NCCL ring and fault tests (ctest -L nccl: one
 #             process per GPU under mpiexec, one process with a thread per GPU, and
 #             test_nccl_fault_*: a peer killed or stalled mid-forward/backward must
-#             end in a clear error within the timeout), then mtrain-run under
+#             end in a clear error within the timeout; on 2 ranks, and on 4 where 4
+#             GPUs are visible), then mtrain-run under
 #             mpiexec on 2 GPUs with --check (flat, hierarchical)
 #   ringbench (two GPUs) mtrain-run under mpiexec -n 2, bf16, 16:2 heads, d 128:
 #             the dense ring (zigzag) against the sparse ring (striped, the
@@ -287,7 +288,10 @@ stage_nccl() {
   say "NCCL ring tests and mtrain-run on $(nvidia-smi -L | wc -l) GPUs -> $log"
   ensure_build || { note nccl FAILED 0 "no build"; return 1; }
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  (cd "$build" && ctest -L nccl -V --timeout 900) > "$log" 2>&1
+  # the 4-rank fault tests need 4 GPUs: left out below that (a skip fails this stage)
+  local skip=()
+  [ "$(nvidia-smi -L | wc -l)" -lt 4 ] && skip=(-E nccl_fault_w4)
+  (cd "$build" && ctest -L nccl "${skip[@]}" -V --timeout 900) > "$log" 2>&1
   local rc=$?
   grep -E "^[0-9]+: (passed|FAILED|SKIPPED|PASS: mode|FAIL)|^[0-9]+: +rank|tests passed|tests failed" \
     "$log" | tail -40
