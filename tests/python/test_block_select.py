@@ -456,6 +456,20 @@ def test_errors() -> None:
     assert qq.grad is None
 
 
+def test_register_transformers_blocks_refusals() -> None:
+    pytest.importorskip("transformers")
+    reg = mtrain.register_transformers
+    with pytest.raises(mtrain.MtrainError, match="precise"):
+        reg("t-blocks", blocks={"method": "precise", "top_p": 0.9})
+    with pytest.raises(mtrain.MtrainError, match="topp"):
+        reg("t-blocks", blocks={"topp": 0.9})
+    with pytest.raises(mtrain.MtrainError, match="exactly one of top_k"):
+        reg("t-blocks", blocks={"method": "antidiag"})
+    with pytest.raises(mtrain.MtrainError, match="one of budgets=, pattern= and blocks="):
+        reg("t-blocks", budgets=mtrain.TopK(1, 1), blocks={"top_p": 0.9})
+    assert reg("t-blocks", blocks={"method": "meanpool", "top_k": 2}) == "t-blocks"
+
+
 # ---------------------------------------------------------------------------
 # context parallel: 2 and 3 gloo processes, bitwise the single-process selection
 # ---------------------------------------------------------------------------
