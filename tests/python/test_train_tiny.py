@@ -4,9 +4,9 @@ reproduce from their seeds; a 2-layer model trained 24 steps at 1024 tokens on
 the CPU (float32, seeded) with mtrain's estimated pattern at full budget
 follows dense SDPA to within 1e-4 of the loss at every step, at a sparse
 static budget (about 36% of the causal pairs) its loss over the last 8 steps
-stays within 0.02 of dense's, and so does the block-sparse arm's (antidiag
-top-p 0.5: about 56% of the pairs). The tolerances rest on the measurements in
-docs/TRAINING.md ("The CI test")."""
+stays within 0.02 of dense's, and the block-sparse arm's (antidiag top-p 0.5:
+about 55% of the pairs) within 0.05. The tolerances rest on the measurements
+in docs/TRAINING.md ("The CI test")."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ from examples.train.config import RunConfig, parser
 from examples.train.train import run
 
 # measured on 3 seeds (docs/TRAINING.md): full budget max |dloss| 4.3e-6; sparse static
-# |mean of the last 8 losses - dense's| at most 0.0017
+# |mean of the last 8 losses - dense's| at most 0.0017; the block arm 0.0049 for this test's seed
+# 0 and 0.0065 for seed 1 (seed 2: 0.133, the block run's loss falling faster than dense's)
 FULL_TOL = 1e-4
 SPARSE_TOL = 0.02
-BLOCK_TOL = 0.02
+BLOCK_TOL = 0.05
 STEPS = 24
 
 
