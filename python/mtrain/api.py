@@ -1,7 +1,7 @@
 """The public calls: mtrain.attention, mtrain.estimate_pattern and
 mtrain.select_blocks.
 
-Both take q, k, v token-major, either packed ``[T, H, d]`` (with FlashAttention
+They take q, k (and v) token-major, either packed ``[T, H, d]`` (with FlashAttention
 ``cu_seqlens`` for several sequences) or batched ``[B, N, H, d]`` (B sequences
 of N tokens). With ``group=`` (a torch.distributed process group) the tensors
 are this rank's slots of the layout (mtrain.dispatch makes them) and the calls
