@@ -17,7 +17,11 @@
 #        A comma-separated list (pretrain,extend) runs them in order in one call.
 # Environment: PYTHON (default python3), CALL_S (seconds this call may use, default 540),
 # MARGIN_S (left for start-up, final evaluation and writing, default 75), ARMS (the arms of the
-# arms-* phases, in order; default "dense mtrain-static window mtrain-topp").
+# arms-* phases, in order; default "dense mtrain-static window mtrain-topp"; any arm of
+# examples/train/arms.py, e.g. ARMS="dense mtrain-static window mtrain-topp mtrain-block" adds
+# the block-sparse selection, antidiag top-p 0.9; window needs mtrain-static before it).
+# BLOCK_ARGS: extra options of the mtrain-block runs (e.g. "--block-method meanpool
+# --block-top-k 4"; default none: --block-top-p 0.9 --block-stride 8).
 # Context parallel (docs/TRAINING.md, "Context parallel"): CP_WORLD=W (default 1: one GPU, the
 # phases as they were) launches every run with torchrun on W GPUs of this host (one rank per
 # GPU, NCCL; every arm on mtrain's ring), CP_LAYOUT its token layout (default striped);
@@ -39,6 +43,13 @@ ARMS=${ARMS:-dense mtrain-static window mtrain-topp}
 CP_WORLD=${CP_WORLD:-1}
 CP_LAYOUT=${CP_LAYOUT:-striped}
 t_end=$(($(date +%s) + CALL_S))
+KNOWN_ARMS=" dense mtrain-full mtrain-static mtrain-topp mtrain-block window "
+for arm in $ARMS; do
+  if [[ $KNOWN_ARMS != *" $arm "* ]]; then
+    echo "ARMS: unknown arm $arm (one of$KNOWN_ARMS)" >&2
+    exit 2
+  fi
+done
 
 cd "$(dirname "$0")/.."
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
@@ -119,6 +130,9 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
     # the dense arm keeps its weights: the next length continues from them
     if [ "$arm" = dense ]; then
       extra=(--save "$out/dense-$n.pt")
+    fi
+    if [ "$arm" = mtrain-block ] && [ -n "${BLOCK_ARGS:-}" ]; then
+      read -r -a extra <<<"$BLOCK_ARGS"
     fi
     train "$arm-$n" --arm "$arm" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
       --lr "$EXT_LR" --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" \

@@ -4,8 +4,9 @@ wrapper around the real attention (SDPA, or mtrain.register_transformers'),
 so that the probe (probe.py) can time it and read its pattern on the steps it
 watches without changing what is computed. Under context parallel (cp.py)
 every arm runs mtrain over the process group: dense as mtrain's dense causal
-pattern on the ring (SDPA has no ring), the mtrain arms estimating on the
-ring, window with its given pattern."""
+pattern on the ring (SDPA has no ring), the mtrain arms estimating (or, for
+mtrain-block, selecting their blocks) on the ring, window with its given
+pattern."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import mtrain
 
 from .probe import PROBE
 
-ARMS = ("dense", "mtrain-full", "mtrain-static", "mtrain-topp", "window")
+ARMS = ("dense", "mtrain-full", "mtrain-static", "mtrain-topp", "mtrain-block", "window")
+BLOCK_METHODS = ("antidiag", "meanpool")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,12 @@ class Budget:
     diagonals 0 .. window_blocks - 1 (a sliding window of that many blocks of
     G tokens, no verticals); window_blocks 0 means: as many as give
     match_density (the density measured in another run, --match), else the
-    static budget's nominal density (static_density)."""
+    static budget's nominal density (static_density). mtrain-block selects
+    a block mask per head every step (mtrain.select_blocks, SPEC.md section 9):
+    block_method "antidiag" (XAttention's strided antidiagonal scores, stride
+    block_stride) keeps block_top_p of each query block's scored mass, or, with
+    block_top_k > 0, that many key blocks; "meanpool" (MoBA's gating) keeps
+    block_top_k; block_sinks and block_local key blocks are always in."""
 
     granularity: int = 64
     sinks: int = 30
@@ -49,6 +56,30 @@ class Budget:
     p_s: float = 0.9
     window_blocks: int = 0
     match_density: float = 0.0
+    block_method: str = "antidiag"
+    block_top_p: float = 0.9
+    block_top_k: int = 0
+    block_stride: int = 8
+    block_sinks: int = 1
+    block_local: int = 1
+
+    def block_options(self) -> dict[str, Any]:
+        """mtrain.select_blocks' options of the mtrain-block arm."""
+        if self.block_method not in BLOCK_METHODS:
+            raise ValueError(f"--block-method {self.block_method!r}: one of {BLOCK_METHODS}")
+        if self.block_method == "meanpool" and self.block_top_k <= 0:
+            raise ValueError(
+                "--block-method meanpool is top-k only (its scores are logits, not masses): "
+                "give --block-top-k K > 0"
+            )
+        budget: dict[str, Any] = (
+            {"top_k": self.block_top_k} if self.block_top_k > 0 else {"top_p": self.block_top_p}
+        )
+        out = {"method": self.block_method, **budget}
+        out.update(sink_blocks=self.block_sinks, local_blocks=self.block_local)
+        if self.block_method == "antidiag":
+            out["stride"] = self.block_stride
+        return out
 
     def topk(self, n: int) -> mtrain.TopK:
         return mtrain.TopK(
@@ -104,6 +135,10 @@ class Arm:
         self.seq_len = 0
         self.pattern: mtrain.Pattern | None = None
         self.budgets: Any = None
+        self.blocks: dict[str, Any] | None = None
+        # mtrain-block: the mean over heads of the selection's own recall (the share of the
+        # scored mass it kept) at the last plan_of; None for meanpool (logits, not masses)
+        self.scored_recall: float | None = None
 
     def set_length(self, n: int) -> None:
         b, self.seq_len = self.budget, n
@@ -127,6 +162,9 @@ class Arm:
             if self.name == "window":
                 self.pattern = window_pattern(n, self.heads, b.granularity, b.window_width(n))
                 mtrain.register_transformers(self.inner, pattern=self.pattern, **common)
+            elif self.name == "mtrain-block":
+                self.blocks = b.block_options()
+                mtrain.register_transformers(self.inner, blocks=self.blocks, **common)
             else:
                 mtrain.register_transformers(self.inner, budgets=self.budgets, **common, **est)
             base = ALL_ATTENTION_FUNCTIONS[self.inner]
@@ -146,6 +184,8 @@ class Arm:
                 "num_sinks": self.budget.sinks,
                 "window": self.budget.local_window,
             }
+        if self.blocks is not None:
+            out["blocks"] = dict(self.blocks)
         if self.pattern is not None:
             out["window_blocks"] = self.budget.window_width(self.seq_len)
             out["window_tokens"] = self.budget.window_width(self.seq_len) * self.budget.granularity
@@ -159,16 +199,22 @@ class Arm:
         self, q: torch.Tensor, k: torch.Tensor, info: Any = None
     ) -> list[mtrain.Pattern] | None:
         """The patterns this arm computes for q, k ([B, N, H, d], post-RoPE):
-        the estimate again (the same inputs and options give the same
-        pattern), the window's, or None (dense). Under context parallel q and k
-        are this rank's slots and ``info`` their DispatchInfo: the estimate
-        runs on the ring (collective) and gives the global patterns."""
+        the estimate (or the block selection) again (the same inputs and
+        options give the same pattern), the window's, or None (dense). Under
+        context parallel q and k are this rank's slots and ``info`` their
+        DispatchInfo: the estimate or selection runs on the ring (collective)
+        and gives the global patterns."""
         b = self.budget
         if self.pattern is not None:
             return [self.pattern] * q.shape[0]
+        where = info.attention_kwargs() if info is not None else {"granularity": b.granularity}
+        if self.blocks is not None:
+            patterns, reports = mtrain.select_blocks(q, k, report=True, **self.blocks, **where)
+            recalls = torch.cat([r.recall for r in reports])
+            self.scored_recall = None if recalls.isnan().any() else float(recalls.mean())
+            return patterns
         if self.budgets is None:
             return None
-        where = info.attention_kwargs() if info is not None else {"granularity": b.granularity}
         plan = mtrain.estimate_pattern(
             q, k, self.budgets, last_q=b.last_q, num_sinks=b.sinks, window=b.local_window,
             **where,

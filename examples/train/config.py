@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from .arms import ARMS
+from .arms import ARMS, BLOCK_METHODS
 from .cp import LAYOUTS, MODES
 from .model import SIZES
 
@@ -50,6 +50,12 @@ class RunConfig:
     p_s: float = 0.9
     window_blocks: int = 0
     match: str = ""  # window arm: a results JSON whose measured density the window matches
+    block_method: str = "antidiag"  # mtrain-block: antidiag (XAttention) or meanpool (MoBA)
+    block_top_p: float = 0.9
+    block_top_k: int = 0  # > 0: top-k instead of top-p (meanpool: required)
+    block_stride: int = 8
+    block_sinks: int = 1
+    block_local: int = 1
     mqar_pairs: int = 16
     mqar_queries: int = 16
     passkey_digits: int = 5
@@ -98,6 +104,14 @@ HELP = {
     "window_blocks": "window arm: block diagonals computed (0: match the static budget's density)",
     "match": "window arm: width matched to the mean density measured in this results JSON "
     "(for example the mtrain-static run's)",
+    "block_method": "mtrain-block: how the blocks are scored: antidiag (XAttention's strided "
+    "antidiagonal sums) or meanpool (MoBA's mean-pooled gating, top-k only)",
+    "block_top_p": "mtrain-block: the share of each query block's scored mass kept (antidiag)",
+    "block_top_k": "mtrain-block: > 0: keep this many key blocks per query block besides the "
+    "forced ones instead of top-p (required for meanpool)",
+    "block_stride": "mtrain-block, antidiag: the stride S (a divisor of the granularity)",
+    "block_sinks": "mtrain-block: the first key blocks forced in",
+    "block_local": "mtrain-block: the last key blocks forced in (1: the diagonal block)",
     "mqar_pairs": "MQAR key-value pairs",
     "mqar_queries": "MQAR queries per sequence",
     "passkey_digits": "passkey length in digits",
@@ -116,7 +130,12 @@ def parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = RunConfig.__dataclass_fields__[f.name].default
         kind = type(default)
-        choices = {"arm": ARMS, "cp": MODES, "cp_layout": LAYOUTS}.get(f.name)
+        choices = {
+            "arm": ARMS,
+            "cp": MODES,
+            "cp_layout": LAYOUTS,
+            "block_method": BLOCK_METHODS,
+        }.get(f.name)
         extra = {"choices": list(choices)} if choices else {}
         p.add_argument(flag, type=kind, default=default, help=HELP.get(f.name, f.name), **extra)
     return p

@@ -2,7 +2,8 @@
 (PROBE.active): the wall time of the attention's forward and backward
 (synchronised timing hooks around every attention call; the rest of the step
 is the remainder), and the pattern of each layer (density, and the recall of
-the dense attention mass by the pattern on sampled query rows). Off, the
+the dense attention mass by the pattern on sampled query rows; for a block
+selection also its own recall of its scores). Off, the
 wrapper costs one flag test per call."""
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ class Probe:
         sc = float(scale) if scale is not None else q.shape[-1] ** -0.5
         rec = recall(qt[0], kt[0], patterns[0], self.rows, sc)
         self.layers[layer] = {"density": density, "recall": rec}
+        scored = getattr(arm, "scored_recall", None)
+        if scored is not None:
+            # the block selection's own recall of its scores (antidiag: of its estimate)
+            self.layers[layer]["scored_recall"] = scored
 
 
 def recall(q: torch.Tensor, k: torch.Tensor, pattern: Any, rows: int, scale: float) -> float:
@@ -114,14 +119,18 @@ def recall(q: torch.Tensor, k: torch.Tensor, pattern: Any, rows: int, scale: flo
     causal = j[None, :] <= i[:, None]
     total = 0.0
     for h in range(hq):
-        diagonals, verticals = pattern.head(h)
-        on = torch.zeros(pattern.num_blocks + 1, dtype=torch.bool, device=q.device)
-        on[torch.tensor(diagonals, dtype=torch.long, device=q.device)] = True
-        allowed = on[(qb - kb).clamp(min=0, max=pattern.num_blocks)] & (qb >= kb)
-        if verticals:
-            vert = torch.zeros(n, dtype=torch.bool, device=q.device)
-            vert[torch.tensor(verticals, dtype=torch.long, device=q.device)] = True
-            allowed |= vert[None, :] & (kb < qb)
+        if pattern.is_block_mask(h):
+            blocks = pattern.block_mask(h).to(q.device)
+            allowed = blocks[qb, kb] & (qb >= kb)
+        else:
+            diagonals, verticals = pattern.head(h)
+            on = torch.zeros(pattern.num_blocks + 1, dtype=torch.bool, device=q.device)
+            on[torch.tensor(diagonals, dtype=torch.long, device=q.device)] = True
+            allowed = on[(qb - kb).clamp(min=0, max=pattern.num_blocks)] & (qb >= kb)
+            if verticals:
+                vert = torch.zeros(n, dtype=torch.bool, device=q.device)
+                vert[torch.tensor(verticals, dtype=torch.long, device=q.device)] = True
+                allowed |= vert[None, :] & (kb < qb)
         s = (q[i, h].float() @ k[:, h // group].float().T) * scale
         p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
         total += float((p * (allowed & causal)).sum(-1).mean())

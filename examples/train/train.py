@@ -128,6 +128,8 @@ def run(
         granularity=g, sinks=cfg.sinks, local_window=cfg.local_window, last_q=cfg.last_q,
         v_frac=cfg.v_frac, s_frac=cfg.s_frac, p_v=cfg.p_v, p_s=cfg.p_s,
         window_blocks=cfg.window_blocks, match_density=measured_density(cfg.match),
+        block_method=cfg.block_method, block_top_p=cfg.block_top_p, block_top_k=cfg.block_top_k,
+        block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
     )  # fmt: skip
     arm = Arm(cfg.arm, size.heads, budget, cp=cp.on)
     arm.set_length(cfg.seq_len)

@@ -20,7 +20,7 @@ from ._core import (
     synchronize,
     vertical_slash_pattern,
 )
-from .api import SparsePlan, attention, estimate_pattern
+from .api import BlockReport, SparsePlan, attention, estimate_pattern, select_blocks
 from .balance import DEFAULT_LEVELS, BalanceResult, balance_batch, mass_curve
 from .dispatch import Dispatched, DispatchInfo, dispatch, undispatch
 from .errors import MtrainError
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_LEVELS",
     "BalanceResult",
+    "BlockReport",
     "DispatchInfo",
     "Dispatched",
     "MtrainError",
@@ -54,6 +55,7 @@ __all__ = [
     "parse_pattern",
     "register_transformers",
     "reset",
+    "select_blocks",
     "synchronize",
     "undispatch",
     "vertical_slash_pattern",

@@ -142,6 +142,25 @@ class Pattern:
         dense = n * (n + 1) // 2 if self.causal else n * n
         return sum(self.count_pairs(h) for h in range(self.num_heads)) / (dense * self.num_heads)
 
+    def block_mask(self, head: int) -> torch.Tensor:
+        """The (query block, key block) pairs of a block-mask head as a bool
+        tensor [nb, nb] (one library call per causal block pair)."""
+        self._check_head(head)
+        if not self.is_block_mask(head):
+            raise L.fail(
+                L.ERR_INVALID_ARGUMENT, f"head {head} is a vertical-slash head, not a block mask"
+            )
+        n, g, nb = self.seq_len, self.granularity, self.num_blocks
+        allowed = L.lib().pattern_allowed
+        blocks = torch.zeros(nb, nb, dtype=torch.bool)
+        for a in range(nb):
+            i = min(a * g, n - 1)
+            for b in range(a + 1 if self.causal else nb):
+                # the first query of block a sees the first key of block b exactly when the
+                # pair is in the mask (causal: b <= a, so that key is not after the query)
+                blocks[a, b] = bool(allowed(self._ptr, head, i, b * g))
+        return blocks
+
     def mask(self) -> torch.Tensor:
         """The allowed(h, i, j) predicate as a bool tensor [H, N, N] (for
         references and tests: O(H N^2) memory)."""
@@ -155,13 +174,7 @@ class Pattern:
         out = torch.zeros(self.num_heads, n, n, dtype=torch.bool)
         for h in range(self.num_heads):
             if self.is_block_mask(h):
-                blocks = torch.zeros(nb, nb, dtype=torch.bool)
-                for a in range(nb):
-                    for b in range(a + 1 if self.causal else nb):
-                        blocks[a, b] = bool(
-                            L.lib().pattern_allowed(self._ptr, h, min(a * g, n - 1), b * g)
-                        )
-                out[h] = blocks[qb, kb] & causal
+                out[h] = self.block_mask(h)[qb, kb] & causal
                 continue
             diagonals, verticals = self.head(h)
             on_diag = torch.zeros(nb, dtype=torch.bool)
@@ -943,6 +956,72 @@ def _estimate(
             out.append(Pattern(int(res.value or 0)))
             row += n
     return out
+
+
+def select_blocks(
+    ctx: Context,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor | None,
+    seq_lens: list[int],
+    layouts: list[Layout] | None,
+    options: L.BlockOptions,
+    report: bool,
+) -> tuple[list[Pattern], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None]:
+    """The block selection of every sequence (docs/SPEC.md section 9):
+    mtrain_pattern_select_blocks per sequence on one rank, or
+    mtrain_pattern_select_blocks_ring with the sequence's layout (collective).
+    q [T, Hq, d], k [T, Hkv, d] and lse [T, Hq] (or None) are contiguous, on
+    the context's device. Returns the patterns and, when asked, per sequence
+    (head recall fp64, head top-k int32, head blocks int64), each [Hq] on the
+    CPU."""
+    num_heads = int(q.shape[1])
+    local = [lay.local_tokens(ctx.rank) for lay in layouts] if layouts else list(seq_lens)
+    if sum(local) != int(q.shape[0]):
+        where = (
+            f"rank {ctx.rank} holds {sum(local)} slots of the layouts of sequences {seq_lens} "
+            f"over {ctx.world} ranks (padding included; mtrain.dispatch makes them)"
+            if layouts
+            else f"the sequences {seq_lens} hold {sum(local)} tokens"
+        )
+        raise L.fail(L.ERR_SHAPE_MISMATCH, f"q has {int(q.shape[0])} tokens but {where}")
+    patterns: list[Pattern] = []
+    reports: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    row = 0
+    ctx.bind_stream()
+    with _device_guard(q.device):
+        for s, n in enumerate(local):
+            qd = descriptor(q, (row, row + n))
+            kd = descriptor(k, (row, row + n))
+            ld = descriptor(lse, (row, row + n)) if lse is not None else None
+            rep = None
+            if report:
+                recall = torch.full((num_heads,), math.nan, dtype=torch.float64)
+                top_k = torch.zeros(num_heads, dtype=torch.int32)
+                blocks = torch.zeros(num_heads, dtype=torch.int64)
+                reports.append((recall, top_k, blocks))
+                rep = L.BlockReport(
+                    ctypes.cast(recall.data_ptr(), ctypes.POINTER(ctypes.c_double)),
+                    ctypes.cast(top_k.data_ptr(), ctypes.POINTER(ctypes.c_int32)),
+                    ctypes.cast(blocks.data_ptr(), ctypes.POINTER(ctypes.c_int64)),
+                )
+            res = ctypes.c_void_p()
+            lp = ctypes.byref(ld) if ld is not None else None
+            rp = ctypes.byref(rep) if rep is not None else None
+            if layouts is None:
+                st = L.lib().pattern_select_blocks(
+                    ctx.ptr, ctypes.byref(qd), ctypes.byref(kd), lp, ctypes.byref(options), rp,
+                    ctypes.byref(res),
+                )  # fmt: skip
+            else:
+                st = L.lib().pattern_select_blocks_ring(
+                    ctx.ptr, layouts[s].ptr, ctypes.byref(qd), ctypes.byref(kd), lp,
+                    ctypes.byref(options), rp, ctypes.byref(res),
+                )  # fmt: skip
+            L.check(st, f"selecting the blocks of sequence {s} ({seq_lens[s]} tokens)")
+            patterns.append(Pattern(int(res.value or 0)))
+            row += n
+    return patterns, (reports if report else None)
 
 
 def default_scale(head_dim: int) -> float:

@@ -23,6 +23,7 @@ SUCCESS = 0
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
 BUDGET_TOP_K, BUDGET_TOP_P = 0, 1
+BLOCK_PRECISE, BLOCK_ANTIDIAG, BLOCK_MEANPOOL = 0, 1, 2
 LAYOUT_KINDS = {"contiguous": 0, "zigzag": 1, "striped": 2, "balanced": 3}
 MEMORY_HOST, MEMORY_DEVICE, MEMORY_ANY = 0, 1, 2
 REDUCE_SUM, REDUCE_MAX = 0, 1
@@ -111,6 +112,31 @@ class EstimateOptions(ctypes.Structure):
         ("last_q", ctypes.c_int32),
         ("num_sinks", ctypes.c_int32),
         ("window", ctypes.c_int32),
+    )
+
+
+class BlockOptions(ctypes.Structure):
+    """mtrain_block_options_t (SPEC.md section 9)."""
+
+    _fields_ = (
+        ("method", ctypes.c_int),
+        ("kind", ctypes.c_int),
+        ("top_k", ctypes.c_int32),
+        ("top_p", ctypes.c_double),
+        ("sink_blocks", ctypes.c_int32),
+        ("local_blocks", ctypes.c_int32),
+        ("stride", ctypes.c_int32),
+        ("head_adaptive", ctypes.c_int32),
+    )
+
+
+class BlockReport(ctypes.Structure):
+    """mtrain_block_report_t: caller-owned per-head arrays (each may be NULL)."""
+
+    _fields_ = (
+        ("head_recall", ctypes.POINTER(ctypes.c_double)),
+        ("head_top_k", ctypes.POINTER(ctypes.c_int32)),
+        ("head_blocks", ctypes.POINTER(ctypes.c_int64)),
     )
 
 
@@ -261,6 +287,15 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_pattern_estimate_ring": (
         STATUS,
         (P, P, TP, TP, ctypes.POINTER(HeadBudget), ctypes.POINTER(EstimateOptions), PP),
+    ),
+    "mtrain_block_method_parse": (STATUS, (ctypes.c_char_p, ctypes.POINTER(ctypes.c_int))),
+    "mtrain_pattern_select_blocks": (
+        STATUS,
+        (P, TP, TP, TP, ctypes.POINTER(BlockOptions), ctypes.POINTER(BlockReport), PP),
+    ),
+    "mtrain_pattern_select_blocks_ring": (
+        STATUS,
+        (P, P, TP, TP, TP, ctypes.POINTER(BlockOptions), ctypes.POINTER(BlockReport), PP),
     ),
     "mtrain_attention_forward": (STATUS, (P, P, TP, TP, TP, TP, TP)),
     "mtrain_attention_backward": (STATUS, (P, P, TP, TP, TP, TP, TP, TP, TP, TP, TP)),

@@ -1,6 +1,7 @@
-"""The public calls: mtrain.attention and mtrain.estimate_pattern.
+"""The public calls: mtrain.attention, mtrain.estimate_pattern and
+mtrain.select_blocks.
 
-Both take q, k, v token-major, either packed ``[T, H, d]`` (with FlashAttention
+They take q, k (and v) token-major, either packed ``[T, H, d]`` (with FlashAttention
 ``cu_seqlens`` for several sequences) or batched ``[B, N, H, d]`` (B sequences
 of N tokens). With ``group=`` (a torch.distributed process group) the tensors
 are this rank's slots of the layout (mtrain.dispatch makes them) and the calls
@@ -9,6 +10,7 @@ are collective over the group.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import json
@@ -23,9 +25,10 @@ from . import _comm
 from . import _core as C
 from . import _lib as L
 from . import fallback as _fallback
+from .ops import check_cu as _check_cu
 from .ops import check_qkv as _check_qkv  # (importing ops registers them)
 
-__all__ = ["SparsePlan", "attention", "estimate_pattern"]
+__all__ = ["BlockReport", "SparsePlan", "attention", "estimate_pattern", "select_blocks"]
 
 
 class SparsePlan(NamedTuple):
@@ -217,6 +220,207 @@ def estimate_pattern(
     )  # fmt: skip
     handle = torch.ops.mtrain.estimate_plan(q3.detach(), k3.detach(), cu, options)
     return SparsePlan(handle, options)
+
+
+class BlockReport(NamedTuple):
+    """The per-head results of mtrain.select_blocks for one sequence
+    (mtrain_block_report_t; tensors [Hq] on the CPU, the same on every rank)."""
+
+    recall: torch.Tensor
+    """float64: the share of the head's scored mass the selection keeps (SPEC.md
+    section 9.4; precise with the LSE of dense attention: the pattern's recall of
+    the attention mass). NaN for meanpool (its scores are logits)."""
+    top_k: torch.Tensor
+    """int32: the top-k budget the head got (top_k, or head-adaptive); -1 in top-p mode."""
+    blocks: torch.Tensor
+    """int64: the head's selected (query block, key block) pairs, forced ones included."""
+
+
+def _int_option(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"{name}={value!r} must be an int")
+    if not -(2**31) <= value < 2**31:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"{name}={value} is out of the int32 range")
+    return int(value)
+
+
+def _block_options(
+    method: str,
+    top_k: int | None,
+    top_p: float | None,
+    sink_blocks: int,
+    local_blocks: int,
+    stride: int,
+    head_adaptive: bool,
+) -> L.BlockOptions:
+    """mtrain_block_options_t from select_blocks' arguments (the ranges are the
+    library's checks: top_k >= 0, top_p in (0, 1], meanpool top-k only, ...)."""
+    if not isinstance(method, str):
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"method={method!r} must be 'antidiag', 'meanpool' or 'precise'",
+        )
+    m = ctypes.c_int()
+    L.check(L.lib().block_method_parse(method.encode(), ctypes.byref(m)), "select_blocks")
+    if (top_k is None) == (top_p is None):
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            "select_blocks: give exactly one of top_k= (key blocks kept per query block "
+            f"besides the forced ones) and top_p= (the share of each query block's scored "
+            f"mass to reach); got top_k={top_k!r}, top_p={top_p!r}",
+        )
+    o = L.BlockOptions()
+    o.method = m.value
+    if top_k is not None:
+        o.kind, o.top_k, o.top_p = L.BUDGET_TOP_K, _int_option("top_k", top_k), 0.0
+    else:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+            raise L.fail(L.ERR_INVALID_ARGUMENT, f"top_p={top_p!r} must be a float in (0, 1]")
+        o.kind, o.top_k, o.top_p = L.BUDGET_TOP_P, 0, float(top_p)
+    o.sink_blocks = _int_option("sink_blocks", sink_blocks)
+    o.local_blocks = _int_option("local_blocks", local_blocks)
+    o.stride = _int_option("stride", stride)
+    if not isinstance(head_adaptive, bool):
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"head_adaptive={head_adaptive!r} must be a bool")
+    o.head_adaptive = 1 if head_adaptive else 0
+    return o
+
+
+def _flatten_lse(
+    lse: torch.Tensor, q: torch.Tensor, q3: torch.Tensor, batched: tuple[int, ...] | None
+) -> torch.Tensor:
+    """lse [T, Hq] (or [B, N, Hq] for batched q) -> [T, Hq], checked against q."""
+    if not isinstance(lse, torch.Tensor):
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"lse is not a tensor ({type(lse).__name__})")
+    want = tuple(q.shape[:-1])
+    if tuple(lse.shape) != want:
+        raise L.fail(
+            L.ERR_SHAPE_MISMATCH,
+            f"lse has shape {tuple(lse.shape)}: expected {list(want)} (q's shape without "
+            "head_dim; what attention(..., return_lse=True) returns)",
+        )
+    if lse.dtype not in (torch.float32, torch.float64):
+        raise L.fail(L.ERR_UNSUPPORTED_DTYPE, f"lse is {lse.dtype}: float32 or float64")
+    if lse.device != q.device:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"lse is on {lse.device} but q is on {q.device}")
+    if not lse.is_contiguous():
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"lse is not contiguous (shape {tuple(lse.shape)}, strides {lse.stride()}): call "
+            ".contiguous()",
+        )
+    return lse.detach().reshape(q3.shape[0], q3.shape[1]) if batched else lse.detach()
+
+
+@torch.compiler.disable
+def select_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    method: str = "antidiag",
+    top_k: int | None = None,
+    top_p: float | None = None,
+    lse: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    group: Any = None,
+    layout: str = "striped",
+    ranks_per_node: int = 0,
+    seq_len: int | None = None,
+    granularity: int = 128,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    deterministic: bool = True,
+    sink_blocks: int = 1,
+    local_blocks: int = 1,
+    stride: int = 8,
+    head_adaptive: bool = False,
+    report: bool = False,
+) -> Any:
+    """Selects a block-sparse pattern of every sequence from post-RoPE q and k
+    (docs/SPEC.md section 9): every head a block mask of (query block, key
+    block) pairs, scored by one of three methods and kept by top-k or top-p.
+
+    Args:
+        q, k: [T, Hq, d] and [T, Hkv, d] (or [B, N, H, d]); detached (no gradient
+            flows through the selection). float32, bfloat16, float16 (float64 on the
+            CPU: the cpu-ref backend); CPU tensors score on the CPU, CUDA tensors on
+            the GPU (the selection itself is host code: one synchronisation per call).
+        method: "antidiag" (XAttention-style strided antidiagonal sums, softmaxed per
+            strided row), "meanpool" (MoBA-style mean query . mean key; top-k only) or
+            "precise" (AdaSpa-style exact block masses from ``lse=``).
+        top_k: key blocks kept per query block besides the forced ones.
+        top_p: the share of each query block's scored mass to reach, forced blocks
+            counted, in (0, 1]. Exactly one of top_k and top_p.
+        lse: method "precise" only: the forward's log-sum-exp, [T, Hq] (or [B, N, Hq];
+            under a group this rank's slots), float32 or float64, as
+            ``attention(..., return_lse=True)`` returns it; the LSE of dense
+            attention makes the masses exact shares.
+        cu_seqlens: FlashAttention offsets of packed sequences (global under a group).
+        group: a torch.distributed process group: context parallel (collective; every
+            rank gets the same patterns, bitwise those of one process).
+        layout, ranks_per_node, seq_len: the layout of the local tensors (as
+            estimate_pattern; ``**info.attention_kwargs()`` of mtrain.dispatch).
+        granularity: the block size G (the patterns').
+        softmax_scale: the scale of the logits (default 1/sqrt(d)).
+        backend: "cpu", "cpu-ref", "cuda" (default: by device and dtype).
+        sink_blocks: key blocks [0, sink_blocks) forced in every query block.
+        local_blocks: key blocks (qb - local_blocks, qb] forced in (1: the diagonal
+            block, always in).
+        stride: antidiag: the stride S, a divisor of the granularity.
+        head_adaptive: top-k with antidiag or precise: share the budget Hq * top_k
+            between the heads so that the sum of their recalls is largest.
+        report: also return the per-head report of every sequence.
+
+    Returns:
+        A list with one mtrain.Pattern per sequence (pass it as ``pattern=`` to
+        mtrain.attention, with the same granularity); with report=True the pair
+        (patterns, reports), reports a list of BlockReport.
+    """
+    world = _world(group)
+    q3, cu, batched = _flatten(q, cu_seqlens, seq_len, world, "q")
+    k3, _, _ = _flatten(k, None if q.ndim == 4 else cu_seqlens, seq_len, world, "k")
+    if k.ndim != q.ndim:
+        raise L.fail(
+            L.ERR_SHAPE_MISMATCH, f"q and k have {q.ndim} and {k.ndim} dimensions: they must agree"
+        )
+    _check_qkv(q3, k3, None)
+    _check_cu(cu)
+    options = _block_options(method, top_k, top_p, sink_blocks, local_blocks, stride, head_adaptive)
+    lse2 = None
+    if options.method == L.BLOCK_PRECISE:
+        if lse is None:
+            raise L.fail(
+                L.ERR_INVALID_ARGUMENT,
+                "method='precise' needs lse= (the forward's log-sum-exp [T, Hq], e.g. "
+                "attention(q, k, v, return_lse=True)[1])",
+            )
+        lse2 = _flatten_lse(lse, q, q3, batched)
+    elif lse is not None:
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT, f"lse= is read by method='precise' only, not {method!r}"
+        )
+    opts = C.decode_options(
+        _options(
+            int(q3.shape[-1]), group=group, layout=layout, ranks_per_node=ranks_per_node,
+            granularity=granularity, softmax_scale=softmax_scale, backend=backend,
+            deterministic=deterministic, pattern="blocks",
+        )
+    )  # fmt: skip
+    ctx = C.context(opts, q3.device, q3.dtype)
+    seq_lens = C.seq_lens_of(cu, int(q3.shape[0]), ctx.world)
+    layouts = (
+        [C.layout(opts.layout, n, opts.granularity, ctx.world) for n in seq_lens]
+        if ctx.world > 1
+        else None
+    )
+    with torch.no_grad():
+        patterns, reports = C.select_blocks(
+            ctx, q3.detach(), k3.detach(), lse2, seq_lens, layouts, options, report
+        )
+    if not report:
+        return patterns
+    assert reports is not None
+    return patterns, [BlockReport(*r) for r in reports]
 
 
 def _seq_lengths(tokens: int, cu: torch.Tensor | None) -> list[int]:

@@ -2,7 +2,8 @@
 adds an attention function (AttentionInterface.register) and a mask function
 (AttentionMaskInterface.register) under one name, so that
 ``attn_implementation="mtrain"`` runs mtrain.attention in Llama/Qwen2-family
-models. Nothing of transformers is patched."""
+models (dense, a given pattern, the vertical-slash estimate, or a block
+selection of every call's q and k). Nothing of transformers is patched."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _lib as L
-from .api import attention
+from .api import _block_options, attention, select_blocks
 
 __all__ = ["register_transformers"]
 
@@ -21,6 +22,7 @@ __all__ = ["register_transformers"]
 class _Settings:
     budgets: Any = None
     pattern: Any = None
+    blocks: dict[str, Any] | None = None
     group: Any = None
     layout: str = "striped"
     granularity: int = 128
@@ -102,7 +104,11 @@ def _attention_function(name: str) -> Any:
             q, k, v = q[0], k[0], v[0]
             kw["cu_seqlens"] = cu
         layer = getattr(module, "layer_idx", None)
-        if s.budgets is not None:
+        if s.blocks is not None:
+            # the block selection of this call's q and k, then the attention over it
+            patterns = select_blocks(q, k, **s.blocks, **kw)
+            o = attention(q, k, v, pattern=patterns, **kw)
+        elif s.budgets is not None:
             o = attention(
                 q, k, v, budgets=s.budgets, layer=layer, dense_above=s.dense_above,
                 dense_recheck=s.dense_recheck, **kw,
@@ -138,11 +144,41 @@ def _mask_function(
     return attention_mask
 
 
+_BLOCK_KEYS = ("method", "top_k", "top_p", "sink_blocks", "local_blocks", "stride", "head_adaptive")
+
+
+def _check_blocks(blocks: Any) -> dict[str, Any]:
+    """The select_blocks options of register_transformers(blocks=...), checked."""
+    if not isinstance(blocks, dict):
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"blocks= must be a dict of mtrain.select_blocks options, got {type(blocks).__name__}",
+        )
+    unknown = sorted(set(blocks) - set(_BLOCK_KEYS))
+    if unknown:
+        raise L.fail(
+            L.ERR_INVALID_ARGUMENT,
+            f"blocks= has {', '.join(unknown)}: the options are {', '.join(_BLOCK_KEYS)}",
+        )
+    if blocks.get("method", "antidiag") == "precise":
+        raise L.fail(
+            L.ERR_NOT_SUPPORTED,
+            "blocks= with method 'precise': it needs the forward's LSE, which an attention call "
+            "does not have before it runs (use 'antidiag' or 'meanpool', or mtrain.select_blocks "
+            "with lse= by hand)",
+        )
+    defaults: dict[str, Any] = {"method": "antidiag", "top_k": None, "top_p": None}
+    defaults.update(sink_blocks=1, local_blocks=1, stride=8, head_adaptive=False)
+    _block_options(**{**defaults, **blocks})  # types, and exactly one of top_k and top_p
+    return dict(blocks)
+
+
 def register_transformers(
     name: str = "mtrain",
     *,
     budgets: Any = None,
     pattern: Any = None,
+    blocks: dict[str, Any] | None = None,
     group: Any = None,
     layout: str = "striped",
     granularity: int = 128,
@@ -164,6 +200,11 @@ def register_transformers(
             or a per-head list. None: ``pattern``.
         pattern: None (dense causal), an mtrain.Pattern, or a callable
             layer_idx -> pattern.
+        blocks: select a block-sparse pattern online every call with
+            mtrain.select_blocks from the layer's q and k: the dict of its options
+            (method "antidiag" or "meanpool", top_k or top_p, sink_blocks,
+            local_blocks, stride, head_adaptive); "precise" needs the forward's LSE,
+            which a call does not have before it runs, and is refused.
         group, layout, granularity: context parallel defaults; a model call can
             instead pass ``mtrain_dispatch=info`` (mtrain.dispatch's DispatchInfo),
             which transformers hands to the attention function.
@@ -177,11 +218,14 @@ def register_transformers(
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if budgets is not None and pattern is not None:
-        raise L.fail(L.ERR_INVALID_ARGUMENT, "give budgets= or pattern=, not both")
+    if sum(x is not None for x in (budgets, pattern, blocks)) > 1:
+        raise L.fail(L.ERR_INVALID_ARGUMENT, "give one of budgets=, pattern= and blocks=")
+    if blocks is not None:
+        blocks = _check_blocks(blocks)
     _settings[name] = _Settings(
         budgets=budgets,
         pattern=pattern,
+        blocks=blocks,
         group=group,
         layout=layout,
         granularity=granularity,

@@ -93,7 +93,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         raise L.fail(L.ERR_INVALID_ARGUMENT, "q has no tokens")
 
 
-def _check_cu(cu_seqlens: torch.Tensor | None) -> None:
+def check_cu(cu_seqlens: torch.Tensor | None) -> None:
     if cu_seqlens is None:
         return
     if cu_seqlens.ndim != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -142,7 +142,7 @@ def estimate_plan(
     """Online vertical-slash estimation (docs/SPEC.md section 2) and the plan."""
     opts = C.decode_options(options)
     check_qkv(q, k, None)
-    _check_cu(cu_seqlens)
+    check_cu(cu_seqlens)
     ctx = C.context(opts, q.device, q.dtype)
     seq_lens = C.seq_lens_of(cu_seqlens, int(q.shape[0]), ctx.world)
     plan = C.build_plan(ctx, opts, int(q.shape[0]), int(q.shape[1]), seq_lens, None, q, k)
@@ -164,7 +164,7 @@ def pattern_plan(
     opts = C.decode_options(options)
     _check_tensor(q, "q", 3)
     C.mtrain_dtype(q.dtype)
-    _check_cu(cu_seqlens)
+    check_cu(cu_seqlens)
     ctx = C.context(opts, q.device, q.dtype)
     seq_lens = C.seq_lens_of(cu_seqlens, int(q.shape[0]), ctx.world)
     pats = [C.resolve_pattern(h) for h in patterns] if opts.pattern == "given" else None

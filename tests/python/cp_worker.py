@@ -139,6 +139,74 @@ def block_mask_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     return q, k, v, mask
 
 
+BLOCK_LAYOUTS = ("striped", "zigzag", "contiguous")
+BG = 16  # the block selection's granularity: 10 and 21 blocks
+# select_blocks options of the context-parallel block selection (test_block_select.py): the
+# antidiagonal scores gather every key, meanpool and precise pass the keys around the ring, the
+# head-adaptive budgets all-reduce their gain curves
+BLOCK_CASES: dict[str, dict[str, Any]] = {
+    "antidiag_p": {"method": "antidiag", "top_p": 0.8},
+    "antidiag_k_adaptive": {"method": "antidiag", "top_k": 2, "head_adaptive": True},
+    "meanpool_k": {"method": "meanpool", "top_k": 2, "sink_blocks": 2},
+    "precise_p": {"method": "precise", "top_p": 0.9},
+    "precise_k_adaptive": {
+        "method": "precise",
+        "top_k": 3,
+        "head_adaptive": True,
+        "local_blocks": 2,
+    },
+}
+
+
+def block_selections(layout: str | None) -> dict[str, Any]:
+    """mtrain.select_blocks of every BLOCK_CASES entry on the packed global batch: on one
+    process (layout None) or on this rank's slots of `layout` over the world group; the precise
+    method with the LSE of single-process dense attention (the same bits on every rank). Also
+    the attention with the antidiag top-p patterns, gathered back to global order."""
+    b = global_batch()
+    q, k, v, cu = b["q"], b["k"], b["v"], b["cu"]
+    # structure: a direction every query prefers on a few keys; head 0 looks at each
+    # sequence's first block (forced), so that the head-adaptive budgets move
+    q[..., 0] += 1.5
+    k[::37, :, 0] += 4.0
+    q[:, 0, 1] += 3.0
+    for start in cu[:-1].tolist():
+        k[start : start + BG, 0, 1] += 5.0
+    _, lse = mtrain.attention(q, k, v, cu_seqlens=cu, granularity=BG, return_lse=True)
+    info = None
+    where: dict[str, Any] = {"cu_seqlens": cu, "granularity": BG}
+    ql, kl, vl, lsel = q, k, v, lse
+    if layout is not None:
+        ql, _, info = mtrain.dispatch(
+            q, dist.group.WORLD, layout=layout, cu_seqlens=cu, granularity=BG
+        )
+        kl, vl, lsel = (mtrain.dispatch(t, info=info).local for t in (k, v, lse))
+        where = info.attention_kwargs()
+    selections: dict[str, Any] = {}
+    kept: list[mtrain.Pattern] = []
+    for name, opts in BLOCK_CASES.items():
+        extra = {"lse": lsel} if opts["method"] == "precise" else {}
+        pats, reps = mtrain.select_blocks(ql, kl, report=True, **opts, **extra, **where)
+        if name == "antidiag_p":
+            kept = pats
+        selections[name] = {
+            "masks": [torch.stack([p.block_mask(h) for h in range(HQ)]) for p in pats],
+            "recall": [r.recall for r in reps],
+            "top_k": [r.top_k for r in reps],
+            "blocks": [r.blocks for r in reps],
+        }
+    o = mtrain.attention(ql, kl, vl, pattern=kept, **where)
+    if info is not None:
+        o = mtrain.undispatch(o, info)
+    return {"selections": selections, "o": o}
+
+
+def case_blocks(rank: int, world: int) -> dict[str, Any]:
+    """The block selection on the ring for every layout of BLOCK_LAYOUTS."""
+    del rank, world
+    return {layout: block_selections(layout) for layout in BLOCK_LAYOUTS}
+
+
 def case_split(rank: int, world: int) -> dict[str, Any]:
     """mtrain_comm_split on the torch communicator (3 ranks): the even ranks
     {2, 0} (ordered by key) and {1}; contexts created on them check their
@@ -246,6 +314,7 @@ CASES = {
     "disagree": case_disagree,
     "layouts": case_layouts,
     "block_mask": case_block_mask,
+    "blocks": case_blocks,
     "split": case_split,
     "timeout": case_timeout,
     "hf": case_hf,

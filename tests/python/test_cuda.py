@@ -1,7 +1,8 @@
 """The CUDA path (skipped without a GPU or without the cuda backend in the
 installed libmtrain): attention on device tensors against float64 masked
-attention (SPEC.md section 7's rule), the online estimate on the device,
-opcheck with CUDA inputs, the caller's stream, and the device guard."""
+attention (SPEC.md section 7's rule), the online estimate and the block
+selection on the device, opcheck with CUDA inputs, the caller's stream, and
+the device guard."""
 
 from __future__ import annotations
 
@@ -129,12 +130,66 @@ def test_nccl_group_of_one(gen: torch.Generator) -> None:
             diff = (back[key].double() - t.double()).abs().max().item()
             print(f"{key}: largest difference to one process {diff:.3e}")
             assert diff <= 1e-3 * t.double().abs().max().item(), key
+        # the block selection on the ring (every key gathered, the NCCL communicator's
+        # collectives): the same patterns as on one process
+        sel = {"top_p": 0.9, "report": True}
+        ring, ring_rep = mtrain.select_blocks(ql, kl, **sel, **info.attention_kwargs())
+        one, one_rep = mtrain.select_blocks(q, k, **sel, granularity=64)
+        assert [p.mask().tolist() for p in ring] == [p.mask().tolist() for p in one]
+        assert torch.equal(ring_rep[0].blocks, one_rep[0].blocks)
         from mtrain import _comm
 
         assert any(type(c).__name__ == "NcclComm" for c in _comm._comms.values())
     finally:
         mtrain.reset()
         dist.destroy_process_group()
+
+
+def test_block_selection_on_device(gen: torch.Generator) -> None:
+    """mtrain.select_blocks on CUDA tensors (the cuda backend's block scores, the host
+    selection) selects what cpu-ref selects from the same bf16 values (they may differ only at
+    a near tie, SPEC.md section 9.6; none was met by the library's own GPU test), for every
+    method, in a packed batch; the antidiag pattern then runs through attention on the device
+    within SPEC.md section 7's bound."""
+    from conftest import varlen_mask
+
+    lens = [700, 1301]  # 6 and 11 blocks of 128, both partial
+    n, hq, hkv, d, g = sum(lens), 8, 2, 64, 128
+    q, k = randn(gen, n, hq, d), randn(gen, n, hkv, d)
+    q[..., 0] += 1.5  # structure: a few keys every query prefers
+    k[::53, :, 0] += 4.0
+    q, k = q.bfloat16(), k.bfloat16()
+    v, do = randn(gen, n, hkv, d, dtype=torch.bfloat16), randn(gen, n, hq, d, dtype=torch.bfloat16)
+    cu = torch.tensor([0, lens[0], n])
+    qd, kd, vd = to_dev(q, k, v)
+    _, lse = mtrain.attention(qd, kd, vd, cu_seqlens=cu, granularity=g, return_lse=True)
+    cases = [
+        ({"method": "antidiag", "top_p": 0.6}, None),
+        ({"method": "antidiag", "top_k": 2, "head_adaptive": True, "stride": 16}, None),
+        ({"method": "meanpool", "top_k": 4}, None),
+        ({"method": "precise", "top_p": 0.9}, lse),
+    ]
+    kept: list[mtrain.Pattern] = []
+    for opts, lse_dev in cases:
+        extra = {"lse": lse_dev} if lse_dev is not None else {}
+        pats, reps = mtrain.select_blocks(qd, kd, cu_seqlens=cu, granularity=g, report=True,
+                                          **opts, **extra)  # fmt: skip
+        host = {"lse": lse_dev.cpu()} if lse_dev is not None else {}
+        want, want_reps = mtrain.select_blocks(q, k, cu_seqlens=cu, granularity=g, report=True,
+                                               backend="cpu-ref", **opts, **host)  # fmt: skip
+        for s in range(2):
+            assert torch.equal(pats[s].mask(), want[s].mask()), (opts, s)
+            assert torch.equal(reps[s].top_k, want_reps[s].top_k), (opts, s)
+            r, w = reps[s].recall, want_reps[s].recall
+            assert torch.allclose(r, w, rtol=1e-9, atol=0, equal_nan=True), (opts, s)
+        if not kept:
+            kept = pats
+    assert sum(p.density() for p in kept) / 2 < 0.9
+    got = run_mtrain(*to_dev(q, k, v, do), pattern=kept, cu_seqlens=cu)
+    mask = varlen_mask([p.mask() for p in kept])
+    ref = reference(q, k, v, mask, do)
+    naive = reference(q, k, v, mask, do, torch.bfloat16)
+    assert_close_spec({key: t.cpu() for key, t in got.items()}, ref, naive)
 
 
 def test_cuda_tensors_on_gloo_group_refused() -> None:

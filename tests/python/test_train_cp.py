@@ -2,11 +2,12 @@
 parallel"): 2 and 3 gloo processes started with torchrun's environment train the tiny model on
 sequences of 475 tokens (a length that neither the world sizes nor the block size 32 divide)
 with the dense arm (mtrain's dense ring), mtrain-static (estimated on the ring, about 36% of the
-causal pairs) and window; the per-step losses, the evaluation and the final weights match one
-process's run of the same configuration, every rank ends with the same weights, a run resumed
-at every step under context parallel equals the straight one bitwise, the real command line
-under torchrun writes its results from rank 0 only, and impossible settings are refused before
-any process group exists."""
+causal pairs), window and, on 2 ranks, mtrain-block (its blocks selected on the ring); the
+per-step losses, the evaluation and the final weights match one process's run of the same
+configuration, every rank ends with the same weights, a run resumed at every step under context
+parallel equals the straight one bitwise, the real command line under torchrun writes its
+results from rank 0 only, and impossible settings are refused before any process group
+exists."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ ARMS = {
     "dense": ["--arm", "dense"],
     "static": STATIC,
     "window": ["--arm", "window", "--window-blocks", "3"],
+    # the block selection on the ring (antidiag top-p, every key gathered)
+    "block": ["--arm", "mtrain-block", "--block-top-p", "0.5"],
 }
 # Measured (docs/TRAINING.md, "Context parallel": 3 seeds, worlds 2 and 3, dense and static):
 # per-step losses within 2.3e-7 relative of one process's (the tolerance: 430x, the order of
@@ -187,7 +190,7 @@ def assert_replicas(ranks: list[dict[str, Any]], name: str) -> None:
 
 # the layout of each arm's run: every layout once with an mtrain arm
 LAYOUTS = {
-    2: {"dense": "striped", "static": "striped"},
+    2: {"dense": "striped", "static": "striped", "block": "zigzag"},
     3: {"dense": "zigzag", "static": "balanced", "window": "contiguous"},
 }
 
@@ -223,6 +226,10 @@ def test_cp_equals_one_process(
     static = ranks[0]["static"]["results"]["probes"]
     density = [x["density"] for p in static for x in p["layers"].values()]
     assert 0.2 < sum(density) / len(density) < 0.5, density  # the pattern is sparse
+    if "block" in layouts:
+        block = ranks[0]["block"]["results"]["probes"]
+        density = [x["density"] for p in block for x in p["layers"].values()]
+        assert 0.2 < sum(density) / len(density) < 0.8, density  # the block pattern too
     if world == 2:
         assert_replicas(ranks, "cut")
         cut, straight = ranks[0]["cut"], ranks[0]["static"]
