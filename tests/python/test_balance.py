@@ -108,7 +108,9 @@ def test_split(budgets):
     group = res.ranks_of[0]
     assert len(group) >= 2 and group == sorted(set(group)) and all(0 <= r < 4 for r in group)
     assert res.rank_of[0] == group[0] and res.micro_of[0] == -1
-    assert all(len(g) == 1 and g[0] == r for g, r in zip(res.ranks_of[1:], res.rank_of[1:]))
+    assert all(
+        len(g) == 1 and g[0] == r for g, r in zip(res.ranks_of[1:], res.rank_of[1:], strict=True)
+    )
     assert res.report["max_before"] < plain.report["max_before"]
     assert res.rank_idle_seconds.shape == (4,) and (res.rank_idle_seconds >= 0).all()
     again = balance_batch(lengths, 4, budgets, CAL, tune=False, split_above=1.0)
@@ -120,7 +122,7 @@ def test_split(budgets):
 
 
 def test_split_bad_inputs(budgets):
-    with pytest.raises(MtrainError, match="ring_overhead 0.5"):
+    with pytest.raises(MtrainError, match=r"ring_overhead 0\.5"):
         balance_batch([100, 200], 2, budgets, CAL, tune=False, split_above=1.0, ring_overhead=0.5)
     with pytest.raises(MtrainError, match="splitting needs the cost"):
         balance_batch([100, 200], 2, budgets, CAL, method="sorted", tune=False, split_above=1.0)
