@@ -3,7 +3,9 @@
  * documented long-tail generator), a budget file, a calibration table and R
  * ranks; predicts each rank's step seconds for token-count balancing,
  * length-sorted batching, cost batching and cost batching with
- * bidirectional sparsity tuning; prints a per-rank table and the summary
+ * bidirectional sparsity tuning, and with --split-above the same with the
+ * largest documents split over several ranks as a ring (token and cost
+ * batching, cost with tuning); prints a per-rank table and the summary
  * (max, mean, max/mean, the step ratio to token-count balancing, recall),
  * or JSON, and draws the ranks' bars as a PNG. Everything is a prediction
  * of the cost predictor, never a measurement. */
@@ -56,6 +58,14 @@ static const char usage[] =
     "                        (default 0.25,0.5,0.75,1,1.5,2)\n"
     "  --bounds LO,HI        the tuner's bounds as scales (default: the first and last level)\n"
     "  --target S            step target in seconds (default: the mean rank time)\n"
+    "  --split-above X       also split every document whose predicted seconds (token\n"
+    "                        count for tokens+split) exceed X times the mean rank load over\n"
+    "                        the fewest ranks that bring its per-rank share under it, as a\n"
+    "                        context-parallel ring (methods tokens+split, cost+split,\n"
+    "                        cost+split+tuned; default 0: off)\n"
+    "  --ring-overhead F     factor on a split document's attention share per rank\n"
+    "                        (default 1.01: ring/compute and layout imbalance measured)\n"
+    "  --max-split K         most ranks one document may span (default 0: --world)\n"
     "  --budget-context C    scale budget counts by N / C per sequence (default 0: as given)\n"
     "  --spread even|local   the position model's placement of the verticals and slashes\n"
     "                        beyond the sinks and the window (default even)\n"
@@ -72,10 +82,10 @@ static const char usage[] =
 typedef struct bopts {
   const char *budgets, *calibration, *lengths, *png;
   int long_tail, json;
-  double long_prob, levels[16], lo_scale, hi_scale, target;
+  double long_prob, levels[16], lo_scale, hi_scale, target, split_above, ring_overhead;
   int64_t tokens_per_rank, budget_context, profile_len, profile_context;
   uint64_t seed;
-  int32_t world, micro, nlevels;
+  int32_t world, micro, nlevels, max_split;
   mtrain_spread_t spread;
   mtrain_balance_model_t model;
 } bopts_t;
@@ -124,6 +134,9 @@ static int parse(int argc, char **argv, bopts_t *o) {
                                         {"vocab", required_argument, 0, 'V'},
                                         {"kv-heads", required_argument, 0, 'K'},
                                         {"head-dim", required_argument, 0, 'D'},
+                                        {"split-above", required_argument, 0, 'x'},
+                                        {"ring-overhead", required_argument, 0, 'o'},
+                                        {"max-split", required_argument, 0, 'k'},
                                         {"json", no_argument, 0, 'j'},
                                         {"png", required_argument, 0, 'G'},
                                         {"help", no_argument, 0, 'h'},
@@ -142,6 +155,7 @@ static int parse(int argc, char **argv, bopts_t *o) {
   o->profile_len = 2048;
   o->profile_context = 131072;
   o->model = model;
+  o->ring_overhead = 1.01;
   int c, bad = 0;
   int64_t v = 0;
   optind = 1;
@@ -237,6 +251,17 @@ static int parse(int argc, char **argv, bopts_t *o) {
       bad = get_i64("head-dim", optarg, 1, &v);
       o->model.head_dim = (int32_t)v;
       break;
+    case 'x':
+      bad = get_f("split-above", optarg, &o->split_above);
+      break;
+    case 'o':
+      bad = get_f("ring-overhead", optarg, &o->ring_overhead) ||
+            (o->ring_overhead < 1 && bad_value("ring-overhead", optarg));
+      break;
+    case 'k':
+      bad = get_i64("max-split", optarg, 0, &v) || (v > 65536 && bad_value("max-split", optarg));
+      o->max_split = (int32_t)v;
+      break;
     case 'j':
       o->json = 1;
       break;
@@ -255,6 +280,10 @@ static int parse(int argc, char **argv, bopts_t *o) {
   if (bad) return 1;
   if (optind < argc) {
     fprintf(stderr, "%s: unexpected argument '%s'\n", prog, argv[optind]);
+    return 1;
+  }
+  if (o->max_split > o->world) {
+    fprintf(stderr, "%s: --max-split %d exceeds --world %d\n", prog, o->max_split, o->world);
     return 1;
   }
   if (!o->budgets || !o->calibration || !o->lengths == !o->long_tail) {
@@ -386,39 +415,59 @@ static double *mass_curves(const bopts_t *o, const mtrain_budgets_t *b, int32_t 
   return mass;
 }
 
-/* ---- the four methods ------------------------------------------------------------------- */
+/* ---- the methods: four, and three more with splitting ------------------------------------ */
 
-enum { M_TOKENS, M_SORTED, M_COST, M_TUNED, M_COUNT };
-static const char *method_names[M_COUNT] = {"tokens", "sorted", "cost", "cost+tuned"};
+enum { M_TOKENS, M_SORTED, M_COST, M_TUNED, M_TSPLIT, M_SPLIT, M_SPLIT_TUNED, M_COUNT };
+static const char *method_names[M_COUNT] = {
+    "tokens", "sorted", "cost", "cost+tuned", "tokens+split", "cost+split", "cost+split+tuned"};
+
+static int is_tuned(int m) { return m == M_TUNED || m == M_SPLIT_TUNED; }
+static int is_split(int m) { return m >= M_TSPLIT; }
 
 typedef struct run {
   int32_t *rank_of, *micro_of, *levels;
   double *before, *after;
   mtrain_balance_report_t rep;
+  mtrain_balance_split_t split; /* the split methods' assignment (seconds) */
 } run_t;
 
+/* The rank seconds a method is judged by: after tuning for the tuned ones. */
+static const double *rank_seconds(const run_t *runs, int m) {
+  return is_tuned(m) ? runs[m].after : runs[m].before;
+}
+
+/* Waits of the split phase: the largest of any rank and their sum. */
+static void split_idle(const run_t *r, int32_t R, double *mx, double *sum) {
+  *mx = *sum = 0;
+  for (int32_t q = 0; q < R; q++) {
+    *mx = r->split.rank_idle[q] > *mx ? r->split.rank_idle[q] : *mx;
+    *sum += r->split.rank_idle[q];
+  }
+}
+
 #ifdef MTRAIN_HAVE_PNG
-static int draw(const bopts_t *o, run_t *runs) {
+static int draw(const bopts_t *o, run_t *runs, int nm) {
   const int R = o->world, bar = R > 64 ? 2 : R > 16 ? 6 : 16, gap = R > 64 ? 0 : 2;
   const int pw = 260, ph = R * (bar + gap), top = 60, left = 16;
   canvas_t cv;
-  if (canvas_init(&cv, left + M_COUNT * (pw + 24), top + ph + 40)) return 1;
+  if (canvas_init(&cv, left + nm * (pw + 24), top + ph + 40)) return 1;
   double vmax = 0;
-  for (int m = 0; m < M_COUNT; m++)
+  for (int m = 0; m < nm; m++)
     for (int r = 0; r < R; r++) {
-      const double x = m == M_TUNED ? runs[m].after[r] : runs[m].before[r];
+      const double x = rank_seconds(runs, m)[r];
       vmax = x > vmax ? x : vmax;
     }
   static const unsigned char ink[3] = {20, 20, 20},
-                             fill[M_COUNT][3] = {
-                                 {200, 90, 70}, {220, 160, 60}, {70, 130, 200}, {60, 160, 90}};
+                             fill[M_COUNT][3] = {{200, 90, 70}, {220, 160, 60}, {70, 130, 200},
+                                                 {60, 160, 90}, {170, 80, 150}, {40, 150, 170},
+                                                 {30, 110, 60}};
   static const unsigned char meanc[3] = {0, 0, 0};
   char line[160];
   snprintf(line, sizeof line, "PREDICTED SECONDS PER RANK, R=%d (PREDICTIONS, NOT MEASURED)", R);
   canvas_text(&cv, left, 8, 2, line, ink);
-  for (int m = 0; m < M_COUNT; m++) {
+  for (int m = 0; m < nm; m++) {
     const int x0 = left + m * (pw + 24);
-    const double *v = m == M_TUNED ? runs[m].after : runs[m].before;
+    const double *v = rank_seconds(runs, m);
     double mean = 0, mx = 0;
     for (int r = 0; r < R; r++) {
       mean += v[r] / R;
@@ -442,8 +491,9 @@ static int draw(const bopts_t *o, run_t *runs) {
   return rc;
 }
 #else
-static int draw(const bopts_t *o, run_t *runs) {
+static int draw(const bopts_t *o, run_t *runs, int nm) {
   (void)runs;
+  (void)nm;
   fprintf(stderr, "%s: --png %s: this build has no libpng\n", prog, o->png);
   return 1;
 }
@@ -500,8 +550,9 @@ int balance_batch_main(int argc, char **argv) {
   mass = mass_curves(&o, b, H);
   if (!mass) goto done;
   const double t_mass = tool_now() - t0;
+  const int nm = o.split_above > 0 ? M_COUNT : M_TSPLIT;
   double t_batch[M_COUNT];
-  for (int m = 0; m < M_COUNT; m++) {
+  for (int m = 0; m < nm; m++) {
     run_t *r = &runs[m];
     r->rank_of = malloc((size_t)n * sizeof(int32_t));
     r->micro_of = malloc((size_t)n * sizeof(int32_t));
@@ -512,18 +563,31 @@ int balance_batch_main(int argc, char **argv) {
     mtrain_balance_batch_options_t bo = MTRAIN_BALANCE_BATCH_INIT;
     bo.ranks = R;
     bo.micro_batches = o.micro;
-    bo.method = m == M_TOKENS   ? MTRAIN_BATCH_TOKENS
-                : m == M_SORTED ? MTRAIN_BATCH_SORTED
-                                : MTRAIN_BATCH_COST;
-    bo.tune = m == M_TUNED;
+    bo.method = m == M_TOKENS || m == M_TSPLIT ? MTRAIN_BATCH_TOKENS
+                : m == M_SORTED                ? MTRAIN_BATCH_SORTED
+                                               : MTRAIN_BATCH_COST;
+    bo.tune = is_tuned(m);
     bo.min_level = lo;
     bo.max_level = hi;
     bo.target_s = o.target;
     const double t1 = tool_now();
-    if (tool_failed(prog, method_names[m],
-                    mtrain_balance_batch(pred, len, n, mass, &bo, r->rank_of, r->micro_of,
-                                         r->levels, r->before, r->after, &r->rep)))
-      goto done;
+    mtrain_status_t st;
+    if (is_split(m)) {
+      mtrain_balance_split_options_t so = MTRAIN_BALANCE_SPLIT_INIT;
+      so.split_above = o.split_above;
+      so.ring_overhead = o.ring_overhead;
+      so.max_ranks = o.max_split;
+      st = mtrain_balance_batch_split(pred, len, n, mass, &bo, &so, &r->split, r->levels, r->before,
+                                      r->after, &r->rep);
+      if (st == MTRAIN_SUCCESS) {
+        memcpy(r->rank_of, r->split.rank_of, (size_t)n * sizeof(int32_t));
+        memcpy(r->micro_of, r->split.micro_of, (size_t)n * sizeof(int32_t));
+      }
+    } else {
+      st = mtrain_balance_batch(pred, len, n, mass, &bo, r->rank_of, r->micro_of, r->levels,
+                                r->before, r->after, &r->rep);
+    }
+    if (tool_failed(prog, method_names[m], st)) goto done;
     t_batch[m] = tool_now() - t1;
   }
   double tokens = 0;
@@ -535,31 +599,50 @@ int balance_batch_main(int argc, char **argv) {
   const double step_tok = runs[M_TOKENS].rep.max_before;
   if (o.json) {
     json_t *methods = json_object();
-    for (int m = 0; m < M_COUNT; m++) {
+    for (int m = 0; m < nm; m++) {
       const mtrain_balance_report_t *p = &runs[m].rep;
-      const double mx = m == M_TUNED ? p->max_after : p->max_before,
-                   mean = m == M_TUNED ? p->mean_after : p->mean_before;
+      const int tuned = is_tuned(m);
+      const double mx = tuned ? p->max_after : p->max_before,
+                   mean = tuned ? p->mean_after : p->mean_before;
       json_t *ranks = json_array();
       for (int32_t r = 0; r < R; r++)
-        json_array_append_new(ranks,
-                              json_real(m == M_TUNED ? runs[m].after[r] : runs[m].before[r]));
-      json_object_set_new(
-          methods, method_names[m],
-          json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i, s:I, s:I, s:f, s:o}",
-                    "max_s", mx, "mean_s", mean, "max_over_mean", mx / mean, "step_ratio_vs_tokens",
-                    step_tok / mx, "recall_mean", m == M_TUNED ? p->recall_after : p->recall_before,
-                    "recall_worst", m == M_TUNED ? p->worst_recall_after : p->worst_recall_before,
-                    "target_s", p->target_s, "recall_mean_untuned", p->recall_before,
-                    "ranks_over_target", p->ranks_over_target, "empty_ranks", p->empty_ranks,
-                    "moves_down", (json_int_t)p->moves_down, "moves_up", (json_int_t)p->moves_up,
-                    "seconds_to_solve", t_batch[m], "rank_seconds", ranks));
+        json_array_append_new(ranks, json_real(rank_seconds(runs, m)[r]));
+      json_t *obj = json_pack(
+          "{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:i, s:I, s:I, s:f, s:o}", "max_s", mx,
+          "mean_s", mean, "max_over_mean", mx / mean, "step_ratio_vs_tokens", step_tok / mx,
+          "recall_mean", tuned ? p->recall_after : p->recall_before, "recall_worst",
+          tuned ? p->worst_recall_after : p->worst_recall_before, "target_s", p->target_s,
+          "recall_mean_untuned", p->recall_before, "ranks_over_target", p->ranks_over_target,
+          "empty_ranks", p->empty_ranks, "moves_down", (json_int_t)p->moves_down, "moves_up",
+          (json_int_t)p->moves_up, "seconds_to_solve", t_batch[m], "rank_seconds", ranks);
+      if (is_split(m)) {
+        const mtrain_balance_split_t *sp = &runs[m].split;
+        json_t *docs = json_array();
+        for (int32_t j = 0; j < sp->num_split; j++) {
+          const int32_t i = sp->split_order[j];
+          json_t *g = json_array();
+          for (int32_t q = sp->offset[i]; q < sp->offset[i + 1]; q++)
+            json_array_append_new(g, json_integer(sp->group[q]));
+          json_array_append_new(docs,
+                                json_pack("{s:i, s:I, s:i, s:f, s:f, s:o}", "document", i, "tokens",
+                                          (json_int_t)len[i], "ranks", sp->num_ranks[i], "share_s",
+                                          sp->share[i], "start_s", sp->start[i], "group", g));
+        }
+        double imx, isum;
+        split_idle(&runs[m], R, &imx, &isum);
+        json_object_set_new(obj, "split_documents", docs);
+        json_object_set_new(obj, "split_idle_max_s", json_real(imx));
+        json_object_set_new(obj, "split_idle_sum_s", json_real(isum));
+      }
+      json_object_set_new(methods, method_names[m], obj);
     }
     json_t *root =
-        json_pack("{s:s, s:s, s:s, s:i, s:i, s:i, s:f, s:i, s:I, s:s, s:f, s:o}", "tool",
+        json_pack("{s:s, s:s, s:s, s:i, s:i, s:i, s:f, s:i, s:I, s:f, s:f, s:i, s:f, s:o}", "tool",
                   "mtrain-balance batch", "budgets", o.budgets, "calibration", o.calibration,
                   "world", R, "sequences", n, "long_sequences", longs, "tokens", tokens,
                   "micro_batches", o.micro, "budget_context", (json_int_t)o.budget_context,
-                  "mass_curve_seconds", t_mass, "methods", methods);
+                  "split_above", o.split_above, "ring_overhead", o.ring_overhead, "max_split",
+                  o.max_split, "mass_curve_seconds", t_mass, "methods", methods);
     json_dumpf(root, stdout, JSON_INDENT(1) | JSON_REAL_PRECISION(8));
     fputc('\n', stdout);
     json_decref(root);
@@ -571,31 +654,57 @@ int balance_batch_main(int argc, char **argv) {
         o.budget_context ? "scaled by N/C" : "as given", o.calibration);
     printf("PREDICTED seconds per rank (forward + backward of one step; cost predictor, not "
            "measured)\n");
-    printf("%5s %12s %12s %12s %12s\n", "rank", "tokens", "sorted", "cost", "cost+tuned");
-    for (int32_t r = 0; r < R; r++)
-      printf("%5d %12.3f %12.3f %12.3f %12.3f\n", r, runs[M_TOKENS].before[r],
-             runs[M_SORTED].before[r], runs[M_COST].before[r], runs[M_TUNED].after[r]);
-    printf("\n%-11s %10s %10s %9s %11s %12s %12s\n", "method", "max s", "mean s", "max/mean",
-           "step ratio", "mean recall", "worst recall");
-    for (int m = 0; m < M_COUNT; m++) {
-      const mtrain_balance_report_t *p = &runs[m].rep;
-      const double mx = m == M_TUNED ? p->max_after : p->max_before,
-                   mean = m == M_TUNED ? p->mean_after : p->mean_before;
-      printf("%-11s %10.3f %10.3f %9.4f %10.3fx %12.4f %12.4f\n", method_names[m], mx, mean,
-             mx / mean, step_tok / mx, m == M_TUNED ? p->recall_after : p->recall_before,
-             m == M_TUNED ? p->worst_recall_after : p->worst_recall_before);
+    printf("%5s", "rank");
+    for (int m = 0; m < nm; m++) printf(" %*s", m < M_TSPLIT ? 12 : 17, method_names[m]);
+    printf("\n");
+    for (int32_t r = 0; r < R; r++) {
+      printf("%5d", r);
+      for (int m = 0; m < nm; m++)
+        printf(" %*.3f", m < M_TSPLIT ? 12 : 17, rank_seconds(runs, m)[r]);
+      printf("\n");
     }
-    const mtrain_balance_report_t *p = &runs[M_TUNED].rep;
-    printf("\ntuning: target %.3f s, levels in [%g, %g] x budget, %lld steps down, %lld up, %d "
-           "rank(s) over the target (fallback: lowest allowed levels)%s\n",
-           p->target_s, o.levels[lo], o.levels[hi], (long long)p->moves_down,
-           (long long)p->moves_up, p->ranks_over_target,
-           p->empty_ranks ? "; some ranks got no sequence" : "");
-    printf(
-        "solve seconds: mass curves %.2f; tokens %.2f, sorted %.2f, cost %.2f, cost+tuned %.2f\n",
-        t_mass, t_batch[0], t_batch[1], t_batch[2], t_batch[3]);
+    printf("\n%-16s %10s %10s %9s %11s %12s %12s\n", "method", "max s", "mean s", "max/mean",
+           "step ratio", "mean recall", "worst recall");
+    for (int m = 0; m < nm; m++) {
+      const mtrain_balance_report_t *p = &runs[m].rep;
+      const int tuned = is_tuned(m);
+      const double mx = tuned ? p->max_after : p->max_before,
+                   mean = tuned ? p->mean_after : p->mean_before;
+      printf("%-16s %10.3f %10.3f %9.4f %10.3fx %12.4f %12.4f\n", method_names[m], mx, mean,
+             mx / mean, step_tok / mx, tuned ? p->recall_after : p->recall_before,
+             tuned ? p->worst_recall_after : p->worst_recall_before);
+    }
+    for (int m = M_TUNED; m < nm; m += M_SPLIT_TUNED - M_TUNED) {
+      const mtrain_balance_report_t *p = &runs[m].rep;
+      printf("\n%s: target %.3f s, levels in [%g, %g] x budget, %lld steps down, %lld up, %d "
+             "rank(s) over the target (fallback: lowest allowed levels)%s\n",
+             method_names[m], p->target_s, o.levels[lo], o.levels[hi], (long long)p->moves_down,
+             (long long)p->moves_up, p->ranks_over_target,
+             p->empty_ranks ? "; some ranks got no sequence" : "");
+    }
+    for (int m = M_TSPLIT; m < nm; m++) {
+      const mtrain_balance_split_t *sp = &runs[m].split;
+      int32_t hist[8] = {0}; /* k = 2..8, and more */
+      int32_t kmax = 1;
+      for (int32_t i = 0; i < n; i++) {
+        const int32_t k = sp->num_ranks[i];
+        if (k > 1) hist[k - 2 < 7 ? k - 2 : 7]++;
+        kmax = k > kmax ? k : kmax;
+      }
+      double imx, isum;
+      split_idle(&runs[m], R, &imx, &isum);
+      printf("%s: %d document(s) split (above %g x the mean rank load, ring overhead %g):",
+             method_names[m], sp->num_split, o.split_above, o.ring_overhead);
+      for (int k = 0; k < 8; k++)
+        if (hist[k]) printf(" %d over %s%d,", hist[k], k == 7 ? ">= " : "", k + 2);
+      printf(" the most %d ranks; split-phase waits: largest %.3f s, sum %.3f s\n", kmax, imx,
+             isum);
+    }
+    printf("solve seconds: mass curves %.2f", t_mass);
+    for (int m = 0; m < nm; m++) printf("; %s %.2f", method_names[m], t_batch[m]);
+    printf("\n");
   }
-  rc = o.png ? draw(&o, runs) : 0;
+  rc = o.png ? draw(&o, runs, nm) : 0;
 done:
   for (int m = 0; m < M_COUNT; m++) {
     free(runs[m].rank_of);
@@ -603,6 +712,7 @@ done:
     free(runs[m].levels);
     free(runs[m].before);
     free(runs[m].after);
+    mtrain_balance_split_free(&runs[m].split);
   }
   free(mass);
   free(len);

@@ -5,8 +5,10 @@
  * search of moves and swaps off the busiest rank, each of which lowers both
  * ranks it touches below the busiest load (so the sum of squared loads falls
  * strictly and the search ends). Length-sorted batching, the third method, is
- * the baseline that groups similar lengths. Deterministic: ties go to the
- * lower index. */
+ * the baseline that groups similar lengths. Optionally the largest documents
+ * are split over several ranks (a context-parallel ring each), placed first
+ * as gangs on the ranks free first, the whole documents then dealt on top
+ * (mtrain_balance_assign_split). Deterministic: ties go to the lower index. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,15 +32,16 @@ static int by_weight_asc(const void *a, const void *b) {
   return (x->i > y->i) - (x->i < y->i);
 }
 
-/* LPT of the items idx[0..m) (weights w) onto `bins` bins: bin_of[idx[j]]. */
+/* LPT of the items idx[0..m) (weights w) onto `bins` bins: bin_of[idx[j]].
+ * The bins start at base[b] (NULL: 0). */
 static void lpt(const double *w, const int32_t *idx, int32_t m, int32_t bins, keyed_t *order,
-                double *load, int32_t *bin_of) {
+                double *load, int32_t *bin_of, const double *base) {
   for (int32_t j = 0; j < m; j++) {
     order[j].w = w[idx[j]];
     order[j].i = idx[j];
   }
   qsort(order, (size_t)m, sizeof *order, by_weight_desc);
-  for (int32_t b = 0; b < bins; b++) load[b] = 0;
+  for (int32_t b = 0; b < bins; b++) load[b] = base ? base[b] : 0;
   for (int32_t j = 0; j < m; j++) {
     int32_t best = 0;
     for (int32_t b = 1; b < bins; b++)
@@ -176,9 +179,10 @@ static void lists_free(rank_list_t *lists, int32_t R) {
 /* Moves and swaps off the busiest rank while one lowers both ranks below it:
  * each round takes the best candidate (the smallest larger load; ties as the
  * first solver's scan of every pair took them, which test_sparse_balance
- * checks against that scan), through per-rank lists sorted by weight. */
+ * checks against that scan), through per-rank lists sorted by weight. A
+ * rank's load is base[r] (NULL: 0; the split phase) plus its items. */
 static mtrain_status_t improve(const double *w, int32_t n, int32_t R, int32_t *rank_of,
-                               double *load) {
+                               double *load, const double *base) {
   keyed_t *sorted = malloc((size_t)n * sizeof *sorted);
   int32_t *scratch = malloc((size_t)n * sizeof *scratch);
   rank_list_t *lists = calloc((size_t)R, sizeof *lists);
@@ -224,6 +228,10 @@ static mtrain_status_t improve(const double *w, int32_t n, int32_t R, int32_t *r
     /* the two loads again from their items (no drift from repeated +/-) */
     load[top] = list_load(w, &lists[top], scratch);
     load[br] = list_load(w, &lists[br], scratch);
+    if (base) {
+      load[top] += base[top];
+      load[br] += base[br];
+    }
   }
   free(sorted);
   free(scratch);
@@ -232,12 +240,8 @@ static mtrain_status_t improve(const double *w, int32_t n, int32_t R, int32_t *r
             : mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "balance assign: out of memory");
 }
 
-mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t ranks,
-                                      int32_t micro_batches, mtrain_batch_method_t method,
-                                      int32_t *rank_of, int32_t *micro_of) {
-  MTRAIN_CHECK_NOT_NULL(weights);
-  MTRAIN_CHECK_NOT_NULL(rank_of);
-  MTRAIN_CHECK_NOT_NULL(micro_of);
+static mtrain_status_t check_assign(const double *weights, int32_t n, int32_t ranks,
+                                    int32_t micro_batches, mtrain_batch_method_t method) {
   if (n < 1)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "balance assign: %d sequences: the batch must hold at least one", n);
@@ -254,6 +258,14 @@ mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t 
       return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                           "balance assign: weights[%d] = %g must be finite and >= 0", i,
                           weights[i]);
+  return MTRAIN_SUCCESS;
+}
+
+/* The solver on checked inputs, each rank starting at base[r] (NULL: 0;
+ * not with MTRAIN_BATCH_SORTED). */
+static mtrain_status_t assign_core(const double *weights, int32_t n, int32_t ranks,
+                                   int32_t micro_batches, mtrain_batch_method_t method,
+                                   const double *base, int32_t *rank_of, int32_t *micro_of) {
   const int32_t bins = ranks > micro_batches ? ranks : micro_batches;
   keyed_t *order = malloc((size_t)n * sizeof *order);
   double *load = malloc((size_t)bins * sizeof *load);
@@ -284,8 +296,8 @@ mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t 
       run += order[j].w;
     }
   } else {
-    lpt(weights, idx, n, ranks, order, load, rk);
-    const mtrain_status_t st = improve(weights, n, ranks, rk, load);
+    lpt(weights, idx, n, ranks, order, load, rk, base);
+    const mtrain_status_t st = improve(weights, n, ranks, rk, load, base);
     if (st) {
       free(order);
       free(load);
@@ -300,7 +312,7 @@ mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t 
     int32_t m = 0;
     for (int32_t i = 0; i < n; i++)
       if (rk[i] == r) idx[m++] = i;
-    if (m) lpt(weights, idx, m, micro_batches, order, load, mb);
+    if (m) lpt(weights, idx, m, micro_batches, order, load, mb, NULL);
   }
   memcpy(rank_of, rk, (size_t)n * sizeof *rk);
   memcpy(micro_of, mb, (size_t)n * sizeof *mb);
@@ -310,4 +322,203 @@ mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t 
   free(rk);
   free(mb);
   return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_balance_assign(const double *weights, int32_t n, int32_t ranks,
+                                      int32_t micro_batches, mtrain_batch_method_t method,
+                                      int32_t *rank_of, int32_t *micro_of) {
+  MTRAIN_CHECK_NOT_NULL(weights);
+  MTRAIN_CHECK_NOT_NULL(rank_of);
+  MTRAIN_CHECK_NOT_NULL(micro_of);
+  const mtrain_status_t st = check_assign(weights, n, ranks, micro_batches, method);
+  if (st != MTRAIN_SUCCESS) return st;
+  return assign_core(weights, n, ranks, micro_batches, method, NULL, rank_of, micro_of);
+}
+
+/* ---- splitting the largest documents over several ranks ------------------------------------ */
+
+void mtrain_balance_split_free(mtrain_balance_split_t *r) {
+  if (!r) return;
+  free(r->rank_of);
+  free(r->num_ranks);
+  free(r->offset);
+  free(r->group);
+  free(r->micro_of);
+  free(r->split_order);
+  free(r->share);
+  free(r->start);
+  free(r->rank_load);
+  free(r->rank_idle);
+  memset(r, 0, sizeof *r);
+}
+
+static mtrain_status_t check_split(const double *w, const double *ring, const double *fixed,
+                                   int32_t n, int32_t ranks, mtrain_batch_method_t method,
+                                   const mtrain_balance_split_options_t *sp) {
+  if (!sp) return MTRAIN_SUCCESS;
+  if (!(sp->split_above >= 0) || sp->split_above > 1e300)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "balance split: split_above %g must be finite and >= 0 (0: no splitting)",
+                        sp->split_above);
+  if (!(sp->ring_overhead >= 1) || sp->ring_overhead > 1e300)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "balance split: ring_overhead %g must be finite and >= 1",
+                        sp->ring_overhead);
+  if (sp->max_ranks < 0 || sp->max_ranks > ranks)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "balance split: max_ranks %d must be in [0, ranks %d] (0: ranks)",
+                        sp->max_ranks, ranks);
+  if (sp->split_above > 0 && method == MTRAIN_BATCH_SORTED)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "balance split: splitting needs the cost (0) or tokens (1) method, not "
+                        "sorted (2)");
+  for (int32_t i = 0; i < n; i++) {
+    const double r = ring ? ring[i] : 0, f = fixed ? fixed[i] : 0;
+    if (!(r >= 0) || !(f >= 0) || r > 1e300 || f > 1e300)
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "balance split: ring_part[%d] = %g and fixed_part[%d] = %g must be "
+                          "finite and >= 0",
+                          i, r, i, f);
+    if (r + f > w[i] * (1 + 1e-9))
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "balance split: ring_part[%d] + fixed_part[%d] = %g exceeds weights[%d] "
+                          "= %g",
+                          i, i, r + f, i, w[i]);
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* The load of one rank of a document split over k ranks. */
+static double split_share(const double *w, const double *ring, const double *fixed, double ovh,
+                          int32_t i, int32_t k) {
+  const double r = ring ? ring[i] : w[i], f = fixed ? fixed[i] : 0;
+  if (k == 1) return w[i];
+  return f + (w[i] - f + (ovh - 1) * r) / k;
+}
+
+mtrain_status_t mtrain_balance_assign_split(const double *weights, const double *ring_part,
+                                            const double *fixed_part, int32_t n, int32_t ranks,
+                                            int32_t micro_batches, mtrain_batch_method_t method,
+                                            const mtrain_balance_split_options_t *split,
+                                            mtrain_balance_split_t *out) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  memset(out, 0, sizeof *out);
+  MTRAIN_CHECK_NOT_NULL(weights);
+  mtrain_status_t st = check_assign(weights, n, ranks, micro_batches, method);
+  if (st == MTRAIN_SUCCESS)
+    st = check_split(weights, ring_part, fixed_part, n, ranks, method, split);
+  if (st != MTRAIN_SUCCESS) return st;
+  const double ovh = split ? split->ring_overhead : 1.0;
+  const int32_t kmax = split && split->max_ranks > 0 ? split->max_ranks : ranks;
+  const int on = split && split->split_above > 0 && kmax >= 2;
+  double total = 0;
+  for (int32_t i = 0; i < n; i++) total += weights[i];
+  const double T = on ? split->split_above * total / ranks : 0;
+  int32_t *k = malloc((size_t)n * sizeof *k);
+  keyed_t *order = malloc((size_t)n * sizeof *order);
+  keyed_t *byready = malloc((size_t)ranks * sizeof *byready);
+  double *ready = calloc((size_t)ranks, sizeof *ready), *idle = calloc((size_t)ranks, sizeof *idle);
+  double *wc = malloc((size_t)n * sizeof *wc);
+  int32_t *rkc = malloc((size_t)n * sizeof *rkc), *mbc = malloc((size_t)n * sizeof *mbc);
+  int32_t *whole = malloc((size_t)n * sizeof *whole);
+  MTRAIN_FAIL_IF(!k || !order || !byready || !ready || !idle || !wc || !rkc || !mbc || !whole,
+                 MTRAIN_ERR_OUT_OF_MEMORY, "balance split: out of memory");
+  /* 1. how many ranks each document spans */
+  int32_t ns = 0;
+  int64_t group_len = 0;
+  for (int32_t i = 0; i < n; i++) {
+    k[i] = 1;
+    if (on && weights[i] > T) {
+      k[i] = 2;
+      while (k[i] < kmax && split_share(weights, ring_part, fixed_part, ovh, i, k[i]) > T) k[i]++;
+      ns++;
+    }
+    group_len += k[i];
+  }
+  out->n = n;
+  out->ranks = ranks;
+  out->num_split = ns;
+  out->rank_of = malloc((size_t)n * sizeof *out->rank_of);
+  out->num_ranks = malloc((size_t)n * sizeof *out->num_ranks);
+  out->offset = malloc((size_t)(n + 1) * sizeof *out->offset);
+  out->group = malloc((size_t)group_len * sizeof *out->group);
+  out->micro_of = malloc((size_t)n * sizeof *out->micro_of);
+  out->split_order = malloc((size_t)(ns ? ns : 1) * sizeof *out->split_order);
+  out->share = malloc((size_t)n * sizeof *out->share);
+  out->start = malloc((size_t)n * sizeof *out->start);
+  out->rank_load = malloc((size_t)ranks * sizeof *out->rank_load);
+  out->rank_idle = malloc((size_t)ranks * sizeof *out->rank_idle);
+  MTRAIN_FAIL_IF(!out->rank_of || !out->num_ranks || !out->offset || !out->group ||
+                     !out->micro_of || !out->split_order || !out->share || !out->start ||
+                     !out->rank_load || !out->rank_idle,
+                 MTRAIN_ERR_OUT_OF_MEMORY, "balance split: out of memory");
+  out->offset[0] = 0;
+  for (int32_t i = 0; i < n; i++) {
+    out->num_ranks[i] = k[i];
+    out->offset[i + 1] = out->offset[i] + k[i];
+    out->share[i] = split_share(weights, ring_part, fixed_part, ovh, i, k[i]);
+    out->start[i] = -1;
+  }
+  /* 2. the split phase: largest first, each on the k ranks free first */
+  int32_t m = 0;
+  for (int32_t i = 0; i < n; i++)
+    if (k[i] > 1) {
+      order[m].w = weights[i];
+      order[m].i = i;
+      m++;
+    }
+  qsort(order, (size_t)m, sizeof *order, by_weight_desc);
+  for (int32_t j = 0; j < m; j++) {
+    const int32_t i = order[j].i;
+    out->split_order[j] = i;
+    for (int32_t r = 0; r < ranks; r++) {
+      byready[r].w = ready[r];
+      byready[r].i = r;
+    }
+    qsort(byready, (size_t)ranks, sizeof *byready, by_weight_asc);
+    const double start = byready[k[i] - 1].w; /* the last of the k to be free */
+    int32_t *g = out->group + out->offset[i];
+    for (int32_t q = 0; q < k[i]; q++) {
+      const int32_t r = byready[q].i;
+      idle[r] += start - ready[r];
+      ready[r] = start + out->share[i];
+      g[q] = r;
+    }
+    qsort(g, (size_t)k[i], sizeof *g, by_index);
+    out->rank_of[i] = g[0];
+    out->micro_of[i] = -1;
+    out->start[i] = start;
+  }
+  /* 3. the whole documents on top of the split phase */
+  m = 0;
+  for (int32_t i = 0; i < n; i++)
+    if (k[i] == 1) {
+      whole[m] = i;
+      wc[m++] = weights[i];
+    }
+  if (m > 0)
+    MTRAIN_TRY(assign_core(wc, m, ranks, micro_batches, method, ns ? ready : NULL, rkc, mbc));
+  for (int32_t j = 0; j < m; j++) {
+    const int32_t i = whole[j];
+    out->rank_of[i] = rkc[j];
+    out->group[out->offset[i]] = rkc[j];
+    out->micro_of[i] = mbc[j];
+  }
+  for (int32_t r = 0; r < ranks; r++) {
+    out->rank_load[r] = ready[r];
+    out->rank_idle[r] = idle[r];
+  }
+  for (int32_t j = 0; j < m; j++) out->rank_load[rkc[j]] += wc[j];
+cleanup:
+  free(k);
+  free(order);
+  free(byready);
+  free(ready);
+  free(idle);
+  free(wc);
+  free(rkc);
+  free(mbc);
+  free(whole);
+  if (st != MTRAIN_SUCCESS) mtrain_balance_split_free(out);
+  return st;
 }

@@ -5,7 +5,11 @@
  * cheapest per second saved until they meet the step target, ranks with
  * idle time buy the recall that is cheapest per second added without passing
  * the step time. One level per (rank, head) applies to all of the rank's
- * sequences in the step. Deterministic: ties go to the lower head index. */
+ * sequences in the step. With splitting (mtrain_balance_batch_split) the
+ * largest documents are split over several ranks (batching.c): they run at
+ * the base level on every rank of their ring, in a split phase before the
+ * rank's whole documents, and the tuner changes only the whole documents'
+ * levels. Deterministic: ties go to the lower head index. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,16 +145,16 @@ static int64_t tune_up(rank_state_t *s, double limit, int32_t hi) {
   return moves;
 }
 
-mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const int64_t *lengths,
-                                     int32_t n, const double *mass,
-                                     const mtrain_balance_batch_options_t *o, int32_t *rank_of,
-                                     int32_t *micro_of, int32_t *levels, double *rank_before,
-                                     double *rank_after, mtrain_balance_report_t *report) {
-  MTRAIN_CHECK_NOT_NULL(p);
-  MTRAIN_CHECK_NOT_NULL(lengths);
-  MTRAIN_CHECK_NOT_NULL(o);
-  MTRAIN_CHECK_NOT_NULL(rank_of);
-  MTRAIN_CHECK_NOT_NULL(micro_of);
+/* Both batch calls: without `out` (mtrain_balance_batch) the assignment is
+ * mtrain_balance_assign's into rank_of/micro_of; with it, that of
+ * mtrain_balance_assign_split under `sp`, returned in *out in seconds. */
+static mtrain_status_t batch_impl(const mtrain_balance_predictor_t *p, const int64_t *lengths,
+                                  int32_t n, const double *mass,
+                                  const mtrain_balance_batch_options_t *o,
+                                  const mtrain_balance_split_options_t *sp,
+                                  mtrain_balance_split_t *out, int32_t *rank_of, int32_t *micro_of,
+                                  int32_t *levels, double *rank_before, double *rank_after,
+                                  mtrain_balance_report_t *report) {
   mtrain_status_t st = check_inputs(p, lengths, n, mass, o);
   if (st != MTRAIN_SUCCESS) return st;
   const int32_t R = o->ranks, K = p->num_levels, H = p->num_heads, C = p->num_combos;
@@ -165,6 +169,8 @@ mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const 
   int32_t *rk = malloc((size_t)n * sizeof *rk), *mb = malloc((size_t)n * sizeof *mb);
   int32_t *lv = malloc((size_t)R * H * sizeof *lv);
   int32_t *combo_heads = calloc((size_t)C, sizeof *combo_heads);
+  double *ring = NULL, *once = NULL, *ready = NULL, *idle = NULL, *stokens = NULL;
+  rank_state_t *rs = NULL;
   mtrain_pm_scratch_t sc;
   memset(&sc, 0, sizeof sc);
   mtrain_balance_report_t rep;
@@ -172,6 +178,15 @@ mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const 
   MTRAIN_FAIL_IF(!uniq || !cost || !weight || !P || !before || !fixed || !tokens || !rk || !mb ||
                      !lv || !combo_heads,
                  MTRAIN_ERR_OUT_OF_MEMORY, "balance batch: out of memory");
+  if (out) {
+    ring = malloc((size_t)n * sizeof *ring);
+    once = malloc((size_t)n * sizeof *once);
+    ready = calloc((size_t)R, sizeof *ready);
+    idle = calloc((size_t)R, sizeof *idle);
+    stokens = calloc((size_t)R, sizeof *stokens);
+    MTRAIN_FAIL_IF(!ring || !once || !ready || !idle || !stokens, MTRAIN_ERR_OUT_OF_MEMORY,
+                   "balance batch: out of memory");
+  }
   /* 1. pair tables of the distinct lengths, each sequence's base cost */
   memcpy(uniq, lengths, (size_t)n * sizeof *uniq);
   qsort(uniq, (size_t)n, sizeof *uniq, cmp_i64);
@@ -189,10 +204,43 @@ mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const 
     for (int32_t c = 0; c < C; c++) pairs += (double)combo_heads[c] * (double)t[c * K + base];
     cost[i] = p->cal.pair_s * pairs + mtrain_predictor_fixed_seconds(p, lengths[i]);
     weight[i] = o->method == MTRAIN_BATCH_COST ? cost[i] : (double)lengths[i];
+    if (out) { /* the parts of a split document's share: ring-carried, paid by every rank */
+      ring[i] = p->cal.pair_s * pairs + p->cal.row_s * (double)lengths[i] * H;
+      once[i] = p->cal.seq_s * p->num_layers;
+    }
   }
-  /* 2. batching */
-  MTRAIN_TRY(mtrain_balance_assign(weight, n, R, o->micro_batches, o->method, rk, mb));
+  /* 2. batching; a split document's seconds on each of its ranks, and the
+   * split phase in seconds (its groups, in its order) */
+  if (out) {
+    const int by_cost = o->method == MTRAIN_BATCH_COST;
+    MTRAIN_TRY(mtrain_balance_assign_split(weight, by_cost ? ring : NULL, by_cost ? once : NULL, n,
+                                           R, o->micro_batches, o->method, sp, out));
+    const double ovh = sp ? sp->ring_overhead : 1.0;
+    for (int32_t i = 0; i < n; i++) {
+      const int32_t k = out->num_ranks[i];
+      out->share[i] = k == 1 ? cost[i] : once[i] + (cost[i] - once[i] + (ovh - 1) * ring[i]) / k;
+      rk[i] = out->rank_of[i];
+      mb[i] = out->micro_of[i];
+    }
+    for (int32_t j = 0; j < out->num_split; j++) {
+      const int32_t i = out->split_order[j];
+      const int32_t *g = out->group + out->offset[i];
+      double start = 0;
+      for (int32_t q = 0; q < out->num_ranks[i]; q++)
+        start = ready[g[q]] > start ? ready[g[q]] : start;
+      for (int32_t q = 0; q < out->num_ranks[i]; q++) {
+        idle[g[q]] += start - ready[g[q]];
+        ready[g[q]] = start + out->share[i];
+        stokens[g[q]] += (double)lengths[i] / out->num_ranks[i];
+      }
+      out->start[i] = start;
+    }
+    for (int32_t r = 0; r < R; r++) before[r] = fixed[r] = ready[r];
+  } else {
+    MTRAIN_TRY(mtrain_balance_assign(weight, n, R, o->micro_batches, o->method, rk, mb));
+  }
   for (int32_t i = 0; i < n; i++) {
+    if (mb[i] < 0) continue; /* split: in the split phase */
     const int32_t r = rk[i];
     const int64_t *t = table + (size_t)find_len(uniq, nu, lengths[i]) * C * K;
     before[r] += cost[i];
@@ -203,11 +251,11 @@ mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const 
   for (int32_t r = 0; r < R; r++) {
     rep.max_before = before[r] > rep.max_before ? before[r] : rep.max_before;
     rep.mean_before += before[r] / R;
-    rep.empty_ranks += tokens[r] == 0;
+    rep.empty_ranks += tokens[r] == 0 && (!stokens || stokens[r] == 0);
   }
   /* 3. tuning */
   for (int32_t j = 0; j < R * H; j++) lv[j] = base;
-  rank_state_t *rs = calloc((size_t)R, sizeof *rs);
+  rs = calloc((size_t)R, sizeof *rs);
   MTRAIN_FAIL_IF(!rs, MTRAIN_ERR_OUT_OF_MEMORY, "balance batch: out of memory");
   for (int32_t r = 0; r < R; r++) {
     rs[r].p = p;
@@ -222,7 +270,7 @@ mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const 
   if (o->tune) {
     double step = rep.target_s;
     for (int32_t r = 0; r < R; r++) {
-      if (tokens[r] == 0) continue;
+      if (tokens[r] == 0 && (!stokens || stokens[r] == 0)) continue;
       rep.moves_down += tune_down(&rs[r], rep.target_s, lo);
       if (rs[r].cost > rep.target_s * (1 + 1e-12)) rep.ranks_over_target++;
       if (rs[r].cost > step) step = rs[r].cost;
@@ -240,24 +288,39 @@ mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const 
     if (rank_after) rank_after[r] = after;
     rep.max_after = after > rep.max_after ? after : rep.max_after;
     rep.mean_after += after / R;
+    const double st_r = stokens ? stokens[r] : 0; /* split shares' tokens, at the base level */
     total_tokens += tokens[r];
-    if (!mass || tokens[r] == 0) continue;
-    double mb0 = 0, mb1 = 0;
+    if (st_r > 0) total_tokens += st_r;
+    if (!mass || (tokens[r] == 0 && st_r == 0)) continue;
+    double mb0 = 0, mb1 = 0, mbs = 0;
     for (int32_t h = 0; h < H; h++) {
-      const double m0 = mass[h * K + p->base_level], m1 = mass[h * K + rs[r].lv[h]];
+      const double m0 = mass[h * K + p->base_level], m1 = mass[h * K + rs[r].lv[h]],
+                   ms = mass[h * K + base];
       mb0 += m0 / H;
       mb1 += m1 / H;
+      mbs += ms / H;
       if (m0 < rep.worst_recall_before) rep.worst_recall_before = m0;
-      if (m1 < rep.worst_recall_after) rep.worst_recall_after = m1;
+      if (tokens[r] > 0 && m1 < rep.worst_recall_after) rep.worst_recall_after = m1;
+      if (st_r > 0 && ms < rep.worst_recall_after) rep.worst_recall_after = ms;
     }
     rep.recall_before += tokens[r] * mb0;
     rep.recall_after += tokens[r] * mb1;
+    if (st_r > 0) {
+      rep.recall_before += st_r * mb0;
+      rep.recall_after += st_r * mbs;
+    }
   }
   rep.recall_before /= total_tokens;
   rep.recall_after /= total_tokens;
-  free(rs);
-  memcpy(rank_of, rk, (size_t)n * sizeof *rk);
-  memcpy(micro_of, mb, (size_t)n * sizeof *mb);
+  if (out) {
+    for (int32_t r = 0; r < R; r++) {
+      out->rank_load[r] = before[r];
+      out->rank_idle[r] = idle[r];
+    }
+  } else {
+    memcpy(rank_of, rk, (size_t)n * sizeof *rk);
+    memcpy(micro_of, mb, (size_t)n * sizeof *mb);
+  }
   if (levels) memcpy(levels, lv, (size_t)R * H * sizeof *lv);
   if (rank_before) memcpy(rank_before, before, (size_t)R * sizeof *before);
   if (report) *report = rep;
@@ -275,5 +338,42 @@ cleanup:
   free(mb);
   free(lv);
   free(combo_heads);
+  free(ring);
+  free(once);
+  free(ready);
+  free(idle);
+  free(stokens);
+  free(rs);
+  if (st != MTRAIN_SUCCESS && out) mtrain_balance_split_free(out);
   return st;
+}
+
+mtrain_status_t mtrain_balance_batch(const mtrain_balance_predictor_t *p, const int64_t *lengths,
+                                     int32_t n, const double *mass,
+                                     const mtrain_balance_batch_options_t *o, int32_t *rank_of,
+                                     int32_t *micro_of, int32_t *levels, double *rank_before,
+                                     double *rank_after, mtrain_balance_report_t *report) {
+  MTRAIN_CHECK_NOT_NULL(p);
+  MTRAIN_CHECK_NOT_NULL(lengths);
+  MTRAIN_CHECK_NOT_NULL(o);
+  MTRAIN_CHECK_NOT_NULL(rank_of);
+  MTRAIN_CHECK_NOT_NULL(micro_of);
+  return batch_impl(p, lengths, n, mass, o, NULL, NULL, rank_of, micro_of, levels, rank_before,
+                    rank_after, report);
+}
+
+mtrain_status_t mtrain_balance_batch_split(const mtrain_balance_predictor_t *p,
+                                           const int64_t *lengths, int32_t n, const double *mass,
+                                           const mtrain_balance_batch_options_t *o,
+                                           const mtrain_balance_split_options_t *sp,
+                                           mtrain_balance_split_t *out, int32_t *levels,
+                                           double *rank_before, double *rank_after,
+                                           mtrain_balance_report_t *report) {
+  MTRAIN_CHECK_NOT_NULL(out);
+  memset(out, 0, sizeof *out);
+  MTRAIN_CHECK_NOT_NULL(p);
+  MTRAIN_CHECK_NOT_NULL(lengths);
+  MTRAIN_CHECK_NOT_NULL(o);
+  return batch_impl(p, lengths, n, mass, o, sp, out, NULL, NULL, levels, rank_before, rank_after,
+                    report);
 }

@@ -296,6 +296,80 @@ MTRAIN_API mtrain_status_t mtrain_balance_assign(const double *weights, int32_t 
                                                  mtrain_batch_method_t method, int32_t *rank_of,
                                                  int32_t *micro_of);
 
+/** Splitting the longest documents over several ranks as a context-parallel
+ *  group (the ring), docs/BALANCE.md "Splitting the longest documents over a
+ *  ring". Initialise with MTRAIN_BALANCE_SPLIT_INIT (splitting off). */
+typedef struct mtrain_balance_split_options {
+  double split_above;   /**< a document whose weight exceeds split_above * (total weight /
+                             ranks), the ideal mean rank load, is split; 0: never (off) */
+  double ring_overhead; /**< >= 1: factor on the ring-carried part of each rank's share of a
+                             split document (default 1.01: ring/compute 1.003 times the
+                             layouts' per-rank imbalance 1.005, measured on 4 GPUs) */
+  int32_t max_ranks;    /**< most ranks one document may span, in [0, ranks]; 0: ranks */
+} mtrain_balance_split_options_t;
+
+#define MTRAIN_BALANCE_SPLIT_INIT                                                                  \
+  { 0.0, 1.01, 0 }
+
+/** The result of mtrain_balance_assign_split / mtrain_balance_batch_split.
+ *  Every array is allocated by the library and owned by the struct; release
+ *  them with mtrain_balance_split_free. A whole (unsplit) document has one
+ *  rank; a split document has k >= 2 distinct ranks, listed ascending: its
+ *  position in that list is the rank's index in the document's ring. */
+typedef struct mtrain_balance_split {
+  int32_t n;            /**< documents */
+  int32_t ranks;        /**< ranks */
+  int32_t num_split;    /**< documents spanning more than one rank */
+  int32_t *rank_of;     /**< [n] the document's first (lowest) rank; a whole one's only rank */
+  int32_t *num_ranks;   /**< [n] k: the ranks it spans (1: whole) */
+  int32_t *offset;      /**< [n + 1] the document's ranks are group[offset[i] .. offset[i + 1]) */
+  int32_t *group;       /**< [offset[n]] the ranks of every document, ascending within one */
+  int32_t *micro_of;    /**< [n] a whole document's micro-batch; -1 for a split one, which runs
+                             in the split phase before the rank's micro-batches */
+  int32_t *split_order; /**< [num_split] the split documents in the order every rank of their
+                             groups runs them (the order they were placed: largest first) */
+  double *share;        /**< [n] the load each of the document's ranks carries (a whole
+                             document: its weight) */
+  double *start;        /**< [n] a split document's predicted start in the split phase (its
+                             group starts when its last rank is free); -1 for a whole one */
+  double *rank_load;    /**< [ranks] predicted finish of each rank: the end of its split
+                             phase (waits included) plus its whole documents */
+  double *rank_idle;    /**< [ranks] the rank's waits in the split phase */
+} mtrain_balance_split_t;
+
+/** Frees the arrays of a result and zeroes it. NULL, or a zeroed struct, is
+ *  a no-op. Not thread-safe on the same struct. */
+MTRAIN_API void mtrain_balance_split_free(mtrain_balance_split_t *result);
+
+/** mtrain_balance_assign with the largest documents split over several
+ *  ranks (docs/BALANCE.md, "Splitting the longest documents over a ring"):
+ *  1. T = split->split_above * (sum of weights) / ranks. A document with
+ *     weight > T is split over k ranks, k the smallest in [2, max_ranks]
+ *     with share(k) <= T (max_ranks when none is), where share(k) =
+ *     fixed_part[i] + (weights[i] - fixed_part[i] + (ring_overhead - 1) *
+ *     ring_part[i]) / k: the part every rank of the group pays in full (per
+ *     call constants), the rest divided by k, the ring-carried part times
+ *     the overhead. ring_part NULL: all of the weight is ring-carried;
+ *     fixed_part NULL: none is fixed. Need 0 <= ring_part[i], fixed_part[i]
+ *     and their sum <= weights[i] (to rounding).
+ *  2. Split phase: the split documents, weights descending (ties: lower
+ *     index), each on the k ranks free first (ties: lower rank); it starts
+ *     when the last of them is free (the ring runs the group in lockstep),
+ *     the others wait (rank_idle). Every rank runs its split documents in
+ *     this order (split_order), before its whole documents.
+ *  3. The whole documents: the solver of mtrain_balance_assign (LPT, moves
+ *     and swaps off the busiest rank) on top of each rank's split-phase end,
+ *     and each rank's whole documents in `micro_batches` micro-batches (LPT).
+ *  With split NULL, split_above 0, or no document above T, the ranks and
+ *  micro-batches equal mtrain_balance_assign's bitwise (every num_ranks 1).
+ *  method: MTRAIN_BATCH_COST or MTRAIN_BATCH_TOKENS (MTRAIN_BATCH_SORTED
+ *  only without splitting). On success *out holds a new result (free it with
+ *  mtrain_balance_split_free); on failure *out is zeroed. Thread-safe. */
+MTRAIN_API mtrain_status_t mtrain_balance_assign_split(
+    const double *weights, const double *ring_part, const double *fixed_part, int32_t n,
+    int32_t ranks, int32_t micro_batches, mtrain_batch_method_t method,
+    const mtrain_balance_split_options_t *split, mtrain_balance_split_t *out);
+
 /** Options of mtrain_balance_batch. Initialise with MTRAIN_BALANCE_BATCH_INIT. */
 typedef struct mtrain_balance_batch_options {
   int32_t ranks, micro_batches;
@@ -347,6 +421,30 @@ mtrain_balance_batch(const mtrain_balance_predictor_t *predictor, const int64_t 
                      const double *mass, const mtrain_balance_batch_options_t *options,
                      int32_t *rank_of, int32_t *micro_of, int32_t *levels, double *rank_before,
                      double *rank_after, mtrain_balance_report_t *report);
+
+/** mtrain_balance_batch with the largest documents split over several ranks
+ *  (mtrain_balance_assign_split; docs/BALANCE.md, "Splitting the longest
+ *  documents over a ring"). A split document of N tokens costs each of its k
+ *  ranks seq_s * layers + (ring_overhead * (pair_s * pairs + row_s * N *
+ *  heads) + linear FLOPs * N / linear_flops) / k at the base level: the
+ *  attention, carried by the ring, divided by k and times the overhead, the
+ *  linear layers divided by k, the per-call constant paid by every rank.
+ *  MTRAIN_BATCH_COST splits by these seconds, MTRAIN_BATCH_TOKENS by token
+ *  counts (N * ring_overhead / k), both with the same threshold fraction.
+ *  Split documents run at the base level (clamped into the bounds) on all
+ *  their ranks (the ranks of one ring must agree on its pattern); the tuner
+ *  changes only the levels of each rank's whole documents, and levels[r *
+ *  heads + h] applies to those. Recall figures count a split document's
+ *  N / k tokens on each of its ranks at the base level. *out receives the
+ *  assignment with share, start, rank_load and rank_idle in predicted
+ *  seconds at the base level (rank_load = rank_before); free it with
+ *  mtrain_balance_split_free. With split NULL or split_above 0 every output
+ *  equals mtrain_balance_batch's bitwise. Other arguments as there. */
+MTRAIN_API mtrain_status_t mtrain_balance_batch_split(
+    const mtrain_balance_predictor_t *predictor, const int64_t *lengths, int32_t n,
+    const double *mass, const mtrain_balance_batch_options_t *options,
+    const mtrain_balance_split_options_t *split, mtrain_balance_split_t *out, int32_t *levels,
+    double *rank_before, double *rank_after, mtrain_balance_report_t *report);
 
 /** Per-head sensitivity from the estimation's own scores: for one layer's
  *  post-RoPE q [seq_len, q_heads, head_dim] and k [seq_len, kv_heads,

@@ -4,7 +4,9 @@ per-head sparsity tuning (docs/BALANCE.md, "SparseBalance").
 A training loop calls :func:`balance_batch` once per step with the lengths of
 the global batch's sequences and gets, for each sequence, the data-parallel
 rank and micro-batch that should compute it, and for each rank the per-head
-budget scale it should estimate with. Everything is a prediction of the C
+budget scale it should estimate with. With ``split_above`` the largest
+documents are split over several ranks as a context-parallel ring, and each
+document's ranks are in ``BalanceResult.ranks_of``. Everything is a prediction of the C
 library's calibrated cost predictor (``mtrain_balance.h``), reached through
 ctypes; the prototypes are declared here on the loaded library.
 :func:`mass_curve` gives the heads' sensitivity (attention mass kept per
@@ -72,6 +74,32 @@ class _BatchOptions(ctypes.Structure):
     )
 
 
+class _SplitOptions(ctypes.Structure):
+    _fields_ = (
+        ("split_above", ctypes.c_double),
+        ("ring_overhead", ctypes.c_double),
+        ("max_ranks", ctypes.c_int32),
+    )
+
+
+class _Split(ctypes.Structure):
+    _fields_ = (
+        ("n", ctypes.c_int32),
+        ("ranks", ctypes.c_int32),
+        ("num_split", ctypes.c_int32),
+        ("rank_of", ctypes.POINTER(ctypes.c_int32)),
+        ("num_ranks", ctypes.POINTER(ctypes.c_int32)),
+        ("offset", ctypes.POINTER(ctypes.c_int32)),
+        ("group", ctypes.POINTER(ctypes.c_int32)),
+        ("micro_of", ctypes.POINTER(ctypes.c_int32)),
+        ("split_order", ctypes.POINTER(ctypes.c_int32)),
+        ("share", ctypes.POINTER(ctypes.c_double)),
+        ("start", ctypes.POINTER(ctypes.c_double)),
+        ("rank_load", ctypes.POINTER(ctypes.c_double)),
+        ("rank_idle", ctypes.POINTER(ctypes.c_double)),
+    )
+
+
 class _Report(ctypes.Structure):
     _fields_ = (
         ("max_before", ctypes.c_double),
@@ -132,6 +160,23 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
             ctypes.POINTER(_Report),
         ),
     ),
+    "mtrain_balance_batch_split": (
+        ctypes.c_int,
+        (
+            _P,
+            _I64P,
+            ctypes.c_int32,
+            _DP,
+            ctypes.POINTER(_BatchOptions),
+            ctypes.POINTER(_SplitOptions),
+            ctypes.POINTER(_Split),
+            _I32P,
+            _DP,
+            _DP,
+            ctypes.POINTER(_Report),
+        ),
+    ),
+    "mtrain_balance_split_free": (None, (ctypes.POINTER(_Split),)),
     "mtrain_balance_mass_curve": (
         ctypes.c_int,
         (
@@ -175,16 +220,26 @@ class BalanceResult:
     """What :func:`balance_batch` decided (all times are predictions).
 
     Attributes:
-        rank_of: the data-parallel rank of each sequence.
-        micro_of: its micro-batch within that rank.
+        rank_of: the data-parallel rank of each sequence (a split one: the
+            first of its ranks).
+        micro_of: its micro-batch within that rank (-1: split, run in the
+            split phase before the rank's micro-batches, in ``split_order``).
         levels: [world, heads] budget level index per rank and head (heads over
-            all layers, layer-major), after tuning.
+            all layers, layer-major), after tuning; with splitting they apply
+            to the rank's whole sequences (split ones run at the base level).
         head_scales: [world, heads] the matching budget scale (multiply the
             head's v_size/s_size, or caps for top-p entries, by it).
         rank_seconds_before: [world] predicted seconds after batching, untuned.
         rank_seconds_after: [world] predicted seconds after tuning.
         report: the C report (max/mean before and after, target, recall mean
-            and worst before and after, ranks over target, level moves).
+            and worst before and after, ranks over target, level moves); with
+            ``split_above``, also num_split, split_idle_max_s, split_idle_sum_s.
+        ranks_of: each sequence's ranks, ascending: one for a whole sequence,
+            k >= 2 distinct ones for a split sequence (its context-parallel
+            ring; the position in the list is the rank's index in the ring).
+        split_order: the split sequences in the order every rank of their
+            rings runs them (empty without splitting).
+        rank_idle_seconds: [world] waits in the split phase (zeros without).
     """
 
     rank_of: list[int]
@@ -194,6 +249,9 @@ class BalanceResult:
     rank_seconds_before: np.ndarray
     rank_seconds_after: np.ndarray
     report: dict[str, float] = field(default_factory=dict)
+    ranks_of: list[list[int]] = field(default_factory=list)
+    split_order: list[int] = field(default_factory=list)
+    rank_idle_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 def _calibration(calibration: str | os.PathLike[str] | Mapping[str, float]) -> _Calibration:
@@ -234,6 +292,9 @@ def balance_batch(
     spread: str = "even",
     granularity: int = 128,
     model: Mapping[str, int] | None = None,
+    split_above: float = 0.0,
+    ring_overhead: float = 1.01,
+    max_split: int = 0,
 ) -> BalanceResult:
     """Deals a global batch's sequences to ``world`` ranks and tunes sparsity.
 
@@ -257,6 +318,14 @@ def balance_batch(
         granularity: block size G.
         model: linear-layer dimensions (hidden, intermediate, vocab, kv_heads,
             head_dim); default Qwen2.5-3B. hidden 0 leaves them out.
+        split_above: split every sequence whose predicted seconds (token
+            count with method "tokens") exceed this times the mean rank load
+            over the fewest ranks that bring its per-rank share under it, as
+            a context-parallel ring (docs/BALANCE.md, "Splitting the longest
+            documents over a ring"); 0: no splitting.
+        ring_overhead: factor (>= 1) on a split sequence's attention share
+            per rank (default 1.01, from the measured ring).
+        max_split: most ranks one sequence may span (0: world).
 
     Returns:
         BalanceResult. Raises MtrainError naming the bad input.
@@ -337,25 +406,46 @@ def balance_batch(
         before = np.zeros(w, dtype=np.float64)
         after = np.zeros(w, dtype=np.float64)
         rep = _Report()
-        _lib.check(
-            dll.mtrain_balance_batch(
+        mass_p = mass_arr.ctypes.data_as(_DP) if mass_arr is not None else None
+        ranks_of: list[list[int]] = []
+        split_order: list[int] = []
+        idle = np.zeros(w, dtype=np.float64)
+        if split_above:
+            ranks_of, split_order, idle = _batch_split(
+                dll,
                 pred,
-                lens.ctypes.data_as(_I64P),
-                n,
-                mass_arr.ctypes.data_as(_DP) if mass_arr is not None else None,
-                ctypes.byref(opts),
-                rank_of.ctypes.data_as(_I32P),
-                micro_of.ctypes.data_as(_I32P),
-                lv.ctypes.data_as(_I32P),
-                before.ctypes.data_as(_DP),
-                after.ctypes.data_as(_DP),
-                ctypes.byref(rep),
-            ),
-            "balance_batch",
-        )
+                lens,
+                mass_p,
+                opts,
+                (split_above, ring_overhead, max_split),
+                (rank_of, micro_of, lv, before, after),
+                rep,
+            )
+        else:
+            _lib.check(
+                dll.mtrain_balance_batch(
+                    pred,
+                    lens.ctypes.data_as(_I64P),
+                    n,
+                    mass_p,
+                    ctypes.byref(opts),
+                    rank_of.ctypes.data_as(_I32P),
+                    micro_of.ctypes.data_as(_I32P),
+                    lv.ctypes.data_as(_I32P),
+                    before.ctypes.data_as(_DP),
+                    after.ctypes.data_as(_DP),
+                    ctypes.byref(rep),
+                ),
+                "balance_batch",
+            )
+            ranks_of = [[int(r)] for r in rank_of]
     finally:
         dll.mtrain_balance_predictor_destroy(pred)
-    report = {name: getattr(rep, name) for name, _ in _Report._fields_}
+    report: dict[str, float] = {name: getattr(rep, name) for name, _ in _Report._fields_}
+    if split_above:
+        report["num_split"] = len(split_order)
+        report["split_idle_max_s"] = float(idle.max())
+        report["split_idle_sum_s"] = float(idle.sum())
     return BalanceResult(
         rank_of=rank_of.tolist(),
         micro_of=micro_of.tolist(),
@@ -364,7 +454,57 @@ def balance_batch(
         rank_seconds_before=before,
         rank_seconds_after=after,
         report=report,
+        ranks_of=ranks_of,
+        split_order=split_order,
+        rank_idle_seconds=idle,
     )
+
+
+def _batch_split(
+    dll: ctypes.CDLL,
+    pred: ctypes.c_void_p,
+    lens: np.ndarray,
+    mass_p: Any,
+    opts: _BatchOptions,
+    split: tuple[float, float, int],
+    outs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    rep: _Report,
+) -> tuple[list[list[int]], list[int], np.ndarray]:
+    """mtrain_balance_batch_split: fills rank_of, micro_of, levels, before and
+    after (outs) and rep; returns each sequence's ranks, the split order and
+    the ranks' split-phase waits, copied out of the C result before it is
+    freed."""
+    rank_of, micro_of, lv, before, after = outs
+    so = _SplitOptions(float(split[0]), float(split[1]), int(split[2]))
+    res = _Split()
+    _lib.check(
+        dll.mtrain_balance_batch_split(
+            pred,
+            lens.ctypes.data_as(_I64P),
+            int(lens.size),
+            mass_p,
+            ctypes.byref(opts),
+            ctypes.byref(so),
+            ctypes.byref(res),
+            lv.ctypes.data_as(_I32P),
+            before.ctypes.data_as(_DP),
+            after.ctypes.data_as(_DP),
+            ctypes.byref(rep),
+        ),
+        "balance_batch",
+    )
+    try:
+        n = int(res.n)
+        offset = np.ctypeslib.as_array(res.offset, shape=(n + 1,)).copy()
+        group = np.ctypeslib.as_array(res.group, shape=(int(offset[-1]),)).copy()
+        rank_of[:] = np.ctypeslib.as_array(res.rank_of, shape=(n,))
+        micro_of[:] = np.ctypeslib.as_array(res.micro_of, shape=(n,))
+        order = [int(res.split_order[j]) for j in range(int(res.num_split))]
+        idle = np.ctypeslib.as_array(res.rank_idle, shape=(int(res.ranks),)).copy()
+    finally:
+        dll.mtrain_balance_split_free(ctypes.byref(res))
+    ranks_of = [[int(r) for r in group[offset[i] : offset[i + 1]]] for i in range(n)]
+    return ranks_of, order, idle
 
 
 def mass_curve(

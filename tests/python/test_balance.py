@@ -1,8 +1,9 @@
 """mtrain.balance: balance_batch and mass_curve through ctypes (docs/BALANCE.md,
 "SparseBalance"): assignments in range and deterministic, cost batching never
 worse than token balancing on a long-tail mix, tuned levels within their
-bounds and the step never lengthened, mass curves nondecreasing shares, and
-bad inputs rejected with messages naming them."""
+bounds and the step never lengthened, mass curves nondecreasing shares, the
+largest document split over distinct ranks with split_above (and nothing
+changed without it), and bad inputs rejected with messages naming them."""
 
 from __future__ import annotations
 
@@ -94,3 +95,38 @@ def test_bad_inputs(budgets):
         balance_batch([100], 1, budgets, CAL, method="fast", tune=False)
     with pytest.raises(MtrainError, match=r"must hold 1\.0"):
         balance_batch([100], 1, budgets, CAL, levels=(0.5, 2.0), tune=False)
+
+
+def test_split(budgets):
+    lengths = [500000] + [2000 + 100 * i for i in range(60)]
+    plain = balance_batch(lengths, 4, budgets, CAL, tune=False)
+    off = balance_batch(lengths, 4, budgets, CAL, tune=False, split_above=0.0)
+    assert off.rank_of == plain.rank_of and off.split_order == []
+    assert off.ranks_of == [[r] for r in plain.rank_of]
+    res = balance_batch(lengths, 4, budgets, CAL, tune=False, split_above=1.0)
+    assert res.split_order == [0] and res.report["num_split"] == 1
+    group = res.ranks_of[0]
+    assert len(group) >= 2 and group == sorted(set(group)) and all(0 <= r < 4 for r in group)
+    assert res.rank_of[0] == group[0] and res.micro_of[0] == -1
+    assert all(
+        len(g) == 1 and g[0] == r for g, r in zip(res.ranks_of[1:], res.rank_of[1:], strict=True)
+    )
+    assert res.report["max_before"] < plain.report["max_before"]
+    assert res.rank_idle_seconds.shape == (4,) and (res.rank_idle_seconds >= 0).all()
+    again = balance_batch(lengths, 4, budgets, CAL, tune=False, split_above=1.0)
+    assert again.ranks_of == res.ranks_of and again.micro_of == res.micro_of
+    tuned = balance_batch(lengths, 4, budgets, CAL, mass=fake_mass(), split_above=1.0)
+    assert tuned.report["max_after"] <= tuned.report["max_before"] * (1 + 1e-12)
+    capped = balance_batch(lengths, 4, budgets, CAL, tune=False, split_above=0.1, max_split=2)
+    assert len(capped.ranks_of[0]) == 2
+
+
+def test_split_bad_inputs(budgets):
+    with pytest.raises(MtrainError, match=r"ring_overhead 0\.5"):
+        balance_batch([100, 200], 2, budgets, CAL, tune=False, split_above=1.0, ring_overhead=0.5)
+    with pytest.raises(MtrainError, match="splitting needs the cost"):
+        balance_batch([100, 200], 2, budgets, CAL, method="sorted", tune=False, split_above=1.0)
+    with pytest.raises(MtrainError, match=r"max_ranks 3 must be in \[0, ranks 2\]"):
+        balance_batch([100, 200], 2, budgets, CAL, tune=False, split_above=1.0, max_split=3)
+    with pytest.raises(MtrainError, match="split_above -1"):
+        balance_batch([100, 200], 2, budgets, CAL, tune=False, split_above=-1.0)
