@@ -58,7 +58,8 @@ FROM_DIR=${FROM_DIR:-$out}
 # how a run is launched: one process, or torchrun with one rank per GPU
 launch=("$PY" -m examples.train)
 if [ "$CP_WORLD" -gt 1 ]; then
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 # no NVLink multicast
+  # no NVLink multicast
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$CP_WORLD"
     -m examples.train --cp-layout "$CP_LAYOUT")
 fi

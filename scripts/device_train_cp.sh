@@ -34,7 +34,8 @@ t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 # no NVLink multicast
+# no NVLink multicast
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MTRAIN_COMM_TIMEOUT=${MTRAIN_COMM_TIMEOUT:-60}         # a stalled ring fails in 60 s
 mkdir -p "$out"
 
