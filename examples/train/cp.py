@@ -10,8 +10,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -244,3 +245,16 @@ def teardown(cp: Cp) -> None:
         mtrain.reset()
         if cp.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def finish(cp: Cp, rc: int) -> NoReturn:
+    """Leaves the process with status `rc`: teardown() first when the run succeeded (a failed
+    rank skips the barrier its peers may never reach), the streams flushed, then os._exit (no
+    interpreter teardown: see teardown())."""
+    try:
+        if rc == 0:
+            teardown(cp)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)

@@ -441,11 +441,4 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         rc = 1
     finally:
-        try:
-            if rc == 0:
-                CP.teardown(cp)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(rc)
-    return rc
+        CP.finish(cp, rc)

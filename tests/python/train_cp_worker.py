@@ -64,14 +64,7 @@ def main() -> None:
             if rc:
                 break
     finally:
-        # as the program's main(): barrier, mtrain.reset(), the group destroyed, os._exit
-        try:
-            if rc == 0:
-                CP.teardown(cp)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(rc)
+        CP.finish(cp, rc)  # as the program's main(): teardown, then os._exit
 
 
 if __name__ == "__main__":
