@@ -2,7 +2,8 @@
  * communicator and stream per traffic class, split from a base communicator
  * in non-blocking mode; receives deferred into the group of the next send of
  * their class; transfers ordered after the data stream through events;
- * host-side collectives staged through a device buffer; every wait polled
+ * host-side collectives staged through a device buffer, the device
+ * all-reduce in place; every wait polled
  * against a deadline, with ncclCommAbort on timeout or NCCL error (every
  * communicator at once, one thread each), the first error kept as the cause
  * named by every later call. */
@@ -386,6 +387,34 @@ static mtrain_status_t nccl_allreduce(void *state, void *buf, int64_t count, mtr
                          op == MTRAIN_REDUCE_MAX ? ncclMax : ncclSum, "an all-reduce");
 }
 
+/* The optional device all-reduce: in place on the caller's device memory,
+ * no staging; waited for (bounded) like the host collectives. */
+static mtrain_status_t nccl_allreduce_device(void *state, void *buf, int64_t count,
+                                             mtrain_dtype_t dtype, mtrain_reduce_op_t op) {
+  nccl_state_t *s = state;
+  if (dtype != MTRAIN_F32 && dtype != MTRAIN_F64)
+    return mtrain_error(MTRAIN_ERR_UNSUPPORTED_DTYPE,
+                        "nccl device allreduce: dtype %s not supported", mtrain_dtype_name(dtype));
+  if (count <= 0) return MTRAIN_SUCCESS;
+  mtrain_status_t st = check_usable(s);
+  if (st) return st;
+  const char *what = "a device all-reduce";
+  cudaStream_t str = s->stream[CH_COLL];
+  ncclResult_t r =
+      ncclAllReduce(buf, buf, (size_t)count, dtype == MTRAIN_F32 ? ncclFloat32 : ncclFloat64,
+                    op == MTRAIN_REDUCE_MAX ? ncclMax : ncclSum, s->ch[CH_COLL], str);
+  if ((st = settle(s, s->ch[CH_COLL], r, what))) return st;
+  cudaEvent_t ev;
+  cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (e != cudaSuccess) return cuda_failed(s, e, what);
+  if ((e = cudaEventRecord(ev, str)) != cudaSuccess)
+    st = cuda_failed(s, e, what);
+  else
+    st = wait_event(s, ev, CH_COLL, what, -1);
+  cudaEventDestroy(ev);
+  return st;
+}
+
 static mtrain_status_t nccl_allgather(void *state, const void *send, void *recv, size_t bytes) {
   nccl_state_t *s = state;
   if (bytes == 0) return MTRAIN_SUCCESS;
@@ -467,6 +496,7 @@ static const mtrain_comm_ops_t nccl_ops = {
     .set_data_stream = nccl_set_data_stream,
     .abort = nccl_abort,
     .destroy = nccl_destroy,
+    .allreduce_device = nccl_allreduce_device,
 };
 
 static mtrain_status_t resolve_timeout(double *timeout) {

@@ -213,9 +213,12 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
   return all;
 }
 
-/* The distributed estimate on GPUs equals one GPU's bitwise (indices). */
-static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_t seed) {
-  const int64_t N = 64 * 2 * world_ * 3 + 53;
+/* The distributed estimate on GPUs equals one GPU's bitwise (indices). The
+ * scores are combined on the GPUs (the nccl device all-reduce) and selected
+ * there; `wide`: top-p caps above what the device selection sorts (8192), so
+ * that the device-combined scores go to the host selection instead. */
+static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_t seed, int wide) {
+  const int64_t N = wide ? 20000 + 64 * world_ + 7 : 64 * 2 * world_ * 3 + 53;
   const int32_t hq = 4, hkv = 2, d = 64, G = 64;
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.backend = "cuda";
@@ -230,6 +233,8 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
   ts_ring_fill(k, N * hkv * d, &rng, 1);
   mtrain_head_budget_t b[4];
   ts_ring_estimate_budgets(b);
+  if (wide)
+    for (int h = 1; h < 4; h += 2) b[h].cap_v = b[h].cap_s = 12000;
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = 40;
   void *dq = NULL, *dk = NULL, *lq = NULL, *lk = NULL;
@@ -271,8 +276,9 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
     printf("  rank %d: head %d: distributed estimate differs\n", rank_, head);
   const int all = all_ranks(ok);
   if (rank_ == 0)
-    printf("%s: W=%d distributed estimate on GPUs, %s layout, N=%lld: %s\n",
+    printf("%s: W=%d distributed estimate on GPUs, %s layout, N=%lld%s: %s\n",
            all ? "passed" : "FAILED", world_, mtrain_layout_kind_name(kind), (long long)N,
+           wide ? " (top-p caps 12000: host selection)" : "",
            all ? "bitwise equal to one GPU" : "differs");
   mtrain_cuda_free(dq), mtrain_cuda_free(dk), mtrain_cuda_free(lq), mtrain_cuda_free(lk);
   free(q), free(k), free(hq_loc), free(hk_loc), free(index);
@@ -346,7 +352,8 @@ int main(int argc, char **argv) {
         b.N = 64 * 3 * world_ * 2 + 45;
         run_case(&b, comm) ? passed++ : failed++;
       }
-  for (int l = 0; l < 4; l++) estimate_case(layouts[l], comm, 500 + l) ? passed++ : failed++;
+  for (int l = 0; l < 4; l++) estimate_case(layouts[l], comm, 500 + l, 0) ? passed++ : failed++;
+  estimate_case(MTRAIN_LAYOUT_STRIPED, comm, 510, 1) ? passed++ : failed++;
   /* a larger case: 16:2 heads, d 128, the real shape */
   ring_case_t big = {
       MTRAIN_BF16, MTRAIN_LAYOUT_STRIPED, schedules[nsched - 1], 4000, 16, 2, 128, 128, 3, 100};

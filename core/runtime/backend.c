@@ -106,7 +106,7 @@ mtrain_status_t mtrain_comm_table_check(const mtrain_comm_ops_t *ops) {
   REQUIRE_SLOT(kind, ops, split);
   REQUIRE_SLOT(kind, ops, abort);
   REQUIRE_SLOT(kind, ops, destroy);
-  /* optional: set_data_stream */
+  /* optional: set_data_stream, allreduce_device */
   return MTRAIN_SUCCESS;
 }
 
@@ -365,6 +365,19 @@ mtrain_status_t mtrain_cm_wait(mtrain_context_t *ctx, mtrain_comm_request_t *req
 mtrain_status_t mtrain_cm_allreduce(mtrain_context_t *ctx, void *buf, int64_t count,
                                     mtrain_dtype_t dtype, mtrain_reduce_op_t op) {
   return ctx->comm->ops->allreduce(ctx->comm->state, buf, count, dtype, op);
+}
+
+int mtrain_cm_has_allreduce_device(const mtrain_context_t *ctx) {
+  return ctx->comm->ops->allreduce_device != NULL;
+}
+
+mtrain_status_t mtrain_cm_allreduce_device(mtrain_context_t *ctx, void *buf, int64_t count,
+                                           mtrain_dtype_t dtype, mtrain_reduce_op_t op) {
+  if (!ctx->comm->ops->allreduce_device)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "communicator '%s' has no device all-reduce (allreduce_device)",
+                        mtrain_cm_name(ctx));
+  return ctx->comm->ops->allreduce_device(ctx->comm->state, buf, count, dtype, op);
 }
 
 mtrain_status_t mtrain_cm_allgather(mtrain_context_t *ctx, const void *send, void *recv,

@@ -46,6 +46,8 @@
  *   wait                   mtrain_cm_wait(ctx, req)
  *   allreduce              mtrain_cm_allreduce(ctx, buf, count, dtype, op)
  *   allgather              mtrain_cm_allgather(ctx, send, recv, bytes)
+ *   allreduce_device (opt) mtrain_cm_allreduce_device(ctx, buf, count, dtype, op);
+ *                          mtrain_cm_has_allreduce_device
  *   barrier                mtrain_cm_barrier(ctx)
  *   set_data_stream (opt.) mtrain_cm_set_data_stream(ctx, stream): a no-op when absent
  *   name, memory_space     mtrain_cm_name(ctx), mtrain_cm_memory_space(ctx)
@@ -200,6 +202,13 @@ mtrain_status_t mtrain_cm_wait(mtrain_context_t *ctx, mtrain_comm_request_t *req
 /** In-place all-reduce of `count` fp32 or fp64 elements (host memory). */
 mtrain_status_t mtrain_cm_allreduce(mtrain_context_t *ctx, void *buf, int64_t count,
                                     mtrain_dtype_t dtype, mtrain_reduce_op_t op);
+/** Whether the communicator has the optional device all-reduce. */
+int mtrain_cm_has_allreduce_device(const mtrain_context_t *ctx);
+/** In-place all-reduce of `count` fp32 or fp64 elements in backend (device)
+ *  memory, blocking (mtrain_comm_ops_t.allreduce_device); NOT_SUPPORTED
+ *  for a communicator without the slot. */
+mtrain_status_t mtrain_cm_allreduce_device(mtrain_context_t *ctx, void *buf, int64_t count,
+                                           mtrain_dtype_t dtype, mtrain_reduce_op_t op);
 /** Gathers `bytes` from every rank into recv (world * bytes, rank order). */
 mtrain_status_t mtrain_cm_allgather(mtrain_context_t *ctx, const void *send, void *recv,
                                     size_t bytes);

@@ -3,9 +3,10 @@
  * maxima and normalisers for top-p heads, then column and diagonal sums);
  * partial results are indexed globally and combined with the communicator's
  * all-reduce (each entry has one contributor, so the sums are exact and do
- * not depend on the world size); the selection (select.c) is host code shared
- * by all backends. Single rank: the chunk is the whole sequence; ring: each
- * rank scores its own slots of the layout after the last L queries are
+ * not depend on the world size), on the devices where the communicator has a
+ * device all-reduce; the selection is the backend's (pattern_select) where it
+ * has one, else host code shared by all backends (select.c). Single rank: the chunk is the whole
+ * sequence; ring: each rank scores its own slots of the layout after the last L queries are
  * gathered. */
 #include <math.h>
 #include <omp.h>
@@ -113,6 +114,22 @@ static mtrain_status_t from_host(mtrain_context_t *ctx, void *dst, const double 
 static mtrain_status_t allreduce(mtrain_context_t *ctx, double *buf, int64_t n,
                                  mtrain_reduce_op_t op) {
   return mtrain_cm_allreduce(ctx, buf, n, MTRAIN_F64, op);
+}
+
+/* Combines `n` partial results in backend memory `dev` over the ranks into
+ * `host`: on the device when `on_device` (the communicator's device
+ * all-reduce, after the backend's work is done; `dev` then holds the result
+ * too), else copied to the host first and reduced there. */
+static mtrain_status_t combine(mtrain_context_t *ctx, void *dev, double *host, size_t n,
+                               mtrain_reduce_op_t op, int on_device) {
+  mtrain_status_t st;
+  if (!on_device) {
+    if ((st = to_host(ctx, host, dev, n))) return st;
+    return allreduce(ctx, host, (int64_t)n, op);
+  }
+  if ((st = mtrain_be_synchronize(ctx))) return st;
+  if ((st = mtrain_cm_allreduce_device(ctx, dev, (int64_t)n, MTRAIN_F64, op))) return st;
+  return to_host(ctx, host, dev, n);
 }
 
 /* One thread's scratch of the selection (N entries each). */
@@ -290,7 +307,14 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
    * back); else, and for budgets it cannot select, the scores come to the
    * host. MTRAIN_HOST_SELECT=1 selects on the host always (comparisons). */
   const char *host_env = getenv("MTRAIN_HOST_SELECT");
-  int device_select = mtrain_context_world(ctx) == 1 && mtrain_be_has_pattern_select(ctx) &&
+  /* several ranks: with a device all-reduce (nccl) the scores are combined
+   * on the devices and every rank selects on its own device from the same
+   * sums (each entry has one contributor: bitwise the one-rank scores) */
+  const int world = mtrain_context_world(ctx);
+  const int reduce_on_device = world > 1 && mtrain_cm_has_allreduce_device(ctx) &&
+                               mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_DEVICE &&
+                               !(host_env && host_env[0] == '1');
+  int device_select = (world == 1 || reduce_on_device) && mtrain_be_has_pattern_select(ctx) &&
                       !(host_env && host_env[0] == '1');
   const size_t select_bytes = sizeof(int64_t) * (size_t)Hq * (size_t)N +
                               sizeof(int32_t) * ((size_t)Hq * (size_t)(nb + 1) + 2 * (size_t)Hq);
@@ -337,8 +361,7 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
     a.stage = MTRAIN_SCORES_ROW_MAX;
     a.row_out = b.row;
     MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
-    MTRAIN_TRY(to_host(ctx, b.row_max, b.row, (size_t)Hq * L));
-    MTRAIN_TRY(allreduce(ctx, b.row_max, (int64_t)Hq * L, MTRAIN_REDUCE_MAX));
+    MTRAIN_TRY(combine(ctx, b.row, b.row_max, (size_t)Hq * L, MTRAIN_REDUCE_MAX, reduce_on_device));
     /* normalisers: per (row, key block) partial sums, added in block order */
     MTRAIN_TRY(mtrain_be_memset_zero(ctx, b.row, n_row * sizeof(double)));
     void *row_max_dev = b.col; /* col is free until stage 2: borrow it for row_max */
@@ -346,8 +369,7 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
     a.stage = MTRAIN_SCORES_ROW_BLOCK_SUMS;
     a.row_max = row_max_dev;
     MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
-    MTRAIN_TRY(to_host(ctx, b.row_host, b.row, n_row_sums));
-    MTRAIN_TRY(allreduce(ctx, b.row_host, (int64_t)n_row_sums, MTRAIN_REDUCE_SUM));
+    MTRAIN_TRY(combine(ctx, b.row, b.row_host, n_row_sums, MTRAIN_REDUCE_SUM, reduce_on_device));
     for (size_t r = 0; r < (size_t)Hq * L; r++) {
       double sum = 0.0;
       for (int64_t gb = 0; gb < nb; gb++) sum += b.row_host[r * (size_t)nb + (size_t)gb];
@@ -370,11 +392,22 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   MTRAIN_TRY(mtrain_be_synchronize(ctx));
   const double t_stages = now_s();
   last_times.stages = t_stages - t_scores;
+  double t_reduced = t_stages;
+  int col_diag_reduced = 0;
+  if (device_select && reduce_on_device) {
+    MTRAIN_TRY(
+        mtrain_cm_allreduce_device(ctx, b.col, (int64_t)n_col, MTRAIN_F64, MTRAIN_REDUCE_SUM));
+    MTRAIN_TRY(
+        mtrain_cm_allreduce_device(ctx, b.diag, (int64_t)n_diag, MTRAIN_F64, MTRAIN_REDUCE_SUM));
+    col_diag_reduced = 1;
+    t_reduced = now_s();
+    last_times.reduce = t_reduced - t_stages;
+  }
   if (device_select) {
     st = select_on_backend(ctx, budgets, options, Hq, N, L, G, &b, region + n_row, &p);
     if (st != MTRAIN_ERR_NOT_SUPPORTED) {
-      last_times.scores = last_times.stages;
-      last_times.select = now_s() - t_stages;
+      last_times.scores = t_reduced - t_scores;
+      last_times.select = now_s() - t_reduced;
       if (st) goto cleanup;
       *out = p;
       p = NULL;
@@ -391,12 +424,14 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
   MTRAIN_TRY(to_host(ctx, b.col_host, b.col, n_col));
   MTRAIN_TRY(to_host(ctx, b.diag_host, b.diag, n_diag));
   const double t_copies = now_s();
-  MTRAIN_TRY(allreduce(ctx, b.col_host, (int64_t)n_col, MTRAIN_REDUCE_SUM));
-  MTRAIN_TRY(allreduce(ctx, b.diag_host, (int64_t)n_diag, MTRAIN_REDUCE_SUM));
+  if (!col_diag_reduced) { /* else combined on the devices already */
+    MTRAIN_TRY(allreduce(ctx, b.col_host, (int64_t)n_col, MTRAIN_REDUCE_SUM));
+    MTRAIN_TRY(allreduce(ctx, b.diag_host, (int64_t)n_diag, MTRAIN_REDUCE_SUM));
+  }
   const double t_select = now_s();
   last_times.scores = t_select - t_scores;
-  last_times.copies = t_copies - t_stages;
-  last_times.reduce = t_select - t_copies;
+  last_times.copies = t_copies - t_reduced;
+  last_times.reduce += t_select - t_copies;
   MTRAIN_TRY(mtrain_pattern_create(N, Hq, G, &p));
   MTRAIN_TRY(select_all(ctx, budgets, options, Hq, N, L, G, &b, p));
   last_times.select = now_s() - t_select;

@@ -29,7 +29,7 @@ extern "C" {
 #define MTRAIN_VERSION_MINOR 1
 #define MTRAIN_VERSION_PATCH 0
 /** Version of the config struct and of the backend/communicator tables. */
-#define MTRAIN_API_VERSION 5
+#define MTRAIN_API_VERSION 6
 
 /* ------------------------------------------------------------------------ */
 /* Status codes                                                              */

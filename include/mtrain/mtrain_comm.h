@@ -33,7 +33,8 @@ typedef enum mtrain_comm_tag {
   MTRAIN_TAG_USER = 1 << 20,          /**< first tag free for other users of the table */
 } mtrain_comm_tag_t;
 
-/** The communicator table. Every slot but set_data_stream is required:
+/** The communicator table. Every slot but set_data_stream and
+ *  allreduce_device is required:
  *  mtrain_context_create refuses, with MTRAIN_ERR_INVALID_CONFIG naming the
  *  table and the field, a table whose api_version is not MTRAIN_API_VERSION
  *  or whose required slot is NULL. */
@@ -69,6 +70,16 @@ typedef struct mtrain_comm_ops {
   /** Ends the job's communication after an unrecoverable error. */
   void (*abort)(void *state, int code);
   void (*destroy)(void *state);
+  /** Optional (since MTRAIN_API_VERSION 6): in-place all-reduce of `count`
+   *  fp32 or fp64 elements in device memory of the device the communicator
+   *  serves (where the backend allocates). Collective; blocking: returns once
+   *  the result is in `buf`, and fails with MTRAIN_ERR_TIMEOUT after the
+   *  communicator's timeout. The caller has finished the work that wrote
+   *  `buf` (the library synchronises its backend first). NULL: the library
+   *  copies such data to the host and uses `allreduce` (the pattern
+   *  estimate's score arrays; with "nccl" they stay on the GPU). */
+  mtrain_status_t (*allreduce_device)(void *state, void *buf, int64_t count, mtrain_dtype_t dtype,
+                                      mtrain_reduce_op_t op);
 } mtrain_comm_ops_t;
 
 /** A communicator: a table plus its state. Owned by whoever created it. */

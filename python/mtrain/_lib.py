@@ -18,7 +18,7 @@ from .errors import MtrainError
 
 # ---- constants of mtrain.h / mtrain_layout.h / mtrain_comm.h / mtrain_backend.h ----
 
-API_VERSION = 5
+API_VERSION = 6
 SUCCESS = 0
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
@@ -188,6 +188,7 @@ class CommOps(ctypes.Structure):
         ("set_data_stream", SET_STREAM_FN),
         ("abort", ABORT_FN),
         ("destroy", DESTROY_FN),
+        ("allreduce_device", ALLREDUCE_FN),  # optional; the package's gloo table leaves it NULL
     )
 
 
