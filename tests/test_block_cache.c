@@ -7,8 +7,8 @@
  *    selection of that step's inputs, a cached step's is the earlier one
  *    (the same object), and differs from that step's own selection;
  *  - layers keep separate schedules; refresh 1 selects every step;
- *  - other options or another sequence length re-select and restart the
- *    schedule; invalidate (one layer, every layer);
+ *  - other options (non-causal too) or another sequence length re-select and
+ *    restart the schedule; invalidate (one layer, every layer);
  *  - the precise method reads no lse on cached steps; a failed selection
  *    leaves the layer as it was;
  *  - the ring form on one rank equals the single-rank form;
@@ -235,6 +235,20 @@ static void test_changes_and_invalidate(void **state) {
   mtrain_pattern_destroy(fresh);
   CHECK_OK(mtrain_block_cache_select(cache, 0, ctx, &a.tq, &a.tk, NULL, &o, NULL, &p, &age));
   assert_int_equal(age, 1);
+  /* non-causal: a new selection, a non-causal pattern; back to causal: another */
+  o.noncausal = 1;
+  CHECK_OK(mtrain_block_cache_select(cache, 0, ctx, &a.tq, &a.tk, NULL, &o, NULL, &p, &age));
+  assert_int_equal(age, 0);
+  assert_int_equal(mtrain_pattern_is_causal(p), 0);
+  fresh = direct(ctx, &a, &o);
+  assert_true(same_masks(p, fresh));
+  mtrain_pattern_destroy(fresh);
+  o.noncausal = 0;
+  CHECK_OK(mtrain_block_cache_select(cache, 0, ctx, &a.tq, &a.tk, NULL, &o, NULL, &p, &age));
+  assert_int_equal(age, 0);
+  assert_int_equal(mtrain_pattern_is_causal(p), 1);
+  CHECK_OK(mtrain_block_cache_select(cache, 0, ctx, &a.tq, &a.tk, NULL, &o, NULL, &p, &age));
+  assert_int_equal(age, 1);
   /* another sequence length */
   CHECK_OK(mtrain_block_cache_select(cache, 0, ctx, &b.tq, &b.tk, NULL, &o, NULL, &p, &age));
   assert_int_equal(age, 0);
@@ -255,8 +269,8 @@ static void test_changes_and_invalidate(void **state) {
   assert_int_equal(age, 0);
   int64_t steps = 0, selections = 0;
   CHECK_OK(mtrain_block_cache_counts(cache, 0, &steps, &selections));
-  assert_int_equal(steps, 6);
-  assert_int_equal(selections, 4);
+  assert_int_equal(steps, 9);
+  assert_int_equal(selections, 6);
   step_free(&a), step_free(&b);
   mtrain_block_cache_destroy(cache);
   mtrain_context_destroy(ctx);

@@ -20,7 +20,14 @@
  * - the exact sums of the head-adaptive gain curves: any order and any split
  *   into ranks give the same bits, within an ulp of a long double sum;
  *   NaN and infinities; the gather of the selection in small pieces;
- * - a backend without the block_scores slot, and bad options, are refused.
+ * - non-causal selection (SPEC.md 9.7): cpu scores against cpu-ref, the
+ *   precise rows with the bidirectional LSE adding up to their row counts,
+ *   the reported recall equal to the pattern's recall over every key, the
+ *   O(1) candidate count against the definition, and the distributed form
+ *   on W = 1, 2, 3 bitwise the single-rank one (the Python tests check
+ *   cpu-ref against an fp64 reference of the spec);
+ * - a backend without the block_scores slot (or without non-causal scores),
+ *   and bad options, are refused.
  * Seeds are printed; MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
 #include <setjmp.h>
@@ -952,6 +959,263 @@ static void test_exact_sum(void **state) {
   free(v);
 }
 
+/* ---- 5c. non-causal selection (SPEC.md section 9.7) -------------------------------------------
+ */
+
+/* The backend's non-causal scores of the whole sequence, [Hq * nb * nb]. */
+static void backend_scores_nc(mtrain_context_t *ctx, const problem_t *p,
+                              mtrain_block_method_t method, int32_t S, const double *lse,
+                              double *out) {
+  const int64_t nb = nblocks(p);
+  int64_t *ids = malloc(sizeof(int64_t) * (size_t)nb);
+  for (int64_t b = 0; b < nb; b++) ids[b] = b;
+  memset(out, 0, sizeof(double) * (size_t)(nb * nb * p->Hq));
+  const mtrain_block_scores_args_t a = {.method = method,
+                                        .seq_len = p->N,
+                                        .granularity = p->G,
+                                        .num_heads = p->Hq,
+                                        .num_kv_heads = p->Hkv,
+                                        .head_dim = p->d,
+                                        .scale = 1.0 / sqrt((double)p->d),
+                                        .stride = S,
+                                        .q_dtype = MTRAIN_F32,
+                                        .q = p->q,
+                                        .q_tokens = p->N,
+                                        .num_q_blocks = (int32_t)nb,
+                                        .q_block_global = ids,
+                                        .k_dtype = MTRAIN_F32,
+                                        .k = p->k,
+                                        .lse_dtype = MTRAIN_F64,
+                                        .lse = lse,
+                                        .scores = out,
+                                        .noncausal = 1};
+  assert_int_equal(mtrain_be_block_scores(ctx, &a), MTRAIN_SUCCESS);
+  free(ids);
+}
+
+/* The LSE of dense bidirectional attention, fp64 [N, Hq] (the fp64 reference
+ * of an all-ones non-causal block mask). */
+static double *noncausal_lse(const problem_t *p) {
+  const int64_t nb = nblocks(p);
+  mtrain_pattern_t *all = NULL;
+  assert_int_equal(mtrain_pattern_create_noncausal(p->N, p->Hq, p->G, &all), MTRAIN_SUCCESS);
+  uint8_t *ones = malloc((size_t)(nb * nb));
+  memset(ones, 1, (size_t)(nb * nb));
+  for (int32_t h = 0; h < p->Hq; h++)
+    assert_int_equal(mtrain_pattern_set_block_mask(all, h, ones), MTRAIN_SUCCESS);
+  double *o = malloc(sizeof(double) * (size_t)(p->N * p->Hq * p->d));
+  double *lse = malloc(sizeof(double) * (size_t)(p->N * p->Hq));
+  assert_int_equal(
+      mtrain_cpu_dense_reference_forward(all, p->Hkv, p->d, 0.0, p->qd, p->kd, p->vd, o, lse),
+      MTRAIN_SUCCESS);
+  mtrain_pattern_destroy(all);
+  free(ones);
+  free(o);
+  return lse;
+}
+
+/* Non-causal scores: cpu against cpu-ref (fp32 logits, 2e-5 of the largest),
+ * the precise rows of cpu-ref with the bidirectional LSE adding up to their
+ * row counts (the softmax over all keys), entries above the diagonal present;
+ * cpu-ref end to end: a non-causal pattern whose precise per-head recall is
+ * the pattern's recall over every key (mtrain_cpu_pattern_recall) to 1e-9. */
+static void test_noncausal_scores(void **state) {
+  (void)state;
+  for (size_t c = 0; c < NSHAPES; c++) {
+    const shape_t *s = &shapes[c];
+    const uint64_t seed = ts_seed(700 + c);
+    problem_t p;
+    problem_make(&p, s->N, s->G, s->Hq, s->Hkv, s->d, seed);
+    double *lse = noncausal_lse(&p);
+    const int64_t nb = nblocks(&p), n = nb * nb * p.Hq;
+    double *ref = malloc(sizeof(double) * (size_t)n), *got = malloc(sizeof(double) * (size_t)n);
+    mtrain_context_t *cref = make_ctx("cpu-ref", s->G, 2), *cfast = make_ctx("cpu", s->G, 2);
+    for (int mi = 0; mi < 3; mi++) {
+      backend_scores_nc(cref, &p, methods[mi], s->S, lse, ref);
+      backend_scores_nc(cfast, &p, methods[mi], s->S, lse, got);
+      const double M = ts_max_abs(ref, n), err = ts_max_abs_diff(got, ref, n);
+      const double tol = (methods[mi] != MTRAIN_BLOCK_MEANPOOL ? 2e-5 : 1e-12) * M;
+      print_message("non-causal scores seed %llu N %lld G %d heads %d/%d d %d %s: cpu vs "
+                    "cpu-ref max err %.3g (bound %.3g)\n",
+                    (unsigned long long)seed, (long long)s->N, s->G, s->Hq, s->Hkv, s->d,
+                    mtrain_block_method_name(methods[mi]), err, tol);
+      if (!(err <= tol))
+        fail_msg("non-causal %s scores, seed %llu, shape %zu: cpu differs by %.3g > %.3g",
+                 mtrain_block_method_name(methods[mi]), (unsigned long long)seed, c, err, tol);
+      double upper = 0.0; /* the mass above the diagonal */
+      for (int32_t h = 0; h < p.Hq; h++)
+        for (int64_t qb = 0; qb < nb; qb++) {
+          double row = 0.0;
+          for (int64_t kb = 0; kb < nb; kb++) {
+            row += ref[(h * nb + qb) * nb + kb];
+            if (kb > qb) upper += fabs(ref[(h * nb + qb) * nb + kb]);
+          }
+          const double rows = (double)((qb + 1) * p.G < p.N ? p.G : p.N - qb * p.G);
+          if (methods[mi] == MTRAIN_BLOCK_PRECISE && !(fabs(row - rows) <= 1e-9 * rows))
+            fail_msg("precise non-causal row %lld of head %d adds up to %.17g, not %g",
+                     (long long)qb, h, row, rows);
+        }
+      assert_true(upper > 0.0);
+    }
+    /* end to end on cpu-ref: recall over every key */
+    mtrain_tensor_t tq = mtrain_tensor_3d(p.q, MTRAIN_F32, p.N, p.Hq, p.d);
+    mtrain_tensor_t tk = mtrain_tensor_3d(p.k, MTRAIN_F32, p.N, p.Hkv, p.d);
+    mtrain_tensor_t tl = mtrain_tensor_2d(lse, MTRAIN_F64, p.N, p.Hq);
+    mtrain_block_options_t o = MTRAIN_BLOCK_OPTIONS_INIT;
+    o.top_p = 0.8;
+    o.noncausal = 1;
+    double recall[16], want[16], mean = 0.0;
+    mtrain_block_report_t rep = {recall, NULL, NULL};
+    mtrain_pattern_t *pat = NULL;
+    assert_int_equal(mtrain_pattern_select_blocks(cref, &tq, &tk, &tl, &o, &rep, &pat),
+                     MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_pattern_is_causal(pat), 0);
+    assert_int_equal(mtrain_cpu_pattern_recall(pat, p.Hkv, p.d, 0.0, p.qd, p.kd, want, &mean),
+                     MTRAIN_SUCCESS);
+    for (int32_t h = 0; h < p.Hq; h++) {
+      if (!(fabs(recall[h] - want[h]) <= 1e-9))
+        fail_msg("non-causal recall of head %d: reported %.17g, pattern %.17g", h, recall[h],
+                 want[h]);
+      assert_true(want[h] >= 0.8 - 1e-9);
+    }
+    mtrain_pattern_destroy(pat);
+    mtrain_context_destroy(cref);
+    mtrain_context_destroy(cfast);
+    free(ref), free(got), free(lse);
+    problem_free(&p);
+  }
+}
+
+/* The selection rule's non-causal candidates and forced blocks: the O(1)
+ * candidate count against a count by the definition, every (qb, len) of
+ * small cases. */
+static void test_noncausal_candidates(void **state) {
+  (void)state;
+  for (int nc = 0; nc < 2; nc++)
+    for (int32_t sink = 0; sink < 4; sink++)
+      for (int32_t local = 0; local < 5; local++)
+        for (int64_t nb = 1; nb < 9; nb++) {
+          mtrain_block_options_t o = MTRAIN_BLOCK_OPTIONS_INIT;
+          o.sink_blocks = sink, o.local_blocks = local, o.noncausal = nc;
+          int64_t most = 0;
+          for (int64_t qb = 0; qb < nb; qb++) {
+            const int64_t len = mtrain_block_row_len(qb, nb, &o);
+            int64_t want = 0;
+            for (int64_t kb = 0; kb < len; kb++) {
+              const int64_t dist = kb > qb ? kb - qb : qb - kb;
+              want += !(kb == qb || kb < sink || (dist < local && (nc || kb <= qb)));
+            }
+            most = want > most ? want : most;
+            if (mtrain_block_candidates(qb, len, &o) != want)
+              fail_msg("candidates of qb %lld (nb %lld, sink %d, local %d, noncausal %d): %lld, "
+                       "not %lld",
+                       (long long)qb, (long long)nb, sink, local, nc,
+                       (long long)mtrain_block_candidates(qb, len, &o), (long long)want);
+          }
+          assert_int_equal(mtrain_block_most_candidates(nb, &o), most);
+        }
+}
+
+/* The distributed non-causal selection: W = 1, 2, 3 ranks, three layouts,
+ * keys on the ring and gathered, bitwise the single-rank pattern and report;
+ * each rank holds nb entries per own query block row. */
+static void test_noncausal_ring(void **state) {
+  (void)state;
+  const uint64_t seed = ts_seed(800);
+  problem_t p;
+  problem_make(&p, 333, 16, 4, 2, 64, seed);
+  const int64_t nb = nblocks(&p);
+  static const int worlds[] = {1, 2, 3};
+  static const mtrain_layout_kind_t kinds[] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
+                                               MTRAIN_LAYOUT_STRIPED};
+  static const size_t cases[] = {0, 2, 3, 4, 5}; /* sel_cases: every method, adaptive */
+  mtrain_tensor_t tq = mtrain_tensor_3d(p.q, MTRAIN_F32, p.N, p.Hq, p.d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(p.k, MTRAIN_F32, p.N, p.Hkv, p.d);
+  mtrain_tensor_t tl = mtrain_tensor_2d(p.lsef, MTRAIN_F32, p.N, p.Hq);
+  for (int b = 0; b < 2; b++) {
+    const char *backend = b ? "cpu" : "cpu-ref";
+    for (size_t cj = 0; cj < sizeof cases / sizeof cases[0]; cj++) {
+      mtrain_block_options_t o = options_of(&sel_cases[cases[cj]], 4);
+      o.noncausal = 1;
+      mtrain_context_t *ctx = make_ctx(backend, p.G, 2);
+      mtrain_pattern_t *one = NULL;
+      double recall[16];
+      int32_t top_k[16];
+      int64_t blocks[16];
+      mtrain_block_report_t rep = {recall, top_k, blocks};
+      assert_int_equal(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, &rep, &one),
+                       MTRAIN_SUCCESS);
+      mtrain_context_destroy(ctx);
+      assert_int_equal(mtrain_pattern_is_causal(one), 0);
+      for (int gather = 0; gather < 2; gather++)
+        for (size_t wi = 0; wi < sizeof worlds / sizeof worlds[0]; wi++)
+          for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
+            const int W = worlds[wi];
+            if (gather)
+              setenv("MTRAIN_BLOCK_KEY_GATHER", "1", 1);
+            else
+              unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+            mtrain_layout_t *layout = NULL;
+            assert_int_equal(mtrain_layout_create(kinds[ki], p.N, p.G, W, NULL, &layout),
+                             MTRAIN_SUCCESS);
+            shared_comm_t sh = {.size = W};
+            pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
+            pthread_mutex_init(&sh.mu, NULL);
+            pthread_cond_init(&sh.cv, NULL);
+            rank_job_t jobs[3];
+            pthread_t th[3];
+            int64_t score_sum = 0;
+            for (int r = 0; r < W; r++) {
+              memset(&jobs[r], 0, sizeof jobs[r]);
+              jobs[r].tc.sh = &sh;
+              jobs[r].tc.rank = r;
+              jobs[r].p = &p;
+              jobs[r].layout = layout;
+              jobs[r].backend = backend;
+              jobs[r].o = o;
+              pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+            }
+            for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+            for (int r = 0; r < W; r++) {
+              if (jobs[r].st != MTRAIN_SUCCESS)
+                fail_msg("non-causal %s W %d %s rank %d: %s (%s)", backend, W,
+                         mtrain_layout_kind_name(kinds[ki]), r, mtrain_status_name(jobs[r].st),
+                         mtrain_last_error());
+              if (!same_masks(one, jobs[r].pattern) || mtrain_pattern_is_causal(jobs[r].pattern) ||
+                  memcmp(recall, jobs[r].recall, sizeof(double) * (size_t)p.Hq) ||
+                  memcmp(top_k, jobs[r].top_k, sizeof(int32_t) * (size_t)p.Hq) ||
+                  memcmp(blocks, jobs[r].blocks, sizeof(int64_t) * (size_t)p.Hq))
+                fail_msg("non-causal %s seed %llu case %zu W %d %s rank %d: not bitwise the "
+                         "single-rank selection",
+                         backend, (unsigned long long)seed, cases[cj], W,
+                         mtrain_layout_kind_name(kinds[ki]), r);
+              mtrain_pattern_destroy(jobs[r].pattern);
+              const int64_t *own = mtrain_layout_rank_blocks(layout, r);
+              int64_t rows = 0;
+              for (int32_t lb = 0; lb < mtrain_layout_rank_num_blocks(layout, r); lb++)
+                rows += own[lb] < nb;
+              assert_int_equal(jobs[r].times.score_bytes,
+                               (int64_t)sizeof(double) * p.Hq * rows * nb);
+              score_sum += jobs[r].times.score_bytes;
+            }
+            assert_int_equal(score_sum, (int64_t)sizeof(double) * p.Hq * nb * nb);
+            pthread_barrier_destroy(&sh.barrier);
+            pthread_mutex_destroy(&sh.mu);
+            pthread_cond_destroy(&sh.cv);
+            for (int r = 0; r < W; r++) assert_null(sh.box[r]);
+            mtrain_layout_destroy(layout);
+          }
+      unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+      print_message("non-causal ring %s seed %llu case %zu (%s): W 1, 2, 3 x 3 layouts bitwise "
+                    "equal\n",
+                    backend, (unsigned long long)seed, cases[cj],
+                    mtrain_block_method_name(o.method));
+      mtrain_pattern_destroy(one);
+    }
+  }
+  problem_free(&p);
+}
+
 /* ---- 6. refusals ---------------------------------------------------------------------------- */
 
 static void test_refusals(void **state) {
@@ -994,7 +1258,17 @@ static void test_refusals(void **state) {
   o = (mtrain_block_options_t)MTRAIN_BLOCK_OPTIONS_INIT;
   TS_ASSERT_STATUS(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, NULL, &out),
                    MTRAIN_ERR_NOT_SUPPORTED, "backend 'cpu' has no block scores");
+  /* non-causal: refused by a backend without block_scores_noncausal, naming it */
+  ops = *saved;
+  ops.block_scores_noncausal = 0;
+  o.noncausal = 1;
+  TS_ASSERT_STATUS(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, NULL, &out),
+                   MTRAIN_ERR_NOT_SUPPORTED, "backend 'cpu' scores causal blocks only");
+  o.noncausal = 2;
+  TS_ASSERT_STATUS(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, NULL, &out),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "noncausal 2");
   mtrain_block_scores_args_t a = {.method = MTRAIN_BLOCK_MEANPOOL};
+  ops.block_scores = NULL;
   TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
                    "backend 'cpu' has no block_scores");
   ctx->backend = saved;
@@ -1019,10 +1293,11 @@ static void test_refusals(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_scores),       cmocka_unit_test(test_selection_rule),
-      cmocka_unit_test(test_end_to_end),   cmocka_unit_test(test_adaptive),
-      cmocka_unit_test(test_ring_bitwise), cmocka_unit_test(test_exact_sum),
-      cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_scores),           cmocka_unit_test(test_selection_rule),
+      cmocka_unit_test(test_end_to_end),       cmocka_unit_test(test_adaptive),
+      cmocka_unit_test(test_ring_bitwise),     cmocka_unit_test(test_exact_sum),
+      cmocka_unit_test(test_noncausal_scores), cmocka_unit_test(test_noncausal_candidates),
+      cmocka_unit_test(test_noncausal_ring),   cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

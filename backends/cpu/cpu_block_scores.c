@@ -8,10 +8,11 @@
  * with sgemm in fp32, one key block per call, and adds in fp64. The precise
  * and mean-pooled scores also take the keys as chunks of key blocks
  * (k_block_global: the ring pass of the distributed selection), each entry
- * with the same bits as from all keys. Each (head, query block) row of the output is one task
- * (OpenMP, dynamic schedule) that reads only its own query block and the keys, so a row's bits
- * depend on neither the thread count nor which rank computes it. Mean-pooled gating is cheap
- * (O(nb^2 d) per head) and shares the reference's fp64 code in both backends. */
+ * with the same bits as from all keys. With args.noncausal every key block
+ * of a row is scored over all its keys (SPEC.md section 9.7). Each (head, query block) row of the
+ * output is one task (OpenMP, dynamic schedule) that reads only its own query block and the keys,
+ * so a row's bits depend on neither the thread count nor which rank computes it. Mean-pooled gating
+ * is cheap (O(nb^2 d) per head) and shares the reference's fp64 code in both backends. */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
@@ -32,7 +33,21 @@ static inline int64_t tri_row(int64_t qb) { return qb * (qb + 1) / 2; }
 static double *out_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb) {
   if (a->scores_row) return a->scores + (int64_t)h * a->scores_head_stride + a->scores_row[lb];
   const int64_t nb = (a->seq_len + a->granularity - 1) / a->granularity;
+  if (a->noncausal) return a->scores + (int64_t)h * nb * nb + gb * nb;
   return a->scores + (int64_t)h * (nb * (nb + 1) / 2) + tri_row(gb);
+}
+
+/* Whether row gb has no entry for key block kb: padding (kb >= nb), or
+ * above the diagonal of a causal call. */
+static inline int skip_block(const mtrain_block_scores_args_t *a, int64_t gb, int64_t kb,
+                             int64_t nb) {
+  return kb >= nb || (!a->noncausal && kb > gb);
+}
+
+/* The end of the keys of block kb (from j0) that query i sees. */
+static inline int64_t key_end(const mtrain_block_scores_args_t *a, int64_t j0, int64_t i) {
+  const int64_t last = a->noncausal ? a->seq_len : i + 1;
+  return j0 + a->granularity < last ? j0 + a->granularity : last;
 }
 
 /* The key blocks of a call: every block (k holds all keys) or the chunk's. */
@@ -112,7 +127,7 @@ static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores
     double *out = out_row(a, h, lb, gb);
     for (int64_t kx = 0; kx < nx; kx++) {
       const int64_t kb = call_block(a, kx);
-      if (kb > gb) continue; /* also padding: kb >= nb > gb */
+      if (skip_block(a, gb, kb, nb)) continue;
       const double *kv = kbar + (kx * Hkv + h / group) * d;
       double dot = 0.0;
       for (int32_t x = 0; x < d; x++) dot += qbar[x] * kv[x];
@@ -144,16 +159,16 @@ static double dot_k(const mtrain_block_scores_args_t *a, const double *q, int64_
 }
 
 /* Precise: out[kb] += exp(s q_i.k_j - lse_i), i ascending, then j ascending,
- * for each key block kb of the call (kb <= gb). */
+ * for each key block kb of the call (kb <= gb, or every kb non-causally). */
 static void ref_precise_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
                             int32_t rows, double *q, double *out) {
   const int32_t G = a->granularity, hk = h / (a->num_heads / a->num_kv_heads);
-  const int64_t nx = call_blocks(a);
+  const int64_t nx = call_blocks(a), nb = (a->seq_len + G - 1) / G;
   for (int64_t kx = 0; kx < nx; kx++) {
     const int64_t kb = call_block(a, kx);
-    if (kb > gb) continue;
+    if (skip_block(a, gb, kb, nb)) continue;
     for (int32_t r = 0; r < rows; r++) {
-      const int64_t i = gb * G + r, j0 = kb * G, j1 = j0 + G < i + 1 ? j0 + G : i + 1;
+      const int64_t i = gb * G + r, j0 = kb * G, j1 = key_end(a, j0, i);
       if (j1 <= j0) continue;
       load_q(a, lb, r, h, q);
       const double lse =
@@ -164,16 +179,18 @@ static void ref_precise_row(const mtrain_block_scores_args_t *a, int32_t h, int3
   }
 }
 
-/* Antidiagonal: strided rows a of the block, X[a, c] over the valid terms,
- * a softmax per strided row, P summed into the key blocks. */
+/* Antidiagonal: strided rows a of the block, X[a, c] over the valid terms
+ * (causal: c <= a and key <= query; non-causal: every c, real keys), a
+ * softmax per strided row, P summed into the key blocks. */
 static int ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
                             int32_t rows, double *out) {
   const int32_t G = a->granularity, S = a->stride, d = a->head_dim;
   const int32_t hk = h / (a->num_heads / a->num_kv_heads);
   const int64_t N = a->seq_len;
   const int64_t a_first = gb * G / S, a_end = (gb * G + rows + S - 1) / S;
-  double *X = malloc(sizeof(double) * (size_t)(a_end + 1));
-  uint8_t *valid = malloc((size_t)(a_end + 1));
+  const int64_t ncs = (N + S - 1) / S, width = a->noncausal ? ncs : a_end;
+  double *X = malloc(sizeof(double) * (size_t)(width + 1));
+  uint8_t *valid = malloc((size_t)(width + 1));
   double *q = malloc(sizeof(double) * (size_t)d);
   if (!X || !valid || !q) {
     free(X);
@@ -182,13 +199,14 @@ static int ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, int3
     return 1;
   }
   for (int64_t ar = a_first; ar < a_end; ar++) {
+    const int64_t ncol = a->noncausal ? ncs : ar + 1;
     double m = -INFINITY;
-    for (int64_t c = 0; c <= ar; c++) {
+    for (int64_t c = 0; c < ncol; c++) {
       double sum = 0.0;
       int terms = 0;
       for (int32_t sp = 0; sp < S; sp++) {
         const int64_t i = ar * S + sp, j = c * S + S - 1 - sp;
-        if (i >= N || j > i) continue;
+        if (i >= N || j >= N || (!a->noncausal && j > i)) continue;
         load_q(a, lb, (int32_t)(i - gb * G), h, q);
         sum += dot_k(a, q, j, hk);
         terms++;
@@ -199,9 +217,9 @@ static int ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, int3
     }
     if (m == -INFINITY) continue; /* no defined column */
     double Z = 0.0;
-    for (int64_t c = 0; c <= ar; c++)
+    for (int64_t c = 0; c < ncol; c++)
       if (valid[c]) Z += exp(X[c] - m);
-    for (int64_t c = 0; c <= ar; c++)
+    for (int64_t c = 0; c < ncol; c++)
       if (valid[c]) out[c * S / G] += exp(X[c] - m) / Z;
   }
   free(X);
@@ -280,21 +298,21 @@ static int fast_precise_row(const mtrain_block_scores_args_t *a, const fast_inpu
                             int32_t lb, int64_t gb, int32_t rows, float *A, double *out) {
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t hk = h / (Hq / Hkv);
-  const int64_t nx = call_blocks(a);
+  const int64_t nx = call_blocks(a), nb = (a->seq_len + G - 1) / G;
   for (int32_t r0 = 0; r0 < rows; r0 += BLK_ROWS) {
     const int32_t nr = rows - r0 < BLK_ROWS ? rows - r0 : BLK_ROWS;
     const int64_t i_last = gb * G + r0 + nr - 1;
     const float *qp = f->q + (((int64_t)lb * G + r0) * Hq + h) * d;
     for (int64_t kx = 0; kx < nx; kx++) {
       const int64_t kb = call_block(a, kx), c0 = kb * G;
-      if (kb > gb || c0 > i_last) continue;
-      const int64_t c1 = c0 + G <= i_last + 1 ? c0 + G : i_last + 1;
+      if (skip_block(a, gb, kb, nb) || (!a->noncausal && c0 > i_last)) continue;
+      const int64_t c1 = key_end(a, c0, i_last);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, (int)(c1 - c0), d, (float)a->scale,
                   qp, (int64_t)Hq * d, f->k + (key_slot(a, kx, kb, c0) * Hkv + hk) * d,
                   (int64_t)Hkv * d, 0.0f, A, G);
       for (int32_t r = 0; r < nr; r++) {
         const int64_t i = gb * G + r0 + r;
-        const int64_t jend = i + 1 < c1 ? i + 1 : c1;
+        const int64_t jend = !a->noncausal && i + 1 < c1 ? i + 1 : c1;
         if (jend <= c0) continue;
         const float lse =
             (float)mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r0 + r) * Hq + h);
@@ -325,9 +343,26 @@ static void build_kstrided(const mtrain_block_scores_args_t *a, const float *K, 
     }
 }
 
+/* The softmax of strided row `row` over its columns 0 .. ncol - 1 (-inf:
+ * undefined), each column's probability added to its key block's entry. */
+static void softmax_into(float *row, int64_t ncol, int32_t S, int32_t G, double *out) {
+  float m = -INFINITY;
+  for (int64_t c = 0; c < ncol; c++) m = row[c] > m ? row[c] : m;
+  if (m == -INFINITY) return;
+  double Z = 0.0;
+  for (int64_t c = 0; c < ncol; c++) {
+    row[c] = expf(row[c] - m);
+    Z += row[c];
+  }
+  for (int64_t c = 0; c < ncol; c++) out[c * S / G] += row[c] / Z;
+}
+
 /* Antidiagonal, one (head, query block): chunks of BLK_AROWS strided rows;
- * X = (s/S) Qs Ks^T by sgemm, the diagonal column recomputed over its valid
- * (causal) terms; then per strided row a softmax in fp64 over its columns. */
+ * X = (s/S) Qs Ks^T by sgemm (zero rows beyond the block and beyond N add
+ * nothing), the diagonal column recomputed over its valid (causal) terms, or
+ * non-causally every column, the last one undefined where no term has a real
+ * query and a real key; then per strided row a softmax in fp64 over its
+ * columns. */
 static int fast_antidiag_row(const mtrain_block_scores_args_t *a, const fast_inputs_t *f,
                              const float *ks, int32_t h, int32_t lb, int64_t gb, int32_t rows,
                              float *qs, float *X, double *out) {
@@ -348,12 +383,19 @@ static int fast_antidiag_row(const mtrain_block_scores_args_t *a, const fast_inp
         else
           for (int32_t x = 0; x < d; x++) dst[x] = 0.0f;
       }
-    const int64_t ncol = a0 + na; /* columns 0 .. a0 + na - 1 */
+    const int64_t ncol = a->noncausal ? ncs : a0 + na; /* causal: columns 0 .. a0 + na - 1 */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, na, (int)ncol, (int)sd,
                 (float)(a->scale / S), qs, sd, ks, sd, 0.0f, X, ncs);
     for (int32_t r = 0; r < na; r++) {
       const int64_t ar = a0 + r;
       float *row = X + (int64_t)r * ncs;
+      if (a->noncausal) {
+        /* the last column has a term when some t >= cS + S - N has ar S + t < N */
+        const int64_t c = ncs - 1;
+        if (c * S + S - N > N - 1 - ar * S) row[c] = -INFINITY;
+        softmax_into(row, ncol, S, G, out);
+        continue;
+      }
       /* the diagonal column: only the terms with key <= query and query < N */
       double dsum = 0.0;
       int terms = 0;
@@ -368,15 +410,7 @@ static int fast_antidiag_row(const mtrain_block_scores_args_t *a, const fast_inp
         terms++;
       }
       row[ar] = terms > 0 ? (float)(a->scale / S * dsum) : -INFINITY;
-      float m = -INFINITY;
-      for (int64_t c = 0; c <= ar; c++) m = row[c] > m ? row[c] : m;
-      if (m == -INFINITY) continue;
-      double Z = 0.0;
-      for (int64_t c = 0; c <= ar; c++) {
-        row[c] = expf(row[c] - m);
-        Z += row[c];
-      }
-      for (int64_t c = 0; c <= ar; c++) out[c * S / G] += row[c] / Z;
+      softmax_into(row, ar + 1, S, G, out);
     }
   }
   return 0;

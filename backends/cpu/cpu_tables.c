@@ -56,6 +56,7 @@ const mtrain_backend_ops_t mtrain_cpu_ref_backend = {
     .pattern_scores = mtrain_cpu_ref_pattern_scores,
     .block_scores = mtrain_cpu_ref_block_scores,
     .block_scores_key_chunks = 1,
+    .block_scores_noncausal = 1,
     .noncausal = 1,
     .synchronize = mtrain_cpu_synchronize,
 };
@@ -85,6 +86,7 @@ const mtrain_backend_ops_t mtrain_cpu_backend = {
     .pattern_scores = mtrain_cpu_fast_pattern_scores,
     .block_scores = mtrain_cpu_fast_block_scores,
     .block_scores_key_chunks = 1,
+    .block_scores_noncausal = 1,
     .noncausal = 1,
     .synchronize = mtrain_cpu_synchronize,
 };

@@ -110,7 +110,7 @@ static int same_options(const mtrain_block_options_t *a, const mtrain_block_opti
   return a->method == b->method && a->kind == b->kind && a->top_k == b->top_k &&
          a->top_p == b->top_p && a->sink_blocks == b->sink_blocks &&
          a->local_blocks == b->local_blocks && a->stride == b->stride &&
-         a->head_adaptive == b->head_adaptive;
+         a->head_adaptive == b->head_adaptive && a->noncausal == b->noncausal;
 }
 
 static mtrain_status_t cache_step(mtrain_block_cache_t *cache, int32_t layer, mtrain_context_t *ctx,

@@ -110,7 +110,8 @@ static mtrain_status_t score_key_ring(mtrain_context_t *ctx, const block_input_t
 }
 
 /* The owned rows' scores: [Hq * R] host, row_off[lb] of each local block
- * (R = the sum of gb + 1 over the local blocks gb < nb). A backend in host
+ * (R = the sum of the row lengths, gb + 1 or nb non-causally, over the local
+ * blocks gb < nb). A backend in host
  * memory scores straight into *out, then *owner is that backend buffer (to
  * free with mtrain_be_free), else *owner is NULL and *out is malloc'd. */
 static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *in,
@@ -128,7 +129,7 @@ static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *
   for (int32_t lb = 0; lb < local; lb++) {
     global[lb] = mtrain_block_at(blocks, lb);
     row_off[lb] = *R;
-    if (global[lb] < nb) *R += global[lb] + 1;
+    if (global[lb] < nb) *R += mtrain_block_row_len(global[lb], nb, o);
   }
   const size_t n = (size_t)in->Hq * (size_t)*R;
   const int on_host = mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_HOST;
@@ -161,7 +162,8 @@ static mtrain_status_t owned_scores(mtrain_context_t *ctx, const block_input_t *
                                         .lse = in->lse,
                                         .scores = dev,
                                         .scores_row = row_off,
-                                        .scores_head_stride = *R};
+                                        .scores_head_stride = *R,
+                                        .noncausal = o->noncausal ? 1 : 0};
   if (in->key_ring)
     MTRAIN_TRY(score_key_ring(ctx, in, a));
   else
@@ -199,7 +201,7 @@ static mtrain_status_t budgets(mtrain_context_t *ctx, const double *scores, int6
   MTRAIN_FAIL_IF(!words, MTRAIN_ERR_OUT_OF_MEMORY,
                  "block selection: out of host memory (gain curves of %d heads, %lld ranks)", Hq,
                  (long long)cap);
-  MTRAIN_TRY(mtrain_block_gain_words(scores, R, row_off, row_qb, rows, Hq, o, cap,
+  MTRAIN_TRY(mtrain_block_gain_words(scores, R, row_off, row_qb, rows, nb, Hq, o, cap,
                                      mtrain_block_threads(ctx), words));
   MTRAIN_TRY(mtrain_cm_allreduce(ctx, words, count, MTRAIN_F64, MTRAIN_REDUCE_SUM));
   mtrain_block_budgets_from_words(words, Hq, nb, o, cap, budget);
@@ -250,7 +252,7 @@ static mtrain_status_t block_core(mtrain_context_t *ctx, const block_input_t *in
   last_times.scores = t1 - t0;
   MTRAIN_TRY(budgets(ctx, scores, R, off, qbs, n, in->Hq, nb, o, budget));
   MTRAIN_TRY(
-      mtrain_block_select_rows(ctx, scores, R, off, qbs, n, in->Hq, o, budget, &msg, &bytes));
+      mtrain_block_select_rows(ctx, scores, R, off, qbs, n, nb, in->Hq, o, budget, &msg, &bytes));
   release_scores(ctx, &scores, &scores_owner);
   /* the compact gather: every rank's message, padded to the longest */
   size_t stride = 0;
@@ -299,6 +301,10 @@ static mtrain_status_t check_options(const mtrain_context_t *ctx, const mtrain_b
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "block selection: sink_blocks %d and local_blocks %d (>= 0)",
                         o->sink_blocks, o->local_blocks);
+  if (o->noncausal != 0 && o->noncausal != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block selection: noncausal %d (0: causal, 1: every key block)",
+                        o->noncausal);
   if (o->method == MTRAIN_BLOCK_ANTIDIAG &&
       (o->stride < 1 || ctx->config.granularity % o->stride != 0))
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
@@ -359,6 +365,11 @@ static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
                         "block selection: backend '%s' has no block scores (the optional "
                         "block_scores slot)",
+                        ctx->backend_name);
+  if (o->noncausal && !ctx->backend->block_scores_noncausal)
+    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
+                        "block selection: backend '%s' scores causal blocks only (noncausal 1 "
+                        "needs a backend with block_scores_noncausal: cpu, cpu-ref)",
                         ctx->backend_name);
   return mtrain_be_supports(ctx, q->dtype, (int32_t)q->shape[2]);
 }

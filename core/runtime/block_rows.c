@@ -62,7 +62,7 @@ static size_t rows_msg_bytes(int32_t Hq, int64_t n, int64_t selected) {
 
 mtrain_status_t mtrain_block_select_rows(mtrain_context_t *ctx, const double *scores, int64_t R,
                                          const int64_t *row_off, const int64_t *row_qb, int64_t n,
-                                         int32_t Hq, const mtrain_block_options_t *o,
+                                         int64_t nb, int32_t Hq, const mtrain_block_options_t *o,
                                          const int32_t *budget, void **msg, size_t *bytes) {
   mtrain_status_t st = MTRAIN_SUCCESS;
   int32_t *sel = malloc(sizeof(int32_t) * ((size_t)Hq * (size_t)R + 1));
@@ -71,7 +71,10 @@ mtrain_status_t mtrain_block_select_rows(mtrain_context_t *ctx, const double *sc
   int32_t *count = malloc(sizeof(int32_t) * ((size_t)Hq * (size_t)n + 1));
   void *buf = NULL;
   int64_t most = 0;
-  for (int64_t r = 0; r < n; r++) most = row_qb[r] + 1 > most ? row_qb[r] + 1 : most;
+  for (int64_t r = 0; r < n; r++) {
+    const int64_t len = mtrain_block_row_len(row_qb[r], nb, o);
+    most = len > most ? len : most;
+  }
   int failed = !sel || !kept || !total || !count;
   if (!failed) {
     const int64_t tasks = (int64_t)Hq * n;
@@ -86,8 +89,9 @@ mtrain_status_t mtrain_block_select_rows(mtrain_context_t *ctx, const double *sc
         if (!ok) continue;
         const int32_t h = (int32_t)(t / n);
         const int64_t r = t % n, at = (int64_t)h * R + row_off[r];
-        count[t] = (int32_t)mtrain_block_select_row(scores + at, row_qb[r], o, budget[h], sel + at,
-                                                    order, keep, &kept[t], &total[t]);
+        count[t] = (int32_t)mtrain_block_select_row(
+            scores + at, row_qb[r], mtrain_block_row_len(row_qb[r], nb, o), o, budget[h], sel + at,
+            order, keep, &kept[t], &total[t]);
       }
       free(order);
       free(keep);
@@ -173,7 +177,8 @@ mtrain_status_t mtrain_block_assemble(mtrain_context_t *ctx, const struct mtrain
     most = res[h].blocks > most ? res[h].blocks : most;
     status[h] = MTRAIN_ERR_OUT_OF_MEMORY;
   }
-  MTRAIN_TRY(mtrain_pattern_create(N, Hq, G, &p));
+  MTRAIN_TRY(o->noncausal ? mtrain_pattern_create_noncausal(N, Hq, G, &p)
+                          : mtrain_pattern_create(N, Hq, G, &p));
   int threads = mtrain_block_threads(ctx);
   if (threads > Hq) threads = Hq;
 #pragma omp parallel num_threads(threads)

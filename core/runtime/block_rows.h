@@ -25,13 +25,14 @@ static inline int64_t mtrain_block_at(const int64_t *blocks, int64_t lb) {
 }
 
 /** Selects this rank's n rows (row r of head h at scores[h * R +
- *  row_off[r]], query block row_qb[r]) with the heads' budgets into one
+ *  row_off[r]], query block row_qb[r] of nb, mtrain_block_row_len entries)
+ *  with the heads' budgets into one
  *  message (*msg, malloc'd, *bytes long, a multiple of 8): per (head, row)
  *  the kept and the total score (fp64) and the count (int32), then the key
  *  blocks of every (head, row) in that order (int32). */
 mtrain_status_t mtrain_block_select_rows(mtrain_context_t *ctx, const double *scores, int64_t R,
                                          const int64_t *row_off, const int64_t *row_qb, int64_t n,
-                                         int32_t Hq, const mtrain_block_options_t *o,
+                                         int64_t nb, int32_t Hq, const mtrain_block_options_t *o,
                                          const int32_t *budget, void **msg, size_t *bytes);
 
 /** All-gathers every rank's message, padded to the longest (*stride bytes),
@@ -39,8 +40,9 @@ mtrain_status_t mtrain_block_select_rows(mtrain_context_t *ctx, const double *sc
 mtrain_status_t mtrain_block_gather_rows(mtrain_context_t *ctx, void **msg, size_t bytes,
                                          char **all, size_t *stride);
 
-/** Assembles the pattern of N tokens from the gathered messages (the rows
- *  of each rank as `layout` gives them, or one rank's without it) and fills
+/** Assembles the pattern of N tokens (non-causal with o->noncausal) from
+ *  the gathered messages (the rows of each rank as `layout` gives them, or
+ *  one rank's without it) and fills
  *  `report` (may be NULL): the recalls are 9.4's sums over the query blocks
  *  ascending of the gathered per-row values. */
 mtrain_status_t mtrain_block_assemble(mtrain_context_t *ctx, const struct mtrain_layout *layout,

@@ -53,8 +53,12 @@ static int by_rank(const void *pa, const void *pb) {
   return (a > b) - (a < b);
 }
 
+/* F(qb) of SPEC.md 9.4 and 9.7: the diagonal block, the sink blocks and the
+ * local ones, (qb - local, qb] causally and |kb - qb| < local non-causally
+ * (the same test, since a causal row has no kb > qb). */
 static inline int is_forced(const mtrain_block_options_t *o, int64_t qb, int64_t kb) {
-  return kb == qb || kb < o->sink_blocks || kb > qb - o->local_blocks;
+  return kb == qb || kb < o->sink_blocks ||
+         (kb > qb - o->local_blocks && kb < qb + o->local_blocks);
 }
 
 /* Orders idx[0 .. n) so that its first m entries are the m best by rank
@@ -91,10 +95,10 @@ static void rank_top(int64_t *idx, int64_t n, int64_t m) {
 
 /* The candidates of row qb (not forced), the first min(m, count) of them in
  * rank order and the rest ranking below; returns their count. */
-static int64_t rank_candidates(const double *w, int64_t qb, const mtrain_block_options_t *o,
-                               int64_t *idx, int64_t m) {
+static int64_t rank_candidates(const double *w, int64_t qb, int64_t len,
+                               const mtrain_block_options_t *o, int64_t *idx, int64_t m) {
   int64_t n = 0;
-  for (int64_t kb = 0; kb <= qb; kb++)
+  for (int64_t kb = 0; kb < len; kb++)
     if (!is_forced(o, qb, kb)) idx[n++] = kb;
   rank_row = w;
   rank_top(idx, n, m);
@@ -102,23 +106,38 @@ static int64_t rank_candidates(const double *w, int64_t qb, const mtrain_block_o
   return n;
 }
 
-int64_t mtrain_block_candidates(int64_t qb, const mtrain_block_options_t *o) {
-  int64_t n = 0;
-  for (int64_t kb = 0; kb <= qb; kb++) n += !is_forced(o, qb, kb);
-  return n;
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+int64_t mtrain_block_candidates(int64_t qb, int64_t len, const mtrain_block_options_t *o) {
+  /* forced: the sinks [0, s1) and the local run [l0, l1) around qb (which holds qb) */
+  const int64_t lw = max64(o->local_blocks, 1);
+  const int64_t s1 = min64(o->sink_blocks, len);
+  const int64_t l0 = max64(qb - lw + 1, 0), l1 = min64(qb + lw, len);
+  const int64_t both = max64(0, min64(s1, l1) - l0);
+  return len - (s1 + (l1 - l0) - both);
 }
 
-int64_t mtrain_block_select_row(const double *row, int64_t qb, const mtrain_block_options_t *o,
-                                int32_t top_k, int32_t *idx, int64_t *scratch_idx,
-                                uint8_t *scratch_keep, double *kept_out, double *total_out) {
+int64_t mtrain_block_most_candidates(int64_t nb, const mtrain_block_options_t *o) {
+  if (nb <= 0) return 0;
+  if (!o->noncausal) return mtrain_block_candidates(nb - 1, nb, o); /* grows with qb */
+  int64_t most = 0;
+  for (int64_t qb = 0; qb < nb; qb++) most = max64(most, mtrain_block_candidates(qb, nb, o));
+  return most;
+}
+
+int64_t mtrain_block_select_row(const double *row, int64_t qb, int64_t len,
+                                const mtrain_block_options_t *o, int32_t top_k, int32_t *idx,
+                                int64_t *scratch_idx, uint8_t *scratch_keep, double *kept_out,
+                                double *total_out) {
   double total = 0.0, kept = 0.0;
-  for (int64_t kb = 0; kb <= qb; kb++) total += row[kb];
-  for (int64_t kb = 0; kb <= qb; kb++) {
+  for (int64_t kb = 0; kb < len; kb++) total += row[kb];
+  for (int64_t kb = 0; kb < len; kb++) {
     scratch_keep[kb] = (uint8_t)is_forced(o, qb, kb);
     if (scratch_keep[kb]) kept += row[kb];
   }
   if (o->kind == MTRAIN_BUDGET_TOP_K) {
-    const int64_t n = rank_candidates(row, qb, o, scratch_idx, top_k);
+    const int64_t n = rank_candidates(row, qb, len, o, scratch_idx, top_k);
     const int64_t take = top_k < n ? top_k : n;
     for (int64_t u = 0; u < take; u++) {
       scratch_keep[scratch_idx[u]] = 1;
@@ -127,7 +146,7 @@ int64_t mtrain_block_select_row(const double *row, int64_t qb, const mtrain_bloc
   } else {
     /* the ranking is built as far as the walk goes: 16 first, 4 times more each time */
     int64_t ranked = 16;
-    const int64_t n = rank_candidates(row, qb, o, scratch_idx, ranked);
+    const int64_t n = rank_candidates(row, qb, len, o, scratch_idx, ranked);
     const double target = o->top_p * total;
     for (int64_t u = 0; u < n && kept < target; u++) {
       if (u == ranked) {
@@ -141,7 +160,7 @@ int64_t mtrain_block_select_row(const double *row, int64_t qb, const mtrain_bloc
     }
   }
   int64_t count = 0;
-  for (int64_t kb = 0; kb <= qb; kb++)
+  for (int64_t kb = 0; kb < len; kb++)
     if (scratch_keep[kb]) idx[count++] = (int32_t)kb;
   *kept_out = kept;
   *total_out = total;
@@ -157,7 +176,8 @@ void mtrain_block_select_head(const double *w, int64_t nb, const mtrain_block_op
   mask_off[0] = 0;
   for (int64_t qb = 0; qb < nb; qb++) {
     double kept = 0.0, total = 0.0;
-    count += mtrain_block_select_row(w + mtrain_block_tri(qb), qb, o, top_k, mask_idx + count,
+    count += mtrain_block_select_row(w + mtrain_block_row_at(qb, nb, o), qb,
+                                     mtrain_block_row_len(qb, nb, o), o, top_k, mask_idx + count,
                                      scratch_idx, scratch_keep, &kept, &total);
     mask_off[qb + 1] = count;
     kept_all += kept;
@@ -171,19 +191,18 @@ void mtrain_block_select_head(const double *w, int64_t nb, const mtrain_block_op
 /* ---- head-adaptive budgets ------------------------------------------------------------ */
 
 int64_t mtrain_block_gain_cap(int64_t nb, int32_t Hq, const mtrain_block_options_t *o) {
-  const int64_t most = nb > 0 ? mtrain_block_candidates(nb - 1, o) : 0; /* grows with qb */
+  const int64_t most = mtrain_block_most_candidates(nb, o);
   const int64_t units = (int64_t)Hq * o->top_k;
   return units < most ? units : most;
 }
 
 mtrain_status_t mtrain_block_gain_words(const double *scores, int64_t head_stride,
                                         const int64_t *row_off, const int64_t *row_qb, int64_t rows,
-                                        int32_t Hq, const mtrain_block_options_t *o, int64_t cap,
-                                        int threads, double *words) {
+                                        int64_t nb, int32_t Hq, const mtrain_block_options_t *o,
+                                        int64_t cap, int threads, double *words) {
   const int64_t per_head = (cap + 1) * MTRAIN_XSUM_WORDS;
   int64_t most = 0;
-  for (int64_t r = 0; r < rows; r++)
-    if (row_qb[r] + 1 > most) most = row_qb[r] + 1;
+  for (int64_t r = 0; r < rows; r++) most = max64(most, mtrain_block_row_len(row_qb[r], nb, o));
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
@@ -196,11 +215,11 @@ mtrain_status_t mtrain_block_gain_words(const double *scores, int64_t head_strid
       memset(acc, 0, sizeof(mtrain_xsum_t) * (size_t)(cap + 1));
       for (int64_t r = 0; r < rows; r++) {
         const double *row = scores + (int64_t)h * head_stride + row_off[r];
-        const int64_t qb = row_qb[r];
+        const int64_t qb = row_qb[r], len = mtrain_block_row_len(qb, nb, o);
         double total = 0.0;
-        for (int64_t kb = 0; kb <= qb; kb++) total += row[kb];
+        for (int64_t kb = 0; kb < len; kb++) total += row[kb];
         mtrain_xsum_add(&acc[0], total);
-        const int64_t n = rank_candidates(row, qb, o, idx, cap);
+        const int64_t n = rank_candidates(row, qb, len, o, idx, cap);
         for (int64_t u = 0; u < n && u < cap; u++) mtrain_xsum_add(&acc[1 + u], row[idx[u]]);
       }
       for (int64_t u = 0; u <= cap; u++)
@@ -216,7 +235,7 @@ mtrain_status_t mtrain_block_gain_words(const double *scores, int64_t head_strid
 void mtrain_block_budgets_from_words(const double *words, int32_t Hq, int64_t nb,
                                      const mtrain_block_options_t *o, int64_t cap, int32_t *top_k) {
   const int64_t per_head = (cap + 1) * MTRAIN_XSUM_WORDS;
-  const int64_t most = nb > 0 ? mtrain_block_candidates(nb - 1, o) : 0;
+  const int64_t most = mtrain_block_most_candidates(nb, o);
   for (int32_t h = 0; h < Hq; h++) top_k[h] = 0;
   /* greedy: each unit to the head whose next block adds the most recall */
   const int64_t units = (int64_t)Hq * o->top_k;
@@ -251,9 +270,10 @@ mtrain_status_t mtrain_block_adaptive_budgets(const double *scores, int32_t Hq, 
   if (!row_off || !row_qb || !words) {
     st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
   } else {
-    for (int64_t qb = 0; qb < nb; qb++) row_off[qb] = mtrain_block_tri(qb), row_qb[qb] = qb;
-    st = mtrain_block_gain_words(scores, mtrain_block_tri(nb), row_off, row_qb, nb, Hq, o, cap,
-                                 threads, words);
+    for (int64_t qb = 0; qb < nb; qb++)
+      row_off[qb] = mtrain_block_row_at(qb, nb, o), row_qb[qb] = qb;
+    st = mtrain_block_gain_words(scores, mtrain_block_head_entries(nb, o), row_off, row_qb, nb, nb,
+                                 Hq, o, cap, threads, words);
     if (!st) mtrain_block_budgets_from_words(words, Hq, nb, o, cap, top_k);
   }
   free(row_off);

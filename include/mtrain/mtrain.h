@@ -594,10 +594,15 @@ typedef struct mtrain_block_options {
   int32_t stride;            /**< antidiag: the stride S, a divisor of G (default 8) */
   int32_t head_adaptive;     /**< top-k with precise or antidiag: 1 redistributes the total budget
                                   Hq * top_k between heads (SPEC.md section 9.5) */
+  int32_t noncausal;         /**< 0 (default): causal, key blocks kb <= qb. 1: bidirectional
+                                  (SPEC.md section 9.7): every key block scored over all its keys
+                                  and a candidate, local blocks |kb - qb| < local_blocks, and the
+                                  result a non-causal pattern (mtrain_pattern_create_noncausal);
+                                  backends without it refuse (MTRAIN_ERR_NOT_SUPPORTED) */
 } mtrain_block_options_t;
 
 #define MTRAIN_BLOCK_OPTIONS_INIT                                                                  \
-  { MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 8, 0.9, 1, 1, 8, 0 }
+  { MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 8, 0.9, 1, 1, 8, 0, 0 }
 
 /** Optional per-head results of a block selection; each array, when not
  *  NULL, has Hq entries owned by the caller and is written on success. */

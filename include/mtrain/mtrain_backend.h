@@ -187,6 +187,12 @@ typedef struct mtrain_block_scores_args {
   const int64_t *k_block_global;
   int32_t num_k_blocks; /**< with k_block_global: key blocks in k */
   int64_t k_tokens;     /**< with k_block_global: key slots in k */
+  /** 0: causal scores as above. 1 (only given to a backend that sets
+   *  block_scores_noncausal): the non-causal scores of SPEC.md section 9.7,
+   *  every key block kb < nb of every row over all its keys; the row of
+   *  query block gb then holds nb entries (scores[h * nb * nb + gb * nb +
+   *  kb] without scores_row; with it, nb entries from scores_row[lb]). */
+  int32_t noncausal;
 } mtrain_block_scores_args_t;
 
 /** The vertical-slash selection of SPEC.md section 2 on the backend (the
@@ -337,6 +343,10 @@ typedef struct mtrain_backend_ops {
    *  host and selects there. Used on one rank (the scores of W > 1 ranks
    *  are combined on the host). */
   mtrain_status_t (*pattern_select)(void *state, const mtrain_select_args_t *args);
+  /** 1 when block_scores computes the non-causal scores (args.noncausal).
+   *  0: a non-causal block selection is refused with MTRAIN_ERR_NOT_SUPPORTED
+   *  naming the backend, before any work. */
+  int block_scores_noncausal;
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table

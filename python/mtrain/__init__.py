@@ -22,6 +22,7 @@ from ._core import (
 )
 from .api import BlockReport, SparsePlan, attention, estimate_pattern, select_blocks
 from .balance import DEFAULT_LEVELS, BalanceResult, balance_batch, mass_curve
+from .block_cache import BlockPatternCache, RecallCheck
 from .dispatch import Dispatched, DispatchInfo, dispatch, undispatch
 from .errors import MtrainError
 from .fallback import dense_fallback_counts
@@ -32,11 +33,13 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_LEVELS",
     "BalanceResult",
+    "BlockPatternCache",
     "BlockReport",
     "DispatchInfo",
     "Dispatched",
     "MtrainError",
     "Pattern",
+    "RecallCheck",
     "SparsePlan",
     "TopK",
     "TopP",

@@ -127,6 +127,7 @@ class BlockOptions(ctypes.Structure):
         ("local_blocks", ctypes.c_int32),
         ("stride", ctypes.c_int32),
         ("head_adaptive", ctypes.c_int32),
+        ("noncausal", ctypes.c_int32),
     )
 
 
@@ -297,6 +298,40 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_pattern_select_blocks_ring": (
         STATUS,
         (P, P, TP, TP, TP, ctypes.POINTER(BlockOptions), ctypes.POINTER(BlockReport), PP),
+    ),
+    "mtrain_block_cache_create": (STATUS, (I32, I32, PP)),
+    "mtrain_block_cache_destroy": (None, (P,)),
+    "mtrain_block_cache_select": (
+        STATUS,
+        (
+            P,
+            I32,
+            P,
+            TP,
+            TP,
+            TP,
+            ctypes.POINTER(BlockOptions),
+            ctypes.POINTER(BlockReport),
+            PP,
+            ctypes.POINTER(I32),
+        ),
+    ),
+    "mtrain_block_cache_due": (STATUS, (P, I32, ctypes.POINTER(ctypes.c_int))),
+    "mtrain_block_cache_invalidate": (STATUS, (P, I32)),
+    "mtrain_block_cache_counts": (STATUS, (P, I32, ctypes.POINTER(I64), ctypes.POINTER(I64))),
+    "mtrain_pattern_clone": (STATUS, (P, PP)),
+    "mtrain_cpu_pattern_recall": (
+        STATUS,
+        (
+            P,
+            I32,
+            I32,
+            ctypes.c_double,
+            ctypes.POINTER(ctypes.c_double),
+            ctypes.POINTER(ctypes.c_double),
+            ctypes.POINTER(ctypes.c_double),
+            ctypes.POINTER(ctypes.c_double),
+        ),
     ),
     "mtrain_attention_forward": (STATUS, (P, P, TP, TP, TP, TP, TP)),
     "mtrain_attention_backward": (STATUS, (P, P, TP, TP, TP, TP, TP, TP, TP, TP, TP)),

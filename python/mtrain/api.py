@@ -252,6 +252,7 @@ def _block_options(
     local_blocks: int,
     stride: int,
     head_adaptive: bool,
+    causal: bool = True,
 ) -> L.BlockOptions:
     """mtrain_block_options_t from select_blocks' arguments (the ranges are the
     library's checks: top_k >= 0, top_p in (0, 1], meanpool top-k only, ...)."""
@@ -283,6 +284,9 @@ def _block_options(
     if not isinstance(head_adaptive, bool):
         raise L.fail(L.ERR_INVALID_ARGUMENT, f"head_adaptive={head_adaptive!r} must be a bool")
     o.head_adaptive = 1 if head_adaptive else 0
+    if not isinstance(causal, bool):
+        raise L.fail(L.ERR_INVALID_ARGUMENT, f"causal={causal!r} must be a bool")
+    o.noncausal = 0 if causal else 1
     return o
 
 
@@ -334,6 +338,7 @@ def select_blocks(
     local_blocks: int = 1,
     stride: int = 8,
     head_adaptive: bool = False,
+    causal: bool = True,
     report: bool = False,
 ) -> Any:
     """Selects a block-sparse pattern of every sequence from post-RoPE q and k
@@ -369,6 +374,12 @@ def select_blocks(
         stride: antidiag: the stride S, a divisor of the granularity.
         head_adaptive: top-k with antidiag or precise: share the budget Hq * top_k
             between the heads so that the sum of their recalls is largest.
+        causal: True (the default): key blocks kb <= qb only, scores over the causal
+            pairs, a causal pattern. False: bidirectional (SPEC.md 9.7): every key
+            block is scored over all its keys and is a candidate, local_blocks forces
+            |kb - qb| < local_blocks, and the patterns are non-causal (run on the
+            CPU backends; "cuda" refuses non-causal selection and attention). For
+            precise, give the LSE of non-causal attention.
         report: also return the per-head report of every sequence.
 
     Returns:
@@ -385,7 +396,9 @@ def select_blocks(
         )
     _check_qkv(q3, k3, None)
     _check_cu(cu)
-    options = _block_options(method, top_k, top_p, sink_blocks, local_blocks, stride, head_adaptive)
+    options = _block_options(
+        method, top_k, top_p, sink_blocks, local_blocks, stride, head_adaptive, causal
+    )
     lse2 = None
     if options.method == L.BLOCK_PRECISE:
         if lse is None:
