@@ -28,7 +28,9 @@ extern "C" {
 #define MTRAIN_VERSION_MAJOR 0
 #define MTRAIN_VERSION_MINOR 1
 #define MTRAIN_VERSION_PATCH 0
-/** Version of the config struct and of the backend/communicator tables. */
+/** Version of the config struct and of the backend/communicator tables
+ *  (6: the communicator's allreduce_device, the backend's
+ *  block_scores_noncausal and mtrain_block_options_t.noncausal). */
 #define MTRAIN_API_VERSION 6
 
 /* ------------------------------------------------------------------------ */
