@@ -36,7 +36,7 @@ class RunConfig:
     time_limit: float = 0.0  # with --resume: stop (checkpoint written) after this many seconds
     out: str = "results.json"
     device: str = "auto"  # auto: cuda when available
-    dtype: str = "auto"  # float32, or bfloat16 (autocast; weights and optimiser in float32)
+    dtype: str = "auto"  # float32, bfloat16 (autocast; weights and optimiser in float32), float64
     threads: int = 0  # torch CPU threads (0: torch's default)
     cp: str = "auto"  # context parallel: auto (when WORLD_SIZE > 1, torchrun), on, off
     cp_layout: str = "striped"  # the layout of the tokens over the ranks (mtrain.dispatch)
@@ -92,7 +92,8 @@ HELP = {
     "time_limit": "with --resume: stop after the step that passes this many seconds of this call, "
     "write the checkpoint, skip the final evaluation and --out (0: no limit)",
     "out": "the results JSON file",
-    "dtype": "float32 or bfloat16 (autocast); auto: bfloat16 on GPU, float32 on CPU",
+    "dtype": "float32, bfloat16 (autocast) or float64 (CPU, mtrain's cpu-ref oracle: for exact "
+    "comparisons); auto: bfloat16 on GPU, float32 on CPU",
     "threads": "torch CPU threads (0: default)",
     "cp": "context parallel over a process group: auto (when the launcher sets WORLD_SIZE > 1, "
     "torchrun), on (also for one process), off",

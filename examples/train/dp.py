@@ -163,7 +163,9 @@ def packed_loss_sum(
     ).last_hidden_state
     target = labels[:, 1:]
     mask = target != IGNORE
-    logits = model.lm_head(hidden[:, :-1][mask]).float()
+    logits = model.lm_head(hidden[:, :-1][mask])
+    if logits.dtype != torch.float64:  # float32 losses (bfloat16 logits under autocast)
+        logits = logits.float()
     return F.cross_entropy(logits, target[mask], reduction="sum"), int(mask.sum())
 
 

@@ -159,6 +159,10 @@ def run(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    if dtype not in ("float32", "bfloat16", "float64"):
+        raise ValueError(f"--dtype {cfg.dtype!r}: auto, float32, bfloat16 or float64")
+    if dtype == "float64" and dev.type != "cpu":
+        raise ValueError("--dtype float64 runs on the CPU only (mtrain's cpu-ref oracle)")
     autocast: Any = (
         torch.autocast(dev.type, dtype=torch.bfloat16)
         if dtype == "bfloat16"
@@ -185,6 +189,8 @@ def run(
             model.load_state_dict(weights)
         M.set_rope_theta(model, cfg.rope_theta, cfg.seq_len)
     model.to(dev).train()
+    if dtype == "float64":  # the tests' exact comparisons: weights, optimiser and attention
+        model.double()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
