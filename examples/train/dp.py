@@ -2,7 +2,8 @@
 with balancing"): each step's global batch is a long-tail mix of documents (MQAR or passkey
 samples of many lengths), dealt to the W ranks by mtrain.balance_batch (predicted cost or token
 count) or round-robin; each rank trains on its documents packed into one varlen sequence
-(cu_seqlens), and the gradients are summed so the update is the single-process one."""
+(cu_seqlens), and the gradients are summed so the update is the single-process one.
+``python -m examples.train.dp RESULTS.json ...`` prints such runs side by side."""
 
 from __future__ import annotations
 
@@ -270,3 +271,41 @@ def max_over_mean(xs: list[float]) -> float | None:
 def scratch() -> tempfile.TemporaryDirectory[str]:
     """A folder for this process's budget file, removed when the object is."""
     return tempfile.TemporaryDirectory(prefix="mtrain-dp-")
+
+
+def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """A Markdown table of --mix runs (name, results JSON) side by side: the measured and the
+    predicted balance, tokens/s and accuracy."""
+    head = ["run", "arm", "ranks", "balance", "steps counted", "tokens/step", "tokens/s",
+            "slowest step s", "measured compute max/mean", "attention max/mean",
+            "predicted max/mean", "tokens max/mean", "final loss", "accuracy"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in runs:
+        d = r.get("dp")
+        if not d:
+            lines.append(f"| {name} | not a --mix run |" + " |" * (len(head) - 2))
+            continue
+        acc = ", ".join(f"{k} {v['overall']:.3f}" for k, v in (r.get("eval") or {}).items())
+        cells = [
+            name, r["arm"]["arm"], str(d["world_size"]), d["balance"], str(d["counted_steps"]),
+            _f(d.get("tokens_per_step_mean"), ".0f"), _f(d.get("tokens_per_s"), ".0f"),
+            _f(d.get("step_s_max_mean"), ".3f"), _f(d.get("compute_max_over_mean"), ".3f"),
+            _f(d.get("attention_max_over_mean"), ".3f"),
+            _f(d.get("predicted_max_over_mean"), ".3f"),
+            _f(d.get("tokens_max_over_mean"), ".3f"), _f(r.get("final_loss"), ".4f"), acc or "-",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+if __name__ == "__main__":
+    import sys
+
+    paths = [Path(p) for p in sys.argv[1:]]
+    if not paths:
+        sys.exit("usage: python -m examples.train.dp RESULTS.json ... (prints the --mix table)")
+    print(table([(p.stem, json.loads(p.read_text())) for p in paths]))
