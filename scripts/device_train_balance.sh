@@ -12,6 +12,7 @@
 # STEPS (60), SIZE (mini), ARMS ("dense mtrain-static"), BALANCES ("off tokens cost"), LR
 # (1e-3), WARMUP (5), EVAL_SEQS (8 per task), INIT_FROM (none: random weights, seed 0),
 # CALIBRATION (none: data/calibration/h200-derived.json on GPUs, cpu-2core.json on the CPU),
+# SPREAD (even: the predictor's placement of the budgets, --balance-spread even|local),
 # RUN_S (timeout of one run, 150), CALL_S (the whole call's budget, 540: a run is not started
 # with less than MIN_S = 45 left), PYTHON (python3), DEVICE (cuda; cpu: gloo processes, one
 # thread each, for a dry run or the CPU measurement).
@@ -90,6 +91,9 @@ if [ -n "${INIT_FROM:-}" ]; then
 fi
 if [ -n "${CALIBRATION:-}" ]; then
   common+=(--balance-calibration "$CALIBRATION")
+fi
+if [ -n "${SPREAD:-}" ]; then
+  common+=(--balance-spread "$SPREAD")
 fi
 
 failed=0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from .arms import ARMS, BLOCK_METHODS
 from .cp import LAYOUTS, MODES
-from .dp import BALANCES, MIXES
+from .dp import BALANCES, MIXES, SPREADS
 from .model import SIZES
 
 
@@ -44,6 +44,7 @@ class RunConfig:
     mix_long_prob: float = 0.1  # --mix long-tail: the probability of a long document
     balance: str = "off"  # --mix: how documents are dealt to the ranks: off, tokens, cost
     balance_calibration: str = ""  # the cost predictor's table ("": by device)
+    balance_spread: str = "even"  # the cost predictor's placement of the budgets: even, local
     probe_every: int = 0  # probe (attention timing, pattern stats) every k steps; 0: ~8 probes
     granularity: int = 0  # block size G (0: 64 on CPU, 128 on GPU)
     sinks: int = 30
@@ -106,6 +107,8 @@ HELP = {
     "(mtrain.balance_batch on token counts) or cost (on predicted seconds)",
     "balance_calibration": "--mix: the cost predictor's calibration JSON (default: "
     "data/calibration/cpu-2core.json on the CPU, h200-derived.json on a GPU)",
+    "balance_spread": "--balance cost: where the predictor places the budgets' verticals and "
+    "slashes beyond the sinks and window: even (spread over the sequence) or local (next to them)",
     "probe_every": "time the attention and read the pattern every k steps (0: about 8 probes)",
     "granularity": "mtrain block size G (0: 64 on CPU, 128 on GPU)",
     "sinks": "mtrain estimate: forced sink keys (top-k)",
@@ -151,6 +154,7 @@ def parser() -> argparse.ArgumentParser:
             "block_method": BLOCK_METHODS,
             "mix": MIXES,
             "balance": BALANCES,
+            "balance_spread": SPREADS,
         }.get(f.name)
         extra = {"choices": list(choices)} if choices else {}
         p.add_argument(flag, type=kind, default=default, help=HELP.get(f.name, f.name), **extra)

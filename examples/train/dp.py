@@ -24,6 +24,7 @@ from .tasks import IGNORE, Task, make_task
 
 MIXES = ("none", "long-tail")
 BALANCES = ("off", "tokens", "cost")
+SPREADS = ("even", "local")  # the position model's placement (docs/BALANCE.md, "Position model")
 # the arms whose computed pattern the predictor can describe by a budget file; the others are
 # predicted as dense (an upper bound): mtrain-topp (caps of N, as docs/BALANCE.md counts top-p)
 # and mtrain-block (no budget: its blocks are chosen from q and k every step)
@@ -217,11 +218,14 @@ class Dealer:
     model: dict[str, int]
     num_sinks: int
     window: int
+    spread: str = "even"
 
     def __post_init__(self) -> None:
         self._seconds: dict[int, float] = {}
         if self.method not in BALANCES:
             raise ValueError(f"--balance {self.method!r}: one of {', '.join(BALANCES)}")
+        if self.spread not in SPREADS:
+            raise ValueError(f"--balance-spread {self.spread!r}: one of {', '.join(SPREADS)}")
         if self.world < 1:
             raise ValueError(f"world {self.world}: at least one rank")
 
@@ -232,6 +236,7 @@ class Dealer:
             "model": self.model,
             "num_sinks": self.num_sinks,
             "window": self.window,
+            "spread": self.spread,
         }
 
     def deal(self, lengths: list[int]) -> tuple[list[int], dict[str, float]]:

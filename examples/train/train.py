@@ -82,9 +82,10 @@ def check_mix(cfg: RunConfig) -> None:
     if cfg.balance not in DP.BALANCES:
         raise ValueError(f"--balance {cfg.balance!r}: one of {', '.join(DP.BALANCES)}")
     if cfg.mix == "none":
-        if cfg.balance != "off" or cfg.balance_calibration:
+        if cfg.balance != "off" or cfg.balance_calibration or cfg.balance_spread != "even":
             raise ValueError(
-                "--balance and --balance-calibration deal the documents of --mix long-tail: "
+                "--balance, --balance-calibration and --balance-spread deal the documents of "
+                "--mix long-tail: "
                 "give --mix long-tail (fixed-length batches are not dealt, every rank holds "
                 "the same batch)"
             )
@@ -237,7 +238,10 @@ def run(
         cal_path, cal = DP.calibration_of(cfg.balance_calibration, dev)
         dims = {"hidden": size.hidden, "intermediate": size.intermediate, "vocab": 0}
         dims.update(kv_heads=size.kv_heads, head_dim=size.head_dim)
-        dealer = DP.Dealer(cfg.balance, cp.world, bfile, cal, g, dims, cfg.sinks, cfg.local_window)
+        dealer = DP.Dealer(
+            cfg.balance, cp.world, bfile, cal, g, dims, cfg.sinks, cfg.local_window,
+            cfg.balance_spread,
+        )  # fmt: skip
         dp_info = {
             "world_size": cp.world,
             "backend": cp.backend or None,
@@ -250,6 +254,7 @@ def run(
             },
             "predictor_budgets": json.loads(bfile.read_text())[0]["0"][1:3],
             "granularity": g,
+            "spread": cfg.balance_spread,
         }
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "

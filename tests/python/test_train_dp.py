@@ -233,6 +233,8 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         run(from_args([*BASE, "--device", "meta", "--out", out]), lambda *_: None, CP.Cp())
     with pytest.raises(ValueError, match="--balance 'sorted'"):
         _dealer("sorted", 2, tmp_path)
+    with pytest.raises(ValueError, match="--balance-spread 'random'"):
+        DP.Dealer("cost", 2, tmp_path / "b.json", {}, 64, {}, 30, 100, "random")
     with pytest.raises(mtrain.MtrainError, match="num_sinks -1"):
         mtrain.balance_batch([100], 1, str(DP.budget_file("dense", 4, 2, 512, 0, 0,
                              tmp_path / "b.json")), {"pair_s": 1, "row_s": 0, "seq_s": 0,
