@@ -126,10 +126,13 @@ class Arm:
     rebuilt). ``cp``: context parallel (the model's forward passes
     mtrain_dispatch=info, which mtrain's attention function takes)."""
 
-    def __init__(self, name: str, heads: int, budget: Budget, cp: bool = False) -> None:
+    def __init__(
+        self, name: str, heads: int, budget: Budget, cp: bool = False, packed: bool = False
+    ) -> None:
         if name not in ARMS:
             raise ValueError(f"unknown arm {name!r}: one of {', '.join(ARMS)}")
         self.name, self.heads, self.budget, self.cp = name, heads, budget, cp
+        self.packed = packed  # packed varlen batches (--mix): dense runs mtrain's dense pattern
         self.attn_name = f"train-{name}"
         self.inner = f"mtrain-{name}"
         self.seq_len = 0
@@ -144,11 +147,11 @@ class Arm:
         b, self.seq_len = self.budget, n
         common = {"granularity": b.granularity}
         est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
-        if self.name == "dense" and not self.cp:
+        if self.name == "dense" and not (self.cp or self.packed):
             base: Any = sdpa_attention_forward
             mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
         elif self.name == "dense":
-            # SDPA has no ring: mtrain's dense causal pattern over the group
+            # SDPA has no ring and no cu_seqlens: mtrain's dense causal pattern (over the group)
             mtrain.register_transformers(self.inner, **common)
             base = ALL_ATTENTION_FUNCTIONS[self.inner]
             mask = ALL_MASK_ATTENTION_FUNCTIONS[self.inner]
@@ -175,7 +178,9 @@ class Arm:
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"arm": self.name, "granularity": self.budget.granularity}
         out["attention"] = (
-            "sdpa" if self.name == "dense" and not self.cp else "mtrain" + " ring" * self.cp
+            "sdpa"
+            if self.name == "dense" and not (self.cp or self.packed)
+            else "mtrain" + " ring" * self.cp + " packed" * self.packed
         )
         if self.budgets is not None:
             out["budgets"] = {type(self.budgets).__name__: list(self.budgets)}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from .arms import ARMS, BLOCK_METHODS
 from .cp import LAYOUTS, MODES
+from .dp import BALANCES, MIXES, SPREADS
 from .model import SIZES
 
 
@@ -35,10 +36,15 @@ class RunConfig:
     time_limit: float = 0.0  # with --resume: stop (checkpoint written) after this many seconds
     out: str = "results.json"
     device: str = "auto"  # auto: cuda when available
-    dtype: str = "auto"  # float32, or bfloat16 (autocast; weights and optimiser in float32)
+    dtype: str = "auto"  # float32, bfloat16 (autocast; weights and optimiser in float32), float64
     threads: int = 0  # torch CPU threads (0: torch's default)
     cp: str = "auto"  # context parallel: auto (when WORLD_SIZE > 1, torchrun), on, off
     cp_layout: str = "striped"  # the layout of the tokens over the ranks (mtrain.dispatch)
+    mix: str = "none"  # long-tail: data parallel over packed documents of many lengths
+    mix_long_prob: float = 0.1  # --mix long-tail: the probability of a long document
+    balance: str = "off"  # --mix: how documents are dealt to the ranks: off, tokens, cost
+    balance_calibration: str = ""  # the cost predictor's table ("": by device)
+    balance_spread: str = "even"  # the cost predictor's placement of the budgets: even, local
     probe_every: int = 0  # probe (attention timing, pattern stats) every k steps; 0: ~8 probes
     granularity: int = 0  # block size G (0: 64 on CPU, 128 on GPU)
     sinks: int = 30
@@ -87,11 +93,22 @@ HELP = {
     "time_limit": "with --resume: stop after the step that passes this many seconds of this call, "
     "write the checkpoint, skip the final evaluation and --out (0: no limit)",
     "out": "the results JSON file",
-    "dtype": "float32 or bfloat16 (autocast); auto: bfloat16 on GPU, float32 on CPU",
+    "dtype": "float32, bfloat16 (autocast) or float64 (CPU, mtrain's cpu-ref oracle: for exact "
+    "comparisons); auto: bfloat16 on GPU, float32 on CPU",
     "threads": "torch CPU threads (0: default)",
     "cp": "context parallel over a process group: auto (when the launcher sets WORLD_SIZE > 1, "
     "torchrun), on (also for one process), off",
     "cp_layout": "context parallel: the layout of every sequence's tokens over the ranks",
+    "mix": "long-tail: data parallel; every step's batch is a long-tail mix of documents of many "
+    "lengths up to --seq-len (--batch x --seq-len tokens at least), each rank training on its "
+    "documents packed into one varlen sequence (docs/TRAINING.md, 'Data parallel with balancing')",
+    "mix_long_prob": "--mix long-tail: probability of a long document ([N/4, N]; else [N/32, N/8])",
+    "balance": "--mix: how the documents are dealt to the ranks: off (round-robin), tokens "
+    "(mtrain.balance_batch on token counts) or cost (on predicted seconds)",
+    "balance_calibration": "--mix: the cost predictor's calibration JSON (default: "
+    "data/calibration/cpu-2core.json on the CPU, h200-derived.json on a GPU)",
+    "balance_spread": "--balance cost: where the predictor places the budgets' verticals and "
+    "slashes beyond the sinks and window: even (spread over the sequence) or local (next to them)",
     "probe_every": "time the attention and read the pattern every k steps (0: about 8 probes)",
     "granularity": "mtrain block size G (0: 64 on CPU, 128 on GPU)",
     "sinks": "mtrain estimate: forced sink keys (top-k)",
@@ -135,6 +152,9 @@ def parser() -> argparse.ArgumentParser:
             "cp": MODES,
             "cp_layout": LAYOUTS,
             "block_method": BLOCK_METHODS,
+            "mix": MIXES,
+            "balance": BALANCES,
+            "balance_spread": SPREADS,
         }.get(f.name)
         extra = {"choices": list(choices)} if choices else {}
         p.add_argument(flag, type=kind, default=default, help=HELP.get(f.name, f.name), **extra)

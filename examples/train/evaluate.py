@@ -1,7 +1,8 @@
 """The loss on answer tokens and the evaluation: accuracy of the greedy
 prediction of every answer token, per task and per bucket (MQAR: distance
 buckets; passkey: depth buckets). Under context parallel (cp.py) each rank
-computes its slots' answers and the counts are summed over the ranks."""
+computes its slots' answers, under data parallel (dp.py) its share of the
+evaluation batches; the counts are summed over the ranks."""
 
 from __future__ import annotations
 
@@ -66,9 +67,12 @@ def evaluate(
     autocast: AbstractContextManager[Any],
     cp: Cp | None = None,
     granularity: int = 0,
+    dp: Cp | None = None,
 ) -> dict[str, Any]:
     """Accuracy per task and bucket; with a context-parallel ``cp`` (all ranks call it) the
-    sequences are dispatched with ``granularity`` and the counts summed over the ranks."""
+    sequences are dispatched with ``granularity`` and the counts summed over the ranks; with a
+    data-parallel ``dp`` rank r evaluates the batches b with b mod W = r, and the counts are
+    summed (the same figures as one process: each sequence is computed alone)."""
     was = model.training
     model.eval()
     out: dict[str, Any] = {}
@@ -76,7 +80,9 @@ def evaluate(
         nb = len(t.buckets)
         correct = torch.zeros(nb, dtype=torch.long)
         count = torch.zeros(nb, dtype=torch.long)
-        for s in range(0, seqs, batch_size):
+        for b_index, s in enumerate(range(0, seqs, batch_size)):
+            if dp is not None and dp.on and b_index % dp.world != dp.rank:
+                continue
             ids, labels, bucket, _ = batch([t], seed, s, min(batch_size, seqs - s), True)
             if cp is not None and cp.on:
                 sh = cp.shard(ids, labels, granularity, device, extra=bucket)
@@ -91,8 +97,9 @@ def evaluate(
             hit = (logits.argmax(-1) == target).cpu().long()
             correct += torch.bincount(b, weights=hit, minlength=nb).long()
             count += torch.bincount(b, minlength=nb)
-        if cp is not None and cp.on:
-            both = cp.all_reduce(torch.stack([correct, count]).to(device)).cpu()
+        summed = cp if cp is not None and cp.on else dp if dp is not None and dp.on else None
+        if summed is not None:
+            both = summed.all_reduce(torch.stack([correct, count]).to(device)).cpu()
             correct, count = both[0], both[1]
         acc = [float(c) / float(n) if n else None for c, n in zip(correct, count, strict=True)]
         out[name] = {

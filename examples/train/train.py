@@ -3,7 +3,10 @@ JSON (config, per-step loss and time, tokens/s, attention share and pattern
 statistics on probed steps, peak memory, accuracy per bucket). Under context
 parallel (cp.py; torchrun) every rank runs this with the same configuration:
 the same weights and batches, each its slots of every sequence, the loss and
-the gradients summed over the ranks; rank 0 logs and writes the files."""
+the gradients summed over the ranks; rank 0 logs and writes the files. With --mix the
+launcher's ranks are data parallel instead (dp.py): each step's long-tail mix of documents is
+dealt to the ranks (--balance), each rank trains on its documents packed into one varlen
+sequence, and the gradients are summed over the ranks."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import transformers
 import mtrain
 
 from . import cp as CP
+from . import dp as DP
 from . import model as M
 from .arms import Arm, Budget
 from .config import RunConfig
@@ -54,12 +58,50 @@ def granularity_of(cfg: RunConfig, dev: torch.device) -> int:
 
 def open_cp(cfg: RunConfig) -> CP.Cp:
     """The run's context-parallel state (cp.start), after the checks every rank makes before
-    the process group exists (cp.check): single-process unless --cp on or WORLD_SIZE > 1."""
+    the process group exists (cp.check): single-process unless --cp on or WORLD_SIZE > 1.
+    With --mix the group is data parallel (dp.py; checked by check_mix first)."""
     world = CP.env_world()
+    check_mix(cfg)
+    if cfg.mix != "none":
+        if cfg.cp == "off" and world > 1:
+            raise ValueError(
+                f"--mix {cfg.mix} with --cp off under a launcher (WORLD_SIZE={world}): the "
+                "launcher's ranks are data parallel under --mix; use --cp auto"
+            )
+        return CP.start(cfg.cp, cfg.device, cfg.cp_layout)
     if CP.wanted(cfg.cp, world):
         g = granularity_of(cfg, device_of(cfg))
         CP.check(cfg.arm, cfg.seq_len, g, cfg.cp_layout, world)
     return CP.start(cfg.cp, cfg.device, cfg.cp_layout)
+
+
+def check_mix(cfg: RunConfig) -> None:
+    """Refuses bad --mix / --balance settings before any process group exists."""
+    if cfg.mix not in DP.MIXES:
+        raise ValueError(f"--mix {cfg.mix!r}: one of {', '.join(DP.MIXES)}")
+    if cfg.balance not in DP.BALANCES:
+        raise ValueError(f"--balance {cfg.balance!r}: one of {', '.join(DP.BALANCES)}")
+    if cfg.mix == "none":
+        if cfg.balance != "off" or cfg.balance_calibration or cfg.balance_spread != "even":
+            raise ValueError(
+                "--balance, --balance-calibration and --balance-spread deal the documents of "
+                "--mix long-tail: "
+                "give --mix long-tail (fixed-length batches are not dealt, every rank holds "
+                "the same batch)"
+            )
+        return
+    if cfg.arm in DP.REFUSED:
+        raise ValueError(f"--mix: the {cfg.arm} arm is not supported: {DP.REFUSED[cfg.arm]}")
+    if cfg.batch < 1:
+        raise ValueError(f"--batch {cfg.batch}: the step holds at least --batch x --seq-len tokens")
+    long_tail(cfg)  # the distribution's own checks
+    if cfg.balance != "off":
+        DP.calibration_of(cfg.balance_calibration, device_of(cfg))
+
+
+def long_tail(cfg: RunConfig) -> DP.LongTail:
+    m = DP.min_doc_len(cfg.mqar_pairs, cfg.mqar_queries, cfg.passkey_digits, cfg.depth_buckets)
+    return DP.LongTail(cfg.seq_len, cfg.batch * cfg.seq_len, m, cfg.mix_long_prob)
 
 
 def tasks_of(cfg: RunConfig, vocab: Vocab) -> tuple[list[Task], list[str]]:
@@ -107,7 +149,10 @@ def run(
     final weights (a state dict) are put in state["model"] (the tests compare ranks)."""
     if cp is None:
         cp = open_cp(cfg)
-    if cp.on and cp.layout != cfg.cp_layout:
+    mix = cfg.mix != "none"
+    check_mix(cfg)
+    par = cp.on and not mix  # context parallel (with --mix the group is data parallel)
+    if par and cp.layout != cfg.cp_layout:
         raise ValueError(f"--cp-layout {cfg.cp_layout} but the process group runs {cp.layout}")
     if not cp.main:
         log = _silent
@@ -115,6 +160,10 @@ def run(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
+    if dtype not in ("float32", "bfloat16", "float64"):
+        raise ValueError(f"--dtype {cfg.dtype!r}: auto, float32, bfloat16 or float64")
+    if dtype == "float64" and dev.type != "cpu":
+        raise ValueError("--dtype float64 runs on the CPU only (mtrain's cpu-ref oracle)")
     autocast: Any = (
         torch.autocast(dev.type, dtype=torch.bfloat16)
         if dtype == "bfloat16"
@@ -131,7 +180,7 @@ def run(
         block_method=cfg.block_method, block_top_p=cfg.block_top_p, block_top_k=cfg.block_top_k,
         block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
     )  # fmt: skip
-    arm = Arm(cfg.arm, size.heads, budget, cp=cp.on)
+    arm = Arm(cfg.arm, size.heads, budget, cp=par, packed=mix)
     arm.set_length(cfg.seq_len)
     model = M.build(size, vocab.size, cfg.seq_len, cfg.rope_theta, arm.attn_name, cfg.seed)
     ckpt = load_checkpoint(cfg)
@@ -141,6 +190,8 @@ def run(
             model.load_state_dict(weights)
         M.set_rope_theta(model, cfg.rope_theta, cfg.seq_len)
     model.to(dev).train()
+    if dtype == "float64":  # the tests' exact comparisons: weights, optimiser and attention
+        model.double()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     other = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -168,13 +219,49 @@ def run(
     segments.append({"first_step": first, "date": _now(), **cp.describe()})
     tokens = cfg.batch * cfg.seq_len  # the whole job's (every rank holds its slots of them)
     ranks = f"{cp.world} rank" + "s" * (cp.world != 1)
-    where = f", context parallel over {ranks} ({cp.backend}, {cp.layout})" * cp.on
+    where = f", context parallel over {ranks} ({cp.backend}, {cp.layout})" * par
+    dealer: DP.Dealer | None = None
+    dp_info: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
+    scratch = DP.scratch() if mix else None
+    if mix:
+        assert scratch is not None
+        where = (
+            f", --mix {cfg.mix} (at least {cfg.batch * cfg.seq_len} tokens a step), data parallel "
+            f"over {ranks}{f' ({cp.backend})' * cp.on}, --balance {cfg.balance}"
+        )
+        topk = arm.budgets if isinstance(arm.budgets, mtrain.TopK) else mtrain.TopK(0, 0)
+        bfile = DP.budget_file(
+            cfg.arm, size.heads, size.layers, cfg.seq_len, topk.v_size, topk.s_size,
+            Path(scratch.name) / "budgets.json",
+        )  # fmt: skip
+        cal_path, cal = DP.calibration_of(cfg.balance_calibration, dev)
+        dims = {"hidden": size.hidden, "intermediate": size.intermediate, "vocab": 0}
+        dims.update(kv_heads=size.kv_heads, head_dim=size.head_dim)
+        dealer = DP.Dealer(
+            cfg.balance, cp.world, bfile, cal, g, dims, cfg.sinks, cfg.local_window,
+            cfg.balance_spread,
+        )  # fmt: skip
+        dp_info = {
+            "world_size": cp.world,
+            "backend": cp.backend or None,
+            "balance": cfg.balance,
+            "mix": long_tail(cfg).describe(),
+            "calibration": {
+                "file": cal_path,
+                **cal,
+                "seq_s_note": "set to 0 (packed: one call per rank)",
+            },
+            "predictor_budgets": json.loads(bfile.read_text())[0]["0"][1:3],
+            "granularity": g,
+            "spread": cfg.balance_spread,
+        }
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
         + where
     )
-    if cp.on and cfg.arm == "dense":
+    if par and cfg.arm == "dense":
         log(
             "dense arm under context parallel: mtrain's dense causal attention on the ring (SDPA"
             " has no ring); on one process the dense arm is SDPA"
@@ -190,68 +277,88 @@ def run(
     def evaluation() -> dict[str, Any]:
         return evaluate(
             model, tasks, names, cfg.data_seed + EVAL_SEED_OFFSET, cfg.eval_seqs,
-            cfg.eval_batch, dev, autocast, cp, g,
+            cfg.eval_batch, dev, autocast, cp if par else None, g, cp if mix else None,
         )  # fmt: skip
 
     t_call = time.perf_counter()
     for step in range(first, cfg.steps):
-        ids, labels, _, _ = _batch(tasks, cfg, step)
-        if cp.on:
-            shard = cp.shard(ids, labels, g, dev)
-            answers = int((labels[:, 1:] != CP.IGNORE).sum())  # of the whole batch
+        if mix:
+            assert dealer is not None
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg, step)
+            rec = dp_step(cfg, step, model, opt, params, names, dealer, cp, dev, autocast)
+            rec.update(segment=segment)
+            steps.append(rec)
+            d = rec["dp"]
+            if step % max(1, cfg.steps // 10) == 0 or step + 1 == cfg.steps:
+                log(
+                    f"step {step}: loss {rec['loss']:.4f}, {d['docs']} documents, "
+                    f"{d['tokens']} tokens, {rec['time_s']:.3f} s, compute max/mean "
+                    f"{_fmt(d['compute_max_over_mean'])}, predicted "
+                    f"{_fmt(d['predicted_max_over_mean'])}"
+                )
         else:
-            ids, labels = ids.to(dev), labels.to(dev)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        watch = step in probes
-        if watch:
-            PROBE.start(stats=cfg.arm != "dense")
-        sync(dev)
-        t0 = time.perf_counter()
-        if cp.on:
-            # this rank's share of the batch's mean answer loss; the shares' gradients and
-            # loss sums are summed over the ranks: the single-process step's
-            with autocast:
-                loss_sum, mine = shard_loss_sum(model, shard)
-            (loss_sum / answers).backward()
-            local = torch.stack([loss_sum.detach().float(), torch.tensor(float(mine), device=dev)])
-            total = cp.sync_gradients(params, local)
-            if round(float(total[1])) != answers:
-                raise RuntimeError(f"step {step}: the ranks hold {total[1]} answers of {answers}")
-            loss = total[0] / answers
-        else:
-            with autocast:
-                loss = answer_loss(model, ids, labels)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = float(loss.detach())  # synchronises
-        sync(dev)
-        dt = time.perf_counter() - t0
-        steps.append(
-            {"step": step, "loss": value, "time_s": dt, "probed": watch, "segment": segment}
-        )
-        if watch:
-            PROBE.stop()
-            attn = PROBE.fwd_s + PROBE.bwd_s
-            net = dt - PROBE.stats_s
-            probed.append({
-                "step": step,
-                "step_s": net,
-                "attention_fwd_s": PROBE.fwd_s,
-                "attention_bwd_s": PROBE.bwd_s,
-                "attention_share": attn / net if net > 0 else None,
-                "layers": {str(k): v for k, v in sorted(PROBE.layers.items())},
-            })  # fmt: skip
-            layers = PROBE.layers.values()
-            extra = (
-                f", density {statistics.mean(x['density'] for x in layers):.3f}, recall "
-                f"{statistics.mean(x['recall'] for x in layers):.3f}"
-                if PROBE.layers
-                else ""
+            ids, labels, _, _ = _batch(tasks, cfg, step)
+            if par:
+                shard = cp.shard(ids, labels, g, dev)
+                answers = int((labels[:, 1:] != CP.IGNORE).sum())  # of the whole batch
+            else:
+                ids, labels = ids.to(dev), labels.to(dev)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg, step)
+            watch = step in probes
+            if watch:
+                PROBE.start(stats=cfg.arm != "dense")
+            sync(dev)
+            t0 = time.perf_counter()
+            if par:
+                # this rank's share of the batch's mean answer loss; the shares' gradients and
+                # loss sums are summed over the ranks: the single-process step's
+                with autocast:
+                    loss_sum, mine = shard_loss_sum(model, shard)
+                (loss_sum / answers).backward()
+                local = torch.stack(
+                    [loss_sum.detach().float(), torch.tensor(float(mine), device=dev)]
+                )
+                total = cp.sync_gradients(params, local)
+                if round(float(total[1])) != answers:
+                    raise RuntimeError(
+                        f"step {step}: the ranks hold {total[1]} answers of {answers}"
+                    )
+                loss = total[0] / answers
+            else:
+                with autocast:
+                    loss = answer_loss(model, ids, labels)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = float(loss.detach())  # synchronises
+            sync(dev)
+            dt = time.perf_counter() - t0
+            steps.append(
+                {"step": step, "loss": value, "time_s": dt, "probed": watch, "segment": segment}
             )
-            log(f"step {step}: loss {value:.4f}, {dt:.3f} s, attention {attn / net:.0%}{extra}")
+            if watch:
+                PROBE.stop()
+                attn = PROBE.fwd_s + PROBE.bwd_s
+                net = dt - PROBE.stats_s
+                probed.append({
+                    "step": step,
+                    "step_s": net,
+                    "attention_fwd_s": PROBE.fwd_s,
+                    "attention_bwd_s": PROBE.bwd_s,
+                    "attention_share": attn / net if net > 0 else None,
+                    "layers": {str(k): v for k, v in sorted(PROBE.layers.items())},
+                })  # fmt: skip
+                layers = PROBE.layers.values()
+                extra = (
+                    f", density {statistics.mean(x['density'] for x in layers):.3f}, recall "
+                    f"{statistics.mean(x['recall'] for x in layers):.3f}"
+                    if PROBE.layers
+                    else ""
+                )
+                log(f"step {step}: loss {value:.4f}, {dt:.3f} s, attention {attn / net:.0%}{extra}")
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             ev = evaluation()
             history.append({"step": step + 1, "eval": ev})
@@ -282,6 +389,15 @@ def run(
         if not s["probed"] and not any(0 <= s["step"] - f < 3 for f in starts)
     ]
     step_s = statistics.median(plain) if plain else None
+    if mix:
+        summary = dp_summary(steps, segments)
+        step_s = None
+        tokens = summary.get("tokens_per_step_mean") or tokens
+        log(
+            f"data parallel: tokens/s {_fmt(summary.get('tokens_per_s'))}, compute max/mean "
+            f"{_fmt(summary.get('compute_max_over_mean'))}, predicted "
+            f"{_fmt(summary.get('predicted_max_over_mean'))}"
+        )
     results: dict[str, Any] = {
         "config": asdict(cfg),
         "command": [sys.executable, "-m", "examples.train", *sys.argv[1:]],
@@ -295,7 +411,8 @@ def run(
             else platform.processor() or platform.machine()
         ),
         "world_size": cp.world,
-        "cp": {**cp.describe(), "replica_max_diff": replica_diff} if cp.on else None,
+        "cp": {**cp.describe(), "replica_max_diff": replica_diff} if par else None,
+        "dp": {**dp_info, **summary, "replica_max_diff": replica_diff} if mix else None,
         "cpu_threads": torch.get_num_threads(),
         "dtype": dtype,
         "versions": {
@@ -310,7 +427,9 @@ def run(
         "tokens_per_step": tokens,  # the whole job's, as tokens_per_s
         "steps": steps,
         "step_s_median": step_s,
-        "tokens_per_s": tokens / step_s if step_s else None,
+        "tokens_per_s": (summary.get("tokens_per_s") if mix else tokens / step_s)
+        if mix or step_s
+        else None,
         "probes": probed,
         "eval_history": history,
         "eval": final,
@@ -329,8 +448,136 @@ def run(
         torch.save(model.state_dict(), cfg.save)
     if state is not None:
         state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if scratch is not None:
+        scratch.cleanup()
     cp.barrier()  # rank 0's files are written before any rank goes on
     return results
+
+
+def dp_step(
+    cfg: RunConfig,
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    names: list[str],
+    dealer: DP.Dealer,
+    cp: CP.Cp,
+    dev: torch.device,
+    autocast: Any,
+) -> dict[str, Any]:
+    """One data-parallel step of --mix (dp.py): the step's documents drawn (the same on every
+    rank), dealt by the dealer, this rank's packed and trained on; its answer-loss sum over the
+    whole batch's answer count is back-propagated, and the gradients, the loss sums, the answer
+    counts and every rank's compute and attention seconds are summed over the ranks in one
+    all-reduce, so the update is the single-process one on the whole batch. A rank dealt no
+    document runs no forward and contributes zero gradients, but joins every collective.
+    Returns the step's record."""
+    lengths = long_tail(cfg).draw(cfg.data_seed, step)
+    rank_of, report = dealer.deal(lengths)
+    per_task = {"mqar": cfg.mqar_queries, "passkey": cfg.passkey_digits}
+    answers = sum(per_task[names[j % len(names)]] for j in range(len(lengths)))
+    mine = [j for j, r in enumerate(rank_of) if r == cp.rank]
+    kw = {
+        "num_pairs": cfg.mqar_pairs, "num_queries": cfg.mqar_queries, "digits": cfg.passkey_digits,
+        "num_buckets": cfg.depth_buckets, "num_keys": cfg.num_keys, "num_values": cfg.num_values,
+        "num_filler": cfg.num_filler,
+    }  # fmt: skip
+    docs = DP.documents(names, lengths, mine, step, cfg.data_seed, kw)
+    w = cp.world
+    PROBE.start(stats=False)  # the attention's forward and backward seconds, every step
+    sync(dev)
+    t0 = time.perf_counter()
+    if docs:
+        ids, labels, pos, cu = DP.pack(docs)
+        with autocast:
+            loss_sum, held = DP.packed_loss_sum(model, ids.to(dev), labels.to(dev), pos.to(dev), cu)
+        (loss_sum / answers).backward()
+        local = [loss_sum.detach().double(), torch.tensor(float(held), dtype=torch.float64)]
+    else:
+        zero = torch.zeros((), dtype=torch.float64)
+        local = [zero, zero]
+    sync(dev)
+    compute = time.perf_counter() - t0
+    PROBE.stop()
+    times = torch.zeros(2 * w, dtype=torch.float64)
+    times[cp.rank], times[w + cp.rank] = compute, PROBE.fwd_s + PROBE.bwd_s
+    extra = torch.cat([torch.stack([x.cpu() for x in local]), times]).to(dev)
+    total = cp.sync_gradients(params, extra).double().cpu()
+    if round(float(total[1])) != answers:
+        raise RuntimeError(f"step {step}: the ranks hold {float(total[1])} answers of {answers}")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = float(total[0]) / answers
+    sync(dev)
+    dt = time.perf_counter() - t0
+    slowest = float(cp.all_reduce(torch.tensor([dt], device=dev), _max()).item())
+    compute_s = [float(x) for x in total[2 : 2 + w]]
+    attention_s = [float(x) for x in total[2 + w : 2 + 2 * w]]
+    predicted = dealer.predicted(lengths, rank_of)
+    tokens = sum(lengths)
+    rank_tokens = [0] * w
+    for n, r in zip(lengths, rank_of, strict=True):
+        rank_tokens[r] += n
+    return {
+        "step": step,
+        "loss": loss,
+        "time_s": dt,
+        "probed": False,
+        "dp": {
+            "docs": len(lengths),
+            "tokens": tokens,
+            "long_docs": sum(n >= cfg.seq_len // 4 for n in lengths),
+            "rank_docs": [rank_of.count(r) for r in range(w)],
+            "rank_tokens": rank_tokens,
+            "compute_s": compute_s,
+            "attention_s": attention_s,
+            "compute_max_over_mean": DP.max_over_mean(compute_s),
+            "attention_max_over_mean": DP.max_over_mean(attention_s),
+            "predicted_s": predicted,
+            "predicted_max_over_mean": DP.max_over_mean(predicted),
+            "tokens_max_over_mean": DP.max_over_mean([float(x) for x in rank_tokens]),
+            "balance_report": {k: report[k] for k in ("max_before", "mean_before", "empty_ranks")}
+            if report
+            else None,
+            "step_s_max": slowest,
+            "tokens_per_s": tokens / slowest if slowest > 0 else None,
+        },
+    }
+
+
+def dp_summary(steps: list[dict[str, Any]], segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's data-parallel figures over the counted steps (the first 3 of every call left
+    out, as for tokens/s): global tokens over the summed slowest-rank step times, and the mean
+    over steps of each max/mean."""
+    starts = {s["first_step"] for s in segments}
+    counted = [s for s in steps if not any(0 <= s["step"] - f < 3 for f in starts)]
+    out: dict[str, Any] = {"counted_steps": len(counted)}
+    if not counted:
+        return out
+    d = [s["dp"] for s in counted]
+    wall = sum(x["step_s_max"] for x in d)
+    out["tokens_per_s"] = sum(x["tokens"] for x in d) / wall if wall > 0 else None
+    out["tokens_per_step_mean"] = statistics.mean(x["tokens"] for x in d)
+    out["step_s_max_mean"] = wall / len(d)
+    for key in ("compute", "attention", "predicted", "tokens"):
+        vals = [x[f"{key}_max_over_mean"] for x in d if x[f"{key}_max_over_mean"] is not None]
+        out[f"{key}_max_over_mean"] = statistics.mean(vals) if vals else None
+    w = len(d[0]["compute_s"])
+    out["compute_s_sum"] = [sum(x["compute_s"][r] for x in d) for r in range(w)]
+    out["steps_with_empty_rank"] = sum(min(x["rank_docs"]) == 0 for x in d)
+    return out
+
+
+def _max() -> Any:
+    import torch.distributed as dist
+
+    return dist.ReduceOp.MAX
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _silent(*_: Any) -> None:

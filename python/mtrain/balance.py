@@ -295,6 +295,8 @@ def balance_batch(
     split_above: float = 0.0,
     ring_overhead: float = 1.01,
     max_split: int = 0,
+    num_sinks: int = 30,
+    window: int = 100,
 ) -> BalanceResult:
     """Deals a global batch's sequences to ``world`` ranks and tunes sparsity.
 
@@ -326,6 +328,8 @@ def balance_batch(
         ring_overhead: factor (>= 1) on a split sequence's attention share
             per rank (default 1.01, from the measured ring).
         max_split: most ranks one sequence may span (0: world).
+        num_sinks, window: the position model's forced sink keys and local
+            token diagonals (the estimate's options; defaults 30 and 100).
 
     Returns:
         BalanceResult. Raises MtrainError naming the bad input.
@@ -353,7 +357,9 @@ def balance_batch(
         if key not in ("hidden", "intermediate", "vocab", "kv_heads", "head_dim"):
             raise _bad(f"balance_batch: model has no dimension {key!r}")
         setattr(mdl, key, int(value))
-    pm = _PositionModel(30, 100, _SPREADS[spread], 0, int(budget_context))
+    if num_sinks < 0 or window < 0:
+        raise _bad(f"balance_batch: num_sinks {num_sinks} and window {window} must be >= 0")
+    pm = _PositionModel(int(num_sinks), int(window), _SPREADS[spread], 0, int(budget_context))
     dll = _dll()
     b = _read_budgets(budgets)
     pred = ctypes.c_void_p()

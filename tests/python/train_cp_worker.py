@@ -1,4 +1,5 @@
-"""One rank of the training program's context-parallel tests (test_train_cp.py), started as a
+"""One rank of the training program's multi-process tests (test_train_cp.py: context parallel;
+test_train_dp.py: data parallel with balancing, --mix), started as a
 process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT):
 it opens the process group as ``python -m examples.train`` does (examples.train.train.open_cp),
 runs the given jobs one after another on it, and saves each job's results and this rank's final
@@ -31,7 +32,9 @@ from examples.train.train import open_cp, run
 def run_job(cp: CP.Cp, job: dict[str, Any]) -> dict[str, Any]:
     cfg = from_args(job["args"])
     # the group is the first job's; each job its own layout, checked as open_cp checks it
-    CP.check(cfg.arm, cfg.seq_len, cfg.granularity, cfg.cp_layout, cp.world)
+    # (--mix jobs are data parallel: no layout)
+    if cfg.mix == "none":
+        CP.check(cfg.arm, cfg.seq_len, cfg.granularity, cfg.cp_layout, cp.world)
     cp = dataclasses.replace(cp, layout=cfg.cp_layout)
     state: dict[str, Any] = {}
     quiet = lambda *_: None  # noqa: E731

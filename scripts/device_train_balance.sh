@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Balancing on and off in the training program (docs/TRAINING.md, "Data parallel with
+# balancing"): the same data-parallel run (--mix long-tail: every step a long-tail mix of packed
+# documents up to SEQ_LEN tokens, at least BATCH x SEQ_LEN tokens a step, W ranks under torchrun,
+# one GPU each, NCCL) with every --balance of BALANCES for every arm of ARMS; then the table of
+# tokens/s, measured and predicted max/mean over the ranks, loss and accuracy
+# (python -m examples.train.dp). Builds nothing unless no library is found.
+#
+#   MTRAIN_LIBRARY=build-cuda/libmtrain.so scripts/device_train_balance.sh [OUT_DIR]
+#
+# Environment (defaults): DP_WORLD (the host's GPUs, at most 8), SEQ_LEN (16384), BATCH (8),
+# STEPS (60), SIZE (mini), ARMS ("dense mtrain-static"), BALANCES ("off tokens cost"), LR
+# (1e-3), WARMUP (5), EVAL_SEQS (8 per task), INIT_FROM (none: random weights, seed 0),
+# CALIBRATION (none: data/calibration/h200-derived.json on GPUs, cpu-2core.json on the CPU),
+# SPREAD (even: the predictor's placement of the budgets, --balance-spread even|local),
+# RUN_S (timeout of one run, 150), CALL_S (the whole call's budget, 540: a run is not started
+# with less than MIN_S = 45 left), PYTHON (python3), DEVICE (cuda; cpu: gloo processes, one
+# thread each, for a dry run or the CPU measurement).
+# Exit status: 0 when every run wrote its results, 1 when one did not (its log says why), 2 when
+# the preflight failed (no GPU, fewer GPUs than DP_WORLD).
+set -uo pipefail
+
+out=${1:-runs/train-balance}
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+SEQ_LEN=${SEQ_LEN:-16384}
+BATCH=${BATCH:-8}
+STEPS=${STEPS:-60}
+SIZE=${SIZE:-mini}
+ARMS=${ARMS:-dense mtrain-static}
+BALANCES=${BALANCES:-off tokens cost}
+RUN_S=${RUN_S:-150}
+CALL_S=${CALL_S:-540}
+MIN_S=${MIN_S:-45}
+t_end=$(($(date +%s) + CALL_S))
+
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH=python:.${PYTHONPATH:+:$PYTHONPATH}
+# no NVLink multicast
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$out"
+
+if [ -z "${MTRAIN_LIBRARY:-}" ] && [ "$DEVICE" = cuda ]; then
+  if [ ! -f build-cuda/libmtrain.so ]; then
+    echo "no MTRAIN_LIBRARY and no build-cuda/libmtrain.so: building (scripts/device_cuda.sh build)"
+    timeout 300 bash scripts/device_cuda.sh build >"$out/build.log" 2>&1 ||
+      echo "build failed or timed out: $out/build.log"
+  fi
+  export MTRAIN_LIBRARY=build-cuda/libmtrain.so
+fi
+
+# preflight: the GPUs and the library; the world size
+W=$("$PY" - "$DEVICE" "${DP_WORLD:-0}" <<'EOF'
+import sys
+
+import torch
+
+import mtrain
+
+device, want = sys.argv[1], int(sys.argv[2])
+gpus = torch.cuda.device_count() if device == "cuda" else 0
+print(f"torch {torch.__version__}, {gpus} GPUs"
+      + "".join(f"\n  cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(gpus)),
+      file=sys.stderr)
+print(f"libmtrain {mtrain.library_path()}, backends {', '.join(mtrain.backends())}",
+      file=sys.stderr)
+if device == "cuda":
+    if gpus < 2:
+        sys.exit(f"preflight: {gpus} GPUs, data parallel needs 2 or more")
+    if want > gpus:
+        sys.exit(f"preflight: DP_WORLD={want} but {gpus} GPUs")
+print(want or min(gpus, 8) or 2)
+EOF
+)
+rc=$?
+if [ $rc -ne 0 ] || [ -z "$W" ]; then
+  echo "preflight failed (exit $rc)" >&2
+  exit 2
+fi
+echo "data parallel over W=$W; $SIZE, --mix long-tail up to $SEQ_LEN tokens, >= $BATCH x $SEQ_LEN tokens a step, $STEPS steps"
+
+common=(--size "$SIZE" --task mix --num-keys 32 --num-values 32 --num-filler 256
+  --mqar-pairs 4 --mqar-queries 24 --passkey-digits 5 --seed 0 --data-seed 1
+  --mix long-tail --seq-len "$SEQ_LEN" --batch "$BATCH" --steps "$STEPS" --lr "${LR:-1e-3}"
+  --warmup "${WARMUP:-5}" --eval-seqs "${EVAL_SEQS:-8}" --eval-batch 2 --device "$DEVICE")
+if [ "$DEVICE" = cpu ]; then
+  common+=(--threads 1)
+fi
+if [ -n "${INIT_FROM:-}" ]; then
+  common+=(--init-from "$INIT_FROM")
+fi
+if [ -n "${CALIBRATION:-}" ]; then
+  common+=(--balance-calibration "$CALIBRATION")
+fi
+if [ -n "${SPREAD:-}" ]; then
+  common+=(--balance-spread "$SPREAD")
+fi
+
+failed=0
+names=()
+for arm in $ARMS; do
+  for bal in $BALANCES; do
+    name="dp$W-$arm-$bal"
+    left=$((t_end - $(date +%s)))
+    if [ "$left" -lt "$MIN_S" ]; then
+      echo "$name: not started, $left s left of CALL_S=$CALL_S"
+      failed=1
+      continue
+    fi
+    to=$((left < RUN_S ? left : RUN_S))
+    rm -f "$out/$name.json"
+    t0=$SECONDS
+    # timeout signals the whole process group: torchrun and its ranks
+    timeout -k 10 "$to" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" \
+      -m examples.train "${common[@]}" --arm "$arm" --balance "$bal" --out "$out/$name.json" \
+      >"$out/$name.log" 2>&1
+    rc=$?
+    if [ -f "$out/$name.json" ]; then
+      echo "$name: done in $((SECONDS - t0)) s"
+      names+=("$out/$name.json")
+    else
+      failed=1
+      echo "$name: failed or timed out (exit status $rc, limit $to s); the end of $out/$name.log:"
+      grep -E 'Error|error:|MTRAIN_ERR|exitcode' "$out/$name.log" | head -8 | sed 's/^/    /'
+      tail -8 "$out/$name.log" | sed 's/^/    /'
+    fi
+  done
+done
+
+if [ ${#names[@]} -gt 0 ]; then
+  "$PY" -m examples.train.dp "${names[@]}" | tee "$out/table.md"
+  echo "results and logs: $out/; tokens/s: the step's global tokens over the slowest rank's step,"
+  echo "summed over the steps (the first 3 left out); max/mean: over the ranks, mean over steps"
+fi
+exit $failed
