@@ -25,7 +25,8 @@
  *  - always: MTRAIN_SUCCESS, no NaN/Inf in any output, guard bytes intact;
  *    for "cuda" with a forced variant, the call ran that variant.
  * The table covers fp32/bf16/fp16, d 32/64/128, Hq:Hkv 16:2, 4:4, 8:1, N not
- * a multiple of G (and N = 1), G 32/64/128/256, every ts_pattern kind, packed
+ * a multiple of G (and N = 1), G 32/64/128/256, every ts_pattern kind (the
+ * non-causal block masks too, at the end of the table), packed
  * batches of 2 sequences, an explicit softmax_scale, and fp64 (which "cpu"
  * does not compute: skipped); the rows after the first 24 are the shapes the
  * CUDA variants need (d 64 and 128 in bf16 and fp16 at G 64, 128 and 256).
@@ -117,13 +118,24 @@ static const xb_case_t cases[] = {
     {MTRAIN_F16, 64, 16, 2, 1, 0, 256, TS_PATTERN_DENSE, 1.0, 0.0, 0x3506},
     {MTRAIN_F16, 128, 16, 2, 250, 0, 128, TS_PATTERN_BLOCK_MASK, 3.0, 0.0, 0x3507},
     {MTRAIN_F32, 128, 16, 2, 700, 0, 256, TS_PATTERN_RANDOM_SPARSE, 1.0, 0.0, 0x3601},
+    /* non-causal block masks (blocks above the diagonal, no causal mask):
+     * fp32 (variant 0), bf16 and fp16 at d 64 and 128, G 64, 128 and 256, N
+     * not a multiple of G, GQA, a packed batch, N = 1 */
+    {MTRAIN_F32, 64, 8, 2, 515, 0, 64, TS_PATTERN_NONCAUSAL, 1.0, 0.0, 0x3701},
+    {MTRAIN_BF16, 128, 16, 2, 777, 0, 64, TS_PATTERN_NONCAUSAL, 1.0, 0.0, 0x3702},
+    {MTRAIN_BF16, 64, 8, 1, 700, 0, 128, TS_PATTERN_NONCAUSAL, 3.0, 0.0, 0x3703},
+    {MTRAIN_F16, 128, 8, 2, 600, 0, 128, TS_PATTERN_NONCAUSAL, 1.0, 0.0, 0x3704},
+    {MTRAIN_F16, 64, 16, 2, 900, 0, 256, TS_PATTERN_NONCAUSAL, 1.0, 0.0, 0x3705},
+    {MTRAIN_BF16, 128, 4, 4, 300, 450, 128, TS_PATTERN_NONCAUSAL, 1.0, 0.0, 0x3706},
+    {MTRAIN_F16, 64, 4, 1, 1, 0, 64, TS_PATTERN_NONCAUSAL, 1.0, 0.0, 0x3707},
 };
 #define NUM_CASES ((int)(sizeof cases / sizeof cases[0]))
 
 /* The cases MTRAIN_TEST_QUICK=1 keeps (by table seed): small, and together
  * fp32, bf16 and fp16, G 64 and 128, d 64 and 128, GQA, a block mask, a
  * packed batch and N = 1. */
-static const uint64_t quick_seeds[] = {0x3001, 0x3105, 0x3107, 0x3108, 0x3402, 0x3407, 0x3507};
+static const uint64_t quick_seeds[] = {0x3001, 0x3105, 0x3107, 0x3108,
+                                       0x3402, 0x3407, 0x3507, 0x3703};
 
 /* The backend under test (from the command line) and whether it can run. */
 typedef struct xb_target {
@@ -195,6 +207,7 @@ static void naive_attention(const mtrain_pattern_t *p, mtrain_dtype_t dtype, int
                             double *dv) {
   const int64_t n = mtrain_pattern_seq_len(p);
   const int32_t hq = mtrain_pattern_num_heads(p), group = hq / hkv;
+  const int causal = mtrain_pattern_is_causal(p);
   int64_t *cols = malloc(sizeof(int64_t) * (size_t)n);
   float *s = malloc(sizeof(float) * (size_t)n), *pr = malloc(sizeof(float) * (size_t)n);
   float *orow = malloc(sizeof(float) * (size_t)d), *dqrow = malloc(sizeof(float) * (size_t)d);
@@ -206,7 +219,7 @@ static void naive_attention(const mtrain_pattern_t *p, mtrain_dtype_t dtype, int
     for (int64_t i = 0; i < n; i++) {
       const float *qi = q + (i * hq + h) * d, *doi = dout + (i * hq + h) * d;
       int64_t m = 0;
-      for (int64_t j = 0; j <= i; j++)
+      for (int64_t j = 0; j < (causal ? i + 1 : n); j++)
         if (mtrain_pattern_allowed(p, h, i, j)) cols[m++] = j;
       float mx = -INFINITY;
       for (int64_t e = 0; e < m; e++) {

@@ -12,7 +12,9 @@
  * Cases: every layout; the flat ring and the hierarchical ring with every
  * ranks-per-node given on the command line (1: W nodes of 1 GPU; W: one node
  * of W GPUs); dense, random sparse, diagonal-only and budget-like patterns;
- * GQA; lengths that are not multiples of G * W; the distributed estimate
+ * non-causal block masks (blocks above the diagonal, no causal mask; every
+ * ring chunk's padding slots excluded all the same); GQA; lengths that are
+ * not multiples of G * W; the distributed estimate
  * equal to one GPU's bitwise. Inputs and patterns: the ring tests' helpers
  * of tests/support (as test_mpi_ring); faults: test_nccl_fault. Skips (exit
  * 77) where fewer GPUs than ranks are visible.
@@ -339,16 +341,21 @@ int main(int argc, char **argv) {
   for (int a = 1; a < argc && nsched < 8; a++) schedules[nsched++] = atoi(argv[a]);
   const mtrain_layout_kind_t layouts[4] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
                                            MTRAIN_LAYOUT_STRIPED, MTRAIN_LAYOUT_BALANCED};
-  uint64_t seed = 1;
+  /* ts_ring_pattern kinds 0..3, and 5 (non-causal) with seeds of their own
+   * (the other cases keep theirs) */
+  uint64_t seed = 1, nc_seed = 1001;
+  static const int kinds[5] = {0, 1, 2, 3, 5};
   for (int sc = 0; sc < nsched; sc++)
     for (int l = 0; l < 4; l++)
-      for (int pat = 0; pat < 4; pat++) {
+      for (int x = 0; x < 5; x++) {
+        const int pat = kinds[x];
+        uint64_t *next = pat == 5 ? &nc_seed : &seed;
         /* fp32 through variant 0 (G 32), bf16 through the automatic variant (G 64, d 64) */
-        ring_case_t c = {MTRAIN_F32, layouts[l], schedules[sc], 0, 4, 2, 32, 32, pat, seed++};
+        ring_case_t c = {MTRAIN_F32, layouts[l], schedules[sc], 0, 4, 2, 32, 32, pat, (*next)++};
         c.N = 32 * 2 * world_ * 3 + 37; /* never a multiple of G * W */
         if (pat == 1) c.hkv = 1;
         run_case(&c, comm) ? passed++ : failed++;
-        ring_case_t b = {MTRAIN_BF16, layouts[l], schedules[sc], 0, 8, 2, 64, 64, pat, seed++};
+        ring_case_t b = {MTRAIN_BF16, layouts[l], schedules[sc], 0, 8, 2, 64, 64, pat, (*next)++};
         b.N = 64 * 3 * world_ * 2 + 45;
         run_case(&b, comm) ? passed++ : failed++;
       }

@@ -13,8 +13,14 @@
  *    pattern equals dense bidirectional attention computed here directly.
  *    Bound max |got - ref| <= tol * max |ref| per output, tol 1e-4 (cpu),
  *    1e-10 (cpu-ref). Seeds printed (MTRAIN_TEST_SEED overrides);
- *  - "cuda", where compiled and a device is visible: refused, naming it.
- * The ring form runs in test_mpi_ring (pattern kind 5). */
+ *  - "cuda", where compiled and a device is visible (skipped otherwise): the
+ *    same cases in fp32 with the tensors in device memory (outputs poisoned
+ *    with NaN first), the automatic variant choice (variant 0: the one that
+ *    computes fp32), the same bound 1e-4. The tensor-core variants 2 and 3
+ *    (bf16, fp16) run the non-causal rows of test_cross_backend.
+ * `test_noncausal cuda` runs the "cuda" test alone and exits 77 (ctest's
+ * SKIP_RETURN_CODE) without a backend or device: the ctest test
+ * test_noncausal_cuda. The ring form runs in test_mpi_ring (pattern kind 5). */
 #define _POSIX_C_SOURCE 200809L
 #include <setjmp.h>
 #include <stdarg.h>
@@ -30,6 +36,7 @@
 
 #include "mtrain/mtrain.h"
 #include "mtrain/mtrain_cpu.h"
+#include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_inputs.h"
 #include "mtrain/mtrain_io.h"
 #include "test_support.h"
@@ -140,10 +147,13 @@ static void check(const char *what, const double *got, const double *want, int64
     fail_msg("%s: max error %.3g > %.3g (max |ref| %.3g)", what, e, tol * M, M);
 }
 
-/* Forward and backward of `p` on `backend`, outputs widened to fp64. */
+/* Forward and backward of `p` on `backend`, outputs widened to fp64. For
+ * "cuda" the tensors live in device memory: the inputs copied there, the
+ * outputs filled with 0xFF bytes (NaN) first, so that an element the
+ * kernels leave unwritten fails the check. */
 static void run(const char *backend, const mtrain_pattern_t *p, const shape_t *s, const double *q,
                 const double *k, const double *v, const double *dout, double *out[5]) {
-  const int fp64 = strcmp(backend, "cpu-ref") == 0;
+  const int fp64 = strcmp(backend, "cpu-ref") == 0, cuda = strcmp(backend, "cuda") == 0;
   const mtrain_dtype_t dt = fp64 ? MTRAIN_F64 : MTRAIN_F32;
   const int64_t nq = s->N * s->Hq * s->d, nk = s->N * s->Hkv * s->d, nl = s->N * s->Hq;
   const int64_t counts[9] = {nq, nk, nk, nq, nq, nl, nq, nk, nk};
@@ -166,17 +176,35 @@ static void run(const char *backend, const mtrain_pattern_t *p, const shape_t *s
   mtrain_plan_t *plan = NULL;
   assert_int_equal(mtrain_plan_create(ctx, NULL, (const mtrain_pattern_t *const[]){p}, &plan),
                    MTRAIN_SUCCESS);
+  const size_t esize = fp64 ? sizeof(double) : sizeof(float);
+  void *dev[9] = {NULL};
+  for (int i = 0; cuda && i < 9; i++) {
+    const size_t bytes = (size_t)counts[i] * esize;
+    assert_int_equal(mtrain_cuda_malloc(bytes, &dev[i]), MTRAIN_SUCCESS);
+    if (i < 4)
+      assert_int_equal(mtrain_cuda_memcpy_to_device(dev[i], buf[i], bytes), MTRAIN_SUCCESS);
+    else
+      assert_int_equal(mtrain_cuda_memset(dev[i], 0xFF, bytes), MTRAIN_SUCCESS);
+  }
   mtrain_tensor_t t[9];
   for (int i = 0; i < 9; i++) {
     const int32_t heads = (i == 1 || i == 2 || i == 7 || i == 8) ? s->Hkv : s->Hq;
-    t[i] = i == 5 ? mtrain_tensor_2d(buf[i], dt, s->N, s->Hq)
-                  : mtrain_tensor_3d(buf[i], dt, s->N, heads, s->d);
+    void *data = cuda ? dev[i] : buf[i];
+    t[i] = i == 5 ? mtrain_tensor_2d(data, dt, s->N, s->Hq)
+                  : mtrain_tensor_3d(data, dt, s->N, heads, s->d);
   }
   assert_int_equal(mtrain_attention_forward(ctx, plan, &t[0], &t[1], &t[2], &t[4], &t[5]),
                    MTRAIN_SUCCESS);
+  if (cuda) assert_int_equal(mtrain_cuda_last_variant(ctx), MTRAIN_CUDA_VARIANT_SIMT);
   assert_int_equal(mtrain_attention_backward(ctx, plan, &t[0], &t[1], &t[2], &t[4], &t[5], &t[3],
                                              &t[6], &t[7], &t[8]),
                    MTRAIN_SUCCESS);
+  for (int i = 0; cuda && i < 9; i++) {
+    if (i >= 4)
+      assert_int_equal(mtrain_cuda_memcpy_to_host(buf[i], dev[i], (size_t)counts[i] * esize),
+                       MTRAIN_SUCCESS);
+    mtrain_cuda_free(dev[i]);
+  }
   for (int i = 4; i < 9; i++) {
     double *x = ts_to_double(buf[i], dt, counts[i]);
     memcpy(out[i - 4], x, sizeof(double) * (size_t)counts[i]);
@@ -215,8 +243,9 @@ static void plain_bidirectional(const shape_t *s, const double *q, const double 
   free(row);
 }
 
-static void test_attention(void **state) {
-  (void)state;
+/* The cases on each of `backends`: random non-causal masks, forward and
+ * backward against the fp64 dense reference. */
+static void agree(const char *const *backends, int num_backends) {
   static const shape_t shapes[] = {{300, 32, 4, 2, 32}, {421, 64, 4, 1, 64}, {97, 32, 2, 2, 32}};
   for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
     const shape_t *s = &shapes[c];
@@ -256,15 +285,16 @@ static void test_attention(void **state) {
     free(pl);
     int64_t pairs = 0;
     for (int32_t h = 0; h < s->Hq; h++) pairs += mtrain_pattern_count_pairs(p, h);
-    for (int b = 0; b < 2; b++) {
-      const char *backend = b ? "cpu" : "cpu-ref";
+    for (int b = 0; b < num_backends; b++) {
+      const char *backend = backends[b];
+      const int exact = strcmp(backend, "cpu-ref") == 0;
       run(backend, p, s, q, k, v, dout, got);
       for (int i = 0; i < 5; i++) {
         char what[160];
         snprintf(what, sizeof what, "seed %llu N %lld G %d %d:%d d %d %s: %s",
                  (unsigned long long)seed, (long long)s->N, s->G, s->Hq, s->Hkv, s->d, backend,
                  names[i]);
-        check(what, got[i], want[i], counts[i], b ? 1e-4 : 1e-10);
+        check(what, got[i], want[i], counts[i], exact ? 1e-10 : 1e-4);
       }
       print_message("seed %llu N %lld G %d %d:%d d %d %s: density %.3f of all N^2 pairs, forward "
                     "and backward match the dense reference\n",
@@ -277,40 +307,49 @@ static void test_attention(void **state) {
   }
 }
 
-/* "cuda" refuses a non-causal plan, naming it (skipped without the backend
- * or a device). */
-static void test_cuda_refuses(void **state) {
+static void test_attention(void **state) {
   (void)state;
+  static const char *const backends[] = {"cpu-ref", "cpu"};
+  agree(backends, 2);
+}
+
+/* 1 when a "cuda" context can be made here (the backend compiled in and a
+ * device visible). */
+static int cuda_usable(void) {
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
   cfg.backend = "cuda";
-  cfg.granularity = 64;
-  cfg.check_inputs = 0; /* the tensors below are not read */
   mtrain_context_t *ctx = NULL;
   if (mtrain_context_create(&cfg, NULL, &ctx) != MTRAIN_SUCCESS) {
     print_message("SKIPPED: no cuda backend or device (%s)\n", mtrain_last_error());
-    skip();
+    return 0;
   }
-  mtrain_pattern_t *p = random_noncausal(128, 2, 64, 7);
-  mtrain_plan_t *plan = NULL;
-  assert_int_equal(mtrain_plan_create(ctx, NULL, (const mtrain_pattern_t *const[]){p}, &plan),
-                   MTRAIN_SUCCESS);
-  /* device memory is not needed: the refusal comes before the kernels */
-  mtrain_tensor_t t = mtrain_tensor_3d((void *)(uintptr_t)256, MTRAIN_BF16, 128, 2, 64);
-  mtrain_tensor_t l = mtrain_tensor_2d((void *)(uintptr_t)256, MTRAIN_F32, 128, 2);
-  mtrain_status_t st = mtrain_attention_forward(ctx, plan, &t, &t, &t, &t, &l);
-  print_message("cuda, non-causal plan: %s (%s)\n", mtrain_status_name(st), mtrain_last_error());
-  assert_int_equal(st, MTRAIN_ERR_NOT_SUPPORTED);
-  assert_non_null(strstr(mtrain_last_error(), "non-causal"));
-  mtrain_plan_destroy(plan);
-  mtrain_pattern_destroy(p);
   mtrain_context_destroy(ctx);
+  return 1;
 }
 
-int main(void) {
+/* "cuda" computes the non-causal plans as the CPU backends do (skipped
+ * without the backend or a device). */
+static void test_cuda(void **state) {
+  (void)state;
+  if (!cuda_usable()) skip();
+  static const char *const backends[] = {"cuda"};
+  agree(backends, 1);
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1) {
+    if (argc > 2 || strcmp(argv[1], "cuda") != 0) {
+      fprintf(stderr, "usage: %s [cuda]\n", argv[0]);
+      return 2;
+    }
+    if (!cuda_usable()) return 77;
+    const struct CMUnitTest cuda_tests[] = {cmocka_unit_test(test_cuda)};
+    return cmocka_run_group_tests(cuda_tests, NULL, NULL);
+  }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pattern),
       cmocka_unit_test(test_attention),
-      cmocka_unit_test(test_cuda_refuses),
+      cmocka_unit_test(test_cuda),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

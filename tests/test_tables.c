@@ -299,7 +299,8 @@ static void test_planning_comm(void **state) {
   mtrain_comm_destroy(pc);
 }
 
-/* A backend whose table lacks `noncausal` (as "cuda"): a plan with a
+/* A backend whose table lacks `noncausal` (a table of the caller's; every
+ * backend of the library sets it): a plan with a
  * non-causal pattern is refused before any work, naming the backend and the
  * sequence; the same backend runs causal plans. */
 static void test_noncausal_refused(void **state) {

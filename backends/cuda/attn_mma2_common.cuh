@@ -24,7 +24,12 @@
  * Masks use one rule everywhere: a tile pair on the causal diagonal block
  * carries off = (first key position of the key tile in the block) - (first
  * query position of the query tile in the block); tile-local key column c
- * is masked for tile-local query row r iff c + off > r. */
+ * is masked for tile-local query row r iff c + off > r. A non-causal step
+ * (cuda_step_t.causal 0) has no diagonal block: the walks below never find
+ * one (KeyWalk2::init and kv_item_begin replace the block index they compare
+ * with by -1, which no block has), so every tile is unmasked but for the
+ * keys past seq_len (nvalid) and past the item's key range (jlo, jhi). The
+ * causal path pays nothing for it: one select per item, none per tile. */
 #ifndef MTRAIN_ATTN_MMA2_COMMON_CUH
 #define MTRAIN_ATTN_MMA2_COMMON_CUH
 
@@ -253,9 +258,9 @@ struct KTile2 {
 
 /* The key tiles of (head h, local query block qb, query rows [q0, q0 +
  * nq) of the block), in the plan's order: every run block's 64-key tiles
- * that hold valid keys (on the diagonal block only those starting at or
- * before the last valid query row), then qb's bars 64 at a time. Every
- * thread of the CTA walks it identically. The per-head arrays are kept as
+ * that hold valid keys (on the diagonal block of a causal step only those
+ * starting at or before the last valid query row), then qb's bars 64 at a
+ * time. Every thread of the CTA walks it identically. The per-head arrays are kept as
  * 32-bit offsets into st.idx (kernel parameter space), and the global query
  * block as 32 bits (block indices are far below 2^31), which keeps the walk
  * near variant 1's register count. */
@@ -263,7 +268,7 @@ struct KeyWalk2 {
   int runs, segs, bars; /* offsets of the head's arrays in st.idx */
   int e, e_end, kb, kb_end, kt;
   int s, s_end, b, bars_left;
-  int q0, qlast, gq;
+  int q0, qlast, gq; /* gq: the global query block, -1 in a non-causal step */
 
   __device__ __forceinline__ void init(const cuda_step_t &st, int h, int qb, int64_t gq_, int q0_,
                                        int nq) {
@@ -273,7 +278,7 @@ struct KeyWalk2 {
     runs = m[CUDA_HM_RUNS];
     segs = m[CUDA_HM_SEGS];
     bars = m[CUDA_HM_BARS];
-    gq = (int)gq_;
+    gq = st.causal ? (int)gq_ : -1; /* non-causal: no key block is the diagonal */
     q0 = q0_;
     qlast = q0_ + nq - 1;
     e = run_off[qb];
@@ -442,17 +447,18 @@ __device__ __forceinline__ bool bar_tiles_pair(const cuda_step_t &st, int t) {
 /* The query tiles of a key-major item of BN keys.
  * Runs (key tile kt of local block kb, BN keys from kt * BN): the entries
  * (h, qb) of kv_ent, every 64-row tile of qb's valid rows; on the diagonal
- * block from the first tile that holds a query at or after the key tile's
- * first key. Bars (one bar tile [b0, b1), or a pair [b0, b2)): the entries
- * (qb, lo, hi) of the first tile, then those of the second tile whose
- * segment starts at or after b1 (the others met the first tile and were
- * walked with it); key slots [max(lo, b0), min(hi, b_end)) - b0. */
+ * block of a causal step from the first tile that holds a query at or after
+ * the key tile's first key. Bars (one bar tile [b0, b1), or a pair [b0,
+ * b2)): the entries (qb, lo, hi) of the first tile, then those of the
+ * second tile whose segment starts at or after b1 (the others met the first
+ * tile and were walked with it); key slots [max(lo, b0), min(hi, b_end)) -
+ * b0. */
 struct QWalk2 {
   int bars;
   int e, e_end, e_mid, qt, qt_end, h, nr, jlo, jhi, diag;
   int64_t rbase;
   int kpos, nk; /* runs: first key position in the block, valid keys */
-  int64_t gk;
+  int64_t gk;   /* runs: the key block's global index; -1 in a non-causal step */
   int h_bar, b0, b1, b_end;
 
   __device__ __forceinline__ bool next(const cuda_step_t &st, QTile2 &t) {
@@ -532,8 +538,10 @@ __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWa
     const int ktg = (int)(item / (unsigned)st.Hkv);
     hk = (int)(item % (unsigned)st.Hkv);
     const int kb = ktg / tpb, kt = ktg - kb * tpb;
-    qw.gk = st.k_block_global[kb];
-    const int nc = block_rows_dev(st.k_tokens, st.G, kb, qw.gk, st.seq_len);
+    const int64_t gk = st.k_block_global[kb];
+    /* non-causal: -1, no query block's index, so no diagonal (QWalk2::next) */
+    qw.gk = st.causal ? gk : -1;
+    const int nc = block_rows_dev(st.k_tokens, st.G, kb, gk, st.seq_len);
     nk = min(BN, nc - kt * BN);
     if (nk <= 0) return false;
     qw.nk = nk;

@@ -38,7 +38,8 @@ __device__ __forceinline__ float dot_row(const float (&x)[DPL], const T *p, int 
   return warp_sum(acc);
 }
 
-/* Calls f(key) for every key of (h, qb) row r in plan order. */
+/* Calls f(key) for every key of (h, qb) row r in plan order (a causal step:
+ * on the diagonal block the keys c <= r only). */
 template <typename F>
 __device__ __forceinline__ void for_each_key(const cuda_step_t &st, const head_view &hv, int qb,
                                              int r, F &&f) {
@@ -47,7 +48,7 @@ __device__ __forceinline__ void for_each_key(const cuda_step_t &st, const head_v
     for (int kb = hv.runs[2 * e]; kb < hv.runs[2 * e + 1]; kb++) {
       const int64_t gk = st.k_block_global[kb];
       int nc = block_rows_dev(st.k_tokens, st.G, kb, gk, st.seq_len);
-      if (gk == gq && nc > r + 1) nc = r + 1;
+      if (st.causal && gk == gq && nc > r + 1) nc = r + 1;
       for (int c = 0; c < nc; c++) f((int64_t)kb * st.G + c);
     }
   for (int sg = hv.seg_off[qb]; sg < hv.seg_off[qb + 1]; sg++)
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(32 * kWarps)
   for (int t = 0; t < DPL; t++) dk[t] = dv[t] = 0.f;
   for (int e = e0; e < e1; e++) {
     const int h = st.kv_ent[2 * e], qb = st.kv_ent[2 * e + 1];
-    const int r0 = st.q_block_global[qb] == gk ? c : 0; /* causal: rows r >= c */
+    const int r0 = st.causal && st.q_block_global[qb] == gk ? c : 0; /* causal: rows r >= c */
     key_rows<DPL>(st, h, qb, r0, kr, vr, q, dout, lse_acc, delta_acc, dk, dv, lane);
   }
   float *dkj = dk_acc + (j * st.Hkv + hk) * d, *dvj = dv_acc + (j * st.Hkv + hk) * d;

@@ -557,6 +557,7 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .deferred_scan = cuda_deferred_scan_op,
     .deferred_poll = cuda_deferred_poll_op,
     .pattern_select = cuda_select_op,
+    .noncausal = 1,
 };
 
 /* ---- public functions (mtrain_cuda.h) ---------------------------------------- */

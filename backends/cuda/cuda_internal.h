@@ -8,8 +8,10 @@
  * Work decomposition shared by every variant (SPEC.md sections 1 and 4):
  *  - forward and dQ are query-major: one work item per (query head h, local
  *    query block qb) walks qb's runs of key blocks (causal mask on the block
- *    whose global index equals qb's) and then its bar segments (gathered key
- *    rows bars[b], never masked: the plan puts bars before the diagonal);
+ *    whose global index equals qb's, only where cuda_step_t.causal is 1: a
+ *    non-causal plan lists blocks on both sides of the diagonal and masks
+ *    none) and then its bar segments (gathered key rows bars[b], never
+ *    masked: the plan puts bars before the diagonal);
  *  - dK/dV of the runs are key-major: one item per (kv head hk, local key
  *    block kb) walks the (h, qb) entries that list kb, h in hk's group, in a
  *    fixed order, and adds to dk_acc/dv_acc rows it alone owns;
@@ -57,6 +59,9 @@ enum {
 typedef struct cuda_step {
   int32_t G, Hq, Hkv, group, d;
   int32_t num_q_blocks, num_k_blocks;
+  int32_t causal; /* 1: the token-level mask j <= i on the diagonal block (the
+                     key block whose global index is the query block's); 0: a
+                     non-causal plan, no mask but the keys past seq_len */
   int64_t seq_len, q_tokens, k_tokens;
   float scale;                   /* softmax scale */
   const int64_t *q_block_global; /* [num_q_blocks] */

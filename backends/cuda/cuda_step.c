@@ -78,11 +78,6 @@ mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t byte
 mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, int32_t hkv,
                                  int32_t d, double scale, int backward, cuda_step_t *out,
                                  int *slot) {
-  if (!v->causal)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "cuda: the plan is non-causal (mtrain_pattern_create_noncausal): the cuda "
-                        "kernels compute causal attention only; run it on the cpu or cpu-ref "
-                        "backend");
   cuda_step_tables_t t;
   mtrain_status_t st = cuda_step_tables_size(v, hkv, backward, &t);
   if (st) return st;
@@ -104,6 +99,7 @@ mtrain_status_t cuda_step_upload(cuda_state_t *s, const mtrain_step_view_t *v, i
   out->d = d;
   out->num_q_blocks = v->num_q_blocks;
   out->num_k_blocks = v->num_k_blocks;
+  out->causal = v->causal ? 1 : 0;
   out->seq_len = v->seq_len;
   out->q_tokens = v->q_tokens;
   out->k_tokens = v->k_tokens;

@@ -315,8 +315,8 @@ MTRAIN_API mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t 
  *  of encoders and video DiTs). Every head starts as the block mask of the
  *  diagonal blocks only; set heads with mtrain_pattern_set_block_mask, whose
  *  entries may then lie above the diagonal. Vertical-slash heads are causal:
- *  mtrain_pattern_set_head refuses them here. Runs on the CPU backends; the
- *  "cuda" backend refuses non-causal plans (MTRAIN_ERR_NOT_SUPPORTED). */
+ *  mtrain_pattern_set_head refuses them here. Runs on every backend ("cpu",
+ *  "cpu-ref", "cuda"). */
 MTRAIN_API mtrain_status_t mtrain_pattern_create_noncausal(int64_t seq_len, int32_t num_heads,
                                                            int32_t granularity,
                                                            mtrain_pattern_t **out);

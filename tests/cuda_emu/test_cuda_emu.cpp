@@ -1,8 +1,9 @@
 // test_cuda_emu.cpp: runs the CUDA kernels of variants 2 and 3 on the CPU (the emulator of
 // cuda_emu.h, sources cut by cut_ptx.py) against the fp64 cpu-ref oracle of libmtrain, on random
 // attention steps (single-rank and ring-like, bars anywhere, padded tokens, GQA, d 64 and 128,
-// bf16 and fp16): every forward tiling of variant 2 and variant 3's forward, variant 2's
-// deterministic and fused backward, and variant 3's (kv0: the wgmma dK/dV kernel).
+// bf16 and fp16; causal, and non-causal with key blocks on both sides of the diagonal and no
+// mask but the sequence end): every forward tiling of variant 2 and variant 3's forward,
+// variant 2's deterministic and fused backward, and variant 3's (kv0: the wgmma dK/dV kernel).
 // Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
 // configurations of kQuick with seed 7.
 #include "backends/cuda/attn_mma2_bwd.cu"
@@ -55,6 +56,7 @@ struct Cfg {
   int data;         // 0 random, 1 counting (q = 0, lse = 0 in bwd)
   int random_tiles; // bar tiles of random sizes <= 64
   double qscale;
+  int noncausal; // 1: a non-causal step (key blocks above the diagonal too, no causal mask)
 };
 
 template <typename T> static uint16_t to16(float f);
@@ -142,7 +144,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
     for (int qb = 0; qb < nqb; ++qb) {
       vector<int> chosen;
       for (int kb = 0; kb < nkb; ++kb) {
-        if (kg[kb] > qg[qb] || brows(kT, G, kb, kg[kb], N) == 0) continue;
+        if ((!c.noncausal && kg[kb] > qg[qb]) || brows(kT, G, kb, kg[kb], N) == 0) continue;
         double pr = kg[kb] == qg[qb] ? 0.85 : c.density;
         if (urand() < pr) chosen.push_back(kb);
       }
@@ -196,7 +198,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
   view.q_block_global = qg.data();
   view.k_block_global = kg.data();
   view.heads = heads.data();
-  view.causal = 1;
+  view.causal = c.noncausal ? 0 : 1;
   // device step
   vector<int32_t> meta(Hq * CUDA_HM_STRIDE, 0), idx;
   idx.reserve(1);
@@ -289,6 +291,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
   st.d = D;
   st.num_q_blocks = nqb;
   st.num_k_blocks = nkb;
+  st.causal = view.causal;
   st.seq_len = N;
   st.q_tokens = qT;
   st.k_tokens = kT;
@@ -560,30 +563,40 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
 
 int main(int argc, char **argv) {
   vector<Cfg> cfgs = {
-      // name, G, D, bf16, Hq, Hkv, N, mode, density, nbars, data, random_tiles, qscale
-      {"single G64 d64 bf16 4:2", 64, 64, true, 4, 2, 300, 0, 0.5, 100, 0, 0, 1.0},
-      {"single G128 d128 fp16 4:4", 128, 128, false, 4, 4, 333, 0, 0.6, 150, 0, 1, 1.0},
-      {"ring G64 d128 bf16 8:1", 64, 128, true, 8, 1, 450, 1, 0.5, 80, 0, 1, 2.0},
-      {"ring G128 d64 fp16 16:2", 128, 64, false, 16, 2, 700, 1, 0.4, 200, 0, 0, 1.0},
-      {"single G256 d64 fp16 2:1", 256, 64, false, 2, 1, 600, 0, 0.7, 130, 0, 1, 1.0},
-      {"count G64 d64 bf16 4:2", 64, 64, true, 4, 2, 290, 1, 0.6, 150, 1, 1, 0.0},
-      {"count G128 d128 fp16 4:1", 128, 128, false, 4, 1, 400, 1, 0.6, 150, 1, 1, 0.0},
-      {"N=1 G64 d64 bf16", 64, 64, true, 2, 1, 1, 0, 0.5, 1, 0, 0, 1.0},
-      {"N=1 G128 d128 fp16 count", 128, 128, false, 2, 2, 1, 0, 0.5, 1, 1, 0, 0.0},
-      {"single G192 d128 bf16 4:2", 192, 128, true, 4, 2, 500, 0, 0.5, 70, 0, 1, 1.0},
-      {"count G256 d64 bf16 8:1", 256, 64, true, 8, 1, 777, 1, 0.5, 250, 1, 1, 0.0},
+      // name, G, D, bf16, Hq, Hkv, N, mode, density, nbars, data, random_tiles, qscale, noncausal
+      {"single G64 d64 bf16 4:2", 64, 64, true, 4, 2, 300, 0, 0.5, 100, 0, 0, 1.0, 0},
+      {"single G128 d128 fp16 4:4", 128, 128, false, 4, 4, 333, 0, 0.6, 150, 0, 1, 1.0, 0},
+      {"ring G64 d128 bf16 8:1", 64, 128, true, 8, 1, 450, 1, 0.5, 80, 0, 1, 2.0, 0},
+      {"ring G128 d64 fp16 16:2", 128, 64, false, 16, 2, 700, 1, 0.4, 200, 0, 0, 1.0, 0},
+      {"single G256 d64 fp16 2:1", 256, 64, false, 2, 1, 600, 0, 0.7, 130, 0, 1, 1.0, 0},
+      {"count G64 d64 bf16 4:2", 64, 64, true, 4, 2, 290, 1, 0.6, 150, 1, 1, 0.0, 0},
+      {"count G128 d128 fp16 4:1", 128, 128, false, 4, 1, 400, 1, 0.6, 150, 1, 1, 0.0, 0},
+      {"N=1 G64 d64 bf16", 64, 64, true, 2, 1, 1, 0, 0.5, 1, 0, 0, 1.0, 0},
+      {"N=1 G128 d128 fp16 count", 128, 128, false, 2, 2, 1, 0, 0.5, 1, 1, 0, 0.0, 0},
+      {"single G192 d128 bf16 4:2", 192, 128, true, 4, 2, 500, 0, 0.5, 70, 0, 1, 1.0, 0},
+      {"count G256 d64 bf16 8:1", 256, 64, true, 8, 1, 777, 1, 0.5, 250, 1, 1, 0.0, 0},
       // variant 2: 64-bar tiles (pairs of bar tiles with 128-key items), dense, larger steps
-      {"pairs G128 d128 bf16 8:2 ring", 128, 128, true, 8, 2, 900, 1, 0.3, 330, 0, 0, 1.0},
-      {"pairs G256 d128 fp16 4:1", 256, 128, false, 4, 1, 1000, 0, 0.4, 260, 0, 0, 1.0},
-      {"dense G128 d128 bf16 2:1", 128, 128, true, 2, 1, 700, 0, 1.0, 0, 0, 0, 1.0},
-      {"pairs count G128 d64 fp16 4:2", 128, 64, false, 4, 2, 650, 1, 0.5, 300, 1, 0, 0.0},
-      {"dense G256 d64 bf16 4:4 ring", 256, 64, true, 4, 4, 1100, 1, 1.0, 70, 0, 0, 3.0},
+      {"pairs G128 d128 bf16 8:2 ring", 128, 128, true, 8, 2, 900, 1, 0.3, 330, 0, 0, 1.0, 0},
+      {"pairs G256 d128 fp16 4:1", 256, 128, false, 4, 1, 1000, 0, 0.4, 260, 0, 0, 1.0, 0},
+      {"dense G128 d128 bf16 2:1", 128, 128, true, 2, 1, 700, 0, 1.0, 0, 0, 0, 1.0, 0},
+      {"pairs count G128 d64 fp16 4:2", 128, 64, false, 4, 2, 650, 1, 0.5, 300, 1, 0, 0.0, 0},
+      {"dense G256 d64 bf16 4:4 ring", 256, 64, true, 4, 4, 1100, 1, 1.0, 70, 0, 0, 3.0, 0},
+      // non-causal steps (mtrain_pattern_create_noncausal's plans): key blocks above the
+      // diagonal, the diagonal block unmasked, keys past N masked; N not a multiple of G; the
+      // plans of such patterns hold no bars, the last two add some all the same (never masked)
+      {"nc single G64 d64 bf16 4:2", 64, 64, true, 4, 2, 300, 0, 0.5, 0, 0, 0, 1.0, 1},
+      {"nc ring G128 d128 fp16 8:2", 128, 128, false, 8, 2, 450, 1, 0.5, 0, 0, 0, 1.0, 1},
+      {"nc count G64 d128 bf16 4:1 ring", 64, 128, true, 4, 1, 333, 1, 0.6, 0, 1, 0, 0.0, 1},
+      {"nc count G128 d64 fp16 8:2", 128, 64, false, 8, 2, 500, 0, 0.5, 0, 1, 0, 0.0, 1},
+      {"nc dense G128 d128 bf16 2:1", 128, 128, true, 2, 1, 300, 0, 1.0, 0, 0, 0, 3.0, 1},
+      {"nc G256 d64 fp16 4:4 ring bars", 256, 64, false, 4, 4, 900, 1, 0.5, 120, 0, 1, 1.0, 1},
   };
   setvbuf(stdout, NULL, _IOLBF, 0);
-  /* the default run (about 95 s on one core): single-rank and ring-like steps, G 64 and 128
+  /* the default run (about 220 s on one core): single-rank and ring-like steps, G 64 and 128
    * (128-row tiles, two consumer warpgroups), d 64 and 128, bf16 and fp16, bars in 64-bar
-   * pairs and tiles of random size, counting data, N = 1 */
-  static const int kQuick[] = {0, 2, 5, 6, 7, 8, 14};
+   * pairs and tiles of random size, counting data, N = 1; non-causal steps (16: single-rank,
+   * G 64, d 64; 18: ring-like, counting data, d 128) */
+  static const int kQuick[] = {0, 2, 5, 6, 7, 8, 14, 16, 18};
   int only = argc > 1 ? atoi(argv[1]) : -2;
   uint64_t seed = argc > 2 ? strtoull(argv[2], 0, 10) : 7;
   if (argc > 3) only_kind = atoi(argv[3]);

@@ -1,8 +1,8 @@
 """The CUDA path (skipped without a GPU or without the cuda backend in the
 installed libmtrain): attention on device tensors against float64 masked
-attention (SPEC.md section 7's rule), the online estimate and the block
-selection on the device, opcheck with CUDA inputs, the caller's stream, and
-the device guard."""
+attention (SPEC.md section 7's rule), causal and non-causal patterns, the
+online estimate and the block selection on the device, opcheck with CUDA
+inputs, the caller's stream, and the device guard."""
 
 from __future__ import annotations
 
@@ -39,6 +39,31 @@ def test_attention_against_reference(
     got = {key: t.cpu() for key, t in got.items()}
     ref = reference(q, k, v, mask, do)
     naive = reference(q, k, v, mask, do, dtype)
+    assert_close_spec(got, ref, naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hkv", "d", "g"), [(4, 2, 64, 64), (8, 1, 128, 128)])
+def test_noncausal_block_mask_on_device(
+    gen: torch.Generator, dtype: torch.dtype, hq: int, hkv: int, d: int, g: int
+) -> None:
+    """A non-causal block mask (SPEC.md section 1, "Non-causal patterns") on the device:
+    blocks above the diagonal attend, the diagonal block is not masked token by token,
+    the keys past N never count (N not a multiple of G); forward and every gradient
+    against float64 masked attention (section 7's rule)."""
+    n = 333
+    nb = -(-n // g)
+    q, k, v, do = (randn(gen, n, h, d, dtype=dtype) for h in (hq, hkv, hkv, hq))
+    blocks = torch.rand(hq, nb, nb, generator=gen) < 0.4
+    pattern = mtrain.block_mask_pattern(blocks, n, g, causal=False)
+    assert not pattern.causal
+    mask = pattern.mask()
+    assert bool(mask.triu(1).any())  # keys after the query take part
+    got = run_mtrain(*to_dev(q, k, v, do), pattern=pattern)
+    assert all(t.device.type == DEV for t in got.values())
+    got = {key: t.cpu() for key, t in got.items()}
+    ref = reference(q, k, v, mask, do)
+    naive = None if dtype == torch.float32 else reference(q, k, v, mask, do, dtype)
     assert_close_spec(got, ref, naive)
 
 

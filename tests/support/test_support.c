@@ -110,6 +110,8 @@ const char *ts_pattern_kind_name(ts_pattern_kind_t kind) {
     return "block-mask";
   case TS_PATTERN_BUDGETS:
     return "qwen-budgets";
+  case TS_PATTERN_NONCAUSAL:
+    return "non-causal";
   }
   return "?";
 }
@@ -254,6 +256,22 @@ mtrain_pattern_t *ts_make_pattern(ts_pattern_kind_t kind, int64_t seq_len, int32
       for (int64_t qb = 0; qb < nb; qb++)
         for (int64_t kb = 0; kb < nb; kb++)
           mask[qb * nb + kb] = kb <= qb && ts_rng_uniform(&rng) < density;
+      assert_int_equal(mtrain_pattern_set_block_mask(p, h, mask), MTRAIN_SUCCESS);
+    }
+    free(mask);
+    return p;
+  }
+  case TS_PATTERN_NONCAUSAL: {
+    /* per head a density in [0, 1), each (query block, key block) pair w.p.
+     * that density, above the diagonal too; the diagonal block is added by
+     * the pattern */
+    assert_int_equal(mtrain_pattern_create_noncausal(seq_len, num_heads, granularity, &p),
+                     MTRAIN_SUCCESS);
+    uint8_t *mask = calloc((size_t)(nb * nb), 1);
+    assert_non_null(mask);
+    for (int32_t h = 0; h < num_heads; h++) {
+      double density = ts_rng_uniform(&rng);
+      for (int64_t x = 0; x < nb * nb; x++) mask[x] = ts_rng_uniform(&rng) < density;
       assert_int_equal(mtrain_pattern_set_block_mask(p, h, mask), MTRAIN_SUCCESS);
     }
     free(mask);

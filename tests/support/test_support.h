@@ -62,6 +62,8 @@ typedef enum ts_pattern_kind {
   TS_PATTERN_RANDOM_SPARSE, /* random diagonals and verticals */
   TS_PATTERN_BLOCK_MASK,    /* random generic block mask */
   TS_PATTERN_BUDGETS,       /* from a real budget file (see ts_pattern_from_budgets) */
+  TS_PATTERN_NONCAUSAL,     /* random non-causal block mask (mtrain_pattern_create_noncausal):
+                               blocks on both sides of the diagonal */
 } ts_pattern_kind_t;
 
 const char *ts_pattern_kind_name(ts_pattern_kind_t kind);

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
   const int64_t gq = item.gq;
   const head_view hv = head_of(st, h);
   KeyWalk walk;
-  walk.init(hv, qb, gq, qt);
+  walk.init(hv, qb, st.causal ? gq : -1, qt); /* non-causal: no diagonal block */
   KTile cur;
   if (!walk.next(st, cur)) return;
 
@@ -324,8 +324,9 @@ __global__ void __launch_bounds__(kThreads, kBwdMinBlocks)
     hk = (int)(item % (unsigned)st.Hkv);
     const int kb = ktg / tpb;
     qw.kt = ktg - kb * tpb;
-    qw.gk = st.k_block_global[kb];
-    const int nc = block_rows_dev(st.k_tokens, st.G, kb, qw.gk, st.seq_len);
+    const int64_t gk = st.k_block_global[kb];
+    qw.gk = st.causal ? gk : -1; /* non-causal: no query block is the diagonal */
+    const int nc = block_rows_dev(st.k_tokens, st.G, kb, gk, st.seq_len);
     nk = min(kTile, nc - qw.kt * kTile);
     if (nk <= 0) return;
     qw.nk = nk;

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads, kFwdMinBlocks)
   const int64_t gq = item.gq;
   const head_view hv = head_of(st, h);
   KeyWalk walk;
-  walk.init(hv, qb, gq, qt);
+  walk.init(hv, qb, st.causal ? gq : -1, qt); /* non-causal: no diagonal block */
   KTile cur;
   if (!walk.next(st, cur)) return; /* no key for any row: nothing changes */
 
