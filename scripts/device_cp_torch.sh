@@ -26,7 +26,8 @@
 # is left of $MTRAIN_CP_DEADLINE seconds (default 540) since the start; logs in $OUT (default
 # build-cuda/device-out), five files: cp-check-wW.log, cp-check-w2.log, cp-bench.log,
 # cp-bench.json (128K and 512K), cp-bench-1m.json; a summary is printed last. Expected: about 6
-# minutes on 4 H100s. Exit status 0 when every step passed.
+# minutes on 4 H100s. Exit status 0 when every step passed. OMP_NUM_THREADS: the host's cores
+# over W, at most 16, unless set (torchrun's own default is 1 thread per rank).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-build-cuda/device-out}
@@ -44,6 +45,12 @@ if command -v torchrun > /dev/null; then RUN=(torchrun); else RUN=("$PY" -m torc
 
 W=$(nvidia-smi -L 2> /dev/null | wc -l)
 [ "$W" -ge 1 ] || { echo "device_cp_torch.sh: no GPU (nvidia-smi -L)"; exit 1; }
+# the host cores shared by the ranks (torchrun's default is 1 thread per rank): the plan and the
+# cuda step tables are built on the host with OpenMP (docs/PYTORCH.md, "Threads")
+omp=$(($(nproc) / W))
+[ "$omp" -gt 16 ] && omp=16
+[ "$omp" -lt 1 ] && omp=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$omp}
 [ -f "$MTRAIN_LIBRARY" ] || { echo "device_cp_torch.sh: no $MTRAIN_LIBRARY: run 'bash scripts/device_cuda.sh build' first"; exit 1; }
 "$PY" -c "
 import torch, mtrain
@@ -55,7 +62,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, '| GPUs', n,
 " || { echo "device_cp_torch.sh: torch or mtrain does not import"; exit 1; }
 methods=mtrain-sparse,mtrain-dense
 [ "$dense_1m" = 1 ] && methods=$methods,torch-cp,ring-peer
-echo "GPUs: $W; OUT=$OUT; deadline ${deadline} s; methods at 1M: $methods"
+echo "GPUs: $W; OUT=$OUT; deadline ${deadline} s; methods at 1M: $methods; OMP_NUM_THREADS=$OMP_NUM_THREADS"
 
 summary=()
 failed=0

@@ -323,10 +323,13 @@ def bench_mtrain(env: Env, clock: Clock, args: argparse.Namespace, n: int, spars
     def step(c: Clock) -> dict[str, Any]:
         m = {"start": c.mark()}
         pairs = math.nan
+        parts = [math.nan] * 4
         if sparse:
             plan = mtrain.estimate_pattern(ql, kl, args.budgets, args.layer, **kw)
             m["est"] = c.mark()
             pairs = float(plan.computed_pairs)
+            t = mtrain.last_estimate_times()  # the estimate's parts (the plan is the rest)
+            parts = [t["stages"], t["reduce"], t["copies"], t["select"]]
             o = mtrain.attention(ql, kl, vl, pattern=plan)
         else:
             o = mtrain.attention(ql, kl, vl, **kw)
@@ -339,7 +342,7 @@ def bench_mtrain(env: Env, clock: Clock, args: argparse.Namespace, n: int, spars
         bs = last_stats(ctx[0])
         stats.append([fs.ring_seconds, fs.compute_seconds, fs.wait_seconds, float(fs.steps),
                       bs.ring_seconds, bs.compute_seconds, bs.wait_seconds, float(bs.steps),
-                      pairs])  # fmt: skip
+                      pairs, *parts])  # fmt: skip
         ql.grad = kl.grad = vl.grad = None
         return m  # the plan and the graph die here: the next iteration estimates and plans anew
 
@@ -365,6 +368,13 @@ def bench_mtrain(env: Env, clock: Clock, args: argparse.Namespace, n: int, spars
         total = sum(r[8] for r in rows)
         res["density"] = total / (hq * n * (n + 1) / 2)
         res["estimate"] = f"budgets {Path(args.budgets).name} layer {args.layer}, every iteration"
+        names = ("stages", "reduce", "copies", "select")
+        res["estimate_parts_s"] = {
+            **{k: max(r[9 + i] for r in rows) for i, k in enumerate(names)},
+            "per_rank": [{k: r[9 + i] for i, k in enumerate(names)} for r in rows],
+            "source": "mtrain.last_estimate_times() of the last timed iteration; max over ranks "
+            "(the estimate's wall time minus these parts is its plan, on the host)",
+        }
     res["layout"] = layout
     return res
 
@@ -661,6 +671,12 @@ def table(results: list[dict[str, Any]]) -> str:
             notes.append(r.get("reason", ""))
         if "density" in r:
             notes.append(f"density {r['density']:.4f}, estimate {r.get('est_s', math.nan):.4f} s")
+            ep = r.get("estimate_parts_s")
+            if ep:
+                notes.append(
+                    f"(stages {ep['stages']:.4f}, reduce {ep['reduce']:.4f}, copies "
+                    f"{ep['copies']:.4f}, select {ep['select']:.4f} s)"
+                )
         if r.get("peer"):
             notes.append(f"{r['peer']['attention']}, gqa {r['peer']['gqa']}")
         if r.get("torch_cp"):

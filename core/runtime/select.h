@@ -23,18 +23,6 @@ int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t c
 int32_t mtrain_token_to_block_diagonals(const int64_t *tokens, int64_t n, int32_t granularity,
                                         int64_t num_blocks, int32_t *out);
 
-/** Wall-clock seconds of the two halves of the calling thread's last
- *  estimation (mtrain_pattern_estimate or _ring): `scores` from the first
- *  backend stage to the combined scores on the host (backend stages, copies
- *  to the host, all-reduces), `select` the selection of every head into the
- *  pattern. For benchmarks (tools/mtrain_bench_plan.c); zero before any. */
-typedef struct mtrain_estimate_times {
-  double scores, select;
-  /* the parts of `scores`: the backend stages until the device is done
-   * (with top-p, its row-maximum and normaliser passes and their round
-   * trips), the copies of the final scores to the host, their all-reduces */
-  double stages, copies, reduce;
-} mtrain_estimate_times_t;
-mtrain_estimate_times_t mtrain_estimate_last_times(void);
+/* mtrain_estimate_last_times and its struct are public (mtrain.h). */
 
 #endif /* MTRAIN_CORE_SELECT_H */

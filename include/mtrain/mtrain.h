@@ -537,6 +537,22 @@ MTRAIN_API mtrain_status_t mtrain_pattern_estimate_ring(
     const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
     const mtrain_estimate_options_t *options, mtrain_pattern_t **out);
 
+/** Wall-clock seconds of the parts of the calling thread's last estimate
+ *  (mtrain_pattern_estimate or _ring), for diagnostics and benchmarks:
+ *  `scores` from the first backend stage to the combined scores (`stages`:
+ *  the backend's scoring until the device is done, with top-p its
+ *  row-maximum and normaliser passes and their reductions; `reduce`: the
+ *  combination over the ranks, on the devices or on the host; `copies`: the
+ *  scores' copies to the host, 0 when the backend selects), `select` the
+ *  selection of every head into the pattern (on the backend's device or on
+ *  the host, with the copy of the pattern back). Thread-local; all zero
+ *  before any estimate on this thread. */
+typedef struct mtrain_estimate_times {
+  double scores, select;
+  double stages, copies, reduce;
+} mtrain_estimate_times_t;
+MTRAIN_API mtrain_estimate_times_t mtrain_estimate_last_times(void);
+
 /* ------------------------------------------------------------------------ */
 /* Attention                                                                 */
 /* ------------------------------------------------------------------------ */

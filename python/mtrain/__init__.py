@@ -20,7 +20,14 @@ from ._core import (
     synchronize,
     vertical_slash_pattern,
 )
-from .api import BlockReport, SparsePlan, attention, estimate_pattern, select_blocks
+from .api import (
+    BlockReport,
+    SparsePlan,
+    attention,
+    estimate_pattern,
+    last_estimate_times,
+    select_blocks,
+)
 from .balance import DEFAULT_LEVELS, BalanceResult, balance_batch, mass_curve
 from .block_cache import BlockPatternCache, RecallCheck
 from .dispatch import Dispatched, DispatchInfo, dispatch, undispatch
@@ -52,6 +59,7 @@ __all__ = [
     "dense_pattern",
     "dispatch",
     "estimate_pattern",
+    "last_estimate_times",
     "library_path",
     "load_pattern",
     "mass_curve",

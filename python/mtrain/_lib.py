@@ -224,10 +224,24 @@ I64 = ctypes.c_int64
 PP = ctypes.POINTER(ctypes.c_void_p)
 TP = ctypes.POINTER(Tensor)
 
+
+class EstimateTimes(ctypes.Structure):
+    """mtrain_estimate_times_t: seconds of the parts of the thread's last estimate."""
+
+    _fields_ = (
+        ("scores", ctypes.c_double),
+        ("select", ctypes.c_double),
+        ("stages", ctypes.c_double),
+        ("copies", ctypes.c_double),
+        ("reduce", ctypes.c_double),
+    )
+
+
 # name: (restype, argtypes)
 _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_status_name": (ctypes.c_char_p, (STATUS,)),
     "mtrain_last_error": (ctypes.c_char_p, ()),
+    "mtrain_estimate_last_times": (EstimateTimes, ()),
     "mtrain_clear_error": (None, ()),
     "mtrain_error": (STATUS, (STATUS, ctypes.c_char_p, ctypes.c_char_p)),
     "mtrain_backend_list": (ctypes.c_int, (ctypes.POINTER(ctypes.c_char_p), ctypes.c_int)),

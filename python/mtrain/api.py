@@ -28,7 +28,14 @@ from . import fallback as _fallback
 from .ops import check_cu as _check_cu
 from .ops import check_qkv as _check_qkv  # (importing ops registers them)
 
-__all__ = ["BlockReport", "SparsePlan", "attention", "estimate_pattern", "select_blocks"]
+__all__ = [
+    "BlockReport",
+    "SparsePlan",
+    "attention",
+    "estimate_pattern",
+    "last_estimate_times",
+    "select_blocks",
+]
 
 
 class SparsePlan(NamedTuple):
@@ -234,6 +241,18 @@ class BlockReport(NamedTuple):
     """int32: the top-k budget the head got (top_k, or head-adaptive); -1 in top-p mode."""
     blocks: torch.Tensor
     """int64: the head's selected (query block, key block) pairs, forced ones included."""
+
+
+def last_estimate_times() -> dict[str, float]:
+    """Seconds of the parts of this thread's last pattern estimate (the C library's
+    mtrain_estimate_last_times), for diagnostics: ``scores`` (``stages``: the backend's
+    scoring; ``reduce``: combining over the ranks; ``copies``: the scores' copies to the host,
+    0 when the backend selects) and ``select`` (the selection, with the pattern's copy back).
+    The plan built after the estimate is not included. Eager calls estimate on the caller's
+    thread; all zero before any estimate on this thread."""
+    t = L.lib().estimate_last_times()
+    return {name: float(getattr(t, name)) for name in ("scores", "select", "stages", "copies",
+                                                        "reduce")}  # fmt: skip
 
 
 def _int_option(name: str, value: Any) -> int:

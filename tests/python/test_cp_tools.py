@@ -129,5 +129,8 @@ def test_bench_cp_torch_on_cpu(tmp_path: Path) -> None:
         assert rc["fwd"] > 0 and rc["bwd"] > 0 and len(rc["per_rank"]) == 2
     assert 0 < res["mtrain-sparse"]["density"] <= 1
     assert res["mtrain-sparse"]["est_s"] > 0
+    parts = res["mtrain-sparse"]["estimate_parts_s"]
+    assert len(parts["per_rank"]) == 2 and parts["stages"] > 0 and parts["select"] > 0
+    assert parts["stages"] + parts["select"] <= res["mtrain-sparse"]["est_s"] * 1.5
     assert res["ring-peer"]["ring_over_compute"] is None
     assert "| 512 | mtrain-sparse | ok |" in text

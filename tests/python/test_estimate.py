@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import mtrain
@@ -113,3 +114,22 @@ def test_estimate_feeds_forward_and_backward(gen: torch.Generator) -> None:
     for name in ("o", "dq", "dk", "dv"):
         e = (got[name].double() - ref[name]).abs().max().item()
         assert e <= 1e-4 * ref[name].abs().max().item(), name
+
+
+def test_last_estimate_times(gen: torch.Generator) -> None:
+    """mtrain.last_estimate_times: zero on a thread that has not estimated, then the parts of
+    this thread's last estimate (the host path on the CPU: no device selection)."""
+    import threading
+
+    fresh: list[dict[str, float]] = []
+    worker = threading.Thread(target=lambda: fresh.append(mtrain.last_estimate_times()))
+    worker.start()
+    worker.join()
+    assert fresh == [dict.fromkeys(("scores", "select", "stages", "copies", "reduce"), 0.0)]
+    n, hq, hkv, d = 2048, 4, 2, 32
+    q, k = randn(gen, n, hq, d, dtype=torch.float32), randn(gen, n, hkv, d, dtype=torch.float32)
+    mtrain.estimate_pattern(q, k, [mtrain.TopP(0.9, 0.9)] * hq, granularity=64, last_q=64)
+    t = mtrain.last_estimate_times()
+    assert t["scores"] > 0 and t["select"] > 0 and t["stages"] > 0
+    # the parts of the scores add up to them (one rank: the reduction is a no-op)
+    assert t["stages"] + t["copies"] + t["reduce"] == pytest.approx(t["scores"], rel=1e-9, abs=1e-9)
