@@ -22,6 +22,8 @@
 # the block-sparse selection, antidiag top-p 0.9; window needs mtrain-static before it).
 # BLOCK_ARGS: extra options of the mtrain-block runs (e.g. "--block-method meanpool
 # --block-top-k 4"; default none: --block-top-p 0.9 --block-stride 8).
+# ARM_GPUS=G (default 1): the arms-* phases run their arms at once, one per GPU, in waves of G
+# (window after mtrain-static, on GPU 0); each arm's output in OUT_DIR/ARM-LENGTH.stdout.
 # Context parallel (docs/TRAINING.md, "Context parallel"): CP_WORLD=W (default 1: one GPU, the
 # phases as they were) launches every run with torchrun on W GPUs of this host (one rank per
 # GPU, NCCL; every arm on mtrain's ring), CP_LAYOUT its token layout (default striped);
@@ -41,6 +43,11 @@ CALL_S=${CALL_S:-540}
 MARGIN_S=${MARGIN_S:-75}
 ARMS=${ARMS:-dense mtrain-static window mtrain-topp}
 CP_WORLD=${CP_WORLD:-1}
+ARM_GPUS=${ARM_GPUS:-1}
+if [ "$ARM_GPUS" -gt 1 ] && [ "$CP_WORLD" -gt 1 ]; then
+  echo "ARM_GPUS=$ARM_GPUS and CP_WORLD=$CP_WORLD: give one of them" >&2
+  exit 2
+fi
 CP_LAYOUT=${CP_LAYOUT:-striped}
 t_end=$(($(date +%s) + CALL_S))
 KNOWN_ARMS=" dense mtrain-full mtrain-static mtrain-topp mtrain-block window "
@@ -119,7 +126,18 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
   # the starting weights at this length before any step: how much of the skill carries over
   train "zeroshot-$n" --arm dense --seq-len "$n" --batch "$b" --steps 0 --init-from "$from" ||
     return $?
+  if [ "$ARM_GPUS" -gt 1 ]; then
+    arms_parallel "$n" "$b" "$from"
+    return $?
+  fi
   for arm in $ARMS; do
+    arm_run "$arm" "$n" "$b" "$from" || return $?
+  done
+}
+
+arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
+  local arm=$1 n=$2 b=$3 from=$4 extra
+  {
     extra=()
     if [ "$arm" = window ]; then
       if [ ! -f "$out/mtrain-static-$n.json" ]; then
@@ -137,8 +155,48 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
     fi
     train "$arm-$n" --arm "$arm" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
       --lr "$EXT_LR" --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" \
-      "${extra[@]}" || return $?
+      "${extra[@]}"
+  }
+}
+
+# ARM_GPUS=G > 1: the arms run at once, one process per GPU (CUDA_VISIBLE_DEVICES), in waves of
+# G; window, which needs mtrain-static's result, runs after them. The phase's status: 3 when a
+# run failed, else 1 when one stopped at the time limit, else 0.
+arms_parallel() {
+  local n=$1 b=$2 from=$3 arm slot=0 worst=0 rc pids=() late=()
+  for arm in $ARMS; do
+    if [ "$arm" = window ]; then
+      late+=("$arm")
+      continue
+    fi
+    echo "$arm-$n: on GPU $slot"
+    CUDA_VISIBLE_DEVICES=$slot arm_run "$arm" "$n" "$b" "$from" > "$out/$arm-$n.stdout" 2>&1 &
+    pids+=($!)
+    slot=$((slot + 1))
+    if [ "$slot" -ge "$ARM_GPUS" ]; then
+      for p in "${pids[@]}"; do
+        wait "$p"
+        rc=$?
+        [ "$rc" -gt "$worst" ] && worst=$rc
+      done
+      pids=()
+      slot=0
+    fi
   done
+  for p in "${pids[@]}"; do
+    wait "$p"
+    rc=$?
+    [ "$rc" -gt "$worst" ] && worst=$rc
+  done
+  for arm in $ARMS; do
+    [ -f "$out/$arm-$n.stdout" ] && [ "$arm" != window ] && tail -n 3 "$out/$arm-$n.stdout"
+  done
+  for arm in "${late[@]}"; do
+    arm_run "$arm" "$n" "$b" "$from"
+    rc=$?
+    [ "$rc" -gt "$worst" ] && worst=$rc
+  done
+  return "$worst"
 }
 
 extend() { # dense, each rung of LADDER from the one before; the last rung's weights: extended.pt
