@@ -33,7 +33,10 @@
 #define BS_SHARED __shared__
 #endif
 
+/* bsk: internal linkage (the inner unnamed namespace), so that the emulator's
+ * CPU build of these kernels links next to the library's host stubs. */
 namespace bsk {
+namespace {
 
 constexpr int kThreads = 128;
 
@@ -287,6 +290,7 @@ template <bool NC> __global__ void __launch_bounds__(kThreads) meanpool_kernel(b
   }
 }
 
+} // namespace
 } // namespace bsk
 
 #endif
