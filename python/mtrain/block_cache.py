@@ -414,9 +414,9 @@ class BlockPatternCache:
         return L.fail(
             L.ERR_INVALID_CONFIG,
             f"{what}: the ranks are out of step (this rank {self.rank} {mine}; another rank "
-            "differs): every rank must build the cache alike and call select() and "
-            "invalidate() for the same layers on the same steps with the same global shapes "
-            "(the refresh schedule is collective); the layer is unchanged",
+            "differs or refused its inputs): every rank must build the cache alike and call "
+            "select() and invalidate() for the same layers on the same steps with the same "
+            "global shapes (the refresh schedule is collective); the layer is unchanged",
         )
 
     # ---- the schedule ----
@@ -528,8 +528,14 @@ class BlockPatternCache:
                 raise refused
             if not same:
                 raise self._out_of_step(what, layer, key)
-            cached_ctx = self._contexts[layer]
-            ctx = self._context(q3) if due or cached_ctx is None else cached_ctx
+            ctx_held = self._contexts[layer]
+            if due or ctx_held is None:
+                try:
+                    ctx = self._context(q3)  # collective: the settings and the layout
+                except MtrainError as e:
+                    raise L.fail(e.code, f"{what}: {e.message}") from e
+            else:
+                ctx = ctx_held
         lse2 = lse.detach().contiguous() if (lse is not None and due) else None
         qd, kd = C.descriptor(q3), C.descriptor(k3)
         ld = C.descriptor(lse2) if lse2 is not None else None
