@@ -235,7 +235,8 @@ def cache_run(layout: str | None) -> dict[str, Any]:
     process (layout None, the global inputs) or on this rank's slots of `layout` over the
     world group. Per step: the pattern's masks, its age, whether it is the previous step's
     object; the precise method gets lse= only on the steps that select. The last step of
-    antidiag_p also measures (collective under the group)."""
+    antidiag_p also attends with its pattern (gathered back to global order) and measures
+    (collective under the group)."""
     out: dict[str, Any] = {}
     group = dist.group.WORLD if layout is not None else None
     for name, opts in CACHE_CASES.items():
@@ -265,6 +266,14 @@ def cache_run(layout: str | None) -> dict[str, Any]:
             )
             held = p
             if name == "antidiag_p" and step == CACHE_STEPS - 1:
+                # the global pattern through the attention (the dispatch's kwargs)
+                v = torch.randn(CACHE_N, HKV, CACHE_D, generator=torch.Generator().manual_seed(4))
+                if layout is None:
+                    out["o"] = mtrain.attention(q, k, v, pattern=[p], granularity=CACHE_G)
+                else:
+                    vl = mtrain.dispatch(v, info=info).local
+                    o = mtrain.attention(q, k, vl, pattern=[p], **info.attention_kwargs())
+                    out["o"] = mtrain.undispatch(o, info)
                 r = cache.measure(0, q, k)
                 out["measure"] = {
                     "cached": r.cached_per_head, "fresh": r.fresh_per_head, "age": r.age,
