@@ -207,6 +207,135 @@ def case_blocks(rank: int, world: int) -> dict[str, Any]:
     return {layout: block_selections(layout) for layout in BLOCK_LAYOUTS}
 
 
+# mtrain.BlockPatternCache under a group (test_block_cache.py): one sequence of an odd length
+# (the layouts pad it), refresh every 2 steps, inputs that change every step
+CACHE_N, CACHE_G, CACHE_D, CACHE_STEPS, CACHE_REFRESH = 301, 16, 32, 5, 2
+CACHE_LAYOUTS = ("striped", "zigzag")
+CACHE_CASES: dict[str, dict[str, Any]] = {
+    "meanpool_k": {"method": "meanpool", "top_k": 2, "sink_blocks": 2},
+    "precise_p": {"method": "precise", "top_p": 0.85},
+    "antidiag_p": {"method": "antidiag", "top_p": 0.8, "stride": 4},
+}
+
+
+def cache_inputs(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global q, k and the dense forward's lse of one step (seed 300 + step): a few
+    keys that queries prefer, at places that move every step."""
+    g = torch.Generator().manual_seed(300 + step)
+    n = CACHE_N
+    q, k, v = (torch.randn(n, h, CACHE_D, generator=g) for h in (HQ, HKV, HKV))
+    q[..., 0] += 1.5
+    k[torch.randperm(n, generator=g)[:10], :, 0] += 4.0
+    _, lse = mtrain.attention(q, k, v, granularity=CACHE_G, return_lse=True)
+    return q, k, lse
+
+
+def cache_run(layout: str | None) -> dict[str, Any]:
+    """Every CACHE_CASES entry through a BlockPatternCache for CACHE_STEPS steps: on one
+    process (layout None, the global inputs) or on this rank's slots of `layout` over the
+    world group. Per step: the pattern's masks, its age, whether it is the previous step's
+    object; the precise method gets lse= only on the steps that select. The last step of
+    antidiag_p also attends with its pattern (gathered back to global order) and measures
+    (collective under the group)."""
+    out: dict[str, Any] = {}
+    group = dist.group.WORLD if layout is not None else None
+    for name, opts in CACHE_CASES.items():
+        where: dict[str, Any] = {"granularity": CACHE_G}
+        if layout is not None:
+            where.update(group=group, layout=layout, seq_len=CACHE_N)
+        cache = mtrain.BlockPatternCache(CACHE_REFRESH, **opts, **where)
+        steps: list[dict[str, Any]] = []
+        held = None
+        for step in range(CACHE_STEPS):
+            q, k, lse = cache_inputs(step)
+            if layout is not None:
+                q, _, info = mtrain.dispatch(q, group, layout=layout, granularity=CACHE_G)
+                k, lse = (mtrain.dispatch(t, info=info).local for t in (k, lse))
+            due = cache.due(0)
+            extra = {"lse": lse} if opts["method"] == "precise" and due else {}
+            p = cache.select(0, q, k, **extra)
+            steps.append(
+                {
+                    "masks": torch.stack([p.block_mask(h) for h in range(p.num_heads)]),
+                    "heads": [p.head(h) for h in range(p.num_heads)],
+                    "age": cache.age(0),
+                    "due": due,
+                    "reused": p is held,
+                    "counts": cache.counts(0),
+                }
+            )
+            held = p
+            if name == "antidiag_p" and step == CACHE_STEPS - 1:
+                # the global pattern through the attention (the dispatch's kwargs)
+                v = torch.randn(CACHE_N, HKV, CACHE_D, generator=torch.Generator().manual_seed(4))
+                if layout is None:
+                    out["o"] = mtrain.attention(q, k, v, pattern=[p], granularity=CACHE_G)
+                else:
+                    vl = mtrain.dispatch(v, info=info).local
+                    o = mtrain.attention(q, k, vl, pattern=[p], **info.attention_kwargs())
+                    out["o"] = mtrain.undispatch(o, info)
+                r = cache.measure(0, q, k)
+                out["measure"] = {
+                    "cached": r.cached_per_head, "fresh": r.fresh_per_head, "age": r.age,
+                    "densities": (r.cached_density, r.fresh_density),
+                }  # fmt: skip
+        out[name] = steps
+    return out
+
+
+def case_cache(rank: int, world: int) -> dict[str, Any]:
+    """BlockPatternCache over the world group for every layout of CACHE_LAYOUTS."""
+    del rank, world
+    return {layout: cache_run(layout) for layout in CACHE_LAYOUTS}
+
+
+def _error(fn: Any) -> dict[str, Any]:
+    try:
+        fn()
+    except mtrain.MtrainError as e:
+        return {"status": e.status, "message": e.message}
+    return {"status": "none", "message": ""}
+
+
+def case_cache_errors(rank: int, world: int) -> dict[str, Any]:
+    """BlockPatternCache errors under a group: every rank fails, none waits on a collective
+    another rank left, and the layer stays as it was (counts) and steps on afterwards."""
+    del world
+    group = dist.group.WORLD
+    out: dict[str, Any] = {}
+    out["seq_len"] = _error(lambda: mtrain.BlockPatternCache(2, top_k=1, group=group, seq_len=0))
+    # different layouts of equal slot counts (as case_layouts): the context check names it
+    b = global_batch()
+    layout = "striped" if rank == 0 else "zigzag"
+    ql, _, info = mtrain.dispatch(b["q"][:380], group, layout=layout, granularity=G)
+    kl = mtrain.dispatch(b["k"][:380], info=info).local
+    cache = mtrain.BlockPatternCache(
+        2, method="meanpool", top_k=1, granularity=G, group=group, layout=layout, seq_len=380
+    )
+    out["layouts"] = {**_error(lambda: cache.select(0, ql, kl)), "counts": cache.counts(0)}
+    # the schedule: rank 0 invalidates alone, then every rank steps
+    q, k, _ = cache_inputs(0)
+    ql, _, info = mtrain.dispatch(q, group, granularity=CACHE_G)
+    kl = mtrain.dispatch(k, info=info).local
+    cache = mtrain.BlockPatternCache(
+        2, method="meanpool", top_k=2, granularity=CACHE_G, group=group, seq_len=CACHE_N
+    )
+    cache.select(0, ql, kl)
+    if rank == 0:
+        cache.invalidate(0)
+    out["schedule"] = {**_error(lambda: cache.select(0, ql, kl)), "counts": cache.counts(0)}
+    cache.invalidate(0)  # every rank now: in step again
+    p = cache.select(0, ql, kl)
+    out["schedule"]["after"] = (cache.counts(0), p.head(0))
+    # this rank's slots wrong on rank 0 only (one token short): rank 0 names its slots, the
+    # others see a rank out of step
+    mine = (ql[:-1], kl[:-1]) if rank == 0 else (ql, kl)
+    out["slots"] = {**_error(lambda: cache.select(0, *mine)), "counts": cache.counts(0)}
+    cache.select(0, ql, kl)
+    out["slots"]["after"] = cache.counts(0)
+    return out
+
+
 def case_split(rank: int, world: int) -> dict[str, Any]:
     """mtrain_comm_split on the torch communicator (3 ranks): the even ranks
     {2, 0} (ordered by key) and {1}; contexts created on them check their
@@ -315,6 +444,8 @@ CASES = {
     "layouts": case_layouts,
     "block_mask": case_block_mask,
     "blocks": case_blocks,
+    "cache": case_cache,
+    "cache_errors": case_cache_errors,
     "split": case_split,
     "timeout": case_timeout,
     "hf": case_hf,

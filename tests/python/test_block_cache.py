@@ -9,6 +9,7 @@ that change shape between steps. CPU, seeds printed (conftest.gen)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,3 +234,92 @@ def test_shape_change_between_steps(gen: torch.Generator, change: str, words: st
     cache.invalidate(0)
     p2 = cache.select(0, q2, k2)  # after invalidate the new shape selects
     assert cache.age(0) == 0 and p2.seq_len == q2.shape[0] and p2.num_heads == q2.shape[1]
+
+
+def test_group_arguments() -> None:
+    """The context-parallel arguments' checks that need no process group."""
+    inv = "MTRAIN_ERR_INVALID_ARGUMENT"
+    make = mtrain.BlockPatternCache
+    _raises(inv, "seq_len=301|with group=", make, 2, top_k=1, seq_len=301)
+    _raises(inv, "layout 'diagonal'|striped", make, 2, top_k=1, layout="diagonal")
+    _raises(inv, "ranks_per_node=1.5|int", make, 2, top_k=1, ranks_per_node=1.5)
+    if torch.distributed.is_available() and not torch.distributed.is_initialized():
+        _raises("MTRAIN_ERR_INVALID_CONFIG", "init_process_group", make, 2, top_k=1, group=object())
+
+
+# ---------------------------------------------------------------------------
+# context parallel: 2 and 3 gloo processes, every step bitwise the single-process cache
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_cache_equals_single_process(world: int, tmp_path: Path) -> None:
+    """Each rank passes its slots of a sequence of 301 tokens (padded by the layouts) and
+    gets, at every step, the pattern of the single-process cache on the global inputs:
+    the same heads, ages, reuse and counts; the attention with it and measure() (collective)
+    equal too. Then the errors: layouts that differ, a rank that invalidates alone, a rank
+    with wrong slots."""
+    import torch.multiprocessing as mp
+
+    import cp_worker
+
+    print(f"seeds: steps 300 .. {300 + cp_worker.CACHE_STEPS - 1}, batch 77; world {world}")
+    mp.spawn(
+        cp_worker.main,
+        args=(world, str(tmp_path / "init"), str(tmp_path), ["cache", "cache_errors"]),
+        nprocs=world,
+        join=True,
+    )
+    ref = cp_worker.cache_run(None)
+    # the inputs move: some cached step differs from a fresh selection of its inputs
+    moved = False
+    for name, want in ref.items():
+        if name in ("measure", "o"):
+            continue
+        assert [s["due"] for s in want] == [True, False, True, False, True], name
+        assert [s["reused"] for s in want] == [False, True, False, True, False], name
+        moved = moved or not torch.equal(want[0]["masks"], want[2]["masks"])
+    assert moved, "the steps' inputs select the same pattern: the refresh is not tested"
+    inv = "MTRAIN_ERR_INVALID_CONFIG"
+    for r in range(world):
+        got = torch.load(tmp_path / f"cache_{r}.pt", weights_only=False)
+        assert "error" not in got, f"rank {r}:\n{got['error']}"
+        for layout in cp_worker.CACHE_LAYOUTS:
+            have_all = got[layout]
+            for name in cp_worker.CACHE_CASES:
+                for step, (have, want) in enumerate(zip(have_all[name], ref[name], strict=True)):
+                    what = f"rank {r}, {layout}, {name}, step {step}"
+                    assert have["heads"] == want["heads"], f"{what}: the patterns differ"
+                    assert torch.equal(have["masks"], want["masks"]), what
+                    for key in ("age", "due", "reused", "counts"):
+                        assert have[key] == want[key], f"{what}: {key}"
+            e = (have_all["o"] - ref["o"]).abs().max().item()
+            assert e <= 1e-5 * ref["o"].abs().max().item(), f"rank {r} {layout}: o differs by {e}"
+            m, want_m = have_all["measure"], ref["measure"]
+            assert m["age"] == want_m["age"] == 0 and m["densities"] == want_m["densities"]
+            for key in ("cached", "fresh"):
+                assert m[key].numpy().tobytes() == want_m[key].numpy().tobytes(), (r, layout)
+        err = torch.load(tmp_path / f"cache_errors_{r}.pt", weights_only=False)
+        assert "error" not in err, f"rank {r}:\n{err['error']}"
+        assert err["seq_len"]["status"] == "MTRAIN_ERR_INVALID_ARGUMENT", err["seq_len"]
+        assert "seq_len=0" in err["seq_len"]["message"]
+        lay = err["layouts"]
+        assert lay["status"] == inv and "select(layer=0)" in lay["message"], lay
+        assert f"layout {'striped' if r == 0 else 'zigzag'}" in lay["message"], lay
+        assert lay["counts"] == (0, 0), lay
+        sched = err["schedule"]
+        assert sched["status"] == inv and "out of step" in sched["message"], sched
+        assert sched["counts"] == (1, 1), sched  # the failed step changed nothing
+        assert sched["after"][0] == (2, 2), sched
+        rank0 = torch.load(tmp_path / "cache_errors_0.pt", weights_only=False)
+        assert sched["after"][1] == rank0["schedule"]["after"][1], "the ranks' patterns differ"
+        slots = err["slots"]
+        if r == 0:
+            assert slots["status"] == "MTRAIN_ERR_SHAPE_MISMATCH", slots
+            assert "slots of the striped layout of 301 tokens" in slots["message"], slots
+        else:
+            assert slots["status"] == inv and "out of step" in slots["message"], slots
+        assert slots["counts"] == (2, 2) and slots["after"] == (3, 2), slots
