@@ -3,11 +3,11 @@
  * maxima and normalisers for top-p heads, then column and diagonal sums);
  * partial results are indexed globally and combined with the communicator's
  * all-reduce (each entry has one contributor, so the sums are exact and do
- * not depend on the world size), on the devices where the communicator has a
- * device all-reduce; the selection is the backend's (pattern_select) where it
- * has one, else host code shared by all backends (select.c). Single rank: the chunk is the whole
- * sequence; ring: each rank scores its own slots of the layout after the last L queries are
- * gathered. */
+ * not depend on the world size), on the devices where the communicator has
+ * a device all-reduce. The selection is the backend's (pattern_select) where
+ * it has one, else host code shared by all backends (select.c). Single rank:
+ * the chunk is the whole sequence; ring: each rank scores its own slots of
+ * the layout after the last L queries are gathered. */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -307,15 +307,15 @@ static mtrain_status_t estimate_core(mtrain_context_t *ctx, const estimate_input
    * back); else, and for budgets it cannot select, the scores come to the
    * host. MTRAIN_HOST_SELECT=1 selects on the host always (comparisons). */
   const char *host_env = getenv("MTRAIN_HOST_SELECT");
+  const int host_only = host_env && host_env[0] == '1';
   /* several ranks: with a device all-reduce (nccl) the scores are combined
    * on the devices and every rank selects on its own device from the same
    * sums (each entry has one contributor: bitwise the one-rank scores) */
   const int world = mtrain_context_world(ctx);
-  const int reduce_on_device = world > 1 && mtrain_cm_has_allreduce_device(ctx) &&
-                               mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_DEVICE &&
-                               !(host_env && host_env[0] == '1');
-  int device_select = (world == 1 || reduce_on_device) && mtrain_be_has_pattern_select(ctx) &&
-                      !(host_env && host_env[0] == '1');
+  const int reduce_on_device = world > 1 && !host_only && mtrain_cm_has_allreduce_device(ctx) &&
+                               mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_DEVICE;
+  int device_select =
+      (world == 1 || reduce_on_device) && !host_only && mtrain_be_has_pattern_select(ctx);
   const size_t select_bytes = sizeof(int64_t) * (size_t)Hq * (size_t)N +
                               sizeof(int32_t) * ((size_t)Hq * (size_t)(nb + 1) + 2 * (size_t)Hq);
   const size_t host_bytes = sizeof(double) * (n_row + n_col + n_diag);

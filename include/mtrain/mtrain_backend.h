@@ -340,8 +340,9 @@ typedef struct mtrain_backend_ops {
 
   /** Optional: the vertical-slash selection on the backend
    *  (mtrain_select_args_t). NULL: the estimate copies the scores to the
-   *  host and selects there. Used on one rank (the scores of W > 1 ranks
-   *  are combined on the host). */
+   *  host and selects there. Used on one rank, and on W > 1 ranks when the
+   *  communicator has allreduce_device (the scores are combined on the
+   *  devices first; otherwise they are combined and selected on the host). */
   mtrain_status_t (*pattern_select)(void *state, const mtrain_select_args_t *args);
   /** 1 when block_scores computes the non-causal scores (args.noncausal).
    *  0: a non-causal block selection is refused with MTRAIN_ERR_NOT_SUPPORTED
