@@ -343,6 +343,20 @@ static void test_block_mask_errors(void **state) {
             "heads[0].block_mask[1]", "must be sorted");
   check_bad(HDR "[{\"block_mask\": [[2, 1], [2, 1]]}]}", MTRAIN_ERR_INVALID_PATTERN,
             "heads[0].block_mask[1]", "without duplicates");
+  /* a non-causal file of too many blocks is refused before any allocation
+   * (the fuzzer once found this asking for 9 GB) */
+  check_bad("{\"granularity\": 1, \"seq_len\": 1153264722, \"causal\": false, \"heads\": "
+            "[{\"block_mask\": []}]}",
+            MTRAIN_ERR_INVALID_PATTERN, "1153264722 query blocks", "2^24");
+  /* the limit is over all block-mask heads together: 4 heads of 2^23 blocks
+   * would take 1.6 GB, so they are refused before the pattern is made */
+  check_bad("{\"granularity\": 2, \"seq_len\": 16777216, \"causal\": false, \"heads\": "
+            "[{}, {}, {}, {}]}",
+            MTRAIN_ERR_INVALID_PATTERN, "4 block-mask heads of 8388608 query blocks", "2^24");
+  check_bad("{\"granularity\": 2, \"seq_len\": 16777216, \"heads\": [{}, "
+            "{\"block_mask\": []}, {\"verticals\": [1]}, {\"block_mask\": []}, "
+            "{\"block_mask\": []}]}",
+            MTRAIN_ERR_INVALID_PATTERN, "3 block-mask heads", "heads");
 }
 
 static void test_file_errors(void **state) {

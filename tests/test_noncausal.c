@@ -72,6 +72,10 @@ static void test_pattern(void **state) {
   assert_int_equal(mtrain_pattern_is_causal(causal), 1);
   TS_ASSERT_STATUS(mtrain_pattern_set_block_mask(causal, 0, mask), MTRAIN_ERR_INVALID_PATTERN,
                    "above the causal diagonal");
+  /* block masks are O(blocks): more than 2^24 blocks is refused up front */
+  TS_ASSERT_STATUS(mtrain_pattern_create_noncausal(MTRAIN_PATTERN_MAX_MASK_BLOCKS + 1, 2, 1, &p),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "2^24");
+  assert_null(p);
   assert_int_equal(mtrain_pattern_create_noncausal(N, 2, G, &p), MTRAIN_SUCCESS);
   assert_int_equal(mtrain_pattern_is_causal(p), 0);
   /* a fresh head: the diagonal blocks, every pair of them */

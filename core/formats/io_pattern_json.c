@@ -240,6 +240,27 @@ static mtrain_status_t parse_head(const json_ctx_t *c, const json_t *obj, mtrain
   return parse_mask_head(c, mask, p);
 }
 
+/* Block masks take memory in proportion to their query blocks, head by head:
+ * a file whose block-mask heads (every head when not causal) hold more than
+ * MTRAIN_PATTERN_MAX_MASK_BLOCKS query-block rows together is refused before
+ * anything is allocated, so that a few bytes cannot ask for gigabytes. */
+static mtrain_status_t check_mask_budget(const json_ctx_t *c, const json_t *heads, int noncausal,
+                                         int64_t seq_len, int64_t granularity) {
+  int64_t nb = (seq_len + granularity - 1) / granularity;
+  int64_t mask_heads = 0;
+  for (size_t h = 0; h < json_array_size(heads); h++) {
+    const json_t *head = json_array_get(heads, h);
+    if (noncausal || (json_is_object(head) && json_object_get(head, "block_mask"))) mask_heads++;
+  }
+  if (mask_heads == 0 || nb <= MTRAIN_PATTERN_MAX_MASK_BLOCKS / mask_heads) return MTRAIN_SUCCESS;
+  return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, "heads",
+                 "%lld block-mask heads of %lld query blocks each (seq_len / granularity): a "
+                 "block mask takes memory in proportion to its query blocks, and a pattern file "
+                 "may hold 2^24 of them over all heads; use a larger granularity or "
+                 "vertical-slash heads",
+                 (long long)mask_heads, (long long)nb);
+}
+
 /* Checks the top level and creates the pattern (heads still empty). */
 static mtrain_status_t parse_top(const json_ctx_t *c, const json_t *root, const json_t **heads,
                                  mtrain_pattern_t **out) {
@@ -268,6 +289,8 @@ static mtrain_status_t parse_top(const json_ctx_t *c, const json_t *root, const 
   if (causal && !json_is_boolean(causal))
     return fail_at(c, MTRAIN_ERR_FORMAT, "causal", "expected true or false, found %s",
                    mtrain_json_type_name(causal));
+  st = check_mask_budget(c, *heads, causal && json_is_false(causal), (int64_t)n, (int64_t)g);
+  if (st != MTRAIN_SUCCESS) return st;
   st = causal && json_is_false(causal)
            ? mtrain_pattern_create_noncausal((int64_t)n, (int32_t)nh, (int32_t)g, out)
            : mtrain_pattern_create((int64_t)n, (int32_t)nh, (int32_t)g, out);

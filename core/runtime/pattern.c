@@ -92,6 +92,15 @@ mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t num_heads, 
 mtrain_status_t mtrain_pattern_create_noncausal(int64_t seq_len, int32_t num_heads,
                                                 int32_t granularity, mtrain_pattern_t **out) {
   MTRAIN_CHECK_NOT_NULL(out);
+  /* every head is a block mask: refuse before allocating O(blocks) */
+  if (granularity >= 1 && seq_len >= 1 &&
+      (seq_len + granularity - 1) / granularity > MTRAIN_PATTERN_MAX_MASK_BLOCKS)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "pattern: a non-causal pattern holds block masks, whose memory grows with "
+                        "the %lld query blocks (seq_len %lld / granularity %d), more than the 2^24 "
+                        "supported; use a larger granularity",
+                        (long long)((seq_len + granularity - 1) / granularity), (long long)seq_len,
+                        granularity);
   mtrain_pattern_t *p = NULL;
   mtrain_status_t st = mtrain_pattern_create(seq_len, num_heads, granularity, &p);
   if (st != MTRAIN_SUCCESS) return st;

@@ -316,7 +316,8 @@ MTRAIN_API mtrain_status_t mtrain_pattern_create_dense(int64_t seq_len, int32_t 
  *  diagonal blocks only; set heads with mtrain_pattern_set_block_mask, whose
  *  entries may then lie above the diagonal. Vertical-slash heads are causal:
  *  mtrain_pattern_set_head refuses them here. Runs on every backend ("cpu",
- *  "cpu-ref", "cuda"). */
+ *  "cpu-ref", "cuda"). At most MTRAIN_PATTERN_MAX_MASK_BLOCKS query blocks
+ *  (else MTRAIN_ERR_INVALID_ARGUMENT, before anything is allocated). */
 MTRAIN_API mtrain_status_t mtrain_pattern_create_noncausal(int64_t seq_len, int32_t num_heads,
                                                            int32_t granularity,
                                                            mtrain_pattern_t **out);
