@@ -258,7 +258,7 @@ static void test_top_level_ranges(void **state) {
   /* found by the long fuzz run: 888888200 blocks of one token asked for 7 GB */
   check_bad("{\"granularity\": 1, \"seq_len\": 888888200, \"heads\": [{\"verticals\": [9]}, "
             "{\"block_mask\": [[0, 0], [3, 1]]}]}",
-            MTRAIN_ERR_INVALID_PATTERN, "888888200 query blocks", "2^24");
+            MTRAIN_ERR_INVALID_PATTERN, "1 block-mask heads of 888888200 query blocks", "2^22");
 }
 
 static void test_empty_heads(void **state) {
@@ -347,16 +347,32 @@ static void test_block_mask_errors(void **state) {
    * (the fuzzer once found this asking for 9 GB) */
   check_bad("{\"granularity\": 1, \"seq_len\": 1153264722, \"causal\": false, \"heads\": "
             "[{\"block_mask\": []}]}",
-            MTRAIN_ERR_INVALID_PATTERN, "1153264722 query blocks", "2^24");
-  /* the limit is over all block-mask heads together: 4 heads of 2^23 blocks
-   * would take 1.6 GB, so they are refused before the pattern is made */
-  check_bad("{\"granularity\": 2, \"seq_len\": 16777216, \"causal\": false, \"heads\": "
-            "[{}, {}, {}, {}]}",
-            MTRAIN_ERR_INVALID_PATTERN, "4 block-mask heads of 8388608 query blocks", "2^24");
-  check_bad("{\"granularity\": 2, \"seq_len\": 16777216, \"heads\": [{}, "
+            MTRAIN_ERR_INVALID_PATTERN, "1153264722 query blocks", "2^22");
+  /* the limit is over all block-mask heads together (2^22 rows): 4 heads of
+   * 2^21 blocks are refused before the pattern is made, 2 are read */
+  check_bad("{\"granularity\": 8, \"seq_len\": 16777216, \"causal\": false, \"heads\": "
+            "[{\"block_mask\": []}, {\"block_mask\": []}, {\"block_mask\": []}, "
+            "{\"block_mask\": []}]}",
+            MTRAIN_ERR_INVALID_PATTERN, "4 block-mask heads of 2097152 query blocks", "2^22");
+  check_bad("{\"granularity\": 8, \"seq_len\": 16777216, \"heads\": [{}, "
             "{\"block_mask\": []}, {\"verticals\": [1]}, {\"block_mask\": []}, "
             "{\"block_mask\": []}]}",
             MTRAIN_ERR_INVALID_PATTERN, "3 block-mask heads", "heads");
+  mtrain_pattern_t *two = NULL;
+  assert_int_equal(mtrain_pattern_parse_json("{\"granularity\": 8, \"seq_len\": 16777216, "
+                                             "\"causal\": false, \"heads\": [{\"block_mask\": "
+                                             "[]}, {\"block_mask\": [[0, 5]]}]}",
+                                             "ok.json", &two),
+                   MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_pattern_num_heads(two), 2);
+  mtrain_pattern_destroy(two);
+  /* a non-causal file whose head is not a block mask fails before the
+   * pattern of 2^22 rows is made */
+  check_bad("{\"granularity\": 4, \"seq_len\": 16777216, \"causal\": false, \"heads\": "
+            "[{\"block_mask\": []}, {\"blocksk\": []}]}",
+            MTRAIN_ERR_INVALID_PATTERN, "heads[1]", "holds block-mask heads only");
+  check_bad("{\"granularity\": 4, \"seq_len\": 64, \"causal\": false, \"heads\": [3]}",
+            MTRAIN_ERR_FORMAT, "heads[0]", "expected an object");
 }
 
 static void test_file_errors(void **state) {

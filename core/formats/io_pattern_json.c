@@ -240,24 +240,40 @@ static mtrain_status_t parse_head(const json_ctx_t *c, const json_t *obj, mtrain
   return parse_mask_head(c, mask, p);
 }
 
-/* Block masks take memory in proportion to their query blocks, head by head:
- * a file whose block-mask heads (every head when not causal) hold more than
- * MTRAIN_PATTERN_MAX_MASK_BLOCKS query-block rows together is refused before
- * anything is allocated, so that a few bytes cannot ask for gigabytes. */
+/* Most query-block rows that the block-mask heads of one pattern file may hold
+ * together (every head of a non-causal file): 2^22, e.g. 32 heads of 131072
+ * blocks (8M tokens at G = 64). A block mask takes memory and time in
+ * proportion to its query blocks, so a file of a few bytes must not ask for
+ * gigabytes or minutes. */
+#define PATTERN_FILE_MAX_MASK_ROWS ((int64_t)1 << 22)
+
+/* Checked before the pattern is made: the block-mask heads' rows against the
+ * limit above, and in a non-causal file that every head is a block mask (the
+ * error parse_head would give, without allocating the pattern first). */
 static mtrain_status_t check_mask_budget(const json_ctx_t *c, const json_t *heads, int noncausal,
                                          int64_t seq_len, int64_t granularity) {
   int64_t nb = (seq_len + granularity - 1) / granularity;
   int64_t mask_heads = 0;
   for (size_t h = 0; h < json_array_size(heads); h++) {
     const json_t *head = json_array_get(heads, h);
-    if (noncausal || (json_is_object(head) && json_object_get(head, "block_mask"))) mask_heads++;
+    const int is_mask = json_is_object(head) && json_object_get(head, "block_mask");
+    if (noncausal && !is_mask) {
+      json_ctx_t at = {c->origin, (int32_t)h};
+      if (!json_is_object(head))
+        return fail_at(&at, MTRAIN_ERR_FORMAT, "", "expected an object, found %s",
+                       mtrain_json_type_name(head));
+      return fail_at(&at, MTRAIN_ERR_INVALID_PATTERN, "",
+                     "a non-causal pattern (\"causal\": false) holds block-mask heads only; "
+                     "this head has no 'block_mask'");
+    }
+    mask_heads += noncausal || is_mask;
   }
-  if (mask_heads == 0 || nb <= MTRAIN_PATTERN_MAX_MASK_BLOCKS / mask_heads) return MTRAIN_SUCCESS;
+  if (mask_heads == 0 || nb <= PATTERN_FILE_MAX_MASK_ROWS / mask_heads) return MTRAIN_SUCCESS;
   return fail_at(c, MTRAIN_ERR_INVALID_PATTERN, "heads",
                  "%lld block-mask heads of %lld query blocks each (seq_len / granularity): a "
-                 "block mask takes memory in proportion to its query blocks, and a pattern file "
-                 "may hold 2^24 of them over all heads; use a larger granularity or "
-                 "vertical-slash heads",
+                 "block mask takes memory and time in proportion to its query blocks, and a "
+                 "pattern file may hold 2^22 of them over all heads; use a larger granularity "
+                 "or vertical-slash heads",
                  (long long)mask_heads, (long long)nb);
 }
 
