@@ -9,7 +9,8 @@
 #   MTRAIN_LIBRARY=build-cuda/libmtrain.so scripts/device_train_balance.sh [OUT_DIR]
 #
 # Environment (defaults): DP_WORLD (the host's GPUs, at most 8), SEQ_LEN (16384), BATCH (8),
-# STEPS (60), SIZE (mini), ARMS ("dense mtrain-static"), BALANCES ("off tokens cost"), LR
+# STEPS (60), SIZE (mini), ARMS ("dense mtrain-static"), BALANCES ("off tokens cost cost+tune";
+# cost+tune: --balance cost --balance-tune TUNE_EVERY (10), mtrain-static only), LR
 # (1e-3), WARMUP (5), EVAL_SEQS (8 per task), INIT_FROM (none: random weights, seed 0),
 # CALIBRATION (none: data/calibration/h200-derived.json on GPUs, cpu-2core.json on the CPU),
 # SPREAD (even: the predictor's placement of the budgets, --balance-spread even|local),
@@ -28,7 +29,7 @@ BATCH=${BATCH:-8}
 STEPS=${STEPS:-60}
 SIZE=${SIZE:-mini}
 ARMS=${ARMS:-dense mtrain-static}
-BALANCES=${BALANCES:-off tokens cost}
+BALANCES=${BALANCES:-off tokens cost cost+tune}
 RUN_S=${RUN_S:-150}
 CALL_S=${CALL_S:-540}
 MIN_S=${MIN_S:-45}
@@ -101,6 +102,14 @@ names=()
 for arm in $ARMS; do
   for bal in $BALANCES; do
     name="dp$W-$arm-$bal"
+    balance=(--balance "$bal")
+    if [ "$bal" = cost+tune ]; then
+      if [ "$arm" != mtrain-static ]; then
+        echo "$name: skipped (tuning scales mtrain-static's budgets)"
+        continue
+      fi
+      balance=(--balance cost --balance-tune "${TUNE_EVERY:-10}")
+    fi
     left=$((t_end - $(date +%s)))
     if [ "$left" -lt "$MIN_S" ]; then
       echo "$name: not started, $left s left of CALL_S=$CALL_S"
@@ -112,7 +121,7 @@ for arm in $ARMS; do
     t0=$SECONDS
     # timeout signals the whole process group: torchrun and its ranks
     timeout -k 10 "$to" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" \
-      -m examples.train "${common[@]}" --arm "$arm" --balance "$bal" --out "$out/$name.json" \
+      -m examples.train "${common[@]}" --arm "$arm" "${balance[@]}" --out "$out/$name.json" \
       >"$out/$name.log" 2>&1
     rc=$?
     if [ -f "$out/$name.json" ]; then

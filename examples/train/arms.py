@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import mtrain
 
-from .probe import PROBE
+from .probe import CAPTURE, PROBE
 
 ARMS = ("dense", "mtrain-full", "mtrain-static", "mtrain-topp", "mtrain-block", "window")
 BLOCK_METHODS = ("antidiag", "meanpool")
@@ -175,6 +175,20 @@ class Arm:
         AttentionInterface.register(self.attn_name, _wrap(self, base))
         AttentionMaskInterface.register(self.attn_name, mask)
 
+    def set_tuned_budgets(self, path: str | None) -> None:
+        """mtrain-static only: estimate with a per-layer, per-head budget file (the tuner's, one
+        per rank: --balance-tune) instead of the arm's TopK, or back to the TopK with None."""
+        if self.name != "mtrain-static":
+            raise ValueError(f"tuned budgets apply to the mtrain-static arm, not {self.name}")
+        b = self.budget
+        common = {"granularity": b.granularity}
+        est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
+        budgets = path if path is not None else self.budgets
+        mtrain.register_transformers(self.inner, budgets=budgets, **common, **est)
+        AttentionInterface.register(
+            self.attn_name, _wrap(self, ALL_ATTENTION_FUNCTIONS[self.inner])
+        )
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"arm": self.name, "granularity": self.budget.granularity}
         out["attention"] = (
@@ -239,6 +253,8 @@ def _wrap(arm: Arm, base: Any) -> Any:
         # under autocast RoPE leaves q, k in float32 and v in bfloat16: one dtype for all
         if query.dtype != value.dtype or key.dtype != value.dtype:
             query, key = query.to(value.dtype), key.to(value.dtype)
+        if CAPTURE.active:
+            CAPTURE.take(module, query, key)
         if not PROBE.active:
             return base(module, query, key, value, attention_mask, **kwargs)
         PROBE.pattern_stats(

@@ -45,6 +45,8 @@ class RunConfig:
     balance: str = "off"  # --mix: how documents are dealt to the ranks: off, tokens, cost
     balance_calibration: str = ""  # the cost predictor's table ("": by device)
     balance_spread: str = "even"  # the cost predictor's placement of the budgets: even, local
+    balance_tune: int = 0  # --balance cost, mtrain-static: tune per-head budgets, curves every M
+    balance_tune_bounds: str = ""  # --balance-tune: the scales the tuner may choose, "LO,HI"
     probe_every: int = 0  # probe (attention timing, pattern stats) every k steps; 0: ~8 probes
     granularity: int = 0  # block size G (0: 64 on CPU, 128 on GPU)
     sinks: int = 30
@@ -109,6 +111,11 @@ HELP = {
     "data/calibration/cpu-2core.json on the CPU, h200-derived.json on a GPU)",
     "balance_spread": "--balance cost: where the predictor places the budgets' verticals and "
     "slashes beyond the sinks and window: even (spread over the sequence) or local (next to them)",
+    "balance_tune": "--balance cost with mtrain-static: SparseBalance's bidirectional tuning of "
+    "each rank's per-head budgets every step, from the heads' attention-mass curves refreshed "
+    "every M steps (0: off; docs/TRAINING.md, 'Tuning in the training program')",
+    "balance_tune_bounds": "--balance-tune: lowest and highest budget scale the tuner may "
+    "choose, LO,HI (default: every level, 0.25 to 2)",
     "probe_every": "time the attention and read the pattern every k steps (0: about 8 probes)",
     "granularity": "mtrain block size G (0: 64 on CPU, 128 on GPU)",
     "sinks": "mtrain estimate: forced sink keys (top-k)",

@@ -254,6 +254,28 @@ class Dealer:
         )
         return list(r.rank_of), dict(r.report)
 
+    def deal_tuned(
+        self, lengths: list[int], mass: Any, bounds: tuple[float, float] | None
+    ) -> tuple[list[int], dict[str, float], Any, list[float]]:
+        """The cost deal (bitwise deal()'s: tuning never moves a document) and the tuner's
+        budget scale per (rank, head over all layers, layer-major), from the heads' mass curves
+        [layers x heads, levels]; also the report and each rank's predicted seconds after
+        tuning."""
+        if self.method != "cost":
+            raise ValueError(f"tuning follows the cost deal, not --balance {self.method}")
+        kw = self._kw()
+        kw["tune"] = True
+        r = mtrain.balance_batch(
+            lengths, self.world, str(self.budgets), self.calibration, method="cost", mass=mass,
+            bounds=bounds, **kw,
+        )  # fmt: skip
+        return (
+            list(r.rank_of),
+            dict(r.report),
+            r.head_scales,
+            [float(x) for x in r.rank_seconds_after],
+        )
+
     def seconds(self, n: int) -> float:
         """The predicted seconds of one document of n tokens (forward + backward, all layers)."""
         if n not in self._seconds:
@@ -283,7 +305,8 @@ def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     predicted balance, tokens/s and accuracy."""
     head = ["run", "arm", "ranks", "balance", "steps counted", "tokens/step", "tokens/s",
             "slowest step s", "measured compute max/mean", "attention max/mean",
-            "predicted max/mean", "tokens max/mean", "final loss", "accuracy"]  # fmt: skip
+            "predicted max/mean", "tuned: predicted max/mean, mass kept before -> after",
+            "tokens max/mean", "final loss", "accuracy"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs:
         d = r.get("dp")
@@ -296,11 +319,20 @@ def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
             _f(d.get("tokens_per_step_mean"), ".0f"), _f(d.get("tokens_per_s"), ".0f"),
             _f(d.get("step_s_max_mean"), ".3f"), _f(d.get("compute_max_over_mean"), ".3f"),
             _f(d.get("attention_max_over_mean"), ".3f"),
-            _f(d.get("predicted_max_over_mean"), ".3f"),
+            _f(d.get("predicted_max_over_mean"), ".3f"), _tuned(d.get("tuned")),
             _f(d.get("tokens_max_over_mean"), ".3f"), _f(r.get("final_loss"), ".4f"), acc or "-",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _tuned(t: dict[str, Any] | None) -> str:
+    if not t:
+        return "-"
+    return (
+        f"{t['predicted_tuned_max_over_mean']:.3f}, {t['recall_before']:.3f} -> "
+        f"{t['recall_after']:.3f}"
+    )
 
 
 def _f(x: float | None, fmt: str) -> str:

@@ -9,6 +9,8 @@ wrapper costs one flag test per call."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +106,35 @@ class Probe:
         if scored is not None:
             # the block selection's own recall of its scores (antidiag: of its estimate)
             self.layers[layer]["scored_recall"] = scored
+
+
+class Capture:
+    """Hands each layer's post-RoPE q and k ([N, H, d], float32 on the CPU, the first sequence of
+    the batch) to whoever asked, while ``taking()`` is open (the tuner's mass curves, tune.py).
+    Off, the attention wrapper pays one flag test."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @contextmanager
+    def taking(self) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        self.active, self.taken = True, {}
+        try:
+            yield self.taken
+        finally:
+            self.active = False
+
+    def take(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
+        """q, k: [B, H, N, d] as transformers hands them."""
+        layer = int(getattr(module, "layer_idx", len(self.taken)))
+        self.taken[layer] = (
+            q[0].transpose(0, 1).detach().float().cpu().contiguous(),
+            k[0].transpose(0, 1).detach().float().cpu().contiguous(),
+        )
+
+
+CAPTURE = Capture()
 
 
 def recall(q: torch.Tensor, k: torch.Tensor, pattern: Any, rows: int, scale: float) -> float:

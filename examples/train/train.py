@@ -32,6 +32,7 @@ import mtrain
 from . import cp as CP
 from . import dp as DP
 from . import model as M
+from . import tune as TUNE
 from .arms import Arm, Budget
 from .config import RunConfig
 from .evaluate import answer_loss, evaluate, shard_loss_sum
@@ -82,10 +83,16 @@ def check_mix(cfg: RunConfig) -> None:
     if cfg.balance not in DP.BALANCES:
         raise ValueError(f"--balance {cfg.balance!r}: one of {', '.join(DP.BALANCES)}")
     if cfg.mix == "none":
-        if cfg.balance != "off" or cfg.balance_calibration or cfg.balance_spread != "even":
+        tuning = cfg.balance_tune or cfg.balance_tune_bounds
+        if (
+            cfg.balance != "off"
+            or cfg.balance_calibration
+            or cfg.balance_spread != "even"
+            or tuning
+        ):
             raise ValueError(
-                "--balance, --balance-calibration and --balance-spread deal the documents of "
-                "--mix long-tail: "
+                "--balance, --balance-calibration, --balance-spread and --balance-tune deal "
+                "the documents of --mix long-tail: "
                 "give --mix long-tail (fixed-length batches are not dealt, every rank holds "
                 "the same batch)"
             )
@@ -97,6 +104,22 @@ def check_mix(cfg: RunConfig) -> None:
     long_tail(cfg)  # the distribution's own checks
     if cfg.balance != "off":
         DP.calibration_of(cfg.balance_calibration, device_of(cfg))
+    if cfg.balance_tune or cfg.balance_tune_bounds:
+        if cfg.balance_tune < 1:
+            raise ValueError(
+                f"--balance-tune {cfg.balance_tune}: refresh the mass curves every M >= 1 steps"
+                + (" (--balance-tune-bounds needs --balance-tune)" if cfg.balance_tune == 0 else "")
+            )
+        if cfg.balance != "cost":
+            raise ValueError(
+                f"--balance-tune tunes after the cost deal: give --balance cost, not {cfg.balance}"
+            )
+        if cfg.arm != "mtrain-static":
+            raise ValueError(
+                f"--balance-tune scales the static top-k budgets of the mtrain-static arm; the "
+                f"{cfg.arm} arm has none to scale"
+            )
+        TUNE.parse_bounds(cfg.balance_tune_bounds)
 
 
 def long_tail(cfg: RunConfig) -> DP.LongTail:
@@ -221,6 +244,7 @@ def run(
     ranks = f"{cp.world} rank" + "s" * (cp.world != 1)
     where = f", context parallel over {ranks} ({cp.backend}, {cp.layout})" * par
     dealer: DP.Dealer | None = None
+    tuner: TUNE.Tuner | None = None
     dp_info: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     scratch = DP.scratch() if mix else None
@@ -256,6 +280,19 @@ def run(
             "granularity": g,
             "spread": cfg.balance_spread,
         }
+        if cfg.balance_tune:
+            tuner = TUNE.Tuner(
+                cfg.balance_tune, TUNE.parse_bounds(cfg.balance_tune_bounds), bfile,
+                topk.v_size, topk.s_size, size.layers, size.heads, g,
+                {"last_q": cfg.last_q, "num_sinks": cfg.sinks, "window": cfg.local_window},
+                Path(scratch.name),
+            )  # fmt: skip
+            dp_info["tune"] = {
+                "every": cfg.balance_tune,
+                "bounds": list(tuner.bounds) if tuner.bounds else None,
+                "levels": list(TUNE.LEVELS),
+                "curves": "mtrain.mass_curve on the step's longest document's q, k (rank 0)",
+            }
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
@@ -286,7 +323,9 @@ def run(
             assert dealer is not None
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step)
-            rec = dp_step(cfg, step, model, opt, params, names, dealer, cp, dev, autocast)
+            rec = dp_step(
+                cfg, step, model, opt, params, names, dealer, cp, dev, autocast, arm, tuner
+            )
             rec.update(segment=segment)
             steps.append(rec)
             d = rec["dp"]
@@ -465,24 +504,33 @@ def dp_step(
     cp: CP.Cp,
     dev: torch.device,
     autocast: Any,
+    arm: Arm | None = None,
+    tuner: TUNE.Tuner | None = None,
 ) -> dict[str, Any]:
     """One data-parallel step of --mix (dp.py): the step's documents drawn (the same on every
-    rank), dealt by the dealer, this rank's packed and trained on; its answer-loss sum over the
+    rank), dealt by the dealer (with a tuner: and each rank's per-head budgets tuned, tune.py),
+    this rank's packed and trained on; its answer-loss sum over the
     whole batch's answer count is back-propagated, and the gradients, the loss sums, the answer
     counts and every rank's compute and attention seconds are summed over the ranks in one
     all-reduce, so the update is the single-process one on the whole batch. A rank dealt no
     document runs no forward and contributes zero gradients, but joins every collective.
     Returns the step's record."""
     lengths = long_tail(cfg).draw(cfg.data_seed, step)
-    rank_of, report = dealer.deal(lengths)
-    per_task = {"mqar": cfg.mqar_queries, "passkey": cfg.passkey_digits}
-    answers = sum(per_task[names[j % len(names)]] for j in range(len(lengths)))
-    mine = [j for j, r in enumerate(rank_of) if r == cp.rank]
     kw = {
         "num_pairs": cfg.mqar_pairs, "num_queries": cfg.mqar_queries, "digits": cfg.passkey_digits,
         "num_buckets": cfg.depth_buckets, "num_keys": cfg.num_keys, "num_values": cfg.num_values,
         "num_filler": cfg.num_filler,
     }  # fmt: skip
+    tuned: dict[str, Any] | None = None
+    if tuner is None:
+        rank_of, report = dealer.deal(lengths)
+    else:
+        assert arm is not None
+        tuned = _tune(cfg, step, model, names, lengths, kw, dealer, tuner, arm, cp, dev, autocast)
+        rank_of, report = tuned.pop("rank_of"), tuned.pop("report")
+    per_task = {"mqar": cfg.mqar_queries, "passkey": cfg.passkey_digits}
+    answers = sum(per_task[names[j % len(names)]] for j in range(len(lengths)))
+    mine = [j for j, r in enumerate(rank_of) if r == cp.rank]
     docs = DP.documents(names, lengths, mine, step, cfg.data_seed, kw)
     w = cp.world
     PROBE.start(stats=False)  # the attention's forward and backward seconds, every step
@@ -543,7 +591,61 @@ def dp_step(
             else None,
             "step_s_max": slowest,
             "tokens_per_s": tokens / slowest if slowest > 0 else None,
+            "tune": tuned,
         },
+    }
+
+
+def _tune(
+    cfg: RunConfig,
+    step: int,
+    model: torch.nn.Module,
+    names: list[str],
+    lengths: list[int],
+    kw: dict[str, int],
+    dealer: DP.Dealer,
+    tuner: TUNE.Tuner,
+    arm: Arm,
+    cp: CP.Cp,
+    dev: torch.device,
+    autocast: Any,
+) -> dict[str, Any]:
+    """--balance-tune: the mass curves refreshed when due (rank 0 runs the model without
+    gradient on the step's longest document, the first of the longest), the cost deal with the
+    tuner, and this rank's budget file registered with the arm. Returns the deal, the report and
+    the step's tuning record."""
+    refreshed = tuner.due(step)
+    if refreshed:
+        longest = min(range(len(lengths)), key=lambda j: (-lengths[j], j))
+        doc = DP.documents(names, lengths, [longest], step, cfg.data_seed, kw)
+
+        def forward() -> None:
+            ids, _, pos, cu = DP.pack(doc)
+            with autocast:
+                model.model(
+                    input_ids=ids.to(dev), position_ids=pos.to(dev), cu_seq_lens_q=cu,
+                    cu_seq_lens_k=cu,
+                )  # fmt: skip
+
+        tuner.refresh(step, forward, cp.rank, cp.all_reduce, dev)
+    rank_of, report, scales, after = dealer.deal_tuned(lengths, tuner.mass, tuner.bounds)
+    mine = scales[cp.rank]
+    arm.set_tuned_budgets(str(tuner.rank_budgets(mine, cp.rank)))
+    keys = (
+        "max_after", "mean_after", "target_s", "recall_before", "recall_after",
+        "worst_recall_before", "worst_recall_after", "ranks_over_target", "moves_down", "moves_up",
+    )  # fmt: skip
+    return {
+        "rank_of": rank_of,
+        "report": report,
+        "curves_refreshed": refreshed,
+        "curves_step": tuner.mass_step,
+        "curves_s": tuner.curve_s if refreshed else 0.0,
+        "predicted_tuned_s": after,
+        "predicted_tuned_max_over_mean": DP.max_over_mean(after),
+        "rank_mean_scale": [float(x) for x in scales.mean(axis=1)],
+        "rank_scales": [[float(x) for x in row] for row in scales],
+        **{k: float(report[k]) for k in keys},
     }
 
 
@@ -567,6 +669,24 @@ def dp_summary(steps: list[dict[str, Any]], segments: list[dict[str, Any]]) -> d
     w = len(d[0]["compute_s"])
     out["compute_s_sum"] = [sum(x["compute_s"][r] for x in d) for r in range(w)]
     out["steps_with_empty_rank"] = sum(min(x["rank_docs"]) == 0 for x in d)
+    tuned = [x["tune"] for x in d if x.get("tune")]
+    if tuned:
+        # --balance-tune: the tuner's predictions and the attention mass its budgets keep (the
+        # curves' share: docs/BALANCE.md, "Tuning"), and the seconds its curves took on rank 0
+        # (outside the timed step: not in tokens/s)
+        out["tuned"] = {
+            "predicted_tuned_max_over_mean": statistics.mean(
+                t["predicted_tuned_max_over_mean"] for t in tuned
+            ),
+            "recall_before": statistics.mean(t["recall_before"] for t in tuned),
+            "recall_after": statistics.mean(t["recall_after"] for t in tuned),
+            "worst_recall_before": min(t["worst_recall_before"] for t in tuned),
+            "worst_recall_after": min(t["worst_recall_after"] for t in tuned),
+            "moves_down": sum(t["moves_down"] for t in tuned),
+            "moves_up": sum(t["moves_up"] for t in tuned),
+            "curves_s_sum": sum(t["curves_s"] for t in tuned),
+            "ranks_over_target_steps": sum(t["ranks_over_target"] > 0 for t in tuned),
+        }
     return out
 
 
