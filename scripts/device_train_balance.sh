@@ -13,7 +13,8 @@
 # cost+tune: --balance cost --balance-tune TUNE_EVERY (10), mtrain-static only), LR
 # (1e-3), WARMUP (5), EVAL_SEQS (8 per task), INIT_FROM (none: random weights, seed 0),
 # CALIBRATION (none: data/calibration/h200-derived.json on GPUs, cpu-2core.json on the CPU),
-# SPREAD (even: the predictor's placement of the budgets, --balance-spread even|local),
+# SPREAD (even: the predictor's placement of the budgets, --balance-spread even|local|measured;
+# measured applies to the cost+tune runs, the others keep even),
 # RUN_S (timeout of one run, 150), CALL_S (the whole call's budget, 540: a run is not started
 # with less than MIN_S = 45 left), PYTHON (python3), DEVICE (cuda; cpu: gloo processes, one
 # thread each, for a dry run or the CPU measurement).
@@ -93,7 +94,8 @@ fi
 if [ -n "${CALIBRATION:-}" ]; then
   common+=(--balance-calibration "$CALIBRATION")
 fi
-if [ -n "${SPREAD:-}" ]; then
+# SPREAD=measured prices by the pairs the tuner measures: the runs without tuning keep even
+if [ -n "${SPREAD:-}" ] && [ "$SPREAD" != measured ]; then
   common+=(--balance-spread "$SPREAD")
 fi
 
@@ -109,6 +111,9 @@ for arm in $ARMS; do
         continue
       fi
       balance=(--balance cost --balance-tune "${TUNE_EVERY:-10}")
+      if [ "${SPREAD:-}" = measured ]; then
+        balance+=(--balance-spread measured)
+      fi
     fi
     left=$((t_end - $(date +%s)))
     if [ "$left" -lt "$MIN_S" ]; then

@@ -154,6 +154,74 @@ static void test_predict_definition(void **state) {
   mtrain_balance_predictor_destroy(p);
 }
 
+/* Measured pricing: after set_row_pairs every head is charged min(causal, round(row_pairs *
+ * N)) pairs at every level, predict and the tuner follow it, and bad values are refused. */
+static void fake_mass(double *mass, int32_t heads);
+
+static void test_measured_row_pairs(void **state) {
+  (void)state;
+  mtrain_balance_predictor_t *p = make_predictor(budgets_text, 0);
+  double rp[4 * K];
+  for (int h = 0; h < 4; h++)
+    for (int k = 0; k < K; k++) rp[h * K + k] = 10.0 * (h + 1) * (k + 1) + 0.25;
+  rp[3 * K + 3] = 1e9; /* beyond dense at any length: capped */
+  double bad[4 * K];
+  memcpy(bad, rp, sizeof bad);
+  bad[5] = 0;
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs(p, bad), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "row_pairs[head 1, level 1] = 0");
+  bad[5] = NAN;
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs(p, bad), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "finite");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs(p, NULL), MTRAIN_ERR_NULL_POINTER,
+                   "row_pairs");
+  assert_int_equal(mtrain_balance_predictor_set_row_pairs(p, rp), MTRAIN_SUCCESS);
+  const int64_t N = 4000;
+  int32_t lv[4] = {0, 3, 1, 2};
+  double pairs = 0;
+  for (int32_t h = 0; h < 4; h++) {
+    int64_t x;
+    assert_int_equal(mtrain_balance_head_pairs(p, N, h, lv[h], &x), MTRAIN_SUCCESS);
+    const double want = floor(rp[h * K + lv[h]] * N + 0.5);
+    assert_true((double)x == want);
+    pairs += (double)x;
+  }
+  int64_t capped;
+  assert_int_equal(mtrain_balance_head_pairs(p, N, 3, 3, &capped), MTRAIN_SUCCESS);
+  assert_true(capped == N * (N + 1) / 2);
+  double got = 0, base = 0;
+  assert_int_equal(mtrain_balance_predict(p, N, lv, &got), MTRAIN_SUCCESS);
+  const int32_t none[4] = {0, 0, 0, 0};
+  assert_int_equal(mtrain_balance_predict(p, N, none, &base), MTRAIN_SUCCESS);
+  double p0 = 0;
+  for (int32_t h = 0; h < 4; h++) p0 += floor(rp[h * K] * N + 0.5);
+  assert_true(fabs((got - base) - 1e-9 * (pairs - p0)) <= 1e-12 * got);
+  /* the tuner prices by the measured pairs: a level that costs more is seen to */
+  double mass[4 * K];
+  fake_mass(mass, 4);
+  int64_t len[6] = {40000, 3000, 3000, 3000, 3000, 3000};
+  int32_t rank_of[6], micro[6], lvs[2 * 4];
+  double before[2], after[2];
+  mtrain_balance_report_t rep;
+  mtrain_balance_batch_options_t o = MTRAIN_BALANCE_BATCH_INIT;
+  o.ranks = 2;
+  assert_int_equal(
+      mtrain_balance_batch(p, len, 6, mass, &o, rank_of, micro, lvs, before, after, &rep),
+      MTRAIN_SUCCESS);
+  assert_true(rep.max_after <= rep.max_before * (1 + 1e-12));
+  for (int r = 0; r < 2; r++) {
+    double x = 0;
+    for (int i = 0; i < 6; i++) {
+      if (rank_of[i] != r) continue;
+      double s = 0;
+      assert_int_equal(mtrain_balance_predict(p, len[i], &lvs[r * 4], &s), MTRAIN_SUCCESS);
+      x += s;
+    }
+    assert_true(fabs(x - after[r]) <= 1e-9 * x);
+  }
+  mtrain_balance_predictor_destroy(p);
+}
+
 /* ---- batching ---------------------------------------------------------------------- */
 
 static double max_load(const double *w, const int32_t *rank_of, int n, int R) {
@@ -571,6 +639,7 @@ int main(void) {
       cmocka_unit_test(test_pairs_random_heads),
       cmocka_unit_test(test_pairs_real_budgets),
       cmocka_unit_test(test_predict_definition),
+      cmocka_unit_test(test_measured_row_pairs),
       cmocka_unit_test(test_assign_against_optimum),
       cmocka_unit_test(test_assign_equals_full_scan),
       cmocka_unit_test(test_assign_micro_and_sorted),

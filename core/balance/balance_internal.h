@@ -45,6 +45,9 @@ struct mtrain_balance_predictor {
   mtrain_position_model_t model; /* spread forced to even */
   mtrain_balance_calibration_t cal;
   double linear_flop_per_token;
+  /* [num_heads * num_levels] measured pairs per query row (set_row_pairs), or
+   * NULL: the position model counts. When set, every head is its own combo. */
+  double *row_pairs;
 };
 
 /** Pairs of every (combo, level) at length N: out[combo * num_levels + level]. */

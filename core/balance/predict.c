@@ -156,8 +156,38 @@ cleanup:
   return st;
 }
 
+mtrain_status_t mtrain_balance_predictor_set_row_pairs(mtrain_balance_predictor_t *p,
+                                                       const double *row_pairs) {
+  MTRAIN_CHECK_NOT_NULL(p);
+  MTRAIN_CHECK_NOT_NULL(row_pairs);
+  const int32_t H = p->num_heads, K = p->num_levels;
+  for (int32_t i = 0; i < H * K; i++)
+    if (!(row_pairs[i] > 0) || !isfinite(row_pairs[i]))
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "balance predictor: row_pairs[head %d, level %d] = %g: pairs per query "
+                          "row must be finite and > 0",
+                          i / K, i % K, row_pairs[i]);
+  double *copy = malloc((size_t)H * (size_t)K * sizeof *copy);
+  if (!copy) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "balance predictor: out of memory");
+  memcpy(copy, row_pairs, (size_t)H * (size_t)K * sizeof *copy);
+  free(p->row_pairs);
+  p->row_pairs = copy;
+  p->num_combos = H; /* measured heads differ: each its own combo */
+  for (int32_t h = 0; h < H; h++) p->combo[h] = h;
+  return MTRAIN_SUCCESS;
+}
+
+/* A measured head's pairs at length N: its pairs per query row times N, at
+ * most the causal pairs, at least 1. */
+static int64_t measured_pairs(double row_pairs, int64_t N) {
+  const double causal = (double)N * (double)(N + 1) / 2.0;
+  const double x = floor(row_pairs * (double)N + 0.5);
+  return x >= causal ? (int64_t)causal : x < 1 ? 1 : (int64_t)x;
+}
+
 void mtrain_balance_predictor_destroy(mtrain_balance_predictor_t *p) {
   if (!p) return;
+  free(p->row_pairs);
   free(p->combo);
   free(p->combo_counts);
   free(p->scales);
@@ -181,6 +211,11 @@ static int64_t scaled(int64_t x, double scale) {
 
 mtrain_status_t mtrain_predictor_pair_table(const mtrain_balance_predictor_t *p, int64_t N,
                                             mtrain_pm_scratch_t *scratch, int64_t *out) {
+  if (p->row_pairs) {
+    for (int32_t i = 0; i < p->num_combos * p->num_levels; i++)
+      out[i] = measured_pairs(p->row_pairs[i], N);
+    return MTRAIN_SUCCESS;
+  }
   for (int32_t c = 0; c < p->num_combos; c++) {
     for (int32_t k = 0; k < p->num_levels; k++) {
       mtrain_head_budget_t b;
@@ -210,6 +245,10 @@ mtrain_status_t mtrain_balance_head_pairs(const mtrain_balance_predictor_t *p, i
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "balance head pairs: head %d (of %d), level %d (of %d), seq_len %lld", head,
                         p->num_heads, level, p->num_levels, (long long)seq_len);
+  if (p->row_pairs) {
+    *out = measured_pairs(p->row_pairs[head * p->num_levels + level], seq_len);
+    return MTRAIN_SUCCESS;
+  }
   mtrain_pm_scratch_t sc;
   memset(&sc, 0, sizeof sc);
   mtrain_head_budget_t b;

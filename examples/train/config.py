@@ -110,7 +110,9 @@ HELP = {
     "balance_calibration": "--mix: the cost predictor's calibration JSON (default: "
     "data/calibration/cpu-2core.json on the CPU, h200-derived.json on a GPU)",
     "balance_spread": "--balance cost: where the predictor places the budgets' verticals and "
-    "slashes beyond the sinks and window: even (spread over the sequence) or local (next to them)",
+    "slashes beyond the sinks and window: even (spread over the sequence) or local (next to them); "
+    "measured (with --balance-tune): priced by the pairs each head's estimated pattern computes "
+    "at each budget level on the tuner's curve document",
     "balance_tune": "--balance cost with mtrain-static: SparseBalance's bidirectional tuning of "
     "each rank's per-head budgets every step, from the heads' attention-mass curves refreshed "
     "every M steps (0: off; docs/TRAINING.md, 'Tuning in the training program')",

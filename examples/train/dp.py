@@ -24,7 +24,10 @@ from .tasks import IGNORE, Task, make_task
 
 MIXES = ("none", "long-tail")
 BALANCES = ("off", "tokens", "cost")
-SPREADS = ("even", "local")  # the position model's placement (docs/BALANCE.md, "Position model")
+# the position model's placement (docs/BALANCE.md, "Position model"), or "measured": the heads
+# priced by the pairs their estimated patterns computed on the tuner's curve document (needs
+# --balance-tune; tune.py)
+SPREADS = ("even", "local", "measured")
 # the arms whose computed pattern the predictor can describe by a budget file; the others are
 # predicted as dense (an upper bound): mtrain-topp (caps of N, as docs/BALANCE.md counts top-p)
 # and mtrain-block (no budget: its blocks are chosen from q and k every step)
@@ -222,6 +225,7 @@ class Dealer:
 
     def __post_init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self.row_pairs: Any = None  # spread "measured": [heads, levels], set by the tuner
         if self.method not in BALANCES:
             raise ValueError(f"--balance {self.method!r}: one of {', '.join(BALANCES)}")
         if self.spread not in SPREADS:
@@ -230,7 +234,7 @@ class Dealer:
             raise ValueError(f"world {self.world}: at least one rank")
 
     def _kw(self) -> dict[str, Any]:
-        return {
+        kw: dict[str, Any] = {
             "tune": False,
             "granularity": self.granularity,
             "model": self.model,
@@ -238,6 +242,17 @@ class Dealer:
             "window": self.window,
             "spread": self.spread,
         }
+        if self.spread == "measured":
+            if self.row_pairs is None:
+                raise ValueError("--balance-spread measured: no measured pairs yet (the tuner's)")
+            kw.update(spread="even", row_pairs=self.row_pairs)  # the placement is then unused
+        return kw
+
+    def set_row_pairs(self, row_pairs: Any) -> None:
+        """The measured pairs per query row [heads over all layers, levels] (spread
+        "measured"); the cached per-length seconds are dropped."""
+        self.row_pairs = row_pairs
+        self._seconds = {}
 
     def deal(self, lengths: list[int]) -> tuple[list[int], dict[str, float]]:
         """Each document's rank, and balance_batch's report (empty for "off": round-robin by

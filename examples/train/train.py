@@ -120,6 +120,11 @@ def check_mix(cfg: RunConfig) -> None:
                 f"{cfg.arm} arm has none to scale"
             )
         TUNE.parse_bounds(cfg.balance_tune_bounds)
+    if cfg.balance_spread == "measured" and not cfg.balance_tune:
+        raise ValueError(
+            "--balance-spread measured prices the heads by the pairs the tuner measures: give "
+            "--balance-tune M"
+        )
 
 
 def long_tail(cfg: RunConfig) -> DP.LongTail:
@@ -285,13 +290,16 @@ def run(
                 cfg.balance_tune, TUNE.parse_bounds(cfg.balance_tune_bounds), bfile,
                 topk.v_size, topk.s_size, size.layers, size.heads, g,
                 {"last_q": cfg.last_q, "num_sinks": cfg.sinks, "window": cfg.local_window},
-                Path(scratch.name),
+                Path(scratch.name), measure_pairs=cfg.balance_spread == "measured",
             )  # fmt: skip
             dp_info["tune"] = {
                 "every": cfg.balance_tune,
                 "bounds": list(tuner.bounds) if tuner.bounds else None,
                 "levels": list(TUNE.LEVELS),
                 "curves": "mtrain.mass_curve on the step's longest document's q, k (rank 0)",
+                "pricing": "measured pairs per query row (row_pairs at refresh steps)"
+                if cfg.balance_spread == "measured"
+                else f"position model ({cfg.balance_spread})",
             }
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
@@ -628,6 +636,8 @@ def _tune(
                 )  # fmt: skip
 
         tuner.refresh(step, forward, cp.rank, cp.all_reduce, dev)
+        if tuner.row_pairs is not None:
+            dealer.set_row_pairs(tuner.row_pairs)
     rank_of, report, scales, after = dealer.deal_tuned(lengths, tuner.mass, tuner.bounds)
     mine = scales[cp.rank]
     arm.set_tuned_budgets(str(tuner.rank_budgets(mine, cp.rank)))
@@ -641,6 +651,9 @@ def _tune(
         "curves_refreshed": refreshed,
         "curves_step": tuner.mass_step,
         "curves_s": tuner.curve_s if refreshed else 0.0,
+        "row_pairs": [[float(x) for x in row] for row in tuner.row_pairs]
+        if refreshed and tuner.row_pairs is not None
+        else None,
         "predicted_tuned_s": after,
         "predicted_tuned_max_over_mean": DP.max_over_mean(after),
         "rank_mean_scale": [float(x) for x in scales.mean(axis=1)],

@@ -82,7 +82,9 @@ class Tuner:
     granularity: int
     estimate: dict[str, int]  # last_q, num_sinks, window
     folder: Path
+    measure_pairs: bool = False  # also the heads' pairs per query row at every level
     mass: np.ndarray | None = None
+    row_pairs: np.ndarray | None = None
     mass_step: int = -1
     curve_s: float = 0.0  # seconds spent on the curves at the last refresh (rank 0)
 
@@ -101,6 +103,7 @@ class Tuner:
         over the ranks so that every rank holds rank 0's."""
         t0 = time.perf_counter()
         mass = torch.zeros(self.layers * self.heads, len(LEVELS), dtype=torch.float64)
+        pairs = torch.zeros_like(mass)
         if rank == 0:
             with CAPTURE.taking() as taken, torch.no_grad():
                 forward()
@@ -114,9 +117,29 @@ class Tuner:
                     granularity=self.granularity, **self.estimate,
                 )  # fmt: skip
                 mass[layer * self.heads : (layer + 1) * self.heads] = torch.from_numpy(curve)
-        self.mass = all_reduce(mass.to(device)).double().cpu().numpy()
+                if self.measure_pairs:
+                    pairs[layer * self.heads : (layer + 1) * self.heads] = self._row_pairs(q, k)
+        both = all_reduce(torch.cat([mass, pairs]).to(device)).double().cpu()
+        self.mass = both[: len(mass)].numpy()
+        if self.measure_pairs:
+            self.row_pairs = both[len(mass) :].numpy()
         self.mass_step = step
         self.curve_s = time.perf_counter() - t0
+
+    def _row_pairs(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """[heads, levels]: the pairs per query row of each head's estimated pattern on q, k
+        (one sequence) at every level's scaled budget (SPEC.md section 1 counts)."""
+        n = q.shape[0]
+        out = torch.zeros(self.heads, len(LEVELS), dtype=torch.float64)
+        for j, sc in enumerate(LEVELS):
+            budget = mtrain.TopK(scaled(self.v, sc), scaled(self.s, sc))
+            plan = mtrain.estimate_pattern(
+                q, k, budget, granularity=self.granularity, **self.estimate
+            )
+            pattern = plan.patterns[0]
+            for h in range(self.heads):
+                out[h, j] = pattern.count_pairs(h) / n
+        return out
 
     def rank_budgets(self, scales: np.ndarray, rank: int) -> Path:
         """This rank's tuned budget file (written under the run's scratch folder)."""

@@ -238,7 +238,8 @@ typedef struct mtrain_balance_model {
   { 2048, 11008, 151936, 2, 128 }
 
 /** The cost predictor: budgets (every layer and head), budget levels, the
- *  position model and a calibration. Opaque, immutable. */
+ *  position model and a calibration. Opaque; immutable once made and, where
+ *  used, given its measured pairs (mtrain_balance_predictor_set_row_pairs). */
 typedef struct mtrain_balance_predictor mtrain_balance_predictor_t;
 
 /** Creates a predictor. A head's budget at level k is its budget with the
@@ -256,6 +257,18 @@ MTRAIN_API mtrain_status_t mtrain_balance_predictor_create(
     const mtrain_balance_calibration_t *calibration, const mtrain_balance_model_t *model,
     mtrain_balance_predictor_t **out);
 MTRAIN_API void mtrain_balance_predictor_destroy(mtrain_balance_predictor_t *predictor);
+/** Prices the heads by measured patterns instead of the position model:
+ *  row_pairs[head * num_levels + level] (heads over all layers, as
+ *  mtrain_balance_predictor_num_heads counts them) is the pairs per query row
+ *  that the head's estimated pattern computed at that level on a measured
+ *  sequence (pairs / its length); a sequence of N tokens is then charged
+ *  min(N (N + 1) / 2, round(row_pairs * N)) pairs, at least 1 (a budget of
+ *  fixed counts computes about the same pairs per row at every length). Every
+ *  value finite and > 0 (else MTRAIN_ERR_INVALID_ARGUMENT naming it). The
+ *  array is copied. Call before the predictor is shared: not thread-safe
+ *  against its concurrent use. */
+MTRAIN_API mtrain_status_t mtrain_balance_predictor_set_row_pairs(
+    mtrain_balance_predictor_t *predictor, const double *row_pairs);
 /** Heads over all layers of the budgets (index = heads of earlier layers + head). */
 MTRAIN_API int32_t mtrain_balance_predictor_num_heads(const mtrain_balance_predictor_t *predictor);
 MTRAIN_API int32_t mtrain_balance_predictor_num_levels(const mtrain_balance_predictor_t *predictor);

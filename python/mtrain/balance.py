@@ -144,6 +144,7 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     ),
     "mtrain_balance_predictor_destroy": (None, (_P,)),
     "mtrain_balance_predictor_num_heads": (ctypes.c_int32, (_P,)),
+    "mtrain_balance_predictor_set_row_pairs": (ctypes.c_int, (_P, ctypes.POINTER(ctypes.c_double))),
     "mtrain_balance_batch": (
         ctypes.c_int,
         (
@@ -297,6 +298,7 @@ def balance_batch(
     max_split: int = 0,
     num_sinks: int = 30,
     window: int = 100,
+    row_pairs: Any = None,
 ) -> BalanceResult:
     """Deals a global batch's sequences to ``world`` ranks and tunes sparsity.
 
@@ -330,6 +332,11 @@ def balance_batch(
         max_split: most ranks one sequence may span (0: world).
         num_sinks, window: the position model's forced sink keys and local
             token diagonals (the estimate's options; defaults 30 and 100).
+        row_pairs: [heads, len(levels)] measured pairs per query row of each
+            head's estimated pattern at each level (pairs / the measured
+            sequence's length; heads over all layers, layer-major), to price
+            the heads by them instead of the position model: a sequence of N
+            tokens costs min(N (N + 1) / 2, round(row_pairs * N)) pairs.
 
     Returns:
         BalanceResult. Raises MtrainError naming the bad input.
@@ -382,6 +389,17 @@ def balance_batch(
         _lib.lib().budgets_destroy(b)
     try:
         heads = dll.mtrain_balance_predictor_num_heads(pred)
+        if row_pairs is not None:
+            rp = np.ascontiguousarray(np.asarray(row_pairs, dtype=np.float64))
+            if rp.shape != (heads, len(scales)):
+                raise _bad(
+                    f"balance_batch: row_pairs has shape {rp.shape}, expected "
+                    f"({heads}, {len(scales)}) (heads over all layers x levels)"
+                )
+            _lib.check(
+                dll.mtrain_balance_predictor_set_row_pairs(pred, rp.ctypes.data_as(_DP)),
+                "balance_batch",
+            )
         mass_arr = None
         if mass is not None:
             mass_arr = np.ascontiguousarray(np.asarray(mass, dtype=np.float64))

@@ -69,6 +69,29 @@ def test_tuning_bounds_and_step(budgets):
     assert np.array_equal(res.levels, again.levels)
 
 
+def test_measured_row_pairs(budgets):
+    """row_pairs prices every head by its measured pairs per query row: a sequence's seconds
+    follow min(causal, round(row_pairs * N)) at the base level, and the tuner then sees levels
+    whose measured cost grows (here 4x per level)."""
+    k = len(DEFAULT_LEVELS)
+    rp = np.array([[5.0 * (h + 1) * 2.0**j for j in range(k)] for h in range(HEADS)])
+    base = DEFAULT_LEVELS.index(1.0)
+    n = 3000
+    one = balance_batch([n], 1, budgets, CAL, tune=False, row_pairs=rp)
+    pairs = sum(min(n * (n + 1) // 2, int(np.floor(rp[h, base] * n + 0.5))) for h in range(HEADS))
+    nomodel = balance_batch([n], 1, budgets, CAL, tune=False, row_pairs=rp, model={"hidden": 0})
+    fixed = CAL["row_s"] * n * HEADS
+    assert np.isclose(nomodel.rank_seconds_before[0], CAL["pair_s"] * pairs + fixed, rtol=1e-12)
+    assert one.rank_seconds_before[0] > nomodel.rank_seconds_before[0]
+    lengths = long_tail(60, 4)
+    res = balance_batch(lengths, 4, budgets, CAL, mass=fake_mass(), row_pairs=rp)
+    assert res.report["max_after"] <= res.report["max_before"] * (1 + 1e-12)
+    with pytest.raises(MtrainError, match="row_pairs has shape"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs=np.ones((2, k)))
+    with pytest.raises(MtrainError, match=r"row_pairs\[head 0, level 0\] = -1"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs=-np.ones((HEADS, k)))
+
+
 def test_mass_curve(budgets):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((512, 2, 32)).astype(np.float32)

@@ -32,6 +32,12 @@ pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
 )
 COST = [*BASE, *STATIC, "--balance", "cost"]
+TUNE2 = ["--balance-tune", "2"]
+MEASURED = ["--balance-spread", "measured"]
+
+
+def _out(tmp: Path, name: str) -> list[str]:
+    return ["--out", str(tmp / f"{name}.json")]
 
 
 def test_scaled_matches_the_predictor() -> None:
@@ -57,20 +63,10 @@ def test_tuned_training(tmp_path: Path) -> None:
         {"name": "untuned", "args": [*COST, "--out", str(tmp_path / "u.json")]},
         {
             "name": "held",
-            "args": [
-                *COST,
-                "--balance-tune",
-                "2",
-                "--balance-tune-bounds",
-                "1,1",
-                "--out",
-                str(tmp_path / "h.json"),
-            ],
+            "args": [*COST, *TUNE2, "--balance-tune-bounds", "1,1", *_out(tmp_path, "h")],
         },
-        {
-            "name": "tuned",
-            "args": [*COST, "--balance-tune", "2", "--out", str(tmp_path / "t.json")],
-        },
+        {"name": "tuned", "args": [*COST, *TUNE2, *_out(tmp_path, "t")]},
+        {"name": "measured", "args": [*COST, *TUNE2, *MEASURED, *_out(tmp_path, "m")]},
     ]
     ranks = spawn(2, jobs, tmp_path)
     for r in range(2):
@@ -102,6 +98,21 @@ def test_tuned_training(tmp_path: Path) -> None:
         assert 0.0 <= t["recall_after"] <= 1.0 and 0.0 <= t["worst_recall_after"] <= 1.0
         moves += t["moves_down"] + t["moves_up"]
     assert moves > 0, "the tuner moved no level on any step"
+    # measured pricing: the pairs per query row of each head's estimated pattern, at every
+    # refresh, nondecreasing with the budget (top-k selections nest) and at most a causal row's
+    m = ranks[0]["measured"]["results"]
+    assert m["dp"]["tune"]["pricing"].startswith("measured")
+    w1 = ranks[1]["measured"]["weights"]
+    assert all(torch.equal(ranks[0]["measured"]["weights"][k], v) for k, v in w1.items())
+    for s in m["steps"]:
+        t = s["dp"]["tune"]
+        assert (t["row_pairs"] is not None) == t["curves_refreshed"]
+        if t["row_pairs"] is None:
+            continue
+        rp = np.array(t["row_pairs"])
+        assert rp.shape == (2 * 4, len(TUNE.LEVELS)), rp.shape  # tiny: 2 layers x 4 heads
+        assert (rp > 0).all() and (np.diff(rp, axis=1) >= 0).all(), rp
+        assert (rp <= (512 + 1) / 2).all()
 
 
 def test_refusals(tmp_path: Path) -> None:
@@ -121,6 +132,8 @@ def test_refusals(tmp_path: Path) -> None:
     for bad, why in (("0.5", "two scales"), ("1.5,2", "0 < LO <= 1 <= HI"), ("0,1", "0 < LO")):
         with pytest.raises(ValueError, match=why):
             open_cp(from_args([*COST, "--balance-tune", "2", "--balance-tune-bounds", bad, *out]))
+    with pytest.raises(ValueError, match="--balance-spread measured prices the heads"):
+        open_cp(from_args([*COST, *MEASURED, *out]))
     with pytest.raises(ValueError, match="refresh every M >= 1"):
         TUNE.Tuner(0, None, tmp_path, 1, 1, 1, 1, 32, {}, tmp_path)
     assert not (tmp_path / "x.json").exists()
