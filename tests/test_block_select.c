@@ -1272,15 +1272,21 @@ static void test_refusals(void **state) {
   TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
                    "backend 'cpu' has no block_scores");
   ctx->backend = saved;
-  /* key chunks: not for the antidiagonal method */
+  /* antidiagonal key chunks: only in pass 1, 2 or 3 with the row state; all keys in pass 0 */
   const int64_t chunk[1] = {0};
   a = (mtrain_block_scores_args_t){.method = MTRAIN_BLOCK_ANTIDIAG,
                                    .granularity = 16,
                                    .stride = 4,
                                    .k_block_global = chunk,
                                    .num_k_blocks = 1};
-  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
-                   "antidiagonal method needs every key");
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "antidiag_pass 0, a key chunk");
+  a.antidiag_pass = 2;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "antidiag_pass 2, a key chunk");
+  a.k_block_global = NULL;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "antidiag_pass 2, all keys");
   assert_null(out);
   /* names */
   mtrain_block_method_t m;
