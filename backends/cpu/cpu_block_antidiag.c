@@ -101,18 +101,35 @@ int mtrain_cpu_ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, 
                                 int64_t gb, int32_t rows, double *out) {
   const int32_t G = a->granularity, S = a->stride;
   const int64_t a_first = gb * G / S, a_end = (gb * G + rows + S - 1) / S;
+  const int64_t ncs = (a->seq_len + S - 1) / S, width = a->noncausal ? ncs : a_end;
   double *q = malloc(sizeof(double) * (size_t)a->head_dim);
-  if (!q) return 1;
+  double *X = a->antidiag_pass ? NULL : malloc(sizeof(double) * (size_t)(width + 1));
+  uint8_t *valid = a->antidiag_pass ? NULL : malloc((size_t)(width + 1));
+  if (!q || (!a->antidiag_pass && (!X || !valid))) {
+    free(q), free(X), free(valid);
+    return 1;
+  }
   for (int64_t ar = a_first; ar < a_end; ar++) {
     if (a->antidiag_pass) {
       ref_row_pass(a, a->antidiag_pass, h, lb, gb, ar, row_state(a, h, lb, gb, ar), q, out);
       continue;
     }
+    /* every key at hand: each X once, then the three passes over the row */
+    const int64_t ncol = a->noncausal ? ncs : ar + 1;
+    for (int64_t c = 0; c < ncol; c++) {
+      int v;
+      X[c] = ref_x(a, h, lb, gb, ar, c * S / G, c * S / G, c, q, &v);
+      valid[c] = (uint8_t)v;
+    }
     mtrain_antidiag_row_t st;
     cpu_adrow_init(&st);
-    for (int pass = 1; pass <= 3; pass++) ref_row_pass(a, pass, h, lb, gb, ar, &st, q, out);
+    for (int pass = 1; pass <= 3; pass++) {
+      if (pass > 1 && st.max == -INFINITY) break; /* no defined column */
+      for (int64_t c = 0; c < ncol; c++)
+        if (valid[c]) ref_apply(pass, &st, X[c], c * S / G, out);
+    }
   }
-  free(q);
+  free(q), free(X), free(valid);
   return 0;
 }
 
