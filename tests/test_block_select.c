@@ -10,10 +10,11 @@
  *   recall (mtrain_cpu_pattern_recall) with the dense LSE; cpu is close;
  * - the head-adaptive budgets preserve the total and are optimal (every
  *   split of the budget tried on a small case);
- * - the distributed form on W = 1, 2, 3, 5 ranks (threads in one process
+ * - the distributed form on W = 1, 2, 3, 4, 5 ranks (threads in one process
  *   sharing a communicator, with point-to-point mailboxes) and every layout
- *   kind but balanced, with the keys passed around the ring (precise and
- *   meanpool) and with every key gathered (MTRAIN_BLOCK_KEY_GATHER=1), gives
+ *   kind but balanced, with the keys passed around the ring (every method;
+ *   antidiag in three passes) and with every key gathered
+ *   (MTRAIN_BLOCK_KEY_GATHER=1), gives
  *   bitwise the single-rank pattern and report, each rank holding the
  *   scores of its own query block rows only (the ranks' score bytes add up
  *   to the single-rank triangles);
@@ -24,8 +25,13 @@
  *   precise rows with the bidirectional LSE adding up to their row counts,
  *   the reported recall equal to the pattern's recall over every key, the
  *   O(1) candidate count against the definition, and the distributed form
- *   on W = 1, 2, 3 bitwise the single-rank one (the Python tests check
+ *   on W = 1, 2, 3, 4 bitwise the single-rank one (the Python tests check
  *   cpu-ref against an fp64 reference of the spec);
+ * - the antidiagonal ring form holds no rank's every key: each rank's
+ *   backend peak (mtrain_context_memory) is its two key chunks, its strided
+ *   rows' state and its score rows, halving from W = 4 to 8, against the
+ *   N x Hkv x d keys of the gather; its fixed-point normaliser gives the
+ *   same state in any order and split, within 2 ulp of a long double sum;
  * - a backend without the block_scores slot (or without non-causal scores),
  *   and bad options, are refused.
  * Seeds are printed; MTRAIN_TEST_SEED overrides them. */
@@ -765,7 +771,8 @@ static void *rank_main(void *arg) {
         mtrain_pattern_select_blocks_ring(ctx, j->layout, &tq, &tk, &tl, &j->o, &rep, &j->pattern);
     j->times = mtrain_block_last_times();
     mtrain_memory_stats_t ms;
-    if (!j->st && mtrain_context_memory(ctx, &ms) == MTRAIN_SUCCESS) j->peak = ms.backend_peak_bytes;
+    if (!j->st && mtrain_context_memory(ctx, &ms) == MTRAIN_SUCCESS)
+      j->peak = ms.backend_peak_bytes;
   }
   mtrain_context_destroy(ctx);
   free(index), free(q), free(k), free(lse);
@@ -1303,10 +1310,10 @@ static void test_antidiag_ring_memory(void **state) {
           const int64_t scores = ((int64_t)p.Hq * rows + 1) * (int64_t)sizeof(double);
           if (r == 0)
             print_message("antidiag %s seed %llu W %d rank %d, keys %s: backend peak %zu bytes "
-                        "(all keys %lld; chunks %lld + row state %lld + scores %lld)\n",
-                        backend, (unsigned long long)seed, W, r, gather ? "gathered" : "on the ring",
-                        jobs[r].peak, (long long)all_keys, (long long)chunks, (long long)states,
-                        (long long)scores);
+                          "(all keys %lld; chunks %lld + row state %lld + scores %lld)\n",
+                          backend, (unsigned long long)seed, W, r,
+                          gather ? "gathered" : "on the ring", jobs[r].peak, (long long)all_keys,
+                          (long long)chunks, (long long)states, (long long)scores);
           if (gather) {
             assert_true((int64_t)jobs[r].peak >= all_keys);
           } else {
@@ -1452,12 +1459,18 @@ static void test_refusals(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_scores),           cmocka_unit_test(test_selection_rule),
-      cmocka_unit_test(test_end_to_end),       cmocka_unit_test(test_adaptive),
-      cmocka_unit_test(test_ring_bitwise),     cmocka_unit_test(test_exact_sum),
-      cmocka_unit_test(test_noncausal_scores), cmocka_unit_test(test_noncausal_candidates),
-      cmocka_unit_test(test_noncausal_ring),   cmocka_unit_test(test_antidiag_ring_memory),
-      cmocka_unit_test(test_antidiag_normaliser), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_scores),
+      cmocka_unit_test(test_selection_rule),
+      cmocka_unit_test(test_end_to_end),
+      cmocka_unit_test(test_adaptive),
+      cmocka_unit_test(test_ring_bitwise),
+      cmocka_unit_test(test_exact_sum),
+      cmocka_unit_test(test_noncausal_scores),
+      cmocka_unit_test(test_noncausal_candidates),
+      cmocka_unit_test(test_noncausal_ring),
+      cmocka_unit_test(test_antidiag_ring_memory),
+      cmocka_unit_test(test_antidiag_normaliser),
+      cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -32,9 +32,9 @@ static inline void cpu_adrow_add(mtrain_antidiag_row_t *r, double e) {
     return;
   }
   const double two64 = 18446744073709551616.0;
-  const uint64_t w2 = e >= 1.0 ? 1u : 0u;          /* e <= 1: the integer part */
-  const double f = (e - (double)w2) * two64;       /* exact, below 2^64 */
-  const double f1 = floor(f);                      /* bits 2^-1 .. 2^-64 */
+  const uint64_t w2 = e >= 1.0 ? 1u : 0u;    /* e <= 1: the integer part */
+  const double f = (e - (double)w2) * two64; /* exact, below 2^64 */
+  const double f1 = floor(f);                /* bits 2^-1 .. 2^-64 */
   const uint64_t w1 = (uint64_t)f1, w0 = (uint64_t)floor((f - f1) * two64); /* .. 2^-128 */
   const uint64_t s0 = r->z[0] + w0, c0 = s0 < w0;
   const uint64_t s1a = r->z[1] + w1, c1a = s1a < w1;

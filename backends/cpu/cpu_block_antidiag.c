@@ -182,18 +182,16 @@ static void build_qstrided(const mtrain_block_scores_args_t *a, const float *Q, 
  * diagonal, the diagonal column recomputed over its terms with key <= query
  * and query < N; non-causally the last column where no term has a real
  * query and a real key. Depends on (gb, a0, kb) alone. */
-static void block_x(const mtrain_block_scores_args_t *a, const float *K, const float *ks,
-                    int32_t h, int64_t gb, int64_t a0, int32_t na, int64_t x, int64_t kb,
-                    const float *qs, float *xb) {
+static void block_x(const mtrain_block_scores_args_t *a, const float *K, const float *ks, int32_t h,
+                    int64_t gb, int64_t a0, int32_t na, int64_t x, int64_t kb, const float *qs,
+                    float *xb) {
   const int32_t S = a->stride, d = a->head_dim, gs = a->granularity / a->stride;
   const int32_t hk = h / (a->num_heads / a->num_kv_heads);
-  const int64_t N = a->seq_len, ncs = (N + S - 1) / S, nx = cpu_call_blocks(a),
-                sd = (int64_t)S * d;
+  const int64_t N = a->seq_len, ncs = (N + S - 1) / S, nx = cpu_call_blocks(a), sd = (int64_t)S * d;
   int64_t cn;
   const int64_t c0 = block_cols(a, kb, &cn);
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, na, (int)cn, (int)sd,
-              (float)(a->scale / S), qs, sd, ks + ((int64_t)hk * nx + x) * gs * sd, sd, 0.0f, xb,
-              gs);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, na, (int)cn, (int)sd, (float)(a->scale / S),
+              qs, sd, ks + ((int64_t)hk * nx + x) * gs * sd, sd, 0.0f, xb, gs);
   for (int32_t r = 0; r < na; r++) {
     const int64_t ar = a0 + r;
     float *row = xb + (int64_t)r * gs;
@@ -269,7 +267,8 @@ static void fast_row(const mtrain_block_scores_args_t *a, const float *Q, const 
       continue;
     }
     const int64_t kend = a->noncausal ? nb : gb + 1;
-    for (int64_t kb = 0; kb < kend; kb++) block_x(a, K, ks, h, gb, a0, na, kb, kb, qs, xw + kb * slab);
+    for (int64_t kb = 0; kb < kend; kb++)
+      block_x(a, K, ks, h, gb, a0, na, kb, kb, qs, xw + kb * slab);
     for (int32_t r = 0; r < na; r++) {
       mtrain_antidiag_row_t st;
       cpu_adrow_init(&st);

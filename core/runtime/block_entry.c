@@ -443,8 +443,8 @@ mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx, const mtrain
 static int key_ring_possible(const mtrain_context_t *ctx, const mtrain_block_options_t *o) {
   const char *env = getenv("MTRAIN_BLOCK_KEY_GATHER");
   if (env && strcmp(env, "1") == 0) return 0;
-  const int need = o->method == MTRAIN_BLOCK_ANTIDIAG ? MTRAIN_BLOCK_CHUNKS_ANTIDIAG
-                                                      : MTRAIN_BLOCK_CHUNKS_SUMS;
+  const int need =
+      o->method == MTRAIN_BLOCK_ANTIDIAG ? MTRAIN_BLOCK_CHUNKS_ANTIDIAG : MTRAIN_BLOCK_CHUNKS_SUMS;
   return (ctx->backend->block_scores_key_chunks & need) &&
          mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_HOST &&
          mtrain_cm_memory_space(ctx) != MTRAIN_MEMORY_DEVICE;
