@@ -52,9 +52,9 @@ static inline int64_t cpu_key_slot(const mtrain_block_scores_args_t *a, int64_t 
 int mtrain_cpu_ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb,
                                 int64_t gb, int32_t rows, double *out);
 
-/** The antidiagonal scores of the cpu backend (fp32 logits by sgemm, one
- *  call per strided-row chunk and key block), from q and k already in fp32
- *  (k: every key, or the chunk of k_block_global). */
+/** The antidiagonal scores of the cpu backend (fp32 logits, each a sum
+ *  over k ascending, vectorised across key columns; fp64 softmax sums), from
+ *  q and k already in fp32 (k: every key, or the chunk of k_block_global). */
 mtrain_status_t mtrain_cpu_fast_antidiag_scores(cpu_state_t *s, const mtrain_block_scores_args_t *a,
                                                 const float *q, const float *k);
 
