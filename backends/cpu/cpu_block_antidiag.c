@@ -17,7 +17,6 @@
 
 #include "backends/cpu/cpu_antidiag_sum.h"
 #include "backends/cpu/cpu_block_common.h"
-#include "backends/cpu/cpu_fast_common.h"
 #include "mtrain/mtrain_error.h"
 
 /* Strided rows per chunk of the fast path. */
