@@ -5,7 +5,9 @@
  * size), runs mtrain_pattern_select_blocks_ring `reps` times and prints, on
  * rank 0, the slowest rank's best time and every rank's growth of the peak
  * resident set during the selections (getrusage ru_maxrss over the resident
- * set before them).
+ * set before them), its user CPU time (the whole process, inputs included)
+ * and its backend peak (mtrain_context_memory's
+ * backend_peak_bytes: the keys held and the score rows).
  * usage: mpiexec -n W bench_mpi_block_select N G Hq Hkv d method [layout] [reps] */
 #include <math.h>
 #include <mpi.h>
@@ -106,8 +108,14 @@ int main(int argc, char **argv) {
   }
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
-  long grow = ru.ru_maxrss - before, all[256] = {0};
+  long grow = ru.ru_maxrss - before, all[256] = {0}, peaks[256] = {0};
+  mtrain_memory_stats_t ms;
+  TRY(mtrain_context_memory(ctx, &ms));
+  long peak = (long)(ms.backend_peak_bytes >> 10);
+  double cpu = (double)ru.ru_utime.tv_sec + 1e-6 * (double)ru.ru_utime.tv_usec, cpus[256] = {0};
+  MPI_Gather(&cpu, 1, MPI_DOUBLE, cpus, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   MPI_Gather(&grow, 1, MPI_LONG, all, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+  MPI_Gather(&peak, 1, MPI_LONG, peaks, 1, MPI_LONG, 0, MPI_COMM_WORLD);
   if (rank == 0) {
     printf("N %lld G %d heads %d/%d d %d %s top-k 8%s, %s layout, W %d: best of %d %.3f s, %lld "
            "token pairs; peak RSS growth per rank (MiB):",
@@ -115,6 +123,10 @@ int main(int argc, char **argv) {
            o.head_adaptive ? " head-adaptive" : "", mtrain_layout_kind_name(kind), world, reps,
            best, (long long)pairs);
     for (int r = 0; r < world && r < 256; r++) printf(" %.1f", all[r] / 1024.0);
+    printf("; backend peak per rank (MiB):");
+    for (int r = 0; r < world && r < 256; r++) printf(" %.1f", peaks[r] / 1024.0);
+    printf("; user CPU s per rank (the whole process):");
+    for (int r = 0; r < world && r < 256; r++) printf(" %.2f", cpus[r]);
     printf("\n");
   }
   mtrain_context_destroy(ctx);

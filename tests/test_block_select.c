@@ -10,10 +10,11 @@
  *   recall (mtrain_cpu_pattern_recall) with the dense LSE; cpu is close;
  * - the head-adaptive budgets preserve the total and are optimal (every
  *   split of the budget tried on a small case);
- * - the distributed form on W = 1, 2, 3, 5 ranks (threads in one process
+ * - the distributed form on W = 1, 2, 3, 4, 5 ranks (threads in one process
  *   sharing a communicator, with point-to-point mailboxes) and every layout
- *   kind but balanced, with the keys passed around the ring (precise and
- *   meanpool) and with every key gathered (MTRAIN_BLOCK_KEY_GATHER=1), gives
+ *   kind but balanced, with the keys passed around the ring (every method;
+ *   antidiag in three passes) and with every key gathered
+ *   (MTRAIN_BLOCK_KEY_GATHER=1), gives
  *   bitwise the single-rank pattern and report, each rank holding the
  *   scores of its own query block rows only (the ranks' score bytes add up
  *   to the single-rank triangles);
@@ -24,8 +25,13 @@
  *   precise rows with the bidirectional LSE adding up to their row counts,
  *   the reported recall equal to the pattern's recall over every key, the
  *   O(1) candidate count against the definition, and the distributed form
- *   on W = 1, 2, 3 bitwise the single-rank one (the Python tests check
+ *   on W = 1, 2, 3, 4 bitwise the single-rank one (the Python tests check
  *   cpu-ref against an fp64 reference of the spec);
+ * - the antidiagonal ring form holds no rank's every key: each rank's
+ *   backend peak (mtrain_context_memory) is its two key chunks, its strided
+ *   rows' state and its score rows, halving from W = 4 to 8, against the
+ *   N x Hkv x d keys of the gather; its fixed-point normaliser gives the
+ *   same state in any order and split, within 2 ulp of a long double sum;
  * - a backend without the block_scores slot (or without non-causal scores),
  *   and bad options, are refused.
  * Seeds are printed; MTRAIN_TEST_SEED overrides them. */
@@ -42,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backends/cpu/cpu_antidiag_sum.h"
 #include "core/runtime/backend.h"
 #include "core/runtime/block_rows.h"
 #include "core/runtime/block_select.h"
@@ -722,6 +729,7 @@ typedef struct rank_job {
   int32_t top_k[16];
   int64_t blocks[16];
   mtrain_block_times_t times; /* the score and gather bytes of this rank */
+  size_t peak;                /* the context's backend_peak_bytes after the selection */
   mtrain_status_t st;
 } rank_job_t;
 
@@ -762,6 +770,9 @@ static void *rank_main(void *arg) {
     j->st =
         mtrain_pattern_select_blocks_ring(ctx, j->layout, &tq, &tk, &tl, &j->o, &rep, &j->pattern);
     j->times = mtrain_block_last_times();
+    mtrain_memory_stats_t ms;
+    if (!j->st && mtrain_context_memory(ctx, &ms) == MTRAIN_SUCCESS)
+      j->peak = ms.backend_peak_bytes;
   }
   mtrain_context_destroy(ctx);
   free(index), free(q), free(k), free(lse);
@@ -784,7 +795,7 @@ static void test_ring_bitwise(void **state) {
   const uint64_t seed = ts_seed(400);
   problem_t p;
   problem_make(&p, 333, 16, 4, 2, 64, seed);
-  static const int worlds[] = {1, 2, 3, 5};
+  static const int worlds[] = {1, 2, 3, 4, 5};
   static const mtrain_layout_kind_t kinds[] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
                                                MTRAIN_LAYOUT_STRIPED};
   mtrain_tensor_t tq = mtrain_tensor_3d(p.q, MTRAIN_F32, p.N, p.Hq, p.d);
@@ -804,7 +815,7 @@ static void test_ring_bitwise(void **state) {
       assert_int_equal(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o, &rep, &one),
                        MTRAIN_SUCCESS);
       mtrain_context_destroy(ctx);
-      /* the ring pass over the keys (precise, meanpool), then the gather of every key */
+      /* the ring pass over the keys (antidiag: three passes), then the gather of every key */
       for (int gather = 0; gather < 2; gather++)
         for (size_t wi = 0; wi < sizeof worlds / sizeof worlds[0]; wi++)
           for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++) {
@@ -887,13 +898,10 @@ static void test_ring_bitwise(void **state) {
             mtrain_layout_destroy(layout);
           }
       unsetenv("MTRAIN_BLOCK_KEY_GATHER");
-      print_message("ring %s seed %llu case %zu (%s): W 1, 2, 3, 5 x 3 layouts bitwise equal, "
-                    "%s\n",
+      print_message("ring %s seed %llu case %zu (%s): W 1, 2, 3, 4, 5 x 3 layouts bitwise equal, "
+                    "with the keys passed around the ring and with the keys gathered\n",
                     backend, (unsigned long long)seed, ci,
-                    mtrain_block_method_name(sel_cases[ci].method),
-                    sel_cases[ci].method == MTRAIN_BLOCK_ANTIDIAG
-                        ? "keys gathered (twice)"
-                        : "with the keys passed around the ring and with the keys gathered");
+                    mtrain_block_method_name(sel_cases[ci].method));
       mtrain_pattern_destroy(one);
     }
   }
@@ -1125,7 +1133,7 @@ static void test_noncausal_ring(void **state) {
   problem_t p;
   problem_make(&p, 333, 16, 4, 2, 64, seed);
   const int64_t nb = nblocks(&p);
-  static const int worlds[] = {1, 2, 3};
+  static const int worlds[] = {1, 2, 3, 4};
   static const mtrain_layout_kind_t kinds[] = {MTRAIN_LAYOUT_CONTIGUOUS, MTRAIN_LAYOUT_ZIGZAG,
                                                MTRAIN_LAYOUT_STRIPED};
   static const size_t cases[] = {0, 2, 3, 4, 5}; /* sel_cases: every method, adaptive */
@@ -1162,8 +1170,8 @@ static void test_noncausal_ring(void **state) {
             pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
             pthread_mutex_init(&sh.mu, NULL);
             pthread_cond_init(&sh.cv, NULL);
-            rank_job_t jobs[3];
-            pthread_t th[3];
+            rank_job_t jobs[4];
+            pthread_t th[4];
             int64_t score_sum = 0;
             for (int r = 0; r < W; r++) {
               memset(&jobs[r], 0, sizeof jobs[r]);
@@ -1206,14 +1214,166 @@ static void test_noncausal_ring(void **state) {
             mtrain_layout_destroy(layout);
           }
       unsetenv("MTRAIN_BLOCK_KEY_GATHER");
-      print_message("non-causal ring %s seed %llu case %zu (%s): W 1, 2, 3 x 3 layouts bitwise "
-                    "equal\n",
+      print_message("non-causal ring %s seed %llu case %zu (%s): W 1, 2, 3, 4 x 3 layouts "
+                    "bitwise equal\n",
                     backend, (unsigned long long)seed, cases[cj],
                     mtrain_block_method_name(o.method));
       mtrain_pattern_destroy(one);
     }
   }
   problem_free(&p);
+}
+
+/* ---- 5d. the antidiagonal ring form: no key gather ------------------------------------------ */
+
+/* Runs the selection of `o` on W threads sharing a communicator; the jobs'
+ * patterns are left for the caller. */
+static void run_ranks(const problem_t *p, const mtrain_layout_t *layout, const char *backend,
+                      const mtrain_block_options_t *o, int W, rank_job_t *jobs) {
+  shared_comm_t sh = {.size = W};
+  pthread_t th[8];
+  pthread_barrier_init(&sh.barrier, NULL, (unsigned)W);
+  pthread_mutex_init(&sh.mu, NULL);
+  pthread_cond_init(&sh.cv, NULL);
+  for (int r = 0; r < W; r++) {
+    memset(&jobs[r], 0, sizeof jobs[r]);
+    jobs[r].tc.sh = &sh;
+    jobs[r].tc.rank = r;
+    jobs[r].p = p;
+    jobs[r].layout = layout;
+    jobs[r].backend = backend;
+    jobs[r].o = *o;
+    pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+  }
+  for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+  for (int r = 0; r < W; r++)
+    if (jobs[r].st != MTRAIN_SUCCESS)
+      fail_msg("%s W %d rank %d: %s (%s)", backend, W, r, mtrain_status_name(jobs[r].st),
+               mtrain_last_error());
+  pthread_barrier_destroy(&sh.barrier);
+  pthread_mutex_destroy(&sh.mu);
+  pthread_cond_destroy(&sh.cv);
+}
+
+/* The backend memory of the antidiagonal selection on W = 4 and 8 ranks
+ * (zigzag): with the keys on the ring each rank's peak is exactly its two
+ * key chunk buffers, its strided rows' state and its score rows, below the
+ * N x Hkv x d fp32 keys that the gather (MTRAIN_BLOCK_KEY_GATHER=1) holds on
+ * every rank, and it falls with W (N / W); the pattern is bitwise W = 1's. */
+static void test_antidiag_ring_memory(void **state) {
+  (void)state;
+  const uint64_t seed = ts_seed(900);
+  problem_t p;
+  problem_make(&p, 2001, 32, 4, 2, 64, seed);
+  const int64_t nb = nblocks(&p), all_keys = (int64_t)sizeof(float) * p.N * p.Hkv * p.d;
+  sel_case_t c = {MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.85, 1, 1, 0};
+  const mtrain_block_options_t o = options_of(&c, 8);
+  mtrain_tensor_t tq = mtrain_tensor_3d(p.q, MTRAIN_F32, p.N, p.Hq, p.d);
+  mtrain_tensor_t tk = mtrain_tensor_3d(p.k, MTRAIN_F32, p.N, p.Hkv, p.d);
+  for (int b = 0; b < 2; b++) {
+    const char *backend = b ? "cpu" : "cpu-ref";
+    mtrain_context_t *ctx = make_ctx(backend, p.G, 2);
+    mtrain_pattern_t *one = NULL;
+    assert_int_equal(mtrain_pattern_select_blocks(ctx, &tq, &tk, NULL, &o, NULL, &one),
+                     MTRAIN_SUCCESS);
+    mtrain_context_destroy(ctx);
+    int64_t ring_peak[2] = {0, 0};
+    for (int wi = 0; wi < 2; wi++) {
+      const int W = wi ? 8 : 4;
+      mtrain_layout_t *layout = NULL;
+      assert_int_equal(mtrain_layout_create(MTRAIN_LAYOUT_ZIGZAG, p.N, p.G, W, NULL, &layout),
+                       MTRAIN_SUCCESS);
+      int64_t most = 0;
+      for (int r = 0; r < W; r++)
+        if (mtrain_layout_local_tokens(layout, r) > most)
+          most = mtrain_layout_local_tokens(layout, r);
+      rank_job_t jobs[8];
+      for (int gather = 0; gather < 2; gather++) {
+        if (gather)
+          setenv("MTRAIN_BLOCK_KEY_GATHER", "1", 1);
+        else
+          unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+        run_ranks(&p, layout, backend, &o, W, jobs);
+        for (int r = 0; r < W; r++) {
+          if (!same_masks(one, jobs[r].pattern))
+            fail_msg("%s seed %llu W %d rank %d %s: not the single-rank pattern", backend,
+                     (unsigned long long)seed, W, r, gather ? "gathered" : "ring");
+          mtrain_pattern_destroy(jobs[r].pattern);
+          const int32_t local = mtrain_layout_rank_num_blocks(layout, r);
+          const int64_t *own = mtrain_layout_rank_blocks(layout, r);
+          int64_t rows = 0;
+          for (int32_t lb = 0; lb < local; lb++)
+            if (own[lb] < nb) rows += own[lb] + 1;
+          const int64_t chunks = 2 * (most * p.Hkv * p.d * (int64_t)sizeof(float) + 8);
+          const int64_t states =
+              ((int64_t)p.Hq * local * (p.G / 8) + 1) * (int64_t)sizeof(mtrain_antidiag_row_t);
+          const int64_t scores = ((int64_t)p.Hq * rows + 1) * (int64_t)sizeof(double);
+          if (r == 0)
+            print_message("antidiag %s seed %llu W %d rank %d, keys %s: backend peak %zu bytes "
+                          "(all keys %lld; chunks %lld + row state %lld + scores %lld)\n",
+                          backend, (unsigned long long)seed, W, r,
+                          gather ? "gathered" : "on the ring", jobs[r].peak, (long long)all_keys,
+                          (long long)chunks, (long long)states, (long long)scores);
+          if (gather) {
+            assert_true((int64_t)jobs[r].peak >= all_keys);
+          } else {
+            assert_int_equal((int64_t)jobs[r].peak, chunks + states + scores);
+            assert_true((int64_t)jobs[r].peak < all_keys);
+            if ((int64_t)jobs[r].peak > ring_peak[wi]) ring_peak[wi] = (int64_t)jobs[r].peak;
+          }
+        }
+      }
+      unsetenv("MTRAIN_BLOCK_KEY_GATHER");
+      mtrain_layout_destroy(layout);
+    }
+    /* N / W: the largest rank's peak at W = 8 is about half of W = 4's */
+    assert_true(ring_peak[1] < 0.6 * (double)ring_peak[0]);
+    mtrain_pattern_destroy(one);
+  }
+  problem_free(&p);
+}
+
+/* The fixed-point normaliser of the antidiagonal rows: the same state for
+ * any order and split of its terms, within two units in the last place of
+ * a long double sum; a NaN term makes it NaN. */
+static void test_antidiag_normaliser(void **state) {
+  (void)state;
+  const uint64_t seed = ts_seed(901);
+  ts_rng_t rng;
+  ts_rng_seed(&rng, seed);
+  enum { n = 3000 };
+  double *t = malloc(sizeof(double) * n);
+  long double exact = 0.0L;
+  for (int i = 0; i < n; i++) {
+    const double u = ts_rng_uniform(&rng);
+    t[i] = i % 7 == 0 ? 1.0 : i % 5 == 0 ? ldexp(u, -60) : exp(-40.0 * u);
+    exact += (long double)t[i];
+  }
+  mtrain_antidiag_row_t fwd, bwd, split[2];
+  cpu_adrow_init(&fwd), cpu_adrow_init(&bwd), cpu_adrow_init(&split[0]), cpu_adrow_init(&split[1]);
+  for (int i = 0; i < n; i++) {
+    cpu_adrow_add(&fwd, t[i]);
+    cpu_adrow_add(&bwd, t[n - 1 - i]);
+    cpu_adrow_add(&split[ts_rng_below(&rng, 2)], t[i]);
+  }
+  /* a split's parts continued on the other part's terms: any order of arrival */
+  mtrain_antidiag_row_t joined = split[0];
+  for (int i = n - 1; i >= 0; i--) cpu_adrow_add(&joined, 0.0);
+  assert_memory_equal(fwd.z, bwd.z, sizeof fwd.z);
+  const double z = cpu_adrow_z(&fwd);
+  print_message("antidiag normaliser seed %llu: %d terms, %.17g, relative difference to long "
+                "double %.3g\n",
+                (unsigned long long)seed, n, z, (double)fabsl(((long double)z - exact) / exact));
+  assert_true(fabsl((long double)z - exact) <= 2.0L * 2.220446049250313e-16L * exact);
+  /* the two parts' integer states add to the whole (carries included) */
+  unsigned __int128 lo = (unsigned __int128)split[0].z[0] + split[1].z[0];
+  unsigned __int128 mid = (unsigned __int128)split[0].z[1] + split[1].z[1] + (uint64_t)(lo >> 64);
+  assert_true((uint64_t)lo == fwd.z[0] && (uint64_t)mid == fwd.z[1]);
+  assert_true(split[0].z[2] + split[1].z[2] + (uint64_t)(mid >> 64) == fwd.z[2]);
+  assert_memory_equal(joined.z, split[0].z, sizeof joined.z); /* zeros add nothing */
+  cpu_adrow_add(&fwd, NAN);
+  assert_true(isnan(cpu_adrow_z(&fwd)));
+  free(t);
 }
 
 /* ---- 6. refusals ---------------------------------------------------------------------------- */
@@ -1272,15 +1432,21 @@ static void test_refusals(void **state) {
   TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
                    "backend 'cpu' has no block_scores");
   ctx->backend = saved;
-  /* key chunks: not for the antidiagonal method */
+  /* antidiagonal key chunks: only in pass 1, 2 or 3 with the row state; all keys in pass 0 */
   const int64_t chunk[1] = {0};
   a = (mtrain_block_scores_args_t){.method = MTRAIN_BLOCK_ANTIDIAG,
                                    .granularity = 16,
                                    .stride = 4,
                                    .k_block_global = chunk,
                                    .num_k_blocks = 1};
-  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_NOT_SUPPORTED,
-                   "antidiagonal method needs every key");
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "antidiag_pass 0, a key chunk");
+  a.antidiag_pass = 2;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "antidiag_pass 2, a key chunk");
+  a.k_block_global = NULL;
+  TS_ASSERT_STATUS(mtrain_be_block_scores(ctx, &a), MTRAIN_ERR_INVALID_ARGUMENT,
+                   "antidiag_pass 2, all keys");
   assert_null(out);
   /* names */
   mtrain_block_method_t m;
@@ -1293,11 +1459,18 @@ static void test_refusals(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_scores),           cmocka_unit_test(test_selection_rule),
-      cmocka_unit_test(test_end_to_end),       cmocka_unit_test(test_adaptive),
-      cmocka_unit_test(test_ring_bitwise),     cmocka_unit_test(test_exact_sum),
-      cmocka_unit_test(test_noncausal_scores), cmocka_unit_test(test_noncausal_candidates),
-      cmocka_unit_test(test_noncausal_ring),   cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_scores),
+      cmocka_unit_test(test_selection_rule),
+      cmocka_unit_test(test_end_to_end),
+      cmocka_unit_test(test_adaptive),
+      cmocka_unit_test(test_ring_bitwise),
+      cmocka_unit_test(test_exact_sum),
+      cmocka_unit_test(test_noncausal_scores),
+      cmocka_unit_test(test_noncausal_candidates),
+      cmocka_unit_test(test_noncausal_ring),
+      cmocka_unit_test(test_antidiag_ring_memory),
+      cmocka_unit_test(test_antidiag_normaliser),
+      cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

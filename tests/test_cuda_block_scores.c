@@ -6,7 +6,9 @@
  *      masses (precise, antidiag) agree per entry within 1e-12 relative,
  *      the logits (meanpool) within 1e-12 of the largest |logit|. Both
  *      backends add in the same order in fp64 without fused multiply-adds;
- *      only the last bits of exp() differ;
+ *      only the last bits of exp() differ, and the antidiagonal normaliser
+ *      (cpu-ref's exact fixed-point sum, cuda's fp64 sum in column order:
+ *      within n eps relative, n the strided columns of the row);
  *  (b) the distributed contract: scoring only the odd query blocks (their
  *      slots packed, as a rank holds them) writes bitwise the rows of the
  *      whole run and leaves every other row at zero, and in the compact form

@@ -8,8 +8,9 @@
  * the pattern and the report (per-head recall, top-k budget, blocks) must be
  * bitwise the single-rank ones on every rank. Cases: the contiguous, zigzag
  * and striped layouts, precise top-p, precise and antidiagonal head-adaptive
- * top-k, meanpool top-k, GQA, N not a multiple of G * W, both CPU backends,
- * fp32 inputs and (zigzag, cpu) bf16 inputs.
+ * top-k, antidiagonal top-p (stride 8; and non-causal, stride 4), meanpool
+ * top-k, GQA, N not a multiple of G * W, both CPU backends, fp32 inputs and
+ * (zigzag, cpu) bf16 inputs.
  * The seed is printed; MTRAIN_TEST_SEED overrides it. Exit 0 when every rank
  * passed every case.
  * usage: mpiexec -n W test_mpi_block_select */
@@ -27,7 +28,7 @@
 
 static int rank_, world_;
 
-enum { HQ = 4, HKV = 2, D = 32, G = 16 };
+enum { HQ = 4, HKV = 2, D = 32, G = 16, NCASES = 6 };
 
 typedef struct inputs {
   int64_t N;
@@ -65,6 +66,12 @@ static mtrain_block_options_t options(int c) {
   case 2: /* antidiagonal head-adaptive top-k */
     o.method = MTRAIN_BLOCK_ANTIDIAG, o.kind = MTRAIN_BUDGET_TOP_K, o.top_k = 3;
     o.head_adaptive = 1;
+    break;
+  case 3: /* antidiagonal top-p, stride 8 */
+    o.method = MTRAIN_BLOCK_ANTIDIAG, o.top_p = 0.8, o.stride = 8;
+    break;
+  case 4: /* antidiagonal non-causal top-p */
+    o.method = MTRAIN_BLOCK_ANTIDIAG, o.top_p = 0.7, o.noncausal = 1;
     break;
   default: /* meanpool top-k */
     o.method = MTRAIN_BLOCK_MEANPOOL, o.kind = MTRAIN_BUDGET_TOP_K, o.top_k = 2;
@@ -179,16 +186,17 @@ int main(int argc, char **argv) {
                                                 MTRAIN_LAYOUT_STRIPED};
   static const char *backends[2] = {"cpu", "cpu-ref"};
   int passed = 0, failed = 0;
-  /* the keys passed around the ring (precise, meanpool), then every key gathered */
+  /* the keys passed around the ring (every method; antidiag in three passes), then every key
+   * gathered */
   for (int gather = 0; gather < 2; gather++) {
     if (gather) setenv("MTRAIN_BLOCK_KEY_GATHER", "1", 1);
     if (rank_ == 0) printf("keys %s\n", gather ? "gathered" : "passed around the ring");
     for (int b = 0; b < 2; b++)
       for (int l = 0; l < 3; l++)
-        for (int c = 0; c < 4; c++)
+        for (int c = 0; c < NCASES; c++)
           select_case(&in, kinds[l], backends[b], c, MTRAIN_F32, comm, seed) ? passed++ : failed++;
     /* bf16 inputs (chunks of 2-byte elements), the fast backend */
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < NCASES; c++)
       select_case(&in, MTRAIN_LAYOUT_ZIGZAG, "cpu", c, MTRAIN_BF16, comm, seed) ? passed++
                                                                                 : failed++;
   }

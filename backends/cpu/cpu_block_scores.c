@@ -1,74 +1,45 @@
 /* cpu_block_scores.c: the block scores of SPEC.md section 9 (the optional
  * block_scores slot) for both CPU backends: precise block masses from the
- * forward's LSE (AdaSpa-style), strided antidiagonal estimates
- * (XAttention-style) and mean-pooled gating (MoBA-style).
+ * forward's LSE (AdaSpa-style) and mean-pooled gating (MoBA-style) here; the
+ * strided antidiagonal estimates (XAttention-style) in cpu_block_antidiag.c.
  *
  * The reference computes every logit as an fp64 dot product and adds in the
  * order the spec gives. The fast path computes the logits of a query block
- * with sgemm in fp32, one key block per call, and adds in fp64. The precise
- * and mean-pooled scores also take the keys as chunks of key blocks
- * (k_block_global: the ring pass of the distributed selection), each entry
- * with the same bits as from all keys. With args.noncausal every key block
- * of a row is scored over all its keys (SPEC.md section 9.7). Each (head, query block) row of the
- * output is one task (OpenMP, dynamic schedule) that reads only its own query block and the keys,
- * so a row's bits depend on neither the thread count nor which rank computes it. Mean-pooled gating
- * is cheap (O(nb^2 d) per head) and shares the reference's fp64 code in both backends. */
+ * with sgemm in fp32, one key block per call, and adds in fp64. Every method
+ * also takes the keys as chunks of key blocks (k_block_global: the ring pass
+ * of the distributed selection; the antidiagonal method in three passes),
+ * each entry with the same bits as from all keys. With args.noncausal every
+ * key block of a row is scored over all its keys (SPEC.md section 9.7). Each
+ * (head, query block) row of the output is one task (OpenMP, dynamic
+ * schedule) that reads only its own query block and the keys, so a row's
+ * bits depend on neither the thread count nor which rank computes it.
+ * Mean-pooled gating is cheap (O(nb^2 d) per head) and shares the
+ * reference's fp64 code in both backends. */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 
 #include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/cpu_block_common.h"
 #include "backends/cpu/cpu_fast_common.h"
 #include "mtrain/mtrain_error.h"
 
 /* Query rows per sgemm of the precise fast path. */
 #define BLK_ROWS 256
-/* Strided rows per chunk of the antidiagonal fast path. */
-#define BLK_AROWS 32
-
-static inline int64_t tri_row(int64_t qb) { return qb * (qb + 1) / 2; }
-
-/* The output row of (head h, local block lb, global block gb): the full
- * triangle, or the compact rows of scores_row. */
-static double *out_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb) {
-  if (a->scores_row) return a->scores + (int64_t)h * a->scores_head_stride + a->scores_row[lb];
-  const int64_t nb = (a->seq_len + a->granularity - 1) / a->granularity;
-  if (a->noncausal) return a->scores + (int64_t)h * nb * nb + gb * nb;
-  return a->scores + (int64_t)h * (nb * (nb + 1) / 2) + tri_row(gb);
-}
-
-/* Whether row gb has no entry for key block kb: padding (kb >= nb), or
- * above the diagonal of a causal call. */
-static inline int skip_block(const mtrain_block_scores_args_t *a, int64_t gb, int64_t kb,
-                             int64_t nb) {
-  return kb >= nb || (!a->noncausal && kb > gb);
-}
-
 /* The end of the keys of block kb (from j0) that query i sees. */
 static inline int64_t key_end(const mtrain_block_scores_args_t *a, int64_t j0, int64_t i) {
   const int64_t last = a->noncausal ? a->seq_len : i + 1;
   return j0 + a->granularity < last ? j0 + a->granularity : last;
 }
 
-/* The key blocks of a call: every block (k holds all keys) or the chunk's. */
-static int64_t call_blocks(const mtrain_block_scores_args_t *a) {
-  return a->k_block_global ? a->num_k_blocks : (a->seq_len + a->granularity - 1) / a->granularity;
-}
-
-static int64_t call_block(const mtrain_block_scores_args_t *a, int64_t x) {
-  return a->k_block_global ? a->k_block_global[x] : x;
-}
-
-/* The slot in k of global key j, in call block x (global key block kb). */
-static int64_t key_slot(const mtrain_block_scores_args_t *a, int64_t x, int64_t kb, int64_t j) {
-  return a->k_block_global ? x * a->granularity + (j - kb * a->granularity) : j;
-}
-
 static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
-  if (a->k_block_global && a->method == MTRAIN_BLOCK_ANTIDIAG)
-    return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                        "block scores: the antidiagonal method needs every key (its softmax "
-                        "runs over all strided columns), not a key chunk");
+  if (a->method == MTRAIN_BLOCK_ANTIDIAG &&
+      (a->k_block_global ? a->antidiag_pass < 1 || a->antidiag_pass > 3 || !a->row_state
+                         : a->antidiag_pass != 0))
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "block scores: the antidiagonal method takes a key chunk in pass 1, 2 "
+                        "or 3 with row_state, all keys in pass 0 (antidiag_pass %d, %s)",
+                        (int)a->antidiag_pass, a->k_block_global ? "a key chunk" : "all keys");
   if (a->method != MTRAIN_BLOCK_PRECISE && a->method != MTRAIN_BLOCK_ANTIDIAG &&
       a->method != MTRAIN_BLOCK_MEANPOOL)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "block scores: unknown method %d",
@@ -87,20 +58,20 @@ static mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
 static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores_args_t *a) {
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t group = Hq / Hkv;
-  const int64_t N = a->seq_len, nb = (N + G - 1) / G, nx = call_blocks(a);
+  const int64_t N = a->seq_len, nb = (N + G - 1) / G, nx = cpu_call_blocks(a);
   double *kbar = malloc(sizeof(double) * (size_t)(nx * Hkv * d + 1));
   if (!kbar) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block scores: out of memory");
     /* kbar[kx][hk][x] = mean over the keys of call block kx, keys ascending */
 #pragma omp parallel for num_threads(s->num_threads) schedule(static)
   for (int64_t kx = 0; kx < nx; kx++) {
-    const int64_t kb = call_block(a, kx);
+    const int64_t kb = cpu_call_block(a, kx);
     if (kb >= nb) continue;
     const int64_t j0 = kb * G, j1 = j0 + G < N ? j0 + G : N;
     for (int32_t hk = 0; hk < Hkv; hk++)
       for (int32_t x = 0; x < d; x++) {
         double sum = 0.0;
         for (int64_t j = j0; j < j1; j++)
-          sum += mtrain_cpu_load(a->k, a->k_dtype, (key_slot(a, kx, kb, j) * Hkv + hk) * d + x);
+          sum += mtrain_cpu_load(a->k, a->k_dtype, (cpu_key_slot(a, kx, kb, j) * Hkv + hk) * d + x);
         kbar[(kx * Hkv + hk) * d + x] = sum / (double)(j1 - j0);
       }
   }
@@ -124,10 +95,10 @@ static mtrain_status_t meanpool_scores(cpu_state_t *s, const mtrain_block_scores
         sum += mtrain_cpu_load(a->q, a->q_dtype, (((int64_t)lb * G + r) * Hq + h) * d + x);
       qbar[x] = sum / (double)rows;
     }
-    double *out = out_row(a, h, lb, gb);
+    double *out = cpu_block_out_row(a, h, lb, gb);
     for (int64_t kx = 0; kx < nx; kx++) {
-      const int64_t kb = call_block(a, kx);
-      if (skip_block(a, gb, kb, nb)) continue;
+      const int64_t kb = cpu_call_block(a, kx);
+      if (cpu_block_skip(a, gb, kb, nb)) continue;
       const double *kv = kbar + (kx * Hkv + h / group) * d;
       double dot = 0.0;
       for (int32_t x = 0; x < d; x++) dot += qbar[x] * kv[x];
@@ -163,10 +134,10 @@ static double dot_k(const mtrain_block_scores_args_t *a, const double *q, int64_
 static void ref_precise_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
                             int32_t rows, double *q, double *out) {
   const int32_t G = a->granularity, hk = h / (a->num_heads / a->num_kv_heads);
-  const int64_t nx = call_blocks(a), nb = (a->seq_len + G - 1) / G;
+  const int64_t nx = cpu_call_blocks(a), nb = (a->seq_len + G - 1) / G;
   for (int64_t kx = 0; kx < nx; kx++) {
-    const int64_t kb = call_block(a, kx);
-    if (skip_block(a, gb, kb, nb)) continue;
+    const int64_t kb = cpu_call_block(a, kx);
+    if (cpu_block_skip(a, gb, kb, nb)) continue;
     for (int32_t r = 0; r < rows; r++) {
       const int64_t i = gb * G + r, j0 = kb * G, j1 = key_end(a, j0, i);
       if (j1 <= j0) continue;
@@ -174,58 +145,9 @@ static void ref_precise_row(const mtrain_block_scores_args_t *a, int32_t h, int3
       const double lse =
           mtrain_cpu_load(a->lse, a->lse_dtype, ((int64_t)lb * G + r) * a->num_heads + h);
       for (int64_t j = j0; j < j1; j++)
-        out[kb] += exp(a->scale * dot_k(a, q, key_slot(a, kx, kb, j), hk) - lse);
+        out[kb] += exp(a->scale * dot_k(a, q, cpu_key_slot(a, kx, kb, j), hk) - lse);
     }
   }
-}
-
-/* Antidiagonal: strided rows a of the block, X[a, c] over the valid terms
- * (causal: c <= a and key <= query; non-causal: every c, real keys), a
- * softmax per strided row, P summed into the key blocks. */
-static int ref_antidiag_row(const mtrain_block_scores_args_t *a, int32_t h, int32_t lb, int64_t gb,
-                            int32_t rows, double *out) {
-  const int32_t G = a->granularity, S = a->stride, d = a->head_dim;
-  const int32_t hk = h / (a->num_heads / a->num_kv_heads);
-  const int64_t N = a->seq_len;
-  const int64_t a_first = gb * G / S, a_end = (gb * G + rows + S - 1) / S;
-  const int64_t ncs = (N + S - 1) / S, width = a->noncausal ? ncs : a_end;
-  double *X = malloc(sizeof(double) * (size_t)(width + 1));
-  uint8_t *valid = malloc((size_t)(width + 1));
-  double *q = malloc(sizeof(double) * (size_t)d);
-  if (!X || !valid || !q) {
-    free(X);
-    free(valid);
-    free(q);
-    return 1;
-  }
-  for (int64_t ar = a_first; ar < a_end; ar++) {
-    const int64_t ncol = a->noncausal ? ncs : ar + 1;
-    double m = -INFINITY;
-    for (int64_t c = 0; c < ncol; c++) {
-      double sum = 0.0;
-      int terms = 0;
-      for (int32_t sp = 0; sp < S; sp++) {
-        const int64_t i = ar * S + sp, j = c * S + S - 1 - sp;
-        if (i >= N || j >= N || (!a->noncausal && j > i)) continue;
-        load_q(a, lb, (int32_t)(i - gb * G), h, q);
-        sum += dot_k(a, q, j, hk);
-        terms++;
-      }
-      valid[c] = terms > 0;
-      X[c] = a->scale / S * sum;
-      if (valid[c] && X[c] > m) m = X[c];
-    }
-    if (m == -INFINITY) continue; /* no defined column */
-    double Z = 0.0;
-    for (int64_t c = 0; c < ncol; c++)
-      if (valid[c]) Z += exp(X[c] - m);
-    for (int64_t c = 0; c < ncol; c++)
-      if (valid[c]) out[c * S / G] += exp(X[c] - m) / Z;
-  }
-  free(X);
-  free(valid);
-  free(q);
-  return 0;
 }
 
 mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scores_args_t *a) {
@@ -244,7 +166,7 @@ mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scor
     if (gb >= nb) continue;
     const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
     if (rows <= 0) continue;
-    double *out = out_row(a, h, lb, gb);
+    double *out = cpu_block_out_row(a, h, lb, gb);
     if (a->method == MTRAIN_BLOCK_PRECISE) {
       double *q = malloc(sizeof(double) * (size_t)a->head_dim);
       if (!q) {
@@ -254,7 +176,7 @@ mtrain_status_t mtrain_cpu_ref_block_scores(void *state, const mtrain_block_scor
       ref_precise_row(a, h, lb, gb, rows, q, out);
       free(q);
     } else {
-      failed |= ref_antidiag_row(a, h, lb, gb, rows, out);
+      failed |= mtrain_cpu_ref_antidiag_row(a, h, lb, gb, rows, out);
     }
   }
   return failed ? mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu-ref block scores: out of memory")
@@ -298,17 +220,17 @@ static int fast_precise_row(const mtrain_block_scores_args_t *a, const fast_inpu
                             int32_t lb, int64_t gb, int32_t rows, float *A, double *out) {
   const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
   const int32_t hk = h / (Hq / Hkv);
-  const int64_t nx = call_blocks(a), nb = (a->seq_len + G - 1) / G;
+  const int64_t nx = cpu_call_blocks(a), nb = (a->seq_len + G - 1) / G;
   for (int32_t r0 = 0; r0 < rows; r0 += BLK_ROWS) {
     const int32_t nr = rows - r0 < BLK_ROWS ? rows - r0 : BLK_ROWS;
     const int64_t i_last = gb * G + r0 + nr - 1;
     const float *qp = f->q + (((int64_t)lb * G + r0) * Hq + h) * d;
     for (int64_t kx = 0; kx < nx; kx++) {
-      const int64_t kb = call_block(a, kx), c0 = kb * G;
-      if (skip_block(a, gb, kb, nb) || (!a->noncausal && c0 > i_last)) continue;
+      const int64_t kb = cpu_call_block(a, kx), c0 = kb * G;
+      if (cpu_block_skip(a, gb, kb, nb) || (!a->noncausal && c0 > i_last)) continue;
       const int64_t c1 = key_end(a, c0, i_last);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nr, (int)(c1 - c0), d, (float)a->scale,
-                  qp, (int64_t)Hq * d, f->k + (key_slot(a, kx, kb, c0) * Hkv + hk) * d,
+                  qp, (int64_t)Hq * d, f->k + (cpu_key_slot(a, kx, kb, c0) * Hkv + hk) * d,
                   (int64_t)Hkv * d, 0.0f, A, G);
       for (int32_t r = 0; r < nr; r++) {
         const int64_t i = gb * G + r0 + r;
@@ -326,153 +248,42 @@ static int fast_precise_row(const mtrain_block_scores_args_t *a, const fast_inpu
   return 0;
 }
 
-/* The strided keys of kv head hk: row c = k_{cS+S-1}, ..., k_{cS} (zero rows
- * beyond N), [ceil(N/S) x S*d]. */
-static void build_kstrided(const mtrain_block_scores_args_t *a, const float *K, int32_t hk,
-                           float *ks) {
-  const int32_t S = a->stride, d = a->head_dim, Hkv = a->num_kv_heads;
-  const int64_t N = a->seq_len, ncs = (N + S - 1) / S;
-  for (int64_t c = 0; c < ncs; c++)
-    for (int32_t sp = 0; sp < S; sp++) {
-      const int64_t j = c * S + S - 1 - sp;
-      float *dst = ks + (c * S + sp) * d;
-      if (j < N)
-        for (int32_t x = 0; x < d; x++) dst[x] = K[(j * Hkv + hk) * d + x];
-      else
-        for (int32_t x = 0; x < d; x++) dst[x] = 0.0f;
-    }
-}
-
-/* The softmax of strided row `row` over its columns 0 .. ncol - 1 (-inf:
- * undefined), each column's probability added to its key block's entry. */
-static void softmax_into(float *row, int64_t ncol, int32_t S, int32_t G, double *out) {
-  float m = -INFINITY;
-  for (int64_t c = 0; c < ncol; c++) m = row[c] > m ? row[c] : m;
-  if (m == -INFINITY) return;
-  double Z = 0.0;
-  for (int64_t c = 0; c < ncol; c++) {
-    row[c] = expf(row[c] - m);
-    Z += row[c];
-  }
-  for (int64_t c = 0; c < ncol; c++) out[c * S / G] += row[c] / Z;
-}
-
-/* Antidiagonal, one (head, query block): chunks of BLK_AROWS strided rows;
- * X = (s/S) Qs Ks^T by sgemm (zero rows beyond the block and beyond N add
- * nothing), the diagonal column recomputed over its valid (causal) terms, or
- * non-causally every column, the last one undefined where no term has a real
- * query and a real key; then per strided row a softmax in fp64 over its
- * columns. */
-static int fast_antidiag_row(const mtrain_block_scores_args_t *a, const fast_inputs_t *f,
-                             const float *ks, int32_t h, int32_t lb, int64_t gb, int32_t rows,
-                             float *qs, float *X, double *out) {
-  const int32_t G = a->granularity, S = a->stride, d = a->head_dim, Hq = a->num_heads;
-  const int64_t N = a->seq_len, ncs = (N + S - 1) / S;
-  const int64_t a_first = gb * G / S, a_end = (gb * G + rows + S - 1) / S;
-  const int32_t hk = h / (Hq / a->num_kv_heads);
-  const int64_t sd = (int64_t)S * d;
-  for (int64_t a0 = a_first; a0 < a_end; a0 += BLK_AROWS) {
-    const int32_t na = a_end - a0 < BLK_AROWS ? (int32_t)(a_end - a0) : BLK_AROWS;
-    /* Qs: row ar = q_{ar S}, ..., q_{ar S + S - 1}, zero beyond the block's rows */
-    for (int32_t r = 0; r < na; r++)
-      for (int32_t sp = 0; sp < S; sp++) {
-        const int64_t i = (a0 + r) * S + sp, rl = i - gb * G;
-        float *dst = qs + ((int64_t)r * S + sp) * d;
-        if (rl < rows)
-          for (int32_t x = 0; x < d; x++) dst[x] = f->q[(((int64_t)lb * G + rl) * Hq + h) * d + x];
-        else
-          for (int32_t x = 0; x < d; x++) dst[x] = 0.0f;
-      }
-    const int64_t ncol = a->noncausal ? ncs : a0 + na; /* causal: columns 0 .. a0 + na - 1 */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, na, (int)ncol, (int)sd,
-                (float)(a->scale / S), qs, sd, ks, sd, 0.0f, X, ncs);
-    for (int32_t r = 0; r < na; r++) {
-      const int64_t ar = a0 + r;
-      float *row = X + (int64_t)r * ncs;
-      if (a->noncausal) {
-        /* the last column has a term when some t >= cS + S - N has ar S + t < N */
-        const int64_t c = ncs - 1;
-        if (c * S + S - N > N - 1 - ar * S) row[c] = -INFINITY;
-        softmax_into(row, ncol, S, G, out);
-        continue;
-      }
-      /* the diagonal column: only the terms with key <= query and query < N */
-      double dsum = 0.0;
-      int terms = 0;
-      for (int32_t sp = 0; sp < S; sp++) {
-        const int64_t i = ar * S + sp, j = ar * S + S - 1 - sp;
-        if (i >= N || j > i) continue;
-        const float *qi = qs + ((int64_t)r * S + sp) * d;
-        const float *kj = f->k + (j * a->num_kv_heads + hk) * d;
-        float dot = 0.0f;
-        for (int32_t x = 0; x < d; x++) dot += qi[x] * kj[x];
-        dsum += dot;
-        terms++;
-      }
-      row[ar] = terms > 0 ? (float)(a->scale / S * dsum) : -INFINITY;
-      softmax_into(row, ar + 1, S, G, out);
-    }
-  }
-  return 0;
-}
-
 mtrain_status_t mtrain_cpu_fast_block_scores(void *state, const mtrain_block_scores_args_t *a) {
   cpu_state_t *s = state;
   mtrain_status_t st = check_args(a);
   if (st) return st;
   if (a->method == MTRAIN_BLOCK_MEANPOOL) return meanpool_scores(s, a);
-  const int32_t G = a->granularity, Hq = a->num_heads, Hkv = a->num_kv_heads, d = a->head_dim;
-  const int32_t S = a->stride;
+  const int32_t G = a->granularity, Hq = a->num_heads;
   const int64_t N = a->seq_len, nb = (N + G - 1) / G;
-  const int64_t ncs = a->method == MTRAIN_BLOCK_ANTIDIAG ? (N + S - 1) / S : 0;
   fast_inputs_t f;
   st = fast_inputs(s, a, &f);
   if (st) return st;
-  float *ks = NULL;
   if (a->method == MTRAIN_BLOCK_ANTIDIAG) {
-    ks = malloc(sizeof(float) * (size_t)(ncs * S * d * Hkv));
-    if (!ks) {
-      free(f.own_q);
-      free(f.own_k);
-      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu block scores: out of memory");
-    }
-#pragma omp parallel for num_threads(s->num_threads) schedule(static)
-    for (int32_t hk = 0; hk < Hkv; hk++) build_kstrided(a, f.k, hk, ks + (int64_t)hk * ncs * S * d);
+    st = mtrain_cpu_fast_antidiag_scores(s, a, f.q, f.k);
+    free(f.own_q);
+    free(f.own_k);
+    return st;
   }
   const int blas_threads = cpu_blas_single_begin();
   const int64_t tasks = (int64_t)Hq * a->num_q_blocks;
   int failed = 0;
 #pragma omp parallel num_threads(s->num_threads) reduction(| : failed)
   {
-    float *A = NULL, *qs = NULL;
-    if (a->method == MTRAIN_BLOCK_PRECISE) {
-      A = malloc(sizeof(float) * (size_t)BLK_ROWS * (size_t)G);
-    } else {
-      A = malloc(sizeof(float) * (size_t)(BLK_AROWS * ncs));
-      qs = malloc(sizeof(float) * (size_t)BLK_AROWS * S * d);
-    }
-    const int ok = A && (a->method == MTRAIN_BLOCK_PRECISE || qs);
-    failed |= !ok;
+    float *A = malloc(sizeof(float) * (size_t)BLK_ROWS * (size_t)G);
+    failed |= !A;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; t++) {
-      if (!ok) continue;
+      if (!A) continue;
       const int32_t h = (int32_t)(t / a->num_q_blocks), lb = (int32_t)(t % a->num_q_blocks);
       const int64_t gb = a->q_block_global[lb];
       if (gb >= nb) continue;
       const int32_t rows = mtrain_block_rows(a->q_tokens, G, lb, gb, N);
       if (rows <= 0) continue;
-      double *out = out_row(a, h, lb, gb);
-      if (a->method == MTRAIN_BLOCK_PRECISE)
-        fast_precise_row(a, &f, h, lb, gb, rows, A, out);
-      else
-        fast_antidiag_row(a, &f, ks + (int64_t)(h / (Hq / Hkv)) * ncs * S * d, h, lb, gb, rows, qs,
-                          A, out);
+      fast_precise_row(a, &f, h, lb, gb, rows, A, cpu_block_out_row(a, h, lb, gb));
     }
     free(A);
-    free(qs);
   }
   cpu_blas_single_end(blas_threads);
-  free(ks);
   free(f.own_q);
   free(f.own_k);
   return failed ? mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cpu block scores: out of memory")

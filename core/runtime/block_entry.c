@@ -7,9 +7,10 @@
  * curves (an fp64 all-reduce of exact-sum words), each rank selects its own
  * rows, and the selected rows (per row: kept and total score, count, key
  * blocks) are all-gathered, so every rank assembles the same pattern, bitwise
- * the single-rank one. The keys: passed around the ring in chunks (precise
- * and meanpool on a backend that scores key chunks, host memory), else
- * gathered on every rank (antidiag, cuda, MTRAIN_BLOCK_KEY_GATHER=1). */
+ * the single-rank one. The keys: passed around the ring in chunks on a
+ * backend that scores key chunks of the method (cpu and cpu-ref, host
+ * memory; three passes for antidiag), else gathered on every rank (cuda,
+ * MTRAIN_BLOCK_KEY_GATHER=1). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,27 +57,17 @@ static mtrain_status_t post_pieces(mtrain_context_t *ctx, void *buf, size_t byte
   return MTRAIN_SUCCESS;
 }
 
-/* The ring pass over the key chunks: at step s this rank holds the keys of
+/* One ring pass over the key chunks: at step s this rank holds the keys of
  * rank (rank - s) mod W, scores its query blocks against that chunk's key
  * blocks while passing it on to rank + 1 and receiving the next from
- * rank - 1. Two chunk buffers; no rank ever holds every key. */
-static mtrain_status_t score_key_ring(mtrain_context_t *ctx, const block_input_t *in,
-                                      mtrain_block_scores_args_t a) {
+ * rank - 1. Two chunk buffers (buf); no rank ever holds every key. */
+static mtrain_status_t key_ring_pass(mtrain_context_t *ctx, const block_input_t *in,
+                                     mtrain_block_scores_args_t a, void *buf[2], size_t row,
+                                     int pieces) {
   const int32_t W = mtrain_context_world(ctx), rank = mtrain_context_rank(ctx);
-  const size_t row = (size_t)in->Hkv * (size_t)in->d * mtrain_dtype_size(in->k_dtype);
-  int64_t most = 0;
-  for (int32_t r = 0; r < W; r++)
-    if (mtrain_layout_local_tokens(in->layout, r) > most)
-      most = mtrain_layout_local_tokens(in->layout, r);
-  const int pieces = (int)(((size_t)most * row) >> 30) + 2;
   mtrain_comm_request_t **req = calloc((size_t)(2 * pieces), sizeof *req);
-  void *buf[2] = {NULL, NULL};
   mtrain_status_t st = MTRAIN_SUCCESS;
   if (!req) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "block selection: out of host memory");
-  if (W > 1) {
-    st = mtrain_be_alloc(ctx, (size_t)most * row + 8, &buf[0]);
-    if (!st) st = mtrain_be_alloc(ctx, (size_t)most * row + 8, &buf[1]);
-  }
   const void *hand = in->k;
   for (int32_t s = 0; s < W && !st; s++) {
     const int32_t src = (rank - s + W) % W, next = (rank - s - 1 + W) % W;
@@ -103,9 +94,48 @@ static mtrain_status_t score_key_ring(mtrain_context_t *ctx, const block_input_t
     }
     hand = buf[(s + 1) % 2];
   }
+  free(req);
+  return st;
+}
+
+/* The scores from the keys passed around the ring: one pass (precise,
+ * meanpool), or three for the antidiagonal method (SPEC.md 9.6: the row
+ * maxima, the exact normalisers, the scores), its strided rows' state held
+ * between them (Hq x the local strided rows, in backend memory). */
+static mtrain_status_t score_key_ring(mtrain_context_t *ctx, const block_input_t *in,
+                                      mtrain_block_scores_args_t a) {
+  const int32_t W = mtrain_context_world(ctx);
+  const size_t row = (size_t)in->Hkv * (size_t)in->d * mtrain_dtype_size(in->k_dtype);
+  int64_t most = 0;
+  for (int32_t r = 0; r < W; r++)
+    if (mtrain_layout_local_tokens(in->layout, r) > most)
+      most = mtrain_layout_local_tokens(in->layout, r);
+  const int pieces = (int)(((size_t)most * row) >> 30) + 2;
+  void *buf[2] = {NULL, NULL};
+  mtrain_antidiag_row_t *state = NULL;
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  if (W > 1) {
+    st = mtrain_be_alloc(ctx, (size_t)most * row + 8, &buf[0]);
+    if (!st) st = mtrain_be_alloc(ctx, (size_t)most * row + 8, &buf[1]);
+  }
+  if (!st && a.method == MTRAIN_BLOCK_ANTIDIAG) {
+    const int64_t n = (int64_t)a.num_heads * a.num_q_blocks * (a.granularity / a.stride);
+    st = mtrain_be_alloc(ctx, sizeof *state * (size_t)(n + 1), (void **)&state);
+    for (int64_t i = 0; !st && i < n; i++) {
+      state[i].max = -INFINITY;
+      state[i].z[0] = state[i].z[1] = state[i].z[2] = state[i].nan = 0;
+    }
+    a.row_state = state;
+    for (int32_t pass = 1; pass <= 3 && !st; pass++) {
+      a.antidiag_pass = pass;
+      st = key_ring_pass(ctx, in, a, buf, row, pieces);
+    }
+  } else if (!st) {
+    st = key_ring_pass(ctx, in, a, buf, row, pieces);
+  }
+  mtrain_be_free(ctx, state);
   mtrain_be_free(ctx, buf[0]);
   mtrain_be_free(ctx, buf[1]);
-  free(req);
   return st;
 }
 
@@ -405,14 +435,17 @@ mtrain_status_t mtrain_pattern_select_blocks(mtrain_context_t *ctx, const mtrain
   return block_core(ctx, &in, options, report, out);
 }
 
-/* The ring pass over the key chunks where the backend scores key chunks
- * (precise and meanpool) in host memory, unless MTRAIN_BLOCK_KEY_GATHER=1
- * asks for the gather of every key (for comparisons; the same on every rank,
- * as the backend and the options are). */
+/* The ring pass over the key chunks where the backend scores key chunks of
+ * the method (block_scores_key_chunks: cpu and cpu-ref, every method) in
+ * host memory, unless MTRAIN_BLOCK_KEY_GATHER=1 asks for the gather of every
+ * key (for comparisons; the same on every rank, as the backend and the
+ * options are). */
 static int key_ring_possible(const mtrain_context_t *ctx, const mtrain_block_options_t *o) {
   const char *env = getenv("MTRAIN_BLOCK_KEY_GATHER");
   if (env && strcmp(env, "1") == 0) return 0;
-  return ctx->backend->block_scores_key_chunks && o->method != MTRAIN_BLOCK_ANTIDIAG &&
+  const int need =
+      o->method == MTRAIN_BLOCK_ANTIDIAG ? MTRAIN_BLOCK_CHUNKS_ANTIDIAG : MTRAIN_BLOCK_CHUNKS_SUMS;
+  return (ctx->backend->block_scores_key_chunks & need) &&
          mtrain_be_memory_space(ctx) == MTRAIN_MEMORY_HOST &&
          mtrain_cm_memory_space(ctx) != MTRAIN_MEMORY_DEVICE;
 }

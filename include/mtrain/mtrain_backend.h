@@ -145,6 +145,22 @@ typedef struct mtrain_scores_args {
   double *diag_out;              /**< stage 2, zero-initialised by the caller, [Hq*N*S] */
 } mtrain_scores_args_t;
 
+/** The state of one strided row (SPEC.md 9.2) between the passes of the
+ *  antidiagonal method's key-chunk form (mtrain_block_scores_args_t
+ *  antidiag_pass): the row maximum and its normaliser as an exact
+ *  fixed-point sum. The core sets max to -infinity and the rest to zero
+ *  before pass 1; only the backend reads or changes it after that. */
+typedef struct mtrain_antidiag_row {
+  double max;    /**< pass 1: the largest X(a, c) of the defined columns seen (-inf: none) */
+  uint64_t z[3]; /**< pass 2: the sum of exp(X - max) in units of 2^-128, z[0] lowest */
+  uint64_t nan;  /**< pass 2: 1 when a term was NaN (the normaliser is then NaN) */
+} mtrain_antidiag_row_t;
+
+/** Bits of mtrain_backend_ops_t.block_scores_key_chunks: which methods the
+ *  block_scores slot scores from key chunks (k_block_global). */
+#define MTRAIN_BLOCK_CHUNKS_SUMS 1     /**< precise and meanpool (one call per chunk) */
+#define MTRAIN_BLOCK_CHUNKS_ANTIDIAG 2 /**< antidiag: three passes (antidiag_pass 1, 2, 3) */
+
 /** The block scores of SPEC.md section 9 (the optional block_scores slot).
  *  nb = ceil(N/G); the scores of a head form a lower triangle: the entry of
  *  (query block qb, key block kb <= qb) of head h is
@@ -179,11 +195,12 @@ typedef struct mtrain_block_scores_args {
                                       block's row within a head (padding blocks: unused) */
   int64_t scores_head_stride;    /**< with scores_row: doubles per head */
   /** NULL: k holds all N keys in global order. Else (a backend with
-   *  block_scores_key_chunks; precise and meanpool only) k holds one chunk
-   *  of key blocks: [k_tokens, Hkv, d], its G-slot block x being global key
-   *  block k_block_global[x] (host; >= nb: padding), and only the entries
-   *  (qb, kb) of these key blocks are written, each with the same bits as
-   *  from all keys: the ring pass of the distributed selection. */
+   *  block_scores_key_chunks for the method) k holds one chunk of key
+   *  blocks: [k_tokens, Hkv, d], its G-slot block x being global key block
+   *  k_block_global[x] (host; >= nb: padding), and only the entries (qb, kb)
+   *  of these key blocks are written, each with the same bits as from all
+   *  keys: the ring pass of the distributed selection. The antidiagonal
+   *  method takes three ring passes (antidiag_pass). */
   const int64_t *k_block_global;
   int32_t num_k_blocks; /**< with k_block_global: key blocks in k */
   int64_t k_tokens;     /**< with k_block_global: key slots in k */
@@ -193,6 +210,17 @@ typedef struct mtrain_block_scores_args {
    *  query block gb then holds nb entries (scores[h * nb * nb + gb * nb +
    *  kb] without scores_row; with it, nb entries from scores_row[lb]). */
   int32_t noncausal;
+  /** antidiag with k_block_global (MTRAIN_BLOCK_CHUNKS_ANTIDIAG): 1 folds
+   *  the chunk's columns into the row maxima of row_state, 2 adds their
+   *  exp(X - max) to the exact normalisers, 3 adds their P(a, c) = exp(X -
+   *  max) / Z to the scores (SPEC.md 9.6); scores are written in pass 3
+   *  only. The core runs pass p over every chunk before pass p + 1. 0
+   *  without k_block_global (k holds every key: all at once). */
+  int32_t antidiag_pass;
+  /** with antidiag_pass: host [Hq * num_q_blocks * (G / S)], the strided
+   *  row r of local block lb of head h at (h * num_q_blocks + lb) * (G / S)
+   *  + r. */
+  mtrain_antidiag_row_t *row_state;
 } mtrain_block_scores_args_t;
 
 /** The vertical-slash selection of SPEC.md section 2 on the backend (the
@@ -328,9 +356,11 @@ typedef struct mtrain_backend_ops {
    *  blocks (mtrain_block_scores_args_t). NULL: mtrain_pattern_select_blocks
    *  reports MTRAIN_ERR_NOT_SUPPORTED naming the backend. */
   mtrain_status_t (*block_scores)(void *state, const mtrain_block_scores_args_t *args);
-  /** 1 when block_scores takes key chunks (k_block_global) for the precise
-   *  and meanpool methods: the distributed selection then passes the keys
-   *  around the ring instead of gathering them all (host memory only). */
+  /** The methods block_scores scores from key chunks (k_block_global), a
+   *  mask of MTRAIN_BLOCK_CHUNKS_SUMS (precise and meanpool; 1, as before)
+   *  and MTRAIN_BLOCK_CHUNKS_ANTIDIAG: the distributed selection then passes
+   *  the keys around the ring instead of gathering them all (host memory
+   *  only). */
   int block_scores_key_chunks;
   /** 1 when the attention slots compute non-causal step views (`causal`
    *  0: no mask in the diagonal block). 0: the core refuses a plan that

@@ -141,8 +141,8 @@ def block_mask_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
 
 BLOCK_LAYOUTS = ("striped", "zigzag", "contiguous")
 BG = 16  # the block selection's granularity: 10 and 21 blocks
-# select_blocks options of the context-parallel block selection (test_block_select.py): the
-# antidiagonal scores gather every key, meanpool and precise pass the keys around the ring, the
+# select_blocks options of the context-parallel block selection (test_block_select.py): every
+# method passes the keys around the ring on the CPU backends (antidiag in three passes), the
 # head-adaptive budgets all-reduce their gain curves
 BLOCK_CASES: dict[str, dict[str, Any]] = {
     "antidiag_p": {"method": "antidiag", "top_p": 0.8},

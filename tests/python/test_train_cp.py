@@ -53,7 +53,7 @@ ARMS = {
     "dense": ["--arm", "dense"],
     "static": STATIC,
     "window": ["--arm", "window", "--window-blocks", "3"],
-    # the block selection on the ring (antidiag top-p, every key gathered)
+    # the block selection on the ring (antidiag top-p, the keys passed around the ring)
     "block": ["--arm", "mtrain-block", "--block-top-p", "0.5"],
 }
 # Measured (docs/TRAINING.md, "Context parallel": 3 seeds, worlds 2 and 3, dense and static):
