@@ -18,12 +18,13 @@ Method (every figure is on one device, ranks run one after another):
      budgets: the pattern's size does not depend on the inputs), so each distinct (length,
      layer, head budgets) is measured once: mtrain.estimate_pattern then mtrain.attention's
      forward and backward through autograd, as a training step calls them, on structured inputs
-     (mtrain_generate_structured), warm (--warmup), median of --reps. With --grid G a group
-     (layer, budgets) with more than G distinct lengths is measured at G log-spaced lengths and
-     interpolated in log-log; --grid-check lengths off the grid are measured too and the
-     interpolation error is reported. With top-p budgets the pattern depends on the inputs:
-     every document is measured on its own inputs (seed and structure varied per document), no
-     deduplication.
+     (mtrain_generate_structured, one input per length), warm (--warmup), median of --reps.
+     With --grid G a group (layer, budgets) with more than G distinct lengths is measured at G
+     log-spaced lengths and interpolated in log-log; --grid-check lengths off the grid are
+     measured too and the interpolation error is reported. With top-p budgets the pattern
+     depends on the inputs: every document is measured on its own inputs (seed and structure
+     strengths drawn per document and layer), no deduplication. --fit-calibration first fits
+     the cost model's pair_s, row_s and seq_s on these measurements and balances with them.
   5. A document's time = the sum over the measured --layers times (layers / measured layers)
      (the rest extrapolated, printed); plus, with --linear, the model's projection matmuls
      (torch, forward + backward, the predictor's shapes; norms and activations not counted).
@@ -244,6 +245,12 @@ def head_budgets(
     return out
 
 
+def doc_seed(doc: int, layer: int, per_document: bool) -> int:
+    """A document's inputs: seed 1 + document; with top-p budgets (every document measured on
+    its own inputs) also a different input per layer."""
+    return 1 + doc + (1000003 * layer if per_document else 0)
+
+
 # ---- timing -----------------------------------------------------------------------------------
 
 
@@ -379,7 +386,12 @@ def mass_curves(a: argparse.Namespace, budget_file: str, num_layers: int, runner
 
 
 def assign(
-    a: argparse.Namespace, method: str, lengths: list[int], budget_file: str, mass: Any
+    a: argparse.Namespace,
+    method: str,
+    lengths: list[int],
+    budget_file: str,
+    calibration: Any,
+    mass: Any,
 ) -> mtrain.BalanceResult:
     split = "+split" in method
     tuned = method.endswith("+tuned")
@@ -399,7 +411,7 @@ def assign(
         lengths,
         a.world,
         budget_file,
-        a.calibration,
+        calibration,
         method=base,
         tune=tuned,
         mass=mass if tuned else None,
@@ -413,6 +425,70 @@ def assign(
         ring_overhead=a.ring_overhead,
         max_split=a.max_split,
     )
+
+
+def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
+    """The predictor's linear FLOPs per token (docs/BALANCE.md, "The cost predictor")."""
+    h, hq, hkv, d, inter = a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate
+    return 6.0 * (layers * (2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter) + h * a.vocab)
+
+
+def fit_calibration(
+    a: argparse.Namespace,
+    lengths: list[int],
+    measure_key: Callable[[tuple], dict[str, Any]],
+    linear_s: dict[int, float],
+    layers: int,
+    say: Callable[[str], None],
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """--fit-calibration: a calibration fitted on this run's own measurements, as
+    mtrain-balance-calibrate fits one: one call (estimate + forward + backward of one layer) at
+    --fit-points lengths (log-spaced among the workload's distinct ones, the shortest and the
+    longest included) at every measured layer, untuned budgets; seconds = pair_s * pairs (the
+    estimated pattern's computed pairs) + row_s * N * heads + seq_s, least squares on the
+    relative error, non-negative (the best subset of the three terms). linear_flops: the
+    measured linear layers at the longest length (with --linear), else the file's."""
+    ns = sorted(set(lengths))
+    c = min(a.fit_points, len(ns))
+    pick = sorted({ns[round(j * (len(ns) - 1) / max(c - 1, 1))] for j in range(c)})
+    rows, ys, pts = [], [], []
+    for n in pick:
+        for layer in a.layers:
+            r = measure_key((-1, n, layer, (1.0,) * a.heads))
+            pairs = r["density"] * n * (n + 1) / 2 * a.heads
+            rows.append([pairs, n * a.heads, 1.0])
+            ys.append(r["step_s"])
+            pts.append({"tokens": n, "layer": layer, "pairs": pairs, "seconds": r["step_s"]})
+    x, y = np.asarray(rows), np.asarray(ys)
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 8):  # every non-empty subset of the three terms
+        cols = [t for t in range(3) if mask >> t & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        res = float(np.sum((x @ full / y - 1) ** 2))
+        if best is None or res < best[0]:
+            best = (res, full)
+    assert best is not None  # one term alone always fits with a non-negative coefficient
+    coef = best[1]
+    with open(a.calibration) as f:
+        flops = float(json.load(f).get("linear_flops", 0.0))
+    if a.linear and linear_s:
+        n = max(linear_s)
+        flops = linear_flops_per_token(a, layers) * n / linear_s[n]
+    cal = {"pair_s": coef[0], "row_s": coef[1], "seq_s": coef[2], "linear_flops": flops}
+    err = x @ coef / y - 1
+    for p, e in zip(pts, err, strict=True):
+        p["rel_error_fit"] = float(e)
+    say(
+        f"calibration fitted on {len(pts)} measured calls ({len(pick)} lengths x "
+        f"{len(a.layers)} layers): pair_s {coef[0]:.4g} s, row_s {coef[1]:.4g} s, seq_s "
+        f"{coef[2]:.4g} s, linear_flops {flops:.4g}; in-sample error max "
+        f"{100 * float(np.abs(err).max()):.1f}%, mean {100 * float(np.abs(err).mean()):.1f}%"
+    )
+    return cal, {"points": pts, "calibration": cal, "replaces": a.calibration}
 
 
 def base_scale(levels: Sequence[float], bounds: tuple[float, float] | None) -> float:
@@ -523,6 +599,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--hidden", type=int, default=2048)
     m.add_argument("--intermediate", type=int, default=11008)
     m.add_argument("--vocab", type=int, default=151936)
+    m.add_argument(
+        "--fit-calibration",
+        action="store_true",
+        help="fit pair_s, row_s, seq_s (and linear_flops) on this run's measurements first and "
+        "balance with that table (in-sample: the best the cost model can do here)",
+    )
+    m.add_argument("--fit-points", type=int, default=8, help="lengths of the fit (8)")
     m.add_argument("--json", help="write everything here")
     return ap
 
@@ -555,6 +638,8 @@ def check_args(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         "granularity",
         "profile_len",
         "linear_chunk",
+        "validate_reps",
+        "fit_points",
     ):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
@@ -624,6 +709,8 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         ap.error(f"--layers {a.layers}: the budgets have layers 0..{nl - 1}")
     budgets = derive_budgets(file_layers, a.heads, a.scale if a.scale_budgets else 1)
     per_document = any(b["kind"] == "topp" for layer in a.layers for b in budgets[layer])
+    if per_document and a.fit_calibration:
+        ap.error("--fit-calibration needs top-k budgets (top-p patterns depend on the inputs)")
     runner = Runner(a)
     tmp = tempfile.TemporaryDirectory(prefix="balance_measure_")
     budget_file = os.path.join(tmp.name, "budgets.json")
@@ -641,6 +728,43 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         + f", {'attention + linear layers' if a.linear else 'attention only'}, median of "
         f"{a.reps} after {a.warmup} warm-up, clock {a.clock}"
     )
+    meas: dict[tuple, dict[str, Any]] = {}
+    grid_report: list[dict[str, Any]] = []
+
+    def measure_key(k: tuple) -> dict[str, Any]:
+        if k not in meas:
+            doc, n, layer, scales = k
+            hb = head_budgets(budgets[layer], scales, n, a.budget_context)
+            seed = doc_seed(doc, layer, per_document) if per_document else 1
+            r = runner.measure(n, hb, seed, per_document, a.reps, a.warmup)
+            r.update({"layer": layer, "document": doc, "scales": list(scales)})
+            meas[k] = r
+            say(
+                f"  measured layer {layer:3d} N {n:7d}"
+                + (f" doc {doc:5d}" if per_document else "")
+                + f" density {r['density']:.4f} estimate {1e3 * r['estimate_s']:9.2f} ms "
+                f"fwd+bwd {1e3 * r['fwdbwd_s']:9.2f} ms"
+            )
+        return meas[k]
+
+    linear_s: dict[int, float] = {}
+    if a.linear:
+        h, hq, hkv, d = a.hidden, a.heads, a.kv_heads, a.head_dim
+        per_layer = [(h, hq * d), (h, hkv * d), (h, hkv * d), (hq * d, h), (h, a.intermediate)]
+        per_layer += [(h, a.intermediate), (a.intermediate, h)]
+        chunk: dict[int, float] = {}
+        for n in sorted(set(lengths)):
+            c = min(n, a.linear_chunk)  # matmuls are linear in tokens: longer ones scaled
+            if c not in chunk:
+                one = runner.linear(c, per_layer, a.reps, a.warmup)
+                head = runner.linear(c, [(h, a.vocab)], a.reps, a.warmup)
+                chunk[c] = nl * one + head
+                say(f"  linear N {c:7d}: {nl} x {1e3 * one:.2f} ms + LM head {1e3 * head:.2f} ms")
+            linear_s[n] = chunk[c] * n / c
+    calibration: Any = a.calibration
+    fit_report: dict[str, Any] | None = None
+    if a.fit_calibration:
+        calibration, fit_report = fit_calibration(a, lengths, measure_key, linear_s, nl, say)
     mass = None
     if any(m.endswith("+tuned") for m in a.methods):
         t0 = time.perf_counter()
@@ -649,7 +773,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     results: dict[str, mtrain.BalanceResult] = {}
     for method in a.methods:
         t0 = time.perf_counter()
-        results[method] = assign(a, method, lengths, budget_file, mass)
+        results[method] = assign(a, method, lengths, budget_file, calibration, mass)
         say(f"assignment {method}: {time.perf_counter() - t0:.2f} s")
     base = base_scale(a.levels, a.bounds)
     hoff = [0]
@@ -670,25 +794,6 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         for i, ranks in enumerate(res.ranks_of):
             for layer in a.layers:
                 needed.add(key(i, lengths[i], layer, scales_of(res, method, i, ranks[0], layer)))
-    meas: dict[tuple, dict[str, Any]] = {}
-    grid_report: list[dict[str, Any]] = []
-
-    def measure_key(k: tuple) -> dict[str, Any]:
-        if k not in meas:
-            doc, n, layer, scales = k
-            hb = head_budgets(budgets[layer], scales, n, a.budget_context)
-            seed = 1 + doc if per_document else 1
-            r = runner.measure(n, hb, seed, per_document, a.reps, a.warmup)
-            r.update({"layer": layer, "document": doc, "scales": list(scales)})
-            meas[k] = r
-            say(
-                f"  measured layer {layer:3d} N {n:7d}"
-                + (f" doc {doc:5d}" if per_document else "")
-                + f" density {r['density']:.4f} estimate {1e3 * r['estimate_s']:9.2f} ms "
-                f"fwd+bwd {1e3 * r['fwdbwd_s']:9.2f} ms"
-            )
-        return meas[k]
-
     t_meas = time.perf_counter()
     # plan every measurement first (grid points, off-grid checks), then measure in order of
     # length, so that one input set at a time is on the device
@@ -740,20 +845,6 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
                 ],
             }
         )
-    linear_s: dict[int, float] = {}
-    if a.linear:
-        h, hq, hkv, d = a.hidden, a.heads, a.kv_heads, a.head_dim
-        per_layer = [(h, hq * d), (h, hkv * d), (h, hkv * d), (hq * d, h), (h, a.intermediate)]
-        per_layer += [(h, a.intermediate), (a.intermediate, h)]
-        chunk: dict[int, float] = {}
-        for n in sorted(set(lengths)):
-            c = min(n, a.linear_chunk)  # matmuls are linear in tokens: longer ones scaled
-            if c not in chunk:
-                one = runner.linear(c, per_layer, a.reps, a.warmup)
-                head = runner.linear(c, [(h, a.vocab)], a.reps, a.warmup)
-                chunk[c] = nl * one + head
-                say(f"  linear N {c:7d}: {nl} x {1e3 * one:.2f} ms + LM head {1e3 * head:.2f} ms")
-            linear_s[n] = chunk[c] * n / c
     runner.forget()
     t_meas = time.perf_counter() - t_meas
     say(f"measurement: {len(meas)} (length, layer, budgets) points, {t_meas:.1f} s")
@@ -914,6 +1005,8 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         "grid_checks": grid_report,
         "measurements": list(meas.values()),
         "linear_s": {str(n): s for n, s in linear_s.items()},
+        "calibration": calibration,
+        "calibration_fit": fit_report,
         "methods": out_methods,
         "per_document_spread": spread,
         "validation": validation,
@@ -973,13 +1066,17 @@ def validate(
             for layer in a.layers
             for i in docs
         )
-        inputs = {i: runner.inputs(lengths[i], 1 + i, per_document, keep=False) for i in docs}
+        seeds = {(i, layer): doc_seed(i, layer, per_document) for i, layer, _ in work}
+        inputs = {
+            s: runner.inputs(lengths[i], s, per_document, keep=False)
+            for (i, _), s in sorted(seeds.items())
+        }
         wholes = []
         for _ in range(a.validate_reps):
             runner.sync()
             t0 = runner.clock()
-            for i, _, hb in work:
-                runner.step(inputs[i], hb)
+            for i, layer, hb in work:
+                runner.step(inputs[seeds[(i, layer)]], hb)
             runner.sync()
             wholes.append(runner.clock() - t0)
         whole = statistics.median(wholes)

@@ -58,19 +58,28 @@ class FakeClock:
         return self.now
 
 
-def _synthetic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runner.step costs 1e-3 * (N / 128)^1.7 * (1 + verticals / 1000) s on a fake clock:
-    deterministic, a power law in N (so log-log interpolation is exact) and dependent on the
-    budgets (so tuned levels change it)."""
+def _power_law(n: int, budgets: list) -> tuple[float, int]:
+    """1e-3 * (N / 128)^1.7 * (1 + verticals / 1000) s: a straight line in log-log (so the
+    grid's interpolation is exact) that depends on the budgets (so tuned levels change it)."""
+    v = sum(b.v_size for b in budgets)
+    return 1e-3 * (n / 128) ** 1.7 * (1 + v / 1000), n * (n + 1) // 2 * len(budgets)
+
+
+def _cost_model(n: int, budgets: list) -> tuple[float, int]:
+    """Exactly the predictor's form: 3e-9 s per pair (dense pairs, halved per head of the
+    second half), 2e-6 s per row and head, 5e-4 s per call."""
+    pairs = n * (n + 1) // 2 * len(budgets) * (1 + 2 * (n % 256 == 0)) // 3
+    return 3e-9 * pairs + 2e-6 * n * len(budgets) + 5e-4, pairs
+
+
+def _synthetic(monkeypatch: pytest.MonkeyPatch, cost: object = _power_law) -> None:
+    """Runner.step costs cost(N, budgets) seconds on a fake clock that only it advances."""
     clock = FakeClock()
 
     def step(self: bm.Runner, inp: list, budgets: list) -> tuple[float, float, int]:
-        self.clock = clock
-        n = int(inp[0].shape[0])
-        v = sum(b.v_size for b in budgets)
-        cost = 1e-3 * (n / 128) ** 1.7 * (1 + v / 1000)
-        clock.now += cost
-        return 0.25 * cost, 0.75 * cost, n * (n + 1) // 2 * len(budgets)
+        t, pairs = cost(int(inp[0].shape[0]), budgets)  # type: ignore[operator]
+        clock.now += t
+        return 0.25 * t, 0.75 * t, pairs
 
     monkeypatch.setattr(bm.Runner, "step", step)
 
@@ -191,6 +200,26 @@ def test_grid_and_validate_exact_with_synthetic_clock(
         assert v["whole_s"] == pytest.approx(v["summed_s"], rel=1e-9)
 
 
+def test_fit_calibration_recovers_the_cost_model(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # calls that cost exactly pair_s * pairs + row_s * N * heads + seq_s: the fit finds them,
+    # and balance_batch then predicts the measured rank times (one layer measured of 36, so the
+    # per-layer coefficients x 36 are what every rank's prediction holds)
+    _synthetic(monkeypatch, _cost_model)
+    lf = _lengths(tmp_path, [128 * k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "3"]
+    argv += ["--methods", "cost", "--layers", "7", "--reps", "1", "--warmup", "0"]
+    argv += ["--fit-calibration", "--fit-points", "6", *SMALL]
+    r = bm.run(argv, log=_quiet)
+    cal = r["calibration"]
+    assert cal["pair_s"] == pytest.approx(3e-9, rel=1e-6)
+    assert cal["row_s"] == pytest.approx(2e-6, rel=1e-6)
+    assert cal["seq_s"] == pytest.approx(5e-4, rel=1e-6)
+    assert len(r["calibration_fit"]["points"]) == 6
+    assert max(abs(p["rel_error_fit"]) for p in r["calibration_fit"]["points"]) < 1e-9
+
+
 def test_validate_real_timing_is_additive(tmp_path: pathlib.Path) -> None:
     # Real kernels, one library and torch thread, timed by this process's CPU seconds (--clock
     # process: the other jobs on the machine do not count). Bound: whole / summed within
@@ -252,6 +281,7 @@ def test_top_p_measures_every_document(tmp_path: pathlib.Path) -> None:
         (["--bounds", "0.5"], "--bounds takes LO,HI"),
         (["--clock", "cycles"], "'cycles' is not wall or process"),
         (["--threads", "-1"], "--threads -1 must be >= 0"),
+        (["--fit-points", "0"], "--fit-points 0 must be >= 1"),
     ],
 )
 def test_bad_options(
