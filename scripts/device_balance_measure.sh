@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
 # Measured rank times of SparseBalance's assignments on one GPU (docs/BALANCE.md, "Measured rank
 # times (tool)"; tools/balance_measure.py): the CUDA build (scripts/device_cuda.sh build, skipped
-# when MTRAIN_LIBRARY is set or build-cuda/libmtrain.so exists), then three runs of the tool,
-# each under its own timeout, each writing NAME.json and NAME.log under OUT_DIR:
+# when MTRAIN_LIBRARY is set or build-cuda/libmtrain.so exists), then the runs of RUNS, each
+# under its own timeout, each writing NAME.json and NAME.log under OUT_DIR:
 #   longtail  the long-tail mix of `mtrain-balance batch --long-tail --world WORLD` at full size
-#             (SCALE 1), budgets as given, the derived H200 table; methods METHODS; layers
-#             LAYERS measured (the rest extrapolated), the lengths on a log grid of GRID points
-#             with 3 off-grid checks; the linear layers timed; VALIDATE ranks run whole.
+#             (SCALE 1), the Qwen2.5-3B budgets as given, 16:2 heads, d 128, bf16, the
+#             calibration CALIBRATION (the derived H200 table whose predictions docs/BALANCE.md
+#             publishes); methods METHODS; layers LAYERS measured (the rest extrapolated); the
+#             lengths on a log grid of GRID points with 3 off-grid checks; the linear layers
+#             timed; VALIDATE ranks run whole.
 #   tuned     the same mix, tokens and cost+tuned (every rank has its own budgets: a grid per
-#             rank), at TUNED_LAYERS only.
+#             rank and layer), at TUNED_LAYERS only.
 #   topp      EQUAL_COUNT documents of EQUAL_N tokens with the top-p budgets (TOPP_BUDGETS):
 #             every document measured on its own inputs (sparsity heterogeneity alone).
-# Then the summary table of every run that finished (grep of its log).
+# Then the summary lines of every run that finished (from its log).
 #
 #   bash scripts/device_balance_measure.sh [OUT_DIR]     (default runs/balance-measure)
 #
+# One call (about 10 minutes at most): the build and RUNS="longtail" (the default). A second
+# call on the still-warm machine (the build is kept): RUNS="tuned topp".
 # Environment (defaults): BACKEND (cuda; cpu: the same runs on the CPU backend for a dry run,
-# with SCALE 64, budgets divided by SCALE, 4:1 heads, d 64, one thread, process CPU clock),
-# WORLD (8), SCALE (1), METHODS (tokens,cost,cost+split), LAYERS (0,15,31), GRID (10), REPS (2),
-# VALIDATE (1), TUNED_LAYERS (15), EQUAL_N (65536), EQUAL_COUNT (16), TOPP_BUDGETS
-# (data/budgets/Qwen2.5_3B_flex_0.90.json), CALIBRATION (data/calibration/h200-derived.json),
-# RUN_S (timeout of one run: 170), CALL_S (the whole call's budget after the build: 420; a run is
-# not started with less than MIN_S = 30 left), RUNS ("longtail tuned topp"), PYTHON (python3).
+# with SCALE 64, budgets divided by SCALE, 4:1 heads, d 64, no linear layers, one thread,
+# process CPU clock), RUNS (longtail), WORLD (8), SCALE (1), METHODS (tokens,cost,cost+split),
+# LAYERS (0,15,31), GRID (8), REPS (2), VALIDATE (1), TUNED_LAYERS (15), EQUAL_N (65536),
+# EQUAL_COUNT (16), TOPP_BUDGETS (data/budgets/Qwen2.5_3B_flex_0.90.json), CALIBRATION
+# (data/calibration/h200-derived.json), RUN_S (timeout of one run: 330), CALL_S (the whole
+# call's budget, build included: 560; a run is not started with less than MIN_S = 30 left),
+# PYTHON (python3).
 # Exit status: 0 when every run wrote its JSON, 1 when one did not (its log says why), 2 when
 # the preflight failed.
 set -uo pipefail
@@ -32,7 +37,7 @@ BACKEND=${BACKEND:-cuda}
 WORLD=${WORLD:-8}
 METHODS=${METHODS:-tokens,cost,cost+split}
 LAYERS=${LAYERS:-0,15,31}
-GRID=${GRID:-10}
+GRID=${GRID:-8}
 REPS=${REPS:-2}
 VALIDATE=${VALIDATE:-1}
 TUNED_LAYERS=${TUNED_LAYERS:-15}
@@ -40,10 +45,11 @@ EQUAL_N=${EQUAL_N:-65536}
 EQUAL_COUNT=${EQUAL_COUNT:-16}
 TOPP_BUDGETS=${TOPP_BUDGETS:-data/budgets/Qwen2.5_3B_flex_0.90.json}
 CALIBRATION=${CALIBRATION:-data/calibration/h200-derived.json}
-RUN_S=${RUN_S:-170}
-CALL_S=${CALL_S:-420}
+RUN_S=${RUN_S:-330}
+CALL_S=${CALL_S:-560}
 MIN_S=${MIN_S:-30}
-RUNS=${RUNS:-longtail tuned topp}
+RUNS=${RUNS:-longtail}
+t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
@@ -67,7 +73,6 @@ else
   shape=(--heads 4 --kv-heads 1 --head-dim 64 --scale-budgets --threads 1 --clock process)
   export MTRAIN_LIBRARY=${MTRAIN_LIBRARY:-build/libmtrain.so}
 fi
-t_end=$(($(date +%s) + CALL_S))
 
 # preflight: the device and the library
 "$PY" - "$BACKEND" <<'EOF' 2>&1 | tee "$out/preflight.log"

@@ -27,7 +27,8 @@ Method (every figure is on one device, ranks run one after another):
      the cost model's pair_s, row_s and seq_s on these measurements and balances with them.
   5. A document's time = the sum over the measured --layers times (layers / measured layers)
      (the rest extrapolated, printed); plus, with --linear, the model's projection matmuls
-     (torch, forward + backward, the predictor's shapes; norms and activations not counted).
+     (torch, forward + backward, the predictor's shapes; norms and activations not counted),
+     timed at the lengths up to --linear-chunk and in proportion to the tokens above it.
      A rank's time = its split phase replayed in the solver's order (a split document costs
      each of its k ranks its time / k; the ring's overhead is NOT measured) + its whole
      documents.
@@ -594,7 +595,8 @@ def parser() -> argparse.ArgumentParser:
         "--linear-chunk",
         type=int,
         default=16384,
-        help="longer documents' linear layers: timed at this many tokens, scaled (16384)",
+        help="the linear layers are timed at the lengths up to this (on the --grid's points when "
+        "set; log-log between them) and longer documents' scaled in proportion (16384)",
     )
     m.add_argument("--hidden", type=int, default=2048)
     m.add_argument("--intermediate", type=int, default=11008)
@@ -752,15 +754,25 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         h, hq, hkv, d = a.hidden, a.heads, a.kv_heads, a.head_dim
         per_layer = [(h, hq * d), (h, hkv * d), (h, hkv * d), (hq * d, h), (h, a.intermediate)]
         per_layer += [(h, a.intermediate), (a.intermediate, h)]
-        chunk: dict[int, float] = {}
-        for n in sorted(set(lengths)):
-            c = min(n, a.linear_chunk)  # matmuls are linear in tokens: longer ones scaled
-            if c not in chunk:
-                one = runner.linear(c, per_layer, a.reps, a.warmup)
-                head = runner.linear(c, [(h, a.vocab)], a.reps, a.warmup)
-                chunk[c] = nl * one + head
-                say(f"  linear N {c:7d}: {nl} x {1e3 * one:.2f} ms + LM head {1e3 * head:.2f} ms")
-            linear_s[n] = chunk[c] * n / c
+        ns = sorted(set(lengths))
+        top = min(ns[-1], a.linear_chunk)
+        pts = [n for n in ns if n <= top] + ([top] if ns[-1] > top else [])
+        if a.grid and len(pts) > a.grid:  # log-spaced, as the attention's grid
+            lo, hi = math.log(pts[0]), math.log(top)
+            ticks = (lo + (hi - lo) * j / (a.grid - 1) for j in range(a.grid))
+            pts = sorted({scale_length(round(math.exp(x)), 1, a.granularity) for x in ticks})
+            pts = sorted(set(pts) | {ns[0], top})
+        lin = {}
+        for n in pts:
+            one = runner.linear(n, per_layer, a.reps, a.warmup)
+            head = runner.linear(n, [(h, a.vocab)], a.reps, a.warmup)
+            lin[n] = nl * one + head
+            say(f"  linear N {n:7d}: {nl} x {1e3 * one:.2f} ms + LM head {1e3 * head:.2f} ms")
+        gx = np.log(np.array(pts, dtype=np.float64))
+        gy = np.log(np.array([lin[n] for n in pts]))
+        for n in ns:  # log-log between the points; proportional to the tokens above the chunk
+            t = lin[n] if n in lin else float(np.exp(np.interp(math.log(min(n, top)), gx, gy)))
+            linear_s[n] = t * n / top if n > top else t
     calibration: Any = a.calibration
     fit_report: dict[str, Any] | None = None
     if a.fit_calibration:

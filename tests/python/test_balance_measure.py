@@ -220,6 +220,35 @@ def test_fit_calibration_recovers_the_cost_model(
     assert max(abs(p["rel_error_fit"]) for p in r["calibration_fit"]["points"]) < 1e-9
 
 
+def test_linear_layers(tmp_path: pathlib.Path) -> None:
+    # the linear layers are timed up to --linear-chunk tokens and scaled in proportion above;
+    # they enter the measured documents and (model dimensions) the predictions
+    lf = _lengths(tmp_path, [128, 256, 512, 1024, 2048])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "2"]
+    argv += ["--methods", "tokens", "--layers", "0", "--reps", "1", "--warmup", "0", *SMALL]
+    linear = ["--linear", "--hidden", "32", "--intermediate", "64", "--vocab", "100"]
+    with_linear = bm.run([*argv, *linear, "--linear-chunk", "512"], log=_quiet)
+    lin = {int(n): t for n, t in with_linear["linear_s"].items()}
+    assert sorted(lin) == [128, 256, 512, 1024, 2048]
+    assert all(t > 0 for t in lin.values())
+    assert lin[1024] == pytest.approx(2 * lin[512]) and lin[2048] == pytest.approx(4 * lin[512])
+    m = with_linear["methods"]["tokens"]
+    for rank in range(2):
+        docs = m["rank_documents"][rank]
+        attn = sum(
+            36
+            * next(x["step_s"] for x in with_linear["measurements"] if x["tokens"] == d["tokens"])
+            for d in docs
+        )
+        assert m["measured_s"][rank] == pytest.approx(attn + sum(lin[d["tokens"]] for d in docs))
+    without = bm.run(argv, log=_quiet)
+    assert without["linear_s"] == {}
+    assert all(
+        p > q
+        for p, q in zip(m["predicted_s"], without["methods"]["tokens"]["predicted_s"], strict=True)
+    )
+
+
 def test_validate_real_timing_is_additive(tmp_path: pathlib.Path) -> None:
     # Real kernels, one library and torch thread, timed by this process's CPU seconds (--clock
     # process: the other jobs on the machine do not count). Bound: whole / summed within
