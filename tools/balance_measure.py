@@ -434,32 +434,99 @@ def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
     return 6.0 * (layers * (2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter) + h * a.vocab)
 
 
+def predictor_pairs(
+    a: argparse.Namespace, budget_file: str, points: list[tuple[int, int]]
+) -> dict[tuple[int, int], int]:
+    """The pairs the cost predictor counts (mtrain_balance_head_pairs: the position model's
+    allowed pairs) for (length, layer) at the untuned level, summed over the layer's heads."""
+    from mtrain import balance as B  # the predictor's ctypes structures
+
+    dll = B._dll()
+    fn = dll.mtrain_balance_head_pairs
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    scales = np.ascontiguousarray(np.asarray(a.levels, dtype=np.float64))
+    cal = B._Calibration(1.0, 0.0, 0.0, 0.0)
+    mdl = B._Model(0, 0, 0, 0, 0)
+    pm = B._PositionModel(30, 100, B._SPREADS[a.spread], 0, int(a.budget_context))
+    handle = B._read_budgets(budget_file)
+    pred = ctypes.c_void_p()
+    try:
+        L.check(
+            dll.mtrain_balance_predictor_create(
+                handle,
+                scales.ctypes.data_as(B._DP),
+                len(scales),
+                a.levels.index(1.0),
+                ctypes.byref(pm),
+                int(a.granularity),
+                ctypes.byref(cal),
+                ctypes.byref(mdl),
+                ctypes.byref(pred),
+            ),
+            "predictor",
+        )
+    finally:
+        L.lib().budgets_destroy(handle)
+    out: dict[tuple[int, int], int] = {}
+    try:
+        v = ctypes.c_int64()
+        for n, layer in points:
+            total = 0
+            for h in range(a.heads):
+                L.check(fn(pred, n, layer * a.heads + h, a.levels.index(1.0), ctypes.byref(v)))
+                total += v.value
+            out[(n, layer)] = total
+    finally:
+        dll.mtrain_balance_predictor_destroy(pred)
+    return out
+
+
 def fit_calibration(
     a: argparse.Namespace,
     lengths: list[int],
     measure_key: Callable[[tuple], dict[str, Any]],
     linear_s: dict[int, float],
     layers: int,
+    budget_file: str,
     say: Callable[[str], None],
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """--fit-calibration: a calibration fitted on this run's own measurements, as
     mtrain-balance-calibrate fits one: one call (estimate + forward + backward of one layer) at
     --fit-points lengths (log-spaced among the workload's distinct ones, the shortest and the
     longest included) at every measured layer, untuned budgets; seconds = pair_s * pairs (the
-    estimated pattern's computed pairs) + row_s * N * heads + seq_s, least squares on the
+    predictor's own count: the position model's allowed pairs, as the predictor will multiply
+    them; the estimated plan's computed pairs are reported beside them) + row_s * N * heads +
+    seq_s, least squares on the
     relative error, non-negative (the best subset of the three terms). linear_flops: the
     measured linear layers at the longest length (with --linear), else the file's."""
     ns = sorted(set(lengths))
     c = min(a.fit_points, len(ns))
     pick = sorted({ns[round(j * (len(ns) - 1) / max(c - 1, 1))] for j in range(c)})
     rows, ys, pts = [], [], []
+    counted = predictor_pairs(a, budget_file, [(n, layer) for n in pick for layer in a.layers])
     for n in pick:
         for layer in a.layers:
             r = measure_key((-1, n, layer, (1.0,) * a.heads))
-            pairs = r["density"] * n * (n + 1) / 2 * a.heads
+            pairs = counted[(n, layer)]
+            computed = r["density"] * n * (n + 1) / 2 * a.heads
             rows.append([pairs, n * a.heads, 1.0])
             ys.append(r["step_s"])
-            pts.append({"tokens": n, "layer": layer, "pairs": pairs, "seconds": r["step_s"]})
+            pts.append(
+                {
+                    "tokens": n,
+                    "layer": layer,
+                    "pairs": pairs,
+                    "computed_pairs": computed,
+                    "seconds": r["step_s"],
+                }
+            )
     x, y = np.asarray(rows), np.asarray(ys)
     best: tuple[float, np.ndarray] | None = None
     for mask in range(1, 8):  # every non-empty subset of the three terms
@@ -483,6 +550,11 @@ def fit_calibration(
     err = x @ coef / y - 1
     for p, e in zip(pts, err, strict=True):
         p["rel_error_fit"] = float(e)
+    ratio = [p["computed_pairs"] / p["pairs"] for p in pts if p["pairs"] > 0]
+    say(
+        f"pairs: the estimated plans computed {min(ratio):.3g}-{max(ratio):.3g}x the pairs the "
+        "predictor counts at these points (block-granular kernels, estimated selection)"
+    )
     say(
         f"calibration fitted on {len(pts)} measured calls ({len(pick)} lengths x "
         f"{len(a.layers)} layers): pair_s {coef[0]:.4g} s, row_s {coef[1]:.4g} s, seq_s "
@@ -776,7 +848,9 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     calibration: Any = a.calibration
     fit_report: dict[str, Any] | None = None
     if a.fit_calibration:
-        calibration, fit_report = fit_calibration(a, lengths, measure_key, linear_s, nl, say)
+        calibration, fit_report = fit_calibration(
+            a, lengths, measure_key, linear_s, nl, budget_file, say
+        )
     mass = None
     if any(m.endswith("+tuned") for m in a.methods):
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import types
 
 import numpy as np
 import pytest
@@ -63,13 +64,6 @@ def _power_law(n: int, budgets: list) -> tuple[float, int]:
     grid's interpolation is exact) that depends on the budgets (so tuned levels change it)."""
     v = sum(b.v_size for b in budgets)
     return 1e-3 * (n / 128) ** 1.7 * (1 + v / 1000), n * (n + 1) // 2 * len(budgets)
-
-
-def _cost_model(n: int, budgets: list) -> tuple[float, int]:
-    """Exactly the predictor's form: 3e-9 s per pair (dense pairs, halved per head of the
-    second half), 2e-6 s per row and head, 5e-4 s per call."""
-    pairs = n * (n + 1) // 2 * len(budgets) * (1 + 2 * (n % 256 == 0)) // 3
-    return 3e-9 * pairs + 2e-6 * n * len(budgets) + 5e-4, pairs
 
 
 def _synthetic(monkeypatch: pytest.MonkeyPatch, cost: object = _power_law) -> None:
@@ -206,8 +200,22 @@ def test_fit_calibration_recovers_the_cost_model(
     # calls that cost exactly pair_s * pairs + row_s * N * heads + seq_s: the fit finds them,
     # and balance_batch then predicts the measured rank times (one layer measured of 36, so the
     # per-layer coefficients x 36 are what every rank's prediction holds)
-    _synthetic(monkeypatch, _cost_model)
-    lf = _lengths(tmp_path, [128 * k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)])
+    ns = [128 * k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)]
+    derived = tmp_path / "derived.json"
+    bm.write_budgets(bm.derive_budgets(bm.read_budgets(TOPK), 2, 1), str(derived))
+    opts = types.SimpleNamespace(
+        levels=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0], spread="even", budget_context=0,
+        granularity=128, heads=2,
+    )  # fmt: skip
+    counted = bm.predictor_pairs(opts, str(derived), [(n, 7) for n in ns])
+    assert all(0 < counted[(n, 7)] <= n * (n + 1) // 2 * 2 for n in ns)
+
+    def cost(n: int, budgets: list) -> tuple[float, int]:
+        # exactly the predictor's form, on the predictor's own pair count (layer 7)
+        return 3e-9 * counted[(n, 7)] + 2e-6 * n * len(budgets) + 5e-4, n * (n + 1) // 2
+
+    _synthetic(monkeypatch, cost)
+    lf = _lengths(tmp_path, ns)
     argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "3"]
     argv += ["--methods", "cost", "--layers", "7", "--reps", "1", "--warmup", "0"]
     argv += ["--fit-calibration", "--fit-points", "6", *SMALL]
