@@ -434,58 +434,73 @@ def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
     return 6.0 * (layers * (2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter) + h * a.vocab)
 
 
+class PairCounter:
+    """The pairs the cost predictor counts (mtrain_balance_head_pairs: the position model's
+    pairs for a head at a level) for one call: a length, a layer and its heads' scales."""
+
+    def __init__(self, a: argparse.Namespace, budget_file: str) -> None:
+        from mtrain import balance as B  # the predictor's ctypes structures
+
+        self.dll = B._dll()
+        self.fn = self.dll.mtrain_balance_head_pairs
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_int64),
+        ]
+        self.levels = list(a.levels)
+        self.heads = a.heads
+        scales = np.ascontiguousarray(np.asarray(a.levels, dtype=np.float64))
+        cal = B._Calibration(1.0, 0.0, 0.0, 0.0)
+        mdl = B._Model(0, 0, 0, 0, 0)
+        pm = B._PositionModel(30, 100, B._SPREADS[a.spread], 0, int(a.budget_context))
+        handle = B._read_budgets(budget_file)
+        self.pred = ctypes.c_void_p()
+        try:
+            L.check(
+                self.dll.mtrain_balance_predictor_create(
+                    handle,
+                    scales.ctypes.data_as(B._DP),
+                    len(scales),
+                    self.levels.index(1.0),
+                    ctypes.byref(pm),
+                    int(a.granularity),
+                    ctypes.byref(cal),
+                    ctypes.byref(mdl),
+                    ctypes.byref(self.pred),
+                ),
+                "predictor",
+            )
+        finally:
+            L.lib().budgets_destroy(handle)
+
+    def count(self, n: int, layer: int, scales: Sequence[float]) -> int:
+        v = ctypes.c_int64()
+        total = 0
+        for h, sc in enumerate(scales):
+            level = self.levels.index(sc)
+            L.check(self.fn(self.pred, n, layer * self.heads + h, level, ctypes.byref(v)))
+            total += v.value
+        return total
+
+    def close(self) -> None:
+        if self.pred:
+            self.dll.mtrain_balance_predictor_destroy(self.pred)
+            self.pred = ctypes.c_void_p()
+
+
 def predictor_pairs(
     a: argparse.Namespace, budget_file: str, points: list[tuple[int, int]]
 ) -> dict[tuple[int, int], int]:
-    """The pairs the cost predictor counts (mtrain_balance_head_pairs: the position model's
-    allowed pairs) for (length, layer) at the untuned level, summed over the layer's heads."""
-    from mtrain import balance as B  # the predictor's ctypes structures
-
-    dll = B._dll()
-    fn = dll.mtrain_balance_head_pairs
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_int64),
-    ]
-    scales = np.ascontiguousarray(np.asarray(a.levels, dtype=np.float64))
-    cal = B._Calibration(1.0, 0.0, 0.0, 0.0)
-    mdl = B._Model(0, 0, 0, 0, 0)
-    pm = B._PositionModel(30, 100, B._SPREADS[a.spread], 0, int(a.budget_context))
-    handle = B._read_budgets(budget_file)
-    pred = ctypes.c_void_p()
+    """PairCounter.count at the untuned level for each (length, layer)."""
+    pc = PairCounter(a, budget_file)
     try:
-        L.check(
-            dll.mtrain_balance_predictor_create(
-                handle,
-                scales.ctypes.data_as(B._DP),
-                len(scales),
-                a.levels.index(1.0),
-                ctypes.byref(pm),
-                int(a.granularity),
-                ctypes.byref(cal),
-                ctypes.byref(mdl),
-                ctypes.byref(pred),
-            ),
-            "predictor",
-        )
+        return {(n, layer): pc.count(n, layer, (1.0,) * a.heads) for n, layer in points}
     finally:
-        L.lib().budgets_destroy(handle)
-    out: dict[tuple[int, int], int] = {}
-    try:
-        v = ctypes.c_int64()
-        for n, layer in points:
-            total = 0
-            for h in range(a.heads):
-                L.check(fn(pred, n, layer * a.heads + h, a.levels.index(1.0), ctypes.byref(v)))
-                total += v.value
-            out[(n, layer)] = total
-    finally:
-        dll.mtrain_balance_predictor_destroy(pred)
-    return out
+        pc.close()
 
 
 def fit_calibration(
@@ -804,6 +819,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     )
     meas: dict[tuple, dict[str, Any]] = {}
     grid_report: list[dict[str, Any]] = []
+    pairs = PairCounter(a, budget_file)
 
     def measure_key(k: tuple) -> dict[str, Any]:
         if k not in meas:
@@ -812,12 +828,15 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
             seed = doc_seed(doc, layer, per_document) if per_document else 1
             r = runner.measure(n, hb, seed, per_document, a.reps, a.warmup)
             r.update({"layer": layer, "document": doc, "scales": list(scales)})
+            r["computed_pairs"] = r["density"] * n * (n + 1) / 2 * a.heads
+            r["predicted_pairs"] = pairs.count(n, layer, scales)
             meas[k] = r
             say(
                 f"  measured layer {layer:3d} N {n:7d}"
                 + (f" doc {doc:5d}" if per_document else "")
-                + f" density {r['density']:.4f} estimate {1e3 * r['estimate_s']:9.2f} ms "
-                f"fwd+bwd {1e3 * r['fwdbwd_s']:9.2f} ms"
+                + f" density {r['density']:.4f} (computed / predicted pairs "
+                f"{r['computed_pairs'] / max(r['predicted_pairs'], 1):.3f}) estimate "
+                f"{1e3 * r['estimate_s']:9.2f} ms fwd+bwd {1e3 * r['fwdbwd_s']:9.2f} ms"
             )
         return meas[k]
 
@@ -1105,6 +1124,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         ],
         "seconds": time.perf_counter() - t_start,
     }
+    pairs.close()
     tmp.cleanup()
     if a.json:
         with open(a.json, "w") as f:

@@ -120,6 +120,9 @@ def test_table_shape_and_rank_sums(tmp_path: pathlib.Path) -> None:
     assert list(r["methods"]) == ["tokens", "cost", "cost+tuned", "cost+split"]
     assert r["extrapolation_factor"] == 36 / 2
     step = {(m["tokens"], m["layer"], tuple(m["scales"])): m["step_s"] for m in r["measurements"]}
+    for m in r["measurements"]:  # the predictor's count and the plan's, both within causal
+        dense = m["tokens"] * (m["tokens"] + 1) // 2 * 2
+        assert 0 < m["predicted_pairs"] <= dense and 0 < m["computed_pairs"] <= dense
     for name, m in r["methods"].items():
         for key in ("predicted_s", "measured_s", "rel_error", "documents", "tokens"):
             assert len(m[key]) == 3, (name, key)
