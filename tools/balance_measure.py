@@ -627,11 +627,15 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--split-above", type=float, default=1.0, help="split methods' X (1)")
     w.add_argument("--ring-overhead", type=float, default=1.01, help="split methods' F (1.01)")
     w.add_argument("--max-split", type=int, default=0, help="most ranks per document (0: R)")
-    w.add_argument("--levels", default="0.25,0.5,0.75,1,1.5,2", help="tuning's budget scales")
+    w.add_argument(
+        "--levels",
+        default="0.25,0.5,0.75,1,1.5,2",
+        help="tuning's budget scales (0.25,0.5,0.75,1,1.5,2)",
+    )
     w.add_argument("--bounds", help="LO,HI: the scales the tuner may choose (default all)")
     w.add_argument("--budget-context", type=int, default=0, help="scale budgets by N / C (0)")
     w.add_argument("--spread", default="even", choices=("even", "local"), help="position model")
-    w.add_argument("--granularity", type=int, default=128)
+    w.add_argument("--granularity", type=int, default=128, help="block size G (128)")
     w.add_argument("--profile-len", type=int, default=2048, help="mass curves' tokens (2048)")
     w.add_argument(
         "--profile-context",
@@ -640,12 +644,14 @@ def parser() -> argparse.ArgumentParser:
         help="mass curves' budget context (131072, divided by S with --scale-budgets)",
     )
     m = ap.add_argument_group("measurement")
-    m.add_argument("--backend", default="cpu", help="cpu or cuda")
+    m.add_argument("--backend", default="cpu", help="cpu (default) or cuda")
     m.add_argument("--dtype", default=None, help="float32 (cpu default), bfloat16 (cuda default)")
     m.add_argument("--heads", type=int, default=16, help="query heads per layer (16)")
     m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (2)")
     m.add_argument("--head-dim", type=int, default=128, help="head dimension (128)")
-    m.add_argument("--layers", default="0,15,31", help="layers measured, the rest extrapolated")
+    m.add_argument(
+        "--layers", default="0,15,31", help="layers measured, the rest extrapolated (0,15,31)"
+    )
     m.add_argument("--scale", type=int, default=1, help="divide every length by S (1)")
     m.add_argument(
         "--scale-budgets",
@@ -656,7 +662,12 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--warmup", type=int, default=1, help="untimed runs first (1)")
     m.add_argument("--grid", type=int, default=0, help="G > 1: measure G lengths, interpolate")
     m.add_argument("--grid-check", type=int, default=3, help="off-grid lengths measured (3)")
-    m.add_argument("--validate", type=int, default=0, help="K ranks run whole, for additivity")
+    m.add_argument(
+        "--validate",
+        type=int,
+        default=0,
+        help="the last method's first K ranks run whole (additivity)",
+    )
     m.add_argument(
         "--validate-reps", type=int, default=1, help="whole runs per validated rank, median (1)"
     )
@@ -685,9 +696,9 @@ def parser() -> argparse.ArgumentParser:
         help="the linear layers are timed at the lengths up to this (on the --grid's points when "
         "set; log-log between them) and longer documents' scaled in proportion (16384)",
     )
-    m.add_argument("--hidden", type=int, default=2048)
-    m.add_argument("--intermediate", type=int, default=11008)
-    m.add_argument("--vocab", type=int, default=151936)
+    m.add_argument("--hidden", type=int, default=2048, help="--linear: hidden size (2048)")
+    m.add_argument("--intermediate", type=int, default=11008, help="--linear: MLP (11008)")
+    m.add_argument("--vocab", type=int, default=151936, help="--linear: vocabulary (151936)")
     m.add_argument(
         "--fit-calibration",
         action="store_true",
