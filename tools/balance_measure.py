@@ -964,6 +964,26 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     runner.forget()
     t_meas = time.perf_counter() - t_meas
     say(f"measurement: {len(meas)} (length, layer, budgets) points, {t_meas:.1f} s")
+    noise = None
+    if a.reps >= 2:
+        spread_r = sorted(max(m["reps_s"]) / min(m["reps_s"]) for m in meas.values())
+        noise = {
+            "median": statistics.median(spread_r),
+            "max": spread_r[-1],
+            "share_above_1.2": sum(x > 1.2 for x in spread_r) / len(spread_r),
+        }
+        say(
+            f"repetition spread (max/min of the {a.reps} timed runs of a point): median "
+            f"{noise['median']:.3f}x, max {noise['max']:.3f}x, "
+            f"{100 * noise['share_above_1.2']:.0f}% of the points above 1.2x"
+        )
+    ratios = [
+        m["computed_pairs"] / m["predicted_pairs"] for m in meas.values() if m["predicted_pairs"]
+    ]
+    say(
+        f"pairs: the plans computed {min(ratios):.3f}-{max(ratios):.3f}x the pairs the predictor "
+        "counts (every measured point)"
+    )
     factor = nl / len(a.layers)
 
     def doc_seconds(method: str, res: mtrain.BalanceResult, i: int, rank: int) -> float:
@@ -1082,13 +1102,17 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
                 "density_min": min(ds),
                 "density_median": statistics.median(ds),
                 "density_max": max(ds),
+                "pearson_seconds_density": float(np.corrcoef(ts, ds)[0, 1])
+                if len(ts) > 1 and np.std(ds) > 0 and np.std(ts) > 0
+                else float("nan"),
             }
             s = spread[str(layer)]
             say(
                 f"per-document spread, layer {layer}: {len(ts)} documents, seconds "
                 f"{s['seconds_min']:.4g} / {s['seconds_median']:.4g} / {s['seconds_max']:.4g} "
                 f"(min / median / max, cv {s['seconds_cv']:.3f}), density {s['density_min']:.4f} / "
-                f"{s['density_median']:.4f} / {s['density_max']:.4f}"
+                f"{s['density_median']:.4f} / {s['density_max']:.4f}; Pearson(seconds, density) "
+                f"{s['pearson_seconds_density']:.2f}"
             )
     validation = validate(
         a, runner, results, out_methods, lengths, budgets, scales_of, key, value, per_document, say
@@ -1119,6 +1143,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         "threads": a.threads,
         "grid": a.grid,
         "grid_checks": grid_report,
+        "repetition_spread": noise,
         "measurements": list(meas.values()),
         "linear_s": {str(n): s for n, s in linear_s.items()},
         "calibration": calibration,
