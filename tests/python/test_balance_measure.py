@@ -13,6 +13,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 import mtrain
 
@@ -334,6 +335,15 @@ def test_bad_options(
         bm.run(argv, log=_quiet)
     assert e.value.code == 2 or message in str(e.value.code)
     assert message in capsys.readouterr().err + str(e.value.code)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_device(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lf = _lengths(tmp_path, [256])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "1"]
+    with pytest.raises(SystemExit):
+        bm.run([*argv, "--backend", "cuda"], log=_quiet)
+    assert "--backend cuda: torch sees no CUDA device" in capsys.readouterr().err
 
 
 def test_bad_workloads(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
