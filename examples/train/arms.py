@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import mtrain
 
-from .probe import PROBE, sync
+from .probe import PROBE, recall, sync
 
 ARMS = ("dense", "mtrain-full", "mtrain-static", "mtrain-topp", "mtrain-block", "window")
 BLOCK_METHODS = ("antidiag", "meanpool")
@@ -66,6 +66,7 @@ class Budget:
     block_local: int = 1
     block_refresh: int = 0  # 0: select in every call; K >= 1: BlockPatternCache, every K steps
     block_measure_every: int = 1  # K > 1: measure the recall drop every M windows (0: never)
+    block_measure_rows: int = 0  # 0: BlockPatternCache.measure; R > 0: on R sampled rows
 
     def block_options(self) -> dict[str, Any]:
         """mtrain.select_blocks' options of the mtrain-block arm."""
@@ -177,8 +178,9 @@ class Arm:
                 # patterns to mtrain's attention function through pattern=
                 self.blocks = b.block_options()
                 self.refresh = BlockRefresh(
-                    self.blocks, b.block_refresh, b.block_measure_every, b.granularity
-                )
+                    self.blocks, b.block_refresh, b.block_measure_every, b.granularity,
+                    b.block_measure_rows,
+                )  # fmt: skip
                 mtrain.register_transformers(self.inner, pattern=self.refresh.patterns, **common)
             elif self.name == "mtrain-block":
                 self.blocks = b.block_options()
@@ -209,6 +211,7 @@ class Arm:
             out["block_refresh"] = self.budget.block_refresh
             if self.refresh is not None:
                 out["block_measure_every"] = self.budget.block_measure_every
+                out["block_measure_rows"] = self.budget.block_measure_rows
         if self.pattern is not None:
             out["window_blocks"] = self.budget.window_width(self.seq_len)
             out["window_tokens"] = self.budget.window_width(self.seq_len) * self.budget.granularity
@@ -294,19 +297,25 @@ class BlockRefresh:
     afresh, as the arm does without the cache. On the last step of every
     measure_every-th window of K steps (K > 1) it measures, on batch slot 0 of
     every layer, the recall of the pattern used there (age K - 1) against a
-    fresh selection on that step's q and k (BlockPatternCache.measure: fp64 on
-    the CPU, O(N^2)). Under context parallel the cache is the ring form
+    fresh selection on that step's q and k: BlockPatternCache.measure (fp64 on
+    the CPU over every query row, O(N^2)), or with measure_rows R > 0 the
+    probe's recall (probe.recall) of both patterns on R query rows spread over
+    the sequence, on the q and k's device. Under context parallel the cache is the ring form
     (group=, the dispatch's layout and length) and every call is collective:
     every rank keeps the same schedule."""
 
     def __init__(
-        self, blocks: dict[str, Any], refresh: int, measure_every: int, granularity: int
-    ) -> None:
+        self, blocks: dict[str, Any], refresh: int, measure_every: int, granularity: int,
+        measure_rows: int = 0,
+    ) -> None:  # fmt: skip
         if refresh < 1:
             raise ValueError(f"--block-refresh {refresh}: must be >= 1 (0: no cache)")
         if measure_every < 0:
             raise ValueError(f"--block-measure-every {measure_every}: must be >= 0 (0: never)")
+        if measure_rows < 0:
+            raise ValueError(f"--block-measure-rows {measure_rows}: must be >= 0")
         self.blocks, self.k, self.m, self.g = blocks, refresh, measure_every, granularity
+        self.rows = measure_rows
         self.cache: mtrain.BlockPatternCache | None = None
         self.batch = 0
         self.step = 0  # the training step (begin_step)
@@ -382,19 +391,50 @@ class BlockRefresh:
                 self.step_refreshed = True
         window = self.step // self.k
         if self.k > 1 and self.m > 0 and (self.step + 1) % self.k == 0 and window % self.m == 0:
+            sync(q.device)
             t0 = time.perf_counter()
-            check = cache.measure(layer * batch, q[0], k[0])
+            if self.rows > 0:
+                check = self._sampled(cache, layer * batch, q, k, scale, info)
+            else:
+                check = cache.measure(layer * batch, q[0], k[0])
+            sync(q.device)
             seconds = time.perf_counter() - t0
             self.call_measure_s = seconds
             self.step_measure_s += seconds
             self.step_measures.append({
                 "step": self.step, "layer": layer, "batch_index": 0, "age": check.age,
+                "rows": self.rows or None,
                 "cached_recall": check.cached, "fresh_recall": check.fresh, "drop": check.drop,
                 "cached_density": check.cached_density, "fresh_density": check.fresh_density,
                 "seconds": seconds,
             })  # fmt: skip
         self.last = out
         self.by_layer[layer] = out
+
+    @torch.no_grad()
+    def _sampled(
+        self, cache: mtrain.BlockPatternCache, slot: int, q: torch.Tensor, k: torch.Tensor,
+        scale: Any, info: Any,
+    ) -> mtrain.RecallCheck:  # fmt: skip
+        """measure()'s figures from self.rows query rows (probe.recall, on q's device) of
+        batch slot 0: the cached pattern's recall and a fresh selection's. Under context
+        parallel q and k are gathered first (collective)."""
+        if info is not None:
+            q, k = mtrain.undispatch(q, info), mtrain.undispatch(k, info)
+        q0, k0 = q[0], k[0]
+        fresh = mtrain.select_blocks(
+            q0[None], k0[None], softmax_scale=scale, granularity=self.g, **self.blocks
+        )[0]
+        cached = cache.pattern(slot)
+        assert cached is not None
+        sc = float(scale) if scale is not None else q0.shape[-1] ** -0.5
+        got = recall(q0, k0, cached, self.rows, sc)
+        want = recall(q0, k0, fresh, self.rows, sc)
+        nan = torch.full((q0.shape[1],), float("nan"), dtype=torch.float64)
+        return mtrain.RecallCheck(
+            cached=got, fresh=want, cached_per_head=nan, fresh_per_head=nan,
+            age=cache.age(slot), cached_density=cached.density(), fresh_density=fresh.density(),
+        )  # fmt: skip
 
     def summary(self, steps: list[dict[str, Any]]) -> dict[str, Any]:
         """The run's figures from its step records: refreshes and the measured recall

@@ -120,6 +120,8 @@ def check_options(cfg: RunConfig) -> None:
         )
     if cfg.block_measure_every < 0:
         raise ValueError(f"--block-measure-every {cfg.block_measure_every}: must be >= 0")
+    if cfg.block_measure_rows < 0:
+        raise ValueError(f"--block-measure-rows {cfg.block_measure_rows}: must be >= 0")
     if cfg.mqar_distinct not in (0, 1):
         raise ValueError(f"--mqar-distinct {cfg.mqar_distinct}: 0 or 1")
     if cfg.mqar_distinct and cfg.task in ("mqar", "mix") and cfg.mqar_queries > cfg.mqar_pairs:
@@ -212,6 +214,7 @@ def run(
         block_method=cfg.block_method, block_top_p=cfg.block_top_p, block_top_k=cfg.block_top_k,
         block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
         block_refresh=cfg.block_refresh, block_measure_every=cfg.block_measure_every,
+        block_measure_rows=cfg.block_measure_rows,
     )  # fmt: skip
     arm = Arm(cfg.arm, size.heads, budget, cp=par, packed=mix)
     arm.set_length(cfg.seq_len)
