@@ -326,6 +326,7 @@ class BlockRefresh:
         self.step_refreshed = False
         self.step_measures: list[dict[str, Any]] = []
         self.step_measure_s = 0.0  # measure() seconds in this step (left out of its time)
+        self.step_select_s = 0.0  # seconds in the cache's select() calls (selecting or not)
         self.call_measure_s = 0.0
 
     def begin_step(self, step: int) -> None:
@@ -334,12 +335,14 @@ class BlockRefresh:
         self.step_refreshed = False
         self.step_measures = []
         self.step_measure_s = 0.0
+        self.step_select_s = 0.0
 
     def record(self) -> dict[str, Any]:
         """This step's part of the step record (after the step)."""
         return {
             "refresh": self.step_refreshed,
             "measure_s": self.step_measure_s,
+            "select_s": self.step_select_s,
             "measures": self.step_measures,
         }
 
@@ -381,6 +384,8 @@ class BlockRefresh:
         batch = int(q.shape[0])
         cache = self._cache(layers, batch, scale, info)
         out = []
+        sync(q.device)
+        t_select = time.perf_counter()
         for b in range(batch):
             slot = layer * batch + b
             if self.step % self.k == 0 and not cache.due(slot):
@@ -389,6 +394,8 @@ class BlockRefresh:
             age = cache.age(slot)
             if age == 0 and layer == 0 and b == 0:
                 self.step_refreshed = True
+        sync(q.device)
+        self.step_select_s += time.perf_counter() - t_select
         window = self.step // self.k
         if self.k > 1 and self.m > 0 and (self.step + 1) % self.k == 0 and window % self.m == 0:
             sync(q.device)
@@ -452,4 +459,14 @@ class BlockRefresh:
             "drop_mean": statistics.mean(drops) if drops else None,
             "drop_max": max(drops) if drops else None,
             "measure_s": sum(r["measure_s"] for r in recs),
+            # the cache's select() seconds per step (every layer and slot), on the steps that
+            # selected and on those that reused (on the GPU synchronised around the calls)
+            "select_s_refresh_mean": _mean([r.get("select_s", 0.0) for r in recs if r["refresh"]]),
+            "select_s_reuse_mean": _mean(
+                [r.get("select_s", 0.0) for r in recs if not r["refresh"]]
+            ),
         }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.mean(xs) if xs else None

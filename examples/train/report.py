@@ -128,7 +128,7 @@ def cache_table(runs: list[dict[str, Any]]) -> str:
     """The runs of the block arm through the pattern cache (--block-refresh): refreshes, the
     measured recall drop (mean and worst), tokens/s (median step and amortised); "" if none."""
     head = ["run", "refresh K", "steps", "refreshes", "measures", "mean drop", "worst drop"]
-    head += ["tokens/s (median)", "tokens/s (amortised)"]
+    head += ["select s/step (refresh, reuse)", "tokens/s (median)", "tokens/s (amortised)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         c = r.get("block_cache")
@@ -138,6 +138,8 @@ def cache_table(runs: list[dict[str, Any]]) -> str:
             "| " + " | ".join([
                 r["_label"], str(c["refresh_every"]), str(c["steps"]), str(c["refreshes"]),
                 str(len(c["measures"])), _num(c["drop_mean"], ".4f"), _num(c["drop_max"], ".4f"),
+                f"{_num(c.get('select_s_refresh_mean'), '.4f')}, "
+                f"{_num(c.get('select_s_reuse_mean'), '.4f')}",
                 _num(r["tokens_per_s"], ".0f"), _num(c["tokens_per_s_mean"], ".0f"),
             ]) + " |"
         )  # fmt: skip

@@ -157,6 +157,8 @@ def test_metrics_hold_the_recall_drop(runs: dict[str, Any]) -> None:
     assert c["drop_mean"] == pytest.approx(statistics.mean(drops))
     assert c["drop_max"] == max(drops)
     assert c["tokens_per_s_mean"] > 0 and r["tokens_per_s"] > 0
+    assert c["select_s_refresh_mean"] > 0 and c["select_s_reuse_mean"] > 0
+    assert all(s["block_cache"]["select_s"] > 0 for s in r["steps"])
     # measured steps carry their measure seconds and are left out of the median step
     measured = [s for s in r["steps"] if s["block_cache"]["measures"]]
     assert [s["step"] for s in measured] == [2, 8]
