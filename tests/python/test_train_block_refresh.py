@@ -30,8 +30,8 @@ from examples.train import cp as CP
 from examples.train.config import RunConfig, from_args, parser
 from examples.train.train import check_options, run
 
-STEPS = 12
-K = 3  # windows: steps 0-2, 3-5, 6-8, 9-11
+STEPS = 9
+K = 3  # windows: steps 0-2, 3-5, 6-8
 M = 2  # measured: windows 0 and 2, on their last steps (2 and 8)
 G = 64
 
