@@ -22,6 +22,11 @@
 # the block-sparse selection, antidiag top-p 0.9; window needs mtrain-static before it).
 # BLOCK_ARGS: extra options of the mtrain-block runs (e.g. "--block-method meanpool
 # --block-top-k 4"; default none: --block-top-p 0.9 --block-stride 8).
+# The arm name mtrain-block-cached (ARMS="... mtrain-block mtrain-block-cached") runs mtrain-block
+# with BLOCK_ARGS through the pattern cache (issue 23): --block-refresh BLOCK_REFRESH (default 8),
+# the recall drop measured on the last step of every BLOCK_MEASURE_EVERY-th window (default 4) on
+# BLOCK_MEASURE_ROWS query rows (default 256; 0: the exact fp64 measure on the host, minutes per
+# layer at 16K tokens); results OUT_DIR/mtrain-block-cached-LENGTH.json.
 # ARM_GPUS=G (default 1): the arms-* phases run their arms at once, one per GPU, in waves of G
 # (window after mtrain-static, on GPU 0); each arm's output in OUT_DIR/ARM-LENGTH.stdout.
 # Context parallel (docs/TRAINING.md, "Context parallel"): CP_WORLD=W (default 1: one GPU, the
@@ -50,7 +55,7 @@ if [ "$ARM_GPUS" -gt 1 ] && [ "$CP_WORLD" -gt 1 ]; then
 fi
 CP_LAYOUT=${CP_LAYOUT:-striped}
 t_end=$(($(date +%s) + CALL_S))
-KNOWN_ARMS=" dense mtrain-full mtrain-static mtrain-topp mtrain-block window "
+KNOWN_ARMS=" dense mtrain-full mtrain-static mtrain-topp mtrain-block mtrain-block-cached window "
 for arm in $ARMS; do
   if [[ $KNOWN_ARMS != *" $arm "* ]]; then
     echo "ARMS: unknown arm $arm (one of$KNOWN_ARMS)" >&2
@@ -136,7 +141,7 @@ arms() { # arms LENGTH BATCH WEIGHTS: every arm continues from WEIGHTS at LENGTH
 }
 
 arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
-  local arm=$1 n=$2 b=$3 from=$4 extra
+  local arm=$1 n=$2 b=$3 from=$4 extra real=$1
   {
     extra=()
     if [ "$arm" = window ]; then
@@ -150,10 +155,15 @@ arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
     if [ "$arm" = dense ]; then
       extra=(--save "$out/dense-$n.pt")
     fi
-    if [ "$arm" = mtrain-block ] && [ -n "${BLOCK_ARGS:-}" ]; then
+    if [[ $arm == mtrain-block* ]] && [ -n "${BLOCK_ARGS:-}" ]; then
       read -r -a extra <<<"$BLOCK_ARGS"
     fi
-    train "$arm-$n" --arm "$arm" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
+    if [ "$arm" = mtrain-block-cached ]; then # the block arm through the pattern cache
+      real=mtrain-block
+      extra+=(--block-refresh "${BLOCK_REFRESH:-8}" --block-measure-every
+        "${BLOCK_MEASURE_EVERY:-4}" --block-measure-rows "${BLOCK_MEASURE_ROWS:-256}")
+    fi
+    train "$arm-$n" --arm "$real" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
       --lr "$EXT_LR" --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" \
       "${extra[@]}"
   }

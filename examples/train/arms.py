@@ -11,6 +11,8 @@ pattern."""
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import mtrain
 
-from .probe import CAPTURE, PROBE
+from .probe import CAPTURE, PROBE, recall, sync
 
 ARMS = ("dense", "mtrain-full", "mtrain-static", "mtrain-topp", "mtrain-block", "window")
 BLOCK_METHODS = ("antidiag", "meanpool")
@@ -62,6 +64,9 @@ class Budget:
     block_stride: int = 8
     block_sinks: int = 1
     block_local: int = 1
+    block_refresh: int = 0  # 0: select in every call; K >= 1: BlockPatternCache, every K steps
+    block_measure_every: int = 1  # K > 1: measure the recall drop every M windows (0: never)
+    block_measure_rows: int = 0  # 0: BlockPatternCache.measure; R > 0: on R sampled rows
 
     def block_options(self) -> dict[str, Any]:
         """mtrain.select_blocks' options of the mtrain-block arm."""
@@ -142,6 +147,9 @@ class Arm:
         # mtrain-block: the mean over heads of the selection's own recall (the share of the
         # scored mass it kept) at the last plan_of; None for meanpool (logits, not masses)
         self.scored_recall: float | None = None
+        # mtrain-block with --block-refresh K >= 1: the pattern cache (examples/train/arms.py
+        # BlockRefresh), made at the first training call
+        self.refresh: BlockRefresh | None = None
 
     def set_length(self, n: int) -> None:
         b, self.seq_len = self.budget, n
@@ -165,6 +173,15 @@ class Arm:
             if self.name == "window":
                 self.pattern = window_pattern(n, self.heads, b.granularity, b.window_width(n))
                 mtrain.register_transformers(self.inner, pattern=self.pattern, **common)
+            elif self.name == "mtrain-block" and b.block_refresh > 0:
+                # the wrapper selects (through the cache when training) and hands the
+                # patterns to mtrain's attention function through pattern=
+                self.blocks = b.block_options()
+                self.refresh = BlockRefresh(
+                    self.blocks, b.block_refresh, b.block_measure_every, b.granularity,
+                    b.block_measure_rows,
+                )  # fmt: skip
+                mtrain.register_transformers(self.inner, pattern=self.refresh.patterns, **common)
             elif self.name == "mtrain-block":
                 self.blocks = b.block_options()
                 mtrain.register_transformers(self.inner, blocks=self.blocks, **common)
@@ -205,6 +222,10 @@ class Arm:
             }
         if self.blocks is not None:
             out["blocks"] = dict(self.blocks)
+            out["block_refresh"] = self.budget.block_refresh
+            if self.refresh is not None:
+                out["block_measure_every"] = self.budget.block_measure_every
+                out["block_measure_rows"] = self.budget.block_measure_rows
         if self.pattern is not None:
             out["window_blocks"] = self.budget.window_width(self.seq_len)
             out["window_tokens"] = self.budget.window_width(self.seq_len) * self.budget.granularity
@@ -227,6 +248,10 @@ class Arm:
         if self.pattern is not None:
             return [self.pattern] * q.shape[0]
         where = info.attention_kwargs() if info is not None else {"granularity": b.granularity}
+        if self.refresh is not None:
+            # the patterns this call computes with (cached or fresh), chosen by the wrapper
+            self.scored_recall = None
+            return self.refresh.last
         if self.blocks is not None:
             patterns, reports = mtrain.select_blocks(q, k, report=True, **self.blocks, **where)
             recalls = torch.cat([r.recall for r in reports])
@@ -255,6 +280,15 @@ def _wrap(arm: Arm, base: Any) -> Any:
             query, key = query.to(value.dtype), key.to(value.dtype)
         if CAPTURE.active:
             CAPTURE.take(module, query, key)
+        if arm.refresh is not None:
+            # --block-refresh: the patterns of this call, timed as part of the attention
+            if PROBE.active:
+                sync(query.device)
+                t0 = time.perf_counter()
+            arm.refresh.choose(module, query, key, kwargs.get("scaling"), kwargs)
+            if PROBE.active:
+                sync(query.device)
+                PROBE.fwd_s += time.perf_counter() - t0 - arm.refresh.call_measure_s
         if not PROBE.active:
             return base(module, query, key, value, attention_mask, **kwargs)
         PROBE.pattern_stats(
@@ -265,3 +299,190 @@ def _wrap(arm: Arm, base: Any) -> Any:
         return PROBE.leave(out), extra
 
     return attention
+
+
+class BlockRefresh:
+    """The mtrain-block arm with --block-refresh K (issue 23): in training calls
+    (the module in training mode, gradients on) each layer's and batch slot's
+    pattern comes from mtrain.BlockPatternCache, selected anew on the steps
+    that are multiples of K (and on the first step of a call that resumed a
+    run) and reused in between; slot b holds batch index b of every step (one
+    sequence per cache entry: the cache's unit), so it reuses a pattern
+    selected on another sequence of the same task (with --task mix, sequence
+    i's task is i mod 2 and the batch is even). Evaluation calls select
+    afresh, as the arm does without the cache. On the last step of every
+    measure_every-th window of K steps (K > 1) it measures, on batch slot 0 of
+    every layer, the recall of the pattern used there (age K - 1) against a
+    fresh selection on that step's q and k: BlockPatternCache.measure (fp64 on
+    the CPU over every query row, O(N^2)), or with measure_rows R > 0 the
+    probe's recall (probe.recall) of both patterns on R query rows spread over
+    the sequence, on the q and k's device. Under context parallel the cache is the ring form
+    (group=, the dispatch's layout and length) and every call is collective:
+    every rank keeps the same schedule."""
+
+    def __init__(
+        self, blocks: dict[str, Any], refresh: int, measure_every: int, granularity: int,
+        measure_rows: int = 0,
+    ) -> None:  # fmt: skip
+        if refresh < 1:
+            raise ValueError(f"--block-refresh {refresh}: must be >= 1 (0: no cache)")
+        if measure_every < 0:
+            raise ValueError(f"--block-measure-every {measure_every}: must be >= 0 (0: never)")
+        if measure_rows < 0:
+            raise ValueError(f"--block-measure-rows {measure_rows}: must be >= 0")
+        self.blocks, self.k, self.m, self.g = blocks, refresh, measure_every, granularity
+        self.rows = measure_rows
+        self.cache: mtrain.BlockPatternCache | None = None
+        self.batch = 0
+        self.step = 0  # the training step (begin_step)
+        self.last: list[mtrain.Pattern] | None = None  # the patterns of the last call
+        self.by_layer: dict[int, list[mtrain.Pattern]] = {}
+        # this step's record (begin_step clears it; the training loop stores it in the step's
+        # record, so that a resumed run keeps it): whether layer 0 selected, the measures
+        self.step_refreshed = False
+        self.step_measures: list[dict[str, Any]] = []
+        self.step_measure_s = 0.0  # measure() seconds in this step (left out of its time)
+        self.step_select_s = 0.0  # seconds in the cache's select() calls (selecting or not)
+        self.call_measure_s = 0.0
+
+    def begin_step(self, step: int) -> None:
+        """Called by the training loop before each training step's forward."""
+        self.step = step
+        self.step_refreshed = False
+        self.step_measures = []
+        self.step_measure_s = 0.0
+        self.step_select_s = 0.0
+
+    def record(self) -> dict[str, Any]:
+        """This step's part of the step record (after the step)."""
+        return {
+            "refresh": self.step_refreshed,
+            "measure_s": self.step_measure_s,
+            "select_s": self.step_select_s,
+            "measures": self.step_measures,
+        }
+
+    def patterns(self, layer: Any) -> list[mtrain.Pattern]:
+        """register_transformers(pattern=...)'s callable: the patterns this layer's
+        current call chose (choose() runs first, in the arm's wrapper)."""
+        return self.by_layer[int(layer)]
+
+    def _cache(self, layers: int, batch: int, scale: Any, info: Any) -> mtrain.BlockPatternCache:
+        if self.cache is None or batch != self.batch:
+            ring: dict[str, Any] = {}
+            if info is not None:
+                ring = {"group": info.group, "layout": info.layout, "seq_len": info.seq_lens[0]}
+            self.cache = mtrain.BlockPatternCache(
+                self.k, layers * batch, **self.blocks, softmax_scale=scale,
+                granularity=info.granularity if info is not None else self.g, **ring,
+            )  # fmt: skip
+            self.batch = batch
+        return self.cache
+
+    def choose(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, scale: Any,
+        kwargs: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """The patterns of this call (query, key [B, H, N, d] as transformers hands them)."""
+        layer = int(getattr(module, "layer_idx", 0))
+        info = kwargs.get("mtrain_dispatch")
+        if kwargs.get("cu_seq_lens_q") is not None:
+            raise ValueError("--block-refresh: packed sequences (cu_seq_lens) are not supported")
+        q = query.transpose(1, 2).contiguous()
+        k = key.transpose(1, 2).contiguous()
+        self.call_measure_s = 0.0
+        if not (module.training and torch.is_grad_enabled()):
+            where = info.attention_kwargs() if info is not None else {"granularity": self.g}
+            self.last = mtrain.select_blocks(q, k, softmax_scale=scale, **self.blocks, **where)
+            self.by_layer[layer] = self.last
+            return
+        layers = int(module.config.num_hidden_layers)
+        batch = int(q.shape[0])
+        cache = self._cache(layers, batch, scale, info)
+        out = []
+        # host seconds, no synchronisation added (the antidiagonal selection copies its scores
+        # to the host, which waits for the device; a reused pattern touches no data)
+        t_select = time.perf_counter()
+        for b in range(batch):
+            slot = layer * batch + b
+            if self.step % self.k == 0 and not cache.due(slot):
+                cache.invalidate(slot)  # the schedule follows the step (a resumed call)
+            out.append(cache.select(slot, q[b], k[b]))
+            age = cache.age(slot)
+            if age == 0 and layer == 0 and b == 0:
+                self.step_refreshed = True
+        self.step_select_s += time.perf_counter() - t_select
+        window = self.step // self.k
+        if self.k > 1 and self.m > 0 and (self.step + 1) % self.k == 0 and window % self.m == 0:
+            sync(q.device)
+            t0 = time.perf_counter()
+            if self.rows > 0:
+                check = self._sampled(cache, layer * batch, q, k, scale, info)
+            else:
+                check = cache.measure(layer * batch, q[0], k[0])
+            sync(q.device)
+            seconds = time.perf_counter() - t0
+            self.call_measure_s = seconds
+            self.step_measure_s += seconds
+            self.step_measures.append({
+                "step": self.step, "layer": layer, "batch_index": 0, "age": check.age,
+                "rows": self.rows or None,
+                "cached_recall": check.cached, "fresh_recall": check.fresh, "drop": check.drop,
+                "cached_density": check.cached_density, "fresh_density": check.fresh_density,
+                "seconds": seconds,
+            })  # fmt: skip
+        self.last = out
+        self.by_layer[layer] = out
+
+    @torch.no_grad()
+    def _sampled(
+        self, cache: mtrain.BlockPatternCache, slot: int, q: torch.Tensor, k: torch.Tensor,
+        scale: Any, info: Any,
+    ) -> mtrain.RecallCheck:  # fmt: skip
+        """measure()'s figures from self.rows query rows (probe.recall, on q's device) of
+        batch slot 0: the cached pattern's recall and a fresh selection's. Under context
+        parallel q and k are gathered first (collective)."""
+        if info is not None:
+            q, k = mtrain.undispatch(q, info), mtrain.undispatch(k, info)
+        q0, k0 = q[0], k[0]
+        fresh = mtrain.select_blocks(
+            q0[None], k0[None], softmax_scale=scale, granularity=self.g, **self.blocks
+        )[0]
+        cached = cache.pattern(slot)
+        assert cached is not None
+        sc = float(scale) if scale is not None else q0.shape[-1] ** -0.5
+        got = recall(q0, k0, cached, self.rows, sc)
+        want = recall(q0, k0, fresh, self.rows, sc)
+        nan = torch.full((q0.shape[1],), float("nan"), dtype=torch.float64)
+        return mtrain.RecallCheck(
+            cached=got, fresh=want, cached_per_head=nan, fresh_per_head=nan,
+            age=cache.age(slot), cached_density=cached.density(), fresh_density=fresh.density(),
+        )  # fmt: skip
+
+    def summary(self, steps: list[dict[str, Any]]) -> dict[str, Any]:
+        """The run's figures from its step records: refreshes and the measured recall
+        drops (mean and worst over every measure)."""
+        recs = [s["block_cache"] for s in steps if "block_cache" in s]
+        measures = [m for r in recs for m in r["measures"]]
+        drops = [m["drop"] for m in measures]
+        return {
+            "refresh_every": self.k,
+            "measure_every": self.m,
+            "steps": len(recs),
+            "refreshes": sum(r["refresh"] for r in recs),
+            "refresh_steps": [s["step"] for s in steps if s.get("block_cache", {}).get("refresh")],
+            "measures": measures,
+            "drop_mean": statistics.mean(drops) if drops else None,
+            "drop_max": max(drops) if drops else None,
+            "measure_s": sum(r["measure_s"] for r in recs),
+            # the cache's select() seconds per step (every layer and slot, host time), on the
+            # steps that selected and on those that reused
+            "select_s_refresh_mean": _mean([r.get("select_s", 0.0) for r in recs if r["refresh"]]),
+            "select_s_reuse_mean": _mean(
+                [r.get("select_s", 0.0) for r in recs if not r["refresh"]]
+            ),
+        }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.mean(xs) if xs else None

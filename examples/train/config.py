@@ -71,9 +71,26 @@ class RunConfig:
     num_keys: int = 256
     num_values: int = 256
     num_filler: int = 256
+    # the block arm's pattern cache (issue 23), MQAR with distinct keys (issue 19)
+    block_refresh: int = 0  # mtrain-block: 0 select every call (no cache); K >= 1: the cache
+    block_measure_every: int = 1  # --block-refresh K > 1: measure the recall drop every M windows
+    block_measure_rows: int = 0  # 0: BlockPatternCache.measure (exact, fp64, CPU); R: R rows
+    mqar_distinct: int = 0  # 1: each MQAR pair queried at most once (Q <= P)
 
 
 HELP = {
+    "block_refresh": "mtrain-block: 0 (default) selects the blocks in every attention call, as "
+    "before; K >= 1 keeps each layer's (and batch slot's) pattern in mtrain.BlockPatternCache "
+    "and selects anew every K training steps (1: every step, through the cache)",
+    "block_measure_every": "--block-refresh K > 1: on the last step of every M-th refresh window "
+    "measure the cached pattern's recall against a fresh selection (BlockPatternCache.measure, "
+    "fp64 on the CPU, O(N^2): costly at long N); 0: never",
+    "block_measure_rows": "--block-refresh K > 1: 0 (default) measures with "
+    "BlockPatternCache.measure (every query row, fp64 on the CPU); R > 0: the recall of the "
+    "cached and the fresh pattern on R query rows spread over the sequence, on the device (the "
+    "probe's recall; affordable at 16K-32K tokens)",
+    "mqar_distinct": "1: MQAR queries each pair at most once (needs --mqar-queries <= "
+    "--mqar-pairs), so a distance bucket is the distance to the only earlier copy of the key",
     "arm": f"attention arm: {', '.join(ARMS)}",
     "task": "training task: mqar, passkey, or mix (alternating sequences; both evaluated)",
     "size": f"model size preset: {', '.join(SIZES)}",

@@ -124,6 +124,32 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cache_table(runs: list[dict[str, Any]]) -> str:
+    """The runs of the block arm through the pattern cache (--block-refresh): refreshes, the
+    measured recall drop (mean and worst), tokens/s (median step and amortised); "" if none."""
+    head = ["run", "refresh K", "steps", "refreshes", "measures", "mean drop", "worst drop"]
+    head += ["select s/step (refresh, reuse)", "tokens/s (median)", "tokens/s (amortised)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        c = r.get("block_cache")
+        if not c:
+            continue
+        lines.append(
+            "| " + " | ".join([
+                r["_label"], str(c["refresh_every"]), str(c["steps"]), str(c["refreshes"]),
+                str(len(c["measures"])), _num(c["drop_mean"], ".4f"), _num(c["drop_max"], ".4f"),
+                f"{_num(c.get('select_s_refresh_mean'), '.4f')}, "
+                f"{_num(c.get('select_s_reuse_mean'), '.4f')}",
+                _num(r["tokens_per_s"], ".0f"), _num(c["tokens_per_s_mean"], ".0f"),
+            ]) + " |"
+        )  # fmt: skip
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m examples.train.report", description=__doc__)
     p.add_argument("results", nargs="+", help="results JSON files")
@@ -136,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     loss_chart(runs, out / "loss.png", args.smooth)
     charts = [out / "loss.png", *heatmaps(runs, out)]
     print(table(runs))
+    cached = cache_table(runs)
+    if cached:
+        print("\nblock pattern cache (--block-refresh):\n\n" + cached)
     print("\ncharts: " + ", ".join(str(c) for c in charts))
     return 0
 

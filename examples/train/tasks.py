@@ -84,14 +84,27 @@ class Mqar:
     the most frequent, and every log2 bucket is about equally likely); the
     pair is drawn among those whose key lands p in [2P + 1, N - 2] on a free
     slot (queries never overlap). Buckets: log2 of the distance,
-    [2^b, 2^(b+1))."""
+    [2^b, 2^(b+1)).
+
+    distinct (issue 19): each pair is queried at most once (Q <= P, refused
+    otherwise), so a queried key occurs twice in the sequence, in the context
+    and at its query, and the distance is that to the only earlier copy of
+    the key; by default (False) a key may be queried several times, and a
+    later query can copy its value from an earlier query, nearer than the
+    context. The default draws exactly the sequences it drew before."""
 
     seq_len: int
     num_pairs: int = 16
     num_queries: int = 16
     vocab: Vocab = Vocab()
+    distinct: bool = False
 
     def __post_init__(self) -> None:
+        if self.distinct and self.num_queries > self.num_pairs:
+            raise ValueError(
+                f"MQAR with distinct keys queries each of its {self.num_pairs} pairs at most "
+                f"once: {self.num_queries} queries need --mqar-queries <= --mqar-pairs"
+            )
         if self.num_pairs > self.vocab.num_keys:
             raise ValueError(f"{self.num_pairs} pairs need as many keys ({self.vocab.num_keys})")
         if 2 * self.num_pairs + 2 * self.num_queries + 2 > self.seq_len:
@@ -142,6 +155,8 @@ class Mqar:
         answer: list[int] = []
         answer_bucket: list[int] = []
         placed = 0
+        # distinct: the pairs not queried yet (the default never reads it, so it draws as before)
+        free = [True] * p
         for _ in range(self.num_queries * 200):
             if placed == self.num_queries:
                 break
@@ -150,7 +165,10 @@ class Mqar:
             cand = [
                 i
                 for i, k in enumerate(key_pos)
-                if q_first <= k + d <= q_last and not used[k + d] and not used[k + d + 1]
+                if q_first <= k + d <= q_last
+                and not used[k + d]
+                and not used[k + d + 1]
+                and (not self.distinct or free[i])
             ]
             if not cand:
                 continue
@@ -162,6 +180,7 @@ class Mqar:
             answer.append(value_list[i])
             answer_bucket.append(self.bucket_of(d))
             used[pos] = used[pos + 1] = 1
+            free[i] = False
             placed += 1
         if at:
             ids[at] = torch.tensor(token)
@@ -254,8 +273,13 @@ Task = Mqar | Passkey
 
 
 def make_task(name: str, seq_len: int, vocab: Vocab, **kw: int) -> Task:
+    """The task ``name`` at ``seq_len``; kw: num_pairs, num_queries, distinct (MQAR), digits,
+    num_buckets (passkey); the others' keys are ignored."""
     if name == "mqar":
-        return Mqar(seq_len, kw.get("num_pairs", 16), kw.get("num_queries", 16), vocab)
+        return Mqar(
+            seq_len, kw.get("num_pairs", 16), kw.get("num_queries", 16), vocab,
+            bool(kw.get("distinct", 0)),
+        )  # fmt: skip
     if name == "passkey":
         return Passkey(seq_len, kw.get("digits", 5), kw.get("num_buckets", 8), vocab)
     raise ValueError(f"unknown task {name!r} (mqar, passkey)")

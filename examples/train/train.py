@@ -63,6 +63,7 @@ def open_cp(cfg: RunConfig) -> CP.Cp:
     With --mix the group is data parallel (dp.py; checked by check_mix first)."""
     world = CP.env_world()
     check_mix(cfg)
+    check_options(cfg)
     if cfg.mix != "none":
         if cfg.cp == "off" and world > 1:
             raise ValueError(
@@ -127,6 +128,37 @@ def check_mix(cfg: RunConfig) -> None:
         )
 
 
+def check_options(cfg: RunConfig) -> None:
+    """Refuses bad --block-refresh, --block-measure-every and --mqar-distinct settings before
+    any process group exists."""
+    if cfg.block_refresh < 0:
+        raise ValueError(
+            f"--block-refresh {cfg.block_refresh}: must be >= 1 (select every K steps through "
+            "the pattern cache), or 0 (the default: select in every attention call, no cache)"
+        )
+    if cfg.block_refresh and cfg.arm != "mtrain-block":
+        raise ValueError(
+            f"--block-refresh {cfg.block_refresh}: the pattern cache is the mtrain-block arm's, "
+            f"not {cfg.arm}'s"
+        )
+    if cfg.block_refresh and cfg.mix != "none":
+        raise ValueError(
+            "--block-refresh with --mix: the cache holds one sequence per layer and batch slot; "
+            "packed documents of varying lengths are not supported"
+        )
+    if cfg.block_measure_every < 0:
+        raise ValueError(f"--block-measure-every {cfg.block_measure_every}: must be >= 0")
+    if cfg.block_measure_rows < 0:
+        raise ValueError(f"--block-measure-rows {cfg.block_measure_rows}: must be >= 0")
+    if cfg.mqar_distinct not in (0, 1):
+        raise ValueError(f"--mqar-distinct {cfg.mqar_distinct}: 0 or 1")
+    if cfg.mqar_distinct and cfg.task in ("mqar", "mix") and cfg.mqar_queries > cfg.mqar_pairs:
+        raise ValueError(
+            f"--mqar-distinct 1 queries each pair at most once: --mqar-queries {cfg.mqar_queries} "
+            f"must be <= --mqar-pairs {cfg.mqar_pairs}"
+        )
+
+
 def long_tail(cfg: RunConfig) -> DP.LongTail:
     m = DP.min_doc_len(cfg.mqar_pairs, cfg.mqar_queries, cfg.passkey_digits, cfg.depth_buckets)
     return DP.LongTail(cfg.seq_len, cfg.batch * cfg.seq_len, m, cfg.mix_long_prob)
@@ -139,6 +171,7 @@ def tasks_of(cfg: RunConfig, vocab: Vocab) -> tuple[list[Task], list[str]]:
         "num_queries": cfg.mqar_queries,
         "digits": cfg.passkey_digits,
         "num_buckets": cfg.depth_buckets,
+        "distinct": cfg.mqar_distinct,
     }
     return [make_task(n, cfg.seq_len, vocab, **kw) for n in names], names
 
@@ -179,6 +212,7 @@ def run(
         cp = open_cp(cfg)
     mix = cfg.mix != "none"
     check_mix(cfg)
+    check_options(cfg)
     par = cp.on and not mix  # context parallel (with --mix the group is data parallel)
     if par and cp.layout != cfg.cp_layout:
         raise ValueError(f"--cp-layout {cfg.cp_layout} but the process group runs {cp.layout}")
@@ -207,6 +241,8 @@ def run(
         window_blocks=cfg.window_blocks, match_density=measured_density(cfg.match),
         block_method=cfg.block_method, block_top_p=cfg.block_top_p, block_top_k=cfg.block_top_k,
         block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
+        block_refresh=cfg.block_refresh, block_measure_every=cfg.block_measure_every,
+        block_measure_rows=cfg.block_measure_rows,
     )  # fmt: skip
     arm = Arm(cfg.arm, size.heads, budget, cp=par, packed=mix)
     arm.set_length(cfg.seq_len)
@@ -354,6 +390,8 @@ def run(
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step)
             watch = step in probes
+            if arm.refresh is not None:
+                arm.refresh.begin_step(step)
             if watch:
                 PROBE.start(stats=cfg.arm != "dense")
             sync(dev)
@@ -386,10 +424,14 @@ def run(
             steps.append(
                 {"step": step, "loss": value, "time_s": dt, "probed": watch, "segment": segment}
             )
+            measure_s = 0.0
+            if arm.refresh is not None:
+                steps[-1]["block_cache"] = arm.refresh.record()
+                measure_s = arm.refresh.step_measure_s
             if watch:
                 PROBE.stop()
                 attn = PROBE.fwd_s + PROBE.bwd_s
-                net = dt - PROBE.stats_s
+                net = dt - PROBE.stats_s - measure_s
                 probed.append({
                     "step": step,
                     "step_s": net,
@@ -433,9 +475,12 @@ def run(
     plain = [
         s["time_s"]
         for s in steps
-        if not s["probed"] and not any(0 <= s["step"] - f < 3 for f in starts)
+        if not s["probed"]
+        and not any(0 <= s["step"] - f < 3 for f in starts)
+        and not s.get("block_cache", {}).get("measures")
     ]
     step_s = statistics.median(plain) if plain else None
+    cache_info = block_cache_summary(arm, steps, starts, tokens, log)
     if mix:
         summary = dp_summary(steps, segments)
         step_s = None
@@ -459,6 +504,7 @@ def run(
         ),
         "world_size": cp.world,
         "cp": {**cp.describe(), "replica_max_diff": replica_diff} if par else None,
+        "block_cache": cache_info,
         "dp": {**dp_info, **summary, "replica_max_diff": replica_diff} if mix else None,
         "cpu_threads": torch.get_num_threads(),
         "dtype": dtype,
@@ -501,6 +547,32 @@ def run(
     return results
 
 
+def block_cache_summary(
+    arm: Arm, steps: list[dict[str, Any]], starts: set[int], tokens: int, log: Any
+) -> dict[str, Any] | None:
+    """--block-refresh: the cache's refreshes and recall drops (arms.BlockRefresh.summary), and
+    tokens/s amortised over the refresh windows: the step's tokens over the mean step time
+    (less measure()'s seconds) of the steps tokens_per_s counts plus the measured ones, so
+    that refresh steps weigh by their share. None without the cache."""
+    if arm.refresh is None:
+        return None
+    out = arm.refresh.summary(steps)
+    counted = [
+        s["time_s"] - s["block_cache"]["measure_s"]
+        for s in steps
+        if not s["probed"] and not any(0 <= s["step"] - f < 3 for f in starts)
+    ]
+    out["tokens_per_s_mean"] = tokens / statistics.mean(counted) if counted else None
+    out["counted_steps"] = len(counted)
+    log(
+        f"block cache: refresh every {out['refresh_every']}, {out['steps']} steps, "
+        f"{out['refreshes']} refreshes, {len(out['measures'])} measures, recall drop mean "
+        f"{_fmt(out['drop_mean'])}, worst {_fmt(out['drop_max'])}, tokens/s (amortised) "
+        f"{_fmt(out['tokens_per_s_mean'])}"
+    )
+    return out
+
+
 def dp_step(
     cfg: RunConfig,
     step: int,
@@ -527,7 +599,7 @@ def dp_step(
     kw = {
         "num_pairs": cfg.mqar_pairs, "num_queries": cfg.mqar_queries, "digits": cfg.passkey_digits,
         "num_buckets": cfg.depth_buckets, "num_keys": cfg.num_keys, "num_values": cfg.num_values,
-        "num_filler": cfg.num_filler,
+        "num_filler": cfg.num_filler, "distinct": cfg.mqar_distinct,
     }  # fmt: skip
     tuned: dict[str, Any] | None = None
     if tuner is None:
