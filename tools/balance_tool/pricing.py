@@ -1,0 +1,165 @@
+# The cost model's side of tools/balance_measure.py: the pairs the predictor counts, the linear
+# FLOPs per token, and --fit-calibration's least-squares fit of pair_s, row_s and seq_s.
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mtrain import _lib as L
+
+
+def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
+    """The predictor's linear FLOPs per token (docs/BALANCE.md, "The cost predictor")."""
+    h, hq, hkv, d, inter = a.hidden, a.heads, a.kv_heads, a.head_dim, a.intermediate
+    return 6.0 * (layers * (2 * h * hq * d + 2 * h * hkv * d + 3 * h * inter) + h * a.vocab)
+
+
+class PairCounter:
+    """The pairs the cost predictor counts (mtrain_balance_head_pairs: the position model's
+    pairs for a head at a level) for one call: a length, a layer and its heads' scales."""
+
+    def __init__(self, a: argparse.Namespace, budget_file: str) -> None:
+        from mtrain import balance as B  # the predictor's ctypes structures
+
+        self.dll = B._dll()
+        self.fn = self.dll.mtrain_balance_head_pairs
+        self.fn.restype = ctypes.c_int
+        self.fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            ctypes.POINTER(ctypes.c_int64),
+        ]
+        self.levels = list(a.levels)
+        self.heads = a.heads
+        scales = np.ascontiguousarray(np.asarray(a.levels, dtype=np.float64))
+        cal = B._Calibration(1.0, 0.0, 0.0, 0.0)
+        mdl = B._Model(0, 0, 0, 0, 0)
+        pm = B._PositionModel(30, 100, B._SPREADS[a.spread], 0, int(a.budget_context))
+        handle = B._read_budgets(budget_file)
+        self.pred = ctypes.c_void_p()
+        try:
+            L.check(
+                self.dll.mtrain_balance_predictor_create(
+                    handle,
+                    scales.ctypes.data_as(B._DP),
+                    len(scales),
+                    self.levels.index(1.0),
+                    ctypes.byref(pm),
+                    int(a.granularity),
+                    ctypes.byref(cal),
+                    ctypes.byref(mdl),
+                    ctypes.byref(self.pred),
+                ),
+                "predictor",
+            )
+        finally:
+            L.lib().budgets_destroy(handle)
+
+    def count(self, n: int, layer: int, scales: Sequence[float]) -> int:
+        v = ctypes.c_int64()
+        total = 0
+        for h, sc in enumerate(scales):
+            level = self.levels.index(sc)
+            L.check(self.fn(self.pred, n, layer * self.heads + h, level, ctypes.byref(v)))
+            total += v.value
+        return total
+
+    def close(self) -> None:
+        if self.pred:
+            self.dll.mtrain_balance_predictor_destroy(self.pred)
+            self.pred = ctypes.c_void_p()
+
+
+def predictor_pairs(
+    a: argparse.Namespace, budget_file: str, points: list[tuple[int, int]]
+) -> dict[tuple[int, int], int]:
+    """PairCounter.count at the untuned level for each (length, layer)."""
+    pc = PairCounter(a, budget_file)
+    try:
+        return {(n, layer): pc.count(n, layer, (1.0,) * a.heads) for n, layer in points}
+    finally:
+        pc.close()
+
+
+def fit_calibration(
+    a: argparse.Namespace,
+    lengths: list[int],
+    measure_key: Callable[[tuple], dict[str, Any]],
+    linear_s: dict[int, float],
+    layers: int,
+    budget_file: str,
+    say: Callable[[str], None],
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """--fit-calibration: a calibration fitted on this run's own measurements, as
+    mtrain-balance-calibrate fits one: one call (estimate + forward + backward of one layer) at
+    --fit-points lengths (log-spaced among the workload's distinct ones, the shortest and the
+    longest included) at every measured layer, untuned budgets; seconds = pair_s * pairs (the
+    predictor's own count: the position model's allowed pairs, as the predictor will multiply
+    them; the estimated plan's computed pairs are reported beside them) + row_s * N * heads +
+    seq_s, least squares on the
+    relative error, non-negative (the best subset of the three terms). linear_flops: the
+    measured linear layers at the longest length (with --linear), else the file's."""
+    ns = sorted(set(lengths))
+    c = min(a.fit_points, len(ns))
+    pick = sorted({ns[round(j * (len(ns) - 1) / max(c - 1, 1))] for j in range(c)})
+    rows, ys, pts = [], [], []
+    counted = predictor_pairs(a, budget_file, [(n, layer) for n in pick for layer in a.layers])
+    for n in pick:
+        for layer in a.layers:
+            r = measure_key((-1, n, layer, (1.0,) * a.heads))
+            pairs = counted[(n, layer)]
+            computed = r["density"] * n * (n + 1) / 2 * a.heads
+            rows.append([pairs, n * a.heads, 1.0])
+            ys.append(r["step_s"])
+            pts.append(
+                {
+                    "tokens": n,
+                    "layer": layer,
+                    "pairs": pairs,
+                    "computed_pairs": computed,
+                    "seconds": r["step_s"],
+                }
+            )
+    x, y = np.asarray(rows), np.asarray(ys)
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 8):  # every non-empty subset of the three terms
+        cols = [t for t in range(3) if mask >> t & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[cols] = coef
+        res = float(np.sum((x @ full / y - 1) ** 2))
+        if best is None or res < best[0]:
+            best = (res, full)
+    assert best is not None  # one term alone always fits with a non-negative coefficient
+    coef = best[1]
+    with open(a.calibration) as f:
+        flops = float(json.load(f).get("linear_flops", 0.0))
+    if a.linear and linear_s:
+        n = max(linear_s)
+        flops = linear_flops_per_token(a, layers) * n / linear_s[n]
+    cal = {"pair_s": coef[0], "row_s": coef[1], "seq_s": coef[2], "linear_flops": flops}
+    err = x @ coef / y - 1
+    for p, e in zip(pts, err, strict=True):
+        p["rel_error_fit"] = float(e)
+    ratio = [p["computed_pairs"] / p["pairs"] for p in pts if p["pairs"] > 0]
+    say(
+        f"pairs: the estimated plans computed {min(ratio):.3g}-{max(ratio):.3g}x the pairs the "
+        "predictor counts at these points (block-granular kernels, estimated selection)"
+    )
+    say(
+        f"calibration fitted on {len(pts)} measured calls ({len(pick)} lengths x "
+        f"{len(a.layers)} layers): pair_s {coef[0]:.4g} s, row_s {coef[1]:.4g} s, seq_s "
+        f"{coef[2]:.4g} s, linear_flops {flops:.4g}; in-sample error max "
+        f"{100 * float(np.abs(err).max()):.1f}%, mean {100 * float(np.abs(err).mean()):.1f}%"
+    )
+    return cal, {"points": pts, "calibration": cal, "replaces": a.calibration}
