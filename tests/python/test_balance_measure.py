@@ -171,6 +171,40 @@ def test_predictions_are_balance_batch(tmp_path: pathlib.Path) -> None:
     ]
 
 
+def test_measured_pricing(tmp_path: pathlib.Path) -> None:
+    """--spread measured: every head's pairs per query row at every level, measured on the
+    longest length, nondecreasing in the level (top-k selections nest) and at most a causal
+    row's; the predictions are balance_batch's with those row_pairs, and the predictor's count
+    of every measured call follows them."""
+    lf = _lengths(tmp_path, [640, 384, 256, 256, 128])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "2"]
+    argv += ["--methods", "cost,cost+tuned", "--layers", "0", "--reps", "1", "--warmup", "0"]
+    argv += ["--spread", "measured", "--granularity", "64", *SMALL]
+    r = bm.run(argv, log=_quiet)
+    rp = np.array(r["row_pairs"])
+    assert r["pricing"] == "measured pairs per query row"
+    assert rp.shape == (36 * 2, 6)
+    assert (rp > 0).all() and (np.diff(rp, axis=1) >= 0).all() and (rp <= (640 + 1) / 2).all()
+    layers = bm.read_budgets(TOPK)
+    derived = tmp_path / "derived.json"
+    bm.write_budgets(bm.derive_budgets(layers, 2, 1), str(derived))
+    want = mtrain.balance_batch(
+        r["lengths"], 2, derived, CAL, method="cost", tune=False, model={"hidden": 0},
+        granularity=64, row_pairs=rp,
+    ).rank_seconds_before  # fmt: skip
+    np.testing.assert_allclose(r["methods"]["cost"]["predicted_s"], want, rtol=1e-12)
+    for m in r["measurements"]:
+        n, layer = m["tokens"], m["layer"]
+        if tuple(m["scales"]) == (1.0, 1.0):  # untuned: the base level, index 3 of the levels
+            want_pairs = sum(
+                min(n * (n + 1) // 2, int(np.floor(rp[layer * 2 + h, 3] * n + 0.5)))
+                for h in range(2)
+            )
+            assert m["predicted_pairs"] == want_pairs, m
+    with pytest.raises(SystemExit):
+        bm.run([*argv, "--budget-context", "4096"], log=_quiet)
+
+
 def test_grid_and_validate_exact_with_synthetic_clock(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 import mtrain
 
-from .budgets import base_scale
+from .budgets import base_scale, head_budgets
 from .runner import Runner
 
 
@@ -31,6 +31,25 @@ def mass_curves(a: argparse.Namespace, budget_file: str, num_layers: int, runner
     return np.concatenate(rows, axis=0)
 
 
+def measured_row_pairs(
+    a: argparse.Namespace, budgets: list[list[dict[str, Any]]], n: int, runner: Runner
+) -> np.ndarray:
+    """--spread measured: [layers x heads, levels] pairs per query row of every head's estimated
+    pattern at every level's budgets, on structured inputs of n tokens (seed 1000 + layer, as the
+    mass curves), for mtrain.balance_batch(row_pairs=)."""
+    out = np.zeros((len(budgets) * a.heads, len(a.levels)))
+    for layer, row in enumerate(budgets):
+        q, k, _, _ = runner.inputs(n, 1000 + layer, vary=False, keep=False)
+        for j, scale in enumerate(a.levels):
+            plan = mtrain.estimate_pattern(
+                q, k, head_budgets(row, [scale] * a.heads, n, 0), granularity=a.granularity
+            )
+            pattern = plan.patterns[0]
+            for h in range(a.heads):
+                out[layer * a.heads + h, j] = pattern.count_pairs(h) / n
+    return out
+
+
 def assign(
     a: argparse.Namespace,
     method: str,
@@ -38,6 +57,7 @@ def assign(
     budget_file: str,
     calibration: Any,
     mass: Any,
+    row_pairs: Any = None,
 ) -> mtrain.BalanceResult:
     split = "+split" in method
     tuned = method.endswith("+tuned")
@@ -64,7 +84,8 @@ def assign(
         levels=a.levels,
         bounds=a.bounds,
         budget_context=a.budget_context,
-        spread=a.spread,
+        spread="even" if a.spread == "measured" else a.spread,
+        row_pairs=row_pairs,
         granularity=a.granularity,
         model=model,
         split_above=a.split_above if split else 0.0,

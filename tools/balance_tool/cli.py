@@ -67,7 +67,14 @@ def parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--bounds", help="LO,HI: the scales the tuner may choose (default all)")
     w.add_argument("--budget-context", type=int, default=0, help="scale budgets by N / C (0)")
-    w.add_argument("--spread", default="even", choices=("even", "local"), help="position model")
+    w.add_argument(
+        "--spread",
+        default="even",
+        choices=("even", "local", "measured"),
+        help="the predictor's pricing: the position model's even or local placement, or "
+        "measured: every head's pairs per query row from its estimated pattern at each level on "
+        "structured inputs of the longest (scaled) length (balance_batch row_pairs; even)",
+    )
     w.add_argument("--granularity", type=int, default=128, help="block size G (128)")
     w.add_argument("--profile-len", type=int, default=2048, help="mass curves' tokens (2048)")
     w.add_argument(
@@ -204,6 +211,11 @@ def check_args(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error(f"bad number: {e}")
     if a.bounds is not None and len(a.bounds) != 2:
         ap.error("--bounds takes LO,HI")
+    if a.spread == "measured" and a.budget_context:
+        ap.error(
+            "--spread measured prices budgets of fixed counts (pairs per query row); "
+            "--budget-context scales them with the length"
+        )
     if a.profile_context is None:
         a.profile_context = 131072 // a.scale if a.scale_budgets else 131072
     for path in (a.budgets, a.calibration, a.lengths):

@@ -16,7 +16,7 @@ import torch
 
 import mtrain
 
-from .assignment import Scales, assign, mass_curves
+from .assignment import Scales, assign, mass_curves, measured_row_pairs
 from .budgets import derive_budgets, read_budgets, write_budgets
 from .cli import check_args, parser
 from .points import Points, interpolate, plan
@@ -79,6 +79,7 @@ def _assignments(
     nl: int,
     runner: Runner,
     say: Callable[[str], None],
+    row_pairs: Any = None,
 ) -> dict[str, mtrain.BalanceResult]:
     """mtrain.balance_batch for every method (the mass curves first when a method tunes)."""
     mass = None
@@ -89,7 +90,7 @@ def _assignments(
     results: dict[str, mtrain.BalanceResult] = {}
     for method in a.methods:
         t0 = time.perf_counter()
-        results[method] = assign(a, method, lengths, budget_file, calibration, mass)
+        results[method] = assign(a, method, lengths, budget_file, calibration, mass, row_pairs)
         say(f"assignment {method}: {time.perf_counter() - t0:.2f} s")
     return results
 
@@ -148,16 +149,25 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     budget_file = os.path.join(tmp.name, "budgets.json")
     write_budgets(budgets, budget_file)
     _say_setup(a, source, full, lengths, nl, say)
-    pairs = PairCounter(a, budget_file)
+    row_pairs = None
+    if a.spread == "measured":
+        t0 = time.perf_counter()
+        row_pairs = measured_row_pairs(a, budgets, max(lengths), runner)
+        say(
+            f"measured pricing: {nl} layers x {len(a.levels)} levels at {max(lengths)} tokens, "
+            f"pairs per query row {row_pairs.min():.1f}..{row_pairs.max():.1f}, "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+    pairs = PairCounter(a, budget_file, row_pairs)
     points = Points(a, runner, budgets, per_document, pairs, say)
     linear_s = linear_seconds(a, runner, lengths, nl, say) if a.linear else {}
     calibration: Any = a.calibration
     fit_report: dict[str, Any] | None = None
     if a.fit_calibration:
         calibration, fit_report = fit_calibration(
-            a, lengths, points.measure_key, linear_s, nl, budget_file, say
+            a, lengths, points.measure_key, linear_s, nl, budget_file, say, row_pairs
         )
-    results = _assignments(a, lengths, budget_file, calibration, nl, runner, say)
+    results = _assignments(a, lengths, budget_file, calibration, nl, runner, say, row_pairs)
     scales_of = Scales(a, budgets)
     value, grid_report = _measure(a, points, results, lengths, scales_of, say)
     noise = repetition_spread(a, points.meas, say)
@@ -201,6 +211,8 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         "linear_s": {str(n): s for n, s in linear_s.items()},
         "calibration": calibration,
         "calibration_fit": fit_report,
+        "pricing": "measured pairs per query row" if row_pairs is not None else a.spread,
+        "row_pairs": row_pairs.tolist() if row_pairs is not None else None,
         "methods": out_methods,
         "per_document_spread": spread,
         "validation": validation,

@@ -22,9 +22,10 @@ def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
 
 class PairCounter:
     """The pairs the cost predictor counts (mtrain_balance_head_pairs: the position model's
-    pairs for a head at a level) for one call: a length, a layer and its heads' scales."""
+    pairs for a head at a level, or the measured ones with --spread measured) for one call: a
+    length, a layer and its heads' scales."""
 
-    def __init__(self, a: argparse.Namespace, budget_file: str) -> None:
+    def __init__(self, a: argparse.Namespace, budget_file: str, row_pairs: Any = None) -> None:
         from mtrain import balance as B  # the predictor's ctypes structures
 
         self.dll = B._dll()
@@ -42,7 +43,8 @@ class PairCounter:
         scales = np.ascontiguousarray(np.asarray(a.levels, dtype=np.float64))
         cal = B._Calibration(1.0, 0.0, 0.0, 0.0)
         mdl = B._Model(0, 0, 0, 0, 0)
-        pm = B._PositionModel(30, 100, B._SPREADS[a.spread], 0, int(a.budget_context))
+        spread = B._SPREADS["even" if a.spread == "measured" else a.spread]
+        pm = B._PositionModel(30, 100, spread, 0, int(a.budget_context))
         handle = B._read_budgets(budget_file)
         self.pred = ctypes.c_void_p()
         try:
@@ -62,6 +64,14 @@ class PairCounter:
             )
         finally:
             L.lib().budgets_destroy(handle)
+        if row_pairs is not None:  # --spread measured: the predictor's pricing, as balance_batch
+            rp = np.ascontiguousarray(np.asarray(row_pairs, dtype=np.float64))
+            L.check(
+                self.dll.mtrain_balance_predictor_set_row_pairs(
+                    self.pred, rp.ctypes.data_as(B._DP)
+                ),
+                "predictor",
+            )
 
     def count(self, n: int, layer: int, scales: Sequence[float]) -> int:
         v = ctypes.c_int64()
@@ -79,10 +89,10 @@ class PairCounter:
 
 
 def predictor_pairs(
-    a: argparse.Namespace, budget_file: str, points: list[tuple[int, int]]
+    a: argparse.Namespace, budget_file: str, points: list[tuple[int, int]], row_pairs: Any = None
 ) -> dict[tuple[int, int], int]:
     """PairCounter.count at the untuned level for each (length, layer)."""
-    pc = PairCounter(a, budget_file)
+    pc = PairCounter(a, budget_file, row_pairs)
     try:
         return {(n, layer): pc.count(n, layer, (1.0,) * a.heads) for n, layer in points}
     finally:
@@ -97,6 +107,7 @@ def fit_calibration(
     layers: int,
     budget_file: str,
     say: Callable[[str], None],
+    row_pairs: Any = None,
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """--fit-calibration: a calibration fitted on this run's own measurements, as
     mtrain-balance-calibrate fits one: one call (estimate + forward + backward of one layer) at
@@ -111,7 +122,9 @@ def fit_calibration(
     c = min(a.fit_points, len(ns))
     pick = sorted({ns[round(j * (len(ns) - 1) / max(c - 1, 1))] for j in range(c)})
     rows, ys, pts = [], [], []
-    counted = predictor_pairs(a, budget_file, [(n, layer) for n in pick for layer in a.layers])
+    counted = predictor_pairs(
+        a, budget_file, [(n, layer) for n in pick for layer in a.layers], row_pairs
+    )
     for n in pick:
         for layer in a.layers:
             r = measure_key((-1, n, layer, (1.0,) * a.heads))
