@@ -13,12 +13,14 @@
 #             rank and layer), at TUNED_LAYERS only.
 #   topp      EQUAL_COUNT documents of EQUAL_N tokens with the top-p budgets (TOPP_BUDGETS):
 #             every document measured on its own inputs (sparsity heterogeneity alone).
+#   measured  the tuned run priced by the measured pairs (--spread measured) with the methods
+#             tokens, cost and cost+tuned, at TUNED_LAYERS.
 # Then the summary lines of every run that finished (from its log).
 #
 #   bash scripts/device_balance_measure.sh [OUT_DIR]     (default runs/balance-measure)
 #
 # One call (about 10 minutes at most): the build and RUNS="longtail" (the default). A second
-# call on the still-warm machine (the build is kept): RUNS="tuned topp".
+# call on the still-warm machine (the build is kept): RUNS="tuned topp measured".
 # Environment (defaults): BACKEND (cuda; cpu: the same runs on the CPU backend for a dry run,
 # with SCALE 64, budgets divided by SCALE, 4:1 heads, d 64, no linear layers, one thread,
 # process CPU clock), RUNS (longtail), WORLD (8), SCALE (1), METHODS (tokens,cost,cost+split),
@@ -111,8 +113,11 @@ for name in $RUNS; do
   topp)
     args=(--budgets "$TOPP_BUDGETS" --equal "$EQUAL_N" --count "$EQUAL_COUNT"
       --methods tokens --layers "$LAYERS" --validate "$VALIDATE") ;;
+  measured)
+    args=("${static[@]}" --methods tokens,cost,cost+tuned --layers "$TUNED_LAYERS" --grid "$GRID"
+      --spread measured) ;;
   *)
-    echo "unknown run $name (RUNS: longtail tuned topp)"
+    echo "unknown run $name (RUNS: longtail tuned topp measured)"
     failed=1
     continue ;;
   esac
