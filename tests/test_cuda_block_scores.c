@@ -18,7 +18,11 @@
  *      cuda scores exactly, and the selection of the cpu-ref scores except in
  *      query blocks where the cpu-ref selection has a near tie (a decision
  *      within 1e-9 of the row's scale; counted and printed, none expected);
- *  (d) bad arguments of the slot are refused naming the problem.
+ *  (d) bad arguments of the slot are refused naming the problem;
+ *  (e) the non-causal scores (SPEC.md section 9.7, args.noncausal: rows of
+ *      nb entries over every key, precise from the LSE of a bidirectional
+ *      dense forward) of cases 0 and 3: (a), (b) and (c) as above, the
+ *      selection with options.noncausal (forced blocks on both sides).
  * Skipped (exit 77) without a CUDA device. Seeds are printed;
  * MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
@@ -94,19 +98,21 @@ static const gcase_t cases[] = {
 typedef struct problem {
   gcase_t c;
   uint64_t seed;
-  int64_t nb, tri;
+  int nc;          /* non-causal (SPEC.md 9.7): rows of nb entries, the LSE bidirectional */
+  int64_t nb, tri; /* tri: entries per head (the triangle, or nb * nb non-causally) */
   size_t esz;
   void *q, *k, *lse;          /* host: q, k in c.dtype, lse fp32 or fp64 */
   void *dq, *dk, *dlse, *dsc; /* device; dsc: Hq * tri doubles */
 } problem_t;
 
-static void problem_make(problem_t *p, const gcase_t *c, uint64_t seed) {
+static void problem_make(problem_t *p, const gcase_t *c, uint64_t seed, int nc) {
   memset(p, 0, sizeof *p);
   p->c = *c;
   p->seed = seed;
+  p->nc = nc;
   const int64_t N = c->N, nq = N * c->Hq * c->d, nk = N * c->Hkv * c->d;
   p->nb = (N + c->G - 1) / c->G;
-  p->tri = mtrain_block_tri(p->nb);
+  p->tri = nc ? p->nb * p->nb : mtrain_block_tri(p->nb);
   p->esz = mtrain_dtype_size(c->dtype);
   float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk);
   float *v = malloc(sizeof(float) * (size_t)nk), *o = malloc(sizeof(float) * (size_t)nq);
@@ -130,10 +136,11 @@ static void problem_make(problem_t *p, const gcase_t *c, uint64_t seed) {
   CHECK_OK(mtrain_convert(k, MTRAIN_F32, p->k, c->dtype, nk));
   CHECK_OK(mtrain_convert(p->q, c->dtype, q, MTRAIN_F32, nq));
   CHECK_OK(mtrain_convert(p->k, c->dtype, k, MTRAIN_F32, nk));
-  /* the LSE of a dense forward (cpu backend) */
+  /* the LSE of a dense forward (cpu backend; bidirectional when non-causal) */
   mtrain_context_t *ctx = make_ctx("cpu", c->G);
   mtrain_pattern_t *dense = NULL;
-  CHECK_OK(mtrain_pattern_create_dense(N, c->Hq, c->G, &dense));
+  CHECK_OK(nc ? mtrain_pattern_create_noncausal(N, c->Hq, c->G, &dense)
+              : mtrain_pattern_create_dense(N, c->Hq, c->G, &dense));
   const mtrain_pattern_t *ps[] = {dense};
   mtrain_plan_t *plan = NULL;
   CHECK_OK(mtrain_plan_create(ctx, NULL, ps, &plan));
@@ -181,7 +188,8 @@ static mtrain_block_scores_args_t args_of(const problem_t *p, mtrain_block_metho
       .k = device ? p->dk : p->k,
       .lse_dtype = c->lse64 ? MTRAIN_F64 : MTRAIN_F32,
       .lse = m == MTRAIN_BLOCK_PRECISE ? (device ? p->dlse : p->lse) : NULL,
-      .scores = NULL};
+      .scores = NULL,
+      .noncausal = p->nc};
   return a;
 }
 
@@ -191,6 +199,12 @@ static int64_t *identity(int64_t nb) {
   for (int64_t b = 0; b < nb; b++) ids[b] = b;
   return ids;
 }
+
+/* Where row qb of a head starts in the full scores, and its entries. */
+static int64_t row_at(const problem_t *p, int64_t qb) {
+  return p->nc ? qb * p->nb : mtrain_block_tri(qb);
+}
+static int64_t row_len(const problem_t *p, int64_t qb) { return p->nc ? p->nb : qb + 1; }
 
 /* The scores of one method on cpu-ref (host) and cuda (downloaded). */
 static void both_scores(const problem_t *p, mtrain_context_t *ref, mtrain_context_t *gpu,
@@ -226,17 +240,17 @@ static void compare_scores(const problem_t *p, mtrain_block_method_t m, const do
     const double r = fabs(got[e] - want[e]) / scale;
     if (!(r <= worst)) worst = r, at = e;
   }
-  print_message("scores seed %llu N %lld G %d heads %d/%d d %d %s lse %s %s: max %s err %.3g "
+  print_message("scores%s seed %llu N %lld G %d heads %d/%d d %d %s lse %s %s: max %s err %.3g "
                 "(bound 1e-12, max |score| %.3g)\n",
-                (unsigned long long)p->seed, (long long)p->c.N, p->c.G, p->c.Hq, p->c.Hkv, p->c.d,
-                mtrain_dtype_name(p->c.dtype), p->c.lse64 ? "fp64" : "fp32",
-                mtrain_block_method_name(m), m == MTRAIN_BLOCK_MEANPOOL ? "scaled" : "relative",
-                worst, M);
+                p->nc ? " (non-causal)" : "", (unsigned long long)p->seed, (long long)p->c.N,
+                p->c.G, p->c.Hq, p->c.Hkv, p->c.d, mtrain_dtype_name(p->c.dtype),
+                p->c.lse64 ? "fp64" : "fp32", mtrain_block_method_name(m),
+                m == MTRAIN_BLOCK_MEANPOOL ? "scaled" : "relative", worst, M);
   if (!(worst <= 1e-12))
-    fail_msg("cuda %s scores, seed %llu N %lld: entry %lld is %.17g, cpu-ref %.17g (error %.3g > "
-             "1e-12)",
-             mtrain_block_method_name(m), (unsigned long long)p->seed, (long long)p->c.N,
-             (long long)at, got[at], want[at], worst);
+    fail_msg("cuda %s%s scores, seed %llu N %lld: entry %lld is %.17g, cpu-ref %.17g (error %.3g "
+             "> 1e-12)",
+             mtrain_block_method_name(m), p->nc ? " non-causal" : "", (unsigned long long)p->seed,
+             (long long)p->c.N, (long long)at, got[at], want[at], worst);
 }
 
 /* (b): only the odd query blocks, packed as a rank holds them. */
@@ -273,8 +287,8 @@ static void check_subset(const problem_t *p, mtrain_context_t *gpu, mtrain_block
   int64_t owned = 0;
   for (int32_t h = 0; h < c->Hq; h++)
     for (int64_t qb = 0; qb < p->nb; qb++)
-      for (int64_t kb = 0; kb <= qb; kb++) {
-        const int64_t e = h * p->tri + mtrain_block_tri(qb) + kb;
+      for (int64_t kb = 0; kb < row_len(p, qb); kb++) {
+        const int64_t e = h * p->tri + row_at(p, qb) + kb;
         const int odd = qb % 2 == 1 && qb / 2 < nloc;
         const double want = odd ? full[e] : 0.0;
         owned += odd;
@@ -284,12 +298,13 @@ static void check_subset(const problem_t *p, mtrain_context_t *gpu, mtrain_block
                    mtrain_block_method_name(m), h, (long long)qb, (long long)kb, got[e], want,
                    odd ? "the whole run's bits" : "untouched");
       }
-  print_message("subset %s N %lld: %lld owned entries bitwise the whole run's, the rest zero\n",
-                mtrain_block_method_name(m), (long long)c->N, (long long)owned);
+  print_message("subset %s%s N %lld: %lld owned entries bitwise the whole run's, the rest zero\n",
+                mtrain_block_method_name(m), p->nc ? " (non-causal)" : "", (long long)c->N,
+                (long long)owned);
   /* the compact form (scores_row): only the odd rows held, the same bits */
   int64_t *row = malloc(sizeof(int64_t) * (size_t)(nloc + 1)), R = 0;
   assert_non_null(row);
-  for (int64_t lb = 0; lb < nloc; lb++) row[lb] = R, R += ids[lb] + 1;
+  for (int64_t lb = 0; lb < nloc; lb++) row[lb] = R, R += row_len(p, ids[lb]);
   a.scores_row = row;
   a.scores_head_stride = R;
   CHECK_OK(mtrain_be_memset_zero(gpu, p->dsc, sizeof(double) * (size_t)(R * c->Hq)));
@@ -297,13 +312,14 @@ static void check_subset(const problem_t *p, mtrain_context_t *gpu, mtrain_block
   CHECK_OK(mtrain_be_copy_to_host(gpu, got, p->dsc, sizeof(double) * (size_t)(R * c->Hq)));
   for (int32_t h = 0; h < c->Hq; h++)
     for (int64_t lb = 0; lb < nloc; lb++)
-      if (memcmp(got + h * R + row[lb], full + h * p->tri + mtrain_block_tri(ids[lb]),
-                 sizeof(double) * (size_t)(ids[lb] + 1)))
+      if (memcmp(got + h * R + row[lb], full + h * p->tri + row_at(p, ids[lb]),
+                 sizeof(double) * (size_t)row_len(p, ids[lb])))
         fail_msg("cuda %s scores, compact rows: head %d query block %lld differs from the whole "
                  "run's row",
                  mtrain_block_method_name(m), h, (long long)ids[lb]);
-  print_message("subset %s N %lld: the compact rows (%lld of %lld entries) bitwise the same\n",
-                mtrain_block_method_name(m), (long long)c->N, (long long)(R * c->Hq), (long long)n);
+  print_message("subset %s%s N %lld: the compact rows (%lld of %lld entries) bitwise the same\n",
+                mtrain_block_method_name(m), p->nc ? " (non-causal)" : "", (long long)c->N,
+                (long long)(R * c->Hq), (long long)n);
   free(row);
   mtrain_cuda_free(dq), mtrain_cuda_free(dl);
   free(ids), free(q), free(lse), free(got);
@@ -337,13 +353,17 @@ static int by_rank(const void *pa, const void *pb) {
   return (a > b) - (a < b);
 }
 
-/* The smallest margin of the decisions of row qb's selection, relative to
- * the row's scale: a difference of the scores below it may change the set. */
-static double row_margin(const double *row, int64_t qb, const mtrain_block_options_t *o) {
-  int64_t *idx = malloc(sizeof(int64_t) * (size_t)(qb + 1)), n = 0;
+/* The smallest margin of the decisions of row qb's selection (its len
+ * entries), relative to the row's scale: a difference of the scores below it
+ * may change the set. Forced: SPEC.md 9.4 and 9.7 (|kb - qb| < local
+ * non-causally; a causal row has no kb > qb). */
+static double row_margin(const double *row, int64_t qb, int64_t len,
+                         const mtrain_block_options_t *o) {
+  int64_t *idx = malloc(sizeof(int64_t) * (size_t)len), n = 0;
   double total = 0.0, kept = 0.0, scale = 0.0;
-  for (int64_t kb = 0; kb <= qb; kb++) {
-    const int forced = kb == qb || kb < o->sink_blocks || kb > qb - o->local_blocks;
+  for (int64_t kb = 0; kb < len; kb++) {
+    const int forced =
+        kb == qb || kb < o->sink_blocks || (kb > qb - o->local_blocks && kb < qb + o->local_blocks);
     total += row[kb];
     scale = fmax(scale, fabs(row[kb]));
     if (forced)
@@ -385,10 +405,10 @@ static csr_t *host_select(const double *scores, int64_t nb, int32_t Hq,
   assert_true(r && order && keep);
   for (int32_t h = 0; h < Hq; h++) {
     r[h].off = malloc(sizeof(int64_t) * (size_t)(nb + 1));
-    r[h].idx = malloc(sizeof(int32_t) * (size_t)mtrain_block_tri(nb));
+    r[h].idx = malloc(sizeof(int32_t) * (size_t)mtrain_block_head_entries(nb, o));
     mtrain_block_head_result_t res;
-    mtrain_block_select_head(scores + h * mtrain_block_tri(nb), nb, o, o->top_k, r[h].off, r[h].idx,
-                             order, keep, &res);
+    mtrain_block_select_head(scores + h * mtrain_block_head_entries(nb, o), nb, o, o->top_k,
+                             r[h].off, r[h].idx, order, keep, &res);
     recall[h] = res.kept / res.total;
   }
   free(order), free(keep);
@@ -415,6 +435,7 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
   o.top_k = s->top_k;
   o.top_p = s->kind == MTRAIN_BUDGET_TOP_P ? s->top_p : 0.9;
   o.stride = c->S;
+  o.noncausal = p->nc;
   mtrain_tensor_t tq = mtrain_tensor_3d(p->dq, c->dtype, c->N, c->Hq, c->d);
   mtrain_tensor_t tk = mtrain_tensor_3d(p->dk, c->dtype, c->N, c->Hkv, c->d);
   mtrain_tensor_t tl = mtrain_tensor_2d(p->dlse, c->lse64 ? MTRAIN_F64 : MTRAIN_F32, c->N, c->Hq);
@@ -437,7 +458,8 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
                  mtrain_block_method_name(s->method), h, (long long)qb);
       rows++;
       if (row_equal(ph, &from_ref[h], qb)) continue;
-      const double margin = row_margin(ref_scores + h * p->tri + mtrain_block_tri(qb), qb, &o);
+      const double margin =
+          row_margin(ref_scores + h * p->tri + row_at(p, qb), qb, row_len(p, qb), &o);
       if (!(margin <= 1e-9))
         fail_msg("%s %s: head %d query block %lld selects other key blocks on cuda than on "
                  "cpu-ref, and the cpu-ref decision margin is %.3g (no near tie)",
@@ -452,9 +474,10 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
                  mtrain_block_method_name(s->method), h, recall[h], rec_ref[h]);
     }
   }
-  print_message("select seed %llu N %lld %s %s: %lld query-block rows equal to cpu-ref's, %lld "
+  print_message("select%s seed %llu N %lld %s %s: %lld query-block rows equal to cpu-ref's, %lld "
                 "differ at near ties\n",
-                (unsigned long long)p->seed, (long long)c->N, mtrain_block_method_name(s->method),
+                p->nc ? " (non-causal)" : "", (unsigned long long)p->seed, (long long)c->N,
+                mtrain_block_method_name(s->method),
                 s->kind == MTRAIN_BUDGET_TOP_K ? "top-k 4" : "top-p 0.9", (long long)(rows - ties),
                 (long long)ties);
   mtrain_pattern_destroy(pat);
@@ -465,10 +488,10 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
 /* ---- the cases --------------------------------------------------------------------------------
  */
 
-static void run_case(size_t ci) {
+static void run_case(size_t ci, int nc) {
   require_gpu();
   problem_t p;
-  problem_make(&p, &cases[ci], ts_seed(3100 + ci));
+  problem_make(&p, &cases[ci], ts_seed((nc ? 3150 : 3100) + ci), nc);
   mtrain_context_t *ref = make_ctx("cpu-ref", p.c.G), *gpu = make_ctx("cuda", p.c.G);
   const int64_t n = p.tri * p.c.Hq;
   double *want[3], *got[3];
@@ -490,10 +513,13 @@ static void run_case(size_t ci) {
   problem_free(&p);
 }
 
-static void test_case0(void **state) { (void)state, run_case(0); }
-static void test_case1(void **state) { (void)state, run_case(1); }
-static void test_case2(void **state) { (void)state, run_case(2); }
-static void test_case3(void **state) { (void)state, run_case(3); }
+static void test_case0(void **state) { (void)state, run_case(0, 0); }
+static void test_case1(void **state) { (void)state, run_case(1, 0); }
+static void test_case2(void **state) { (void)state, run_case(2, 0); }
+static void test_case3(void **state) { (void)state, run_case(3, 0); }
+/* (e): non-causal, d 64 (N % G = 40, fp32) and d 128 (N % G = 57, fp16, stride 16, lse fp64) */
+static void test_noncausal_case0(void **state) { (void)state, run_case(0, 1); }
+static void test_noncausal_case3(void **state) { (void)state, run_case(3, 1); }
 
 /* ---- (d): refusals ----------------------------------------------------------------------------
  */
@@ -503,7 +529,7 @@ static void test_refusals(void **state) {
   require_gpu();
   problem_t p;
   const gcase_t small = {200, 64, 4, 2, 64, 8, MTRAIN_F32, 0};
-  problem_make(&p, &small, ts_seed(3199));
+  problem_make(&p, &small, ts_seed(3199), 0);
   mtrain_context_t *gpu = make_ctx("cuda", p.c.G);
   int64_t *ids = identity(p.nb);
   mtrain_block_scores_args_t a = args_of(&p, MTRAIN_BLOCK_ANTIDIAG, ids, 1);
@@ -536,8 +562,10 @@ static void test_refusals(void **state) {
 int main(void) {
   have_gpu = mtrain_cuda_device_count() > 0;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_case0), cmocka_unit_test(test_case1),    cmocka_unit_test(test_case2),
-      cmocka_unit_test(test_case3), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_case0),           cmocka_unit_test(test_case1),
+      cmocka_unit_test(test_case2),           cmocka_unit_test(test_case3),
+      cmocka_unit_test(test_noncausal_case0), cmocka_unit_test(test_noncausal_case3),
+      cmocka_unit_test(test_refusals),
   };
   const int failed = cmocka_run_group_tests(tests, NULL, NULL);
   if (failed) return 1;

@@ -550,6 +550,7 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .attn_bwd_step = cuda_bwd_step,
     .pattern_scores = cuda_scores_op,
     .block_scores = cuda_block_scores,
+    .block_scores_noncausal = 1,
     .synchronize = cuda_synchronize,
     .timer_mark = cuda_timer_mark,
     .timer_elapsed = cuda_timer_elapsed,

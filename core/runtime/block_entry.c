@@ -399,7 +399,7 @@ static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t
   if (o->noncausal && !ctx->backend->block_scores_noncausal)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
                         "block selection: backend '%s' scores causal blocks only (noncausal 1 "
-                        "needs a backend with block_scores_noncausal: cpu, cpu-ref)",
+                        "needs a backend with block_scores_noncausal: cpu, cpu-ref, cuda)",
                         ctx->backend_name);
   return mtrain_be_supports(ctx, q->dtype, (int32_t)q->shape[2]);
 }

@@ -396,10 +396,9 @@ def select_blocks(
         causal: True (the default): key blocks kb <= qb only, scores over the causal
             pairs, a causal pattern. False: bidirectional (SPEC.md 9.7): every key
             block is scored over all its keys and is a candidate, local_blocks forces
-            |kb - qb| < local_blocks, and the patterns are non-causal (selected on
-            the CPU backends, "cuda" refuses non-causal selection; attention with
-            them runs on every backend). For
-            precise, give the LSE of non-causal attention.
+            |kb - qb| < local_blocks, and the patterns are non-causal (selected and
+            run on every backend, "cuda" included). For precise, give the LSE of
+            non-causal attention.
         report: also return the per-head report of every sequence.
 
     Returns:

@@ -217,6 +217,42 @@ def test_block_selection_on_device(gen: torch.Generator) -> None:
     assert_close_spec({key: t.cpu() for key, t in got.items()}, ref, naive)
 
 
+@pytest.mark.parametrize("method", ["antidiag", "meanpool", "precise"])
+def test_noncausal_block_selection_on_device(gen: torch.Generator, method: str) -> None:
+    """mtrain.select_blocks(..., causal=False) on CUDA tensors (the cuda backend's non-causal
+    block scores, SPEC.md section 9.7: every key block of every query block, over all its real
+    keys) selects what cpu-ref selects from the same bf16 values, blocks above the diagonal
+    included, with the same recall; precise from the LSE of bidirectional attention computed on
+    the device. N is not a multiple of G (padding keys never count), 8:2 heads."""
+    n, hq, hkv, d, g = 1000, 8, 2, 64, 128  # 8 blocks, the last partial
+    nb = -(-n // g)
+    q, k = randn(gen, n, hq, d), randn(gen, n, hkv, d)
+    q[..., 0] += 1.5  # structure: a few keys every query prefers, later ones too
+    k[::53, :, 0] += 4.0
+    q, k = q.bfloat16(), k.bfloat16()
+    qd, kd = to_dev(q, k)
+    opts: dict = {"method": method, "local_blocks": 1}
+    opts.update({"top_k": 3} if method == "meanpool" else {"top_p": 0.6})
+    host = dict(opts)
+    if method == "precise":
+        v = randn(gen, n, hkv, d, dtype=torch.bfloat16)
+        full = mtrain.block_mask_pattern(torch.ones(hq, nb, nb, dtype=torch.bool), n, g,
+                                         causal=False)  # fmt: skip
+        _, lse = mtrain.attention(qd, kd, v.to(DEV), pattern=full, return_lse=True)
+        opts["lse"], host["lse"] = lse, lse.cpu()
+    pats, reps = mtrain.select_blocks(qd, kd, granularity=g, causal=False, report=True, **opts)
+    want, want_reps = mtrain.select_blocks(q, k, granularity=g, causal=False, report=True,
+                                           backend="cpu-ref", **host)  # fmt: skip
+    assert not pats[0].causal
+    got_blocks = torch.stack([pats[0].block_mask(h) for h in range(hq)])
+    want_blocks = torch.stack([want[0].block_mask(h) for h in range(hq)])
+    assert torch.equal(got_blocks, want_blocks), method
+    assert int(got_blocks.triu(1).sum()) > 0, "no block above the diagonal was selected"
+    assert torch.equal(reps[0].top_k, want_reps[0].top_k)
+    r, w = reps[0].recall, want_reps[0].recall
+    assert torch.allclose(r, w, rtol=1e-9, atol=0, equal_nan=True), method
+
+
 def test_cuda_tensors_on_gloo_group_refused() -> None:
     import torch.distributed as dist
 
