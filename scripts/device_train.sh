@@ -28,7 +28,9 @@
 # BLOCK_MEASURE_ROWS query rows (default 256; 0: the exact fp64 measure on the host, minutes per
 # layer at 16K tokens); results OUT_DIR/mtrain-block-cached-LENGTH.json.
 # ARM_GPUS=G (default 1): the arms-* phases run their arms at once, one per GPU, in waves of G
-# (window after mtrain-static, on GPU 0); each arm's output in OUT_DIR/ARM-LENGTH.stdout.
+# (window after mtrain-static, on GPU 0); each arm's output in OUT_DIR/ARM-LENGTH.stdout. Each
+# process gets OMP_NUM_THREADS = the host's cores over G unless set (before 2026-11-27 they
+# started a thread per core each, and the mtrain arms' tokens/s measured that contention).
 # Context parallel (docs/TRAINING.md, "Context parallel"): CP_WORLD=W (default 1: one GPU, the
 # phases as they were) launches every run with torchrun on W GPUs of this host (one rank per
 # GPU, NCCL; every arm on mtrain's ring), CP_LAYOUT its token layout (default striped);
@@ -83,8 +85,9 @@ task=(--task mix --num-keys 32 --num-values 32 --num-filler 256 --mqar-pairs 4
   --seed 0 --data-seed 1)
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
-# 2500: on an H100 passkey was at 1.0 from step 1750 and MQAR had not moved by 3000 (2026-11-27)
-PRE_STEPS=${PRE_STEPS:-2500}
+# 1500: on an H100 passkey was at 1.000 from step 1250 of a 1500-step schedule (2026-11-27;
+# MQAR did not move in 3000 steps of an earlier run)
+PRE_STEPS=${PRE_STEPS:-1500}
 PRE_LR=${PRE_LR:-1e-3}
 EXT_STEPS=${EXT_STEPS:-300}
 EXT_LR=${EXT_LR:-1e-3}
@@ -174,6 +177,11 @@ arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
 # run failed, else 1 when one stopped at the time limit, else 0.
 arms_parallel() {
   local n=$1 b=$2 from=$3 arm slot=0 worst=0 rc pids=() late=()
+  # the host's cores shared by the G processes: each OpenMP runtime would otherwise start a
+  # thread per core, and G of them oversubscribe the host (the plans are built there)
+  local omp=$(($(nproc) / ARM_GPUS))
+  [ "$omp" -lt 1 ] && omp=1
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$omp}
   for arm in $ARMS; do
     if [ "$arm" = window ]; then
       late+=("$arm")
