@@ -1,9 +1,14 @@
 // test_block_scores_emu.cpp: runs the CUDA block-score kernels of SPEC.md section 9
 // (backends/cuda/block_scores_kernels.cuh: precise, antidiag, meanpool) on the CPU, in the
 // emulator of cuda_emu.h, causal and non-causal (section 9.7), against the cpu-ref backend's
-// block_scores slot: every entry of the score buffer must be bitwise equal (both add in fp64 in
-// the same order without fused multiply-adds, and here both take exp() from the same libm), the
-// entries a call does not own left at zero. Random inputs per case: lengths mostly not multiples
+// block_scores slot, the entries a call does not own left at zero. Precise and meanpool: every
+// entry bitwise equal (both add in fp64 in the same order without fused multiply-adds, and here
+// both take exp() from the same libm). Antidiag: cpu-ref rounds each row's softmax normaliser
+// once from an exact fixed-point sum (so that W ranks give bitwise one rank's scores), the
+// kernels sum it in fp64 in column order; all its terms are positive, so the kernels' normaliser
+// is within (n - 1) u of the exact one (n terms, u = 2^-53) and each score, a ratio to it
+// rounded once on both sides, within (n + 2) u of cpu-ref's, with n <= ceil(N / S), the strided
+// columns of the longest row. Random inputs per case: lengths mostly not multiples
 // of the granularity, GQA, head dims 64 and 128, strides 1 .. 16, fp32, bf16 and fp16 inputs,
 // the LSE (of causal or bidirectional attention, fp64 here) in fp32 or fp64, every eighth case
 // with more key blocks (and strided columns) than a CTA has threads; every query block
@@ -218,22 +223,29 @@ static int run_case(int index, uint64_t seed, mtrain_context_t *ref_ctx[3]) {
       CHECK(mtrain_be_block_scores(ref_ctx[gi], &a));
       a.scores = got.data();
       emu_scores(&a);
-      int64_t diff = 0, first = -1, nonzero = 0;
+      // the bound of the header comment: 0 (bitwise) but for antidiag
+      const double bound =
+          m == MTRAIN_BLOCK_ANTIDIAG ? (double)((N + c.S - 1) / c.S + 2) * ldexp(1.0, -53) : 0.0;
+      int64_t diff = 0, first = -1, nonzero = 0, inexact = 0;
       double worst = 0.0;
       for (size_t e = 0; e < want.size(); e++) {
         nonzero += want[e] != 0.0;
         if (memcmp(&want[e], &got[e], sizeof(double)) == 0) continue;
-        if (first < 0) first = (int64_t)e;
-        diff++;
         const double r = fabs(got[e] - want[e]) / (fabs(want[e]) + 1e-300);
         if (!(r <= worst)) worst = r;
+        if (bound > 0.0 && want[e] != 0.0 && r <= bound) {
+          inexact++;
+          continue;
+        }
+        if (first < 0) first = (int64_t)e;
+        diff++;
       }
       printf("case %d seed %llu: N %lld G %d heads %d/%d d %d S %d %s lse %s %s %s %s: %zu "
-             "entries (%lld nonzero), %lld differ\n",
+             "entries (%lld nonzero), %lld differ, %lld within %.3g (max relative %.3g)\n",
              index, (unsigned long long)seed, (long long)N, c.G, c.Hq, c.Hkv, c.d, c.S, dname(c.dt),
              dname(c.lse_dt), c.subset ? "subset/compact" : "all blocks",
              nc ? "non-causal" : "causal", mtrain_block_method_name(m), want.size(),
-             (long long)nonzero, (long long)diff);
+             (long long)nonzero, (long long)diff, (long long)inexact, bound, worst);
       if (diff) {
         printf("  FAILED: first entry %lld: emulated cuda %.17g, cpu-ref %.17g (max relative "
                "error %.3g)\n",
