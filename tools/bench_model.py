@@ -43,26 +43,13 @@ from mtrain import _lib as L
 from mtrain.fallback import resolve_dense_above
 
 
-class StructuredOptions(ctypes.Structure):
-    """mtrain_structured_options_t (include/mtrain/mtrain_inputs.h)."""
-
-    _fields_ = (
-        ("seed", ctypes.c_uint64),
-        ("rope_base", ctypes.c_double),
-        ("mean_strength", ctypes.c_double),
-        ("num_sinks", ctypes.c_int32),
-        ("num_outliers", ctypes.c_int32),
-        ("outlier_strength", ctypes.c_double),
-    )
-
-
 def structured_inputs(n: int, hq: int, hkv: int, d: int) -> list[torch.Tensor]:
     """q, k, v of mtrain_generate_structured (defaults of MTRAIN_STRUCTURED_INIT), bf16, on the
     GPU, and a dout of normal noise."""
     q = torch.empty(n, hq, d, dtype=torch.bfloat16)
     k = torch.empty(n, hkv, d, dtype=torch.bfloat16)
     v = torch.empty(n, hkv, d, dtype=torch.bfloat16)
-    opts = StructuredOptions(1, 10000.0, 2.0, 4, 16, 4.0)
+    opts = L.StructuredOptions(1, 10000.0, 2.0, 4, 16, 4.0)
     fn = L.lib().dll.mtrain_generate_structured
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4

@@ -115,6 +115,22 @@ class EstimateOptions(ctypes.Structure):
     )
 
 
+class StructuredOptions(ctypes.Structure):
+    """mtrain_structured_options_t (include/mtrain/mtrain_inputs.h): the options of
+    mtrain_generate_structured, the library's reproducible inputs with the vertical-slash
+    structure of real models. MTRAIN_STRUCTURED_INIT is StructuredOptions(1, 10000.0, 2.0, 4,
+    16, 4.0). Used by the tools (tools/bench_model.py, tools/balance_measure.py)."""
+
+    _fields_ = (
+        ("seed", ctypes.c_uint64),
+        ("rope_base", ctypes.c_double),
+        ("mean_strength", ctypes.c_double),
+        ("num_sinks", ctypes.c_int32),
+        ("num_outliers", ctypes.c_int32),
+        ("outlier_strength", ctypes.c_double),
+    )
+
+
 class BlockOptions(ctypes.Structure):
     """mtrain_block_options_t (SPEC.md section 9)."""
 

@@ -16,21 +16,9 @@ import torch
 
 import mtrain
 from mtrain import _lib as L
+from mtrain._lib import StructuredOptions
 
 from .workload import scale_length
-
-
-class StructuredOptions(ctypes.Structure):
-    """mtrain_structured_options_t (include/mtrain/mtrain_inputs.h)."""
-
-    _fields_ = (
-        ("seed", ctypes.c_uint64),
-        ("rope_base", ctypes.c_double),
-        ("mean_strength", ctypes.c_double),
-        ("num_sinks", ctypes.c_int32),
-        ("num_outliers", ctypes.c_int32),
-        ("outlier_strength", ctypes.c_double),
-    )
 
 
 def doc_seed(doc: int, layer: int, per_document: bool) -> int:
