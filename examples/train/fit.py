@@ -43,13 +43,13 @@ class Fit:
 
     def table(self) -> dict[str, float]:
         """The calibration table of the fit: pair_s x, row_s y, seq_s 0, linear_flops 1/z
-        (HUGE_FLOPS when z is 0)."""
+        (HUGE_FLOPS when z is 0, or so small that 1/z would pass it)."""
         x, y, z = self.coefficients
         return {
             "pair_s": x,
             "row_s": y,
             "seq_s": 0.0,
-            "linear_flops": 1.0 / z if z > 0 else HUGE_FLOPS,
+            "linear_flops": 1.0 / z if z > 1.0 / HUGE_FLOPS else HUGE_FLOPS,
         }
 
 

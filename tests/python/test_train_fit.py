@@ -113,6 +113,8 @@ def test_fit_degenerate_inputs() -> None:
     assert abs(got.coefficients[0] - 2e-9) <= 1e-9 * 2e-9
     assert abs(got.coefficients[1] - 3e-6) <= 1e-9 * 3e-6 and got.coefficients[2] == 0.0
     assert got.table()["linear_flops"] == FIT.HUGE_FLOPS
+    tiny = FIT.Fit(0.0, (1e-9, 0.0, 1e-320), 0.0, None, 4)
+    assert tiny.table()["linear_flops"] == FIT.HUGE_FLOPS  # 1 / 1e-320 is not finite
     # rows proportional to the FLOPs (as in the program: both are the tokens'): rows dropped,
     # the same seconds predicted
     coll = [[p, f / 1000.0, f] for p, _, f in feats]
