@@ -94,8 +94,8 @@ def check_mix(cfg: RunConfig) -> None:
             or cfg.balance_fit
         ):
             raise ValueError(
-                "--balance, --balance-calibration, --balance-spread, --balance-tune and "
-                "--balance-fit deal the documents of --mix long-tail: "
+                "--balance, --balance-calibration, --balance-spread, --balance-fit and "
+                "--balance-tune deal the documents of --mix long-tail: "
                 "give --mix long-tail (fixed-length batches are not dealt, every rank holds "
                 "the same batch)"
             )

@@ -316,6 +316,8 @@ def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--balance-fit fits the cost predictor's table: give "
                        "--balance cost, not tokens"):  # fmt: skip
         open_cp(from_args([*BASE, *STATIC, "--balance", "tokens", "--balance-fit", "3", *out]))
-    with pytest.raises(ValueError, match="--balance-fit deal the documents of --mix long-tail"):
+    with pytest.raises(
+        ValueError, match="--balance-fit and --balance-tune deal the documents of --mix "
+    ):
         open_cp(from_args([*plain, *STATIC, "--balance-fit", "3", *out]))
     assert not (tmp_path / "x.json").exists()
