@@ -847,7 +847,7 @@ def dp_summary(steps: list[dict[str, Any]], segments: list[dict[str, Any]]) -> d
         by_fit = [x for x in d if x.get("fit") and x["fit"]["table"] > 0]
         out["fitted"] = {
             "steps_priced_by_fit": len(by_fit),
-            "last_table": max(x["fit"]["table"] for x in d),
+            "last_table": max(f["table"] for f in fits),
         }
         for key in ("compute", "predicted"):
             vals = [x[f"{key}_max_over_mean"] for x in by_fit]
