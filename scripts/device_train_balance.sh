@@ -10,7 +10,9 @@
 #
 # Environment (defaults): DP_WORLD (the host's GPUs, at most 8), SEQ_LEN (16384), BATCH (8),
 # STEPS (60), SIZE (mini), ARMS ("dense mtrain-static"), BALANCES ("off tokens cost cost+tune";
-# cost+tune: --balance cost --balance-tune TUNE_EVERY (10), mtrain-static only), LR
+# cost+tune: --balance cost --balance-tune TUNE_EVERY (10), mtrain-static only; also cost+fit:
+# --balance cost --balance-fit FIT_EVERY (10), the predictor's table refitted every FIT_EVERY
+# steps from the ranks' measured compute seconds, any arm; not in the default), LR
 # (1e-3), WARMUP (5), EVAL_SEQS (8 per task), INIT_FROM (none: random weights, seed 0),
 # CALIBRATION (none: data/calibration/h200-derived.json on GPUs, cpu-2core.json on the CPU),
 # SPREAD (even: the predictor's placement of the budgets, --balance-spread even|local|measured;
@@ -114,6 +116,9 @@ for arm in $ARMS; do
       if [ "${SPREAD:-}" = measured ]; then
         balance+=(--balance-spread measured)
       fi
+    fi
+    if [ "$bal" = cost+fit ]; then
+      balance=(--balance cost --balance-fit "${FIT_EVERY:-10}")
     fi
     left=$((t_end - $(date +%s)))
     if [ "$left" -lt "$MIN_S" ]; then

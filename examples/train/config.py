@@ -47,6 +47,7 @@ class RunConfig:
     balance_spread: str = "even"  # the cost predictor's placement of the budgets: even, local
     balance_tune: int = 0  # --balance cost, mtrain-static: tune per-head budgets, curves every M
     balance_tune_bounds: str = ""  # --balance-tune: the scales the tuner may choose, "LO,HI"
+    balance_fit: int = 0  # --balance cost: refit the calibration table every K steps (0: off)
     probe_every: int = 0  # probe (attention timing, pattern stats) every k steps; 0: ~8 probes
     granularity: int = 0  # block size G (0: 64 on CPU, 128 on GPU)
     sinks: int = 30
@@ -135,6 +136,10 @@ HELP = {
     "every M steps (0: off; docs/TRAINING.md, 'Tuning in the training program')",
     "balance_tune_bounds": "--balance-tune: lowest and highest budget scale the tuner may "
     "choose, LO,HI (default: every level, 0.25 to 2)",
+    "balance_fit": "--balance cost: price the deal by a calibration table fitted every K steps "
+    "from the ranks' measured compute seconds (non-negative least squares of seconds = a + x "
+    "pairs + y rows + z FLOPs over the last K steps; the given table prices the first K steps; "
+    "0: off; docs/TRAINING.md, 'Pricing fitted from the measured times')",
     "probe_every": "time the attention and read the pattern every k steps (0: about 8 probes)",
     "granularity": "mtrain block size G (0: 64 on CPU, 128 on GPU)",
     "sinks": "mtrain estimate: forced sink keys (top-k)",

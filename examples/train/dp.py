@@ -36,6 +36,16 @@ REFUSED = {
     "window": "its pattern is built for one sequence length, and a packed batch holds documents "
     "of many lengths",
 }
+# the unit tables that price one term of the predictor alone (Dealer.features): the pairs
+# (pair_s 1; linear_flops so large that F / linear_flops, under 1e-280, vanishes when added to
+# the pairs, which are >= 1), the rows (row_s 1, likewise) and the linear FLOPs (linear_flops 1:
+# the predictor adds F / linear_flops). The predictor accepts 0 for pair_s, row_s and seq_s, and
+# any finite linear_flops > 0.
+UNIT_TABLES = (
+    {"pair_s": 1.0, "row_s": 0.0, "seq_s": 0.0, "linear_flops": 1e300},
+    {"pair_s": 0.0, "row_s": 1.0, "seq_s": 0.0, "linear_flops": 1e300},
+    {"pair_s": 0.0, "row_s": 0.0, "seq_s": 0.0, "linear_flops": 1.0},
+)
 DOC_STRIDE = 2**20  # document j of step s is sample s * DOC_STRIDE + j of its task
 
 
@@ -225,6 +235,7 @@ class Dealer:
 
     def __post_init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._features: dict[int, tuple[float, float, float]] = {}
         self.row_pairs: Any = None  # spread "measured": [heads, levels], set by the tuner
         if self.method not in BALANCES:
             raise ValueError(f"--balance {self.method!r}: one of {', '.join(BALANCES)}")
@@ -252,6 +263,13 @@ class Dealer:
         """The measured pairs per query row [heads over all layers, levels] (spread
         "measured"); the cached per-length seconds are dropped."""
         self.row_pairs = row_pairs
+        self._seconds = {}
+        self._features = {}
+
+    def set_calibration(self, calibration: dict[str, float]) -> None:
+        """A new calibration table (--balance-fit: a fitted one) for the next deals and
+        predictions; the cached per-length seconds are dropped."""
+        self.calibration = dict(calibration)
         self._seconds = {}
 
     def deal(self, lengths: list[int]) -> tuple[list[int], dict[str, float]]:
@@ -298,6 +316,27 @@ class Dealer:
             self._seconds[n] = float(r.rank_seconds_before[0])
         return self._seconds[n]
 
+    def features(self, n: int) -> tuple[float, float, float]:
+        """The predictor's terms of one document of n tokens (--balance-fit): its attention
+        pairs P, its rows R (query rows x heads, as the predictor counts them) and its
+        linear-layer FLOPs F, each priced alone by a unit table (UNIT_TABLES), so that
+        seconds(n) = pair_s P + row_s R + F / linear_flops with the real table."""
+        if n not in self._features:
+            out = []
+            for unit in UNIT_TABLES:
+                r = mtrain.balance_batch([n], 1, str(self.budgets), unit, **self._kw())
+                out.append(float(r.rank_seconds_before[0]))
+            self._features[n] = (out[0], out[1], out[2])
+        return self._features[n]
+
+    def rank_features(self, lengths: list[int], rank_of: list[int]) -> list[list[float]]:
+        """Each rank's summed [P, R, F] over its documents (features())."""
+        out = [[0.0, 0.0, 0.0] for _ in range(self.world)]
+        for n, r in zip(lengths, rank_of, strict=True):
+            for k, v in enumerate(self.features(n)):
+                out[r][k] += v
+        return out
+
     def predicted(self, lengths: list[int], rank_of: list[int]) -> list[float]:
         out = [0.0] * self.world
         for n, r in zip(lengths, rank_of, strict=True):
@@ -321,6 +360,7 @@ def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     head = ["run", "arm", "ranks", "balance", "steps counted", "tokens/step", "tokens/s",
             "slowest step s", "measured compute max/mean", "attention max/mean",
             "predicted max/mean", "tuned: predicted max/mean, mass kept before -> after",
+            "fitted: tables, last R^2, steps; compute, predicted max/mean",
             "tokens max/mean", "final loss", "accuracy"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs:
@@ -334,7 +374,7 @@ def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
             _f(d.get("tokens_per_step_mean"), ".0f"), _f(d.get("tokens_per_s"), ".0f"),
             _f(d.get("step_s_max_mean"), ".3f"), _f(d.get("compute_max_over_mean"), ".3f"),
             _f(d.get("attention_max_over_mean"), ".3f"),
-            _f(d.get("predicted_max_over_mean"), ".3f"), _tuned(d.get("tuned")),
+            _f(d.get("predicted_max_over_mean"), ".3f"), _tuned(d.get("tuned")), _fitted(d),
             _f(d.get("tokens_max_over_mean"), ".3f"), _f(r.get("final_loss"), ".4f"), acc or "-",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -347,6 +387,23 @@ def _tuned(t: dict[str, Any] | None) -> str:
     return (
         f"{t['predicted_tuned_max_over_mean']:.3f}, {t['recall_before']:.3f} -> "
         f"{t['recall_after']:.3f}"
+    )
+
+
+def _fitted(d: dict[str, Any]) -> str:
+    """--balance-fit: the fitted tables made (of the fits), the last fit's R^2, and the counted
+    steps priced by a fitted table with their measured and predicted max/mean."""
+    fit = d.get("fit")
+    if not fit:
+        return "-"
+    fits = fit["fits"]
+    made = sum(f["table"] is not None for f in fits)
+    last = [f["r2"] for f in fits if f["table"] is not None]
+    s = d.get("fitted") or {}
+    return (
+        f"{made} of {len(fits)}, {_f(last[-1] if last else None, '.3f')}, "
+        f"{s.get('steps_priced_by_fit', 0)}; {_f(s.get('compute_max_over_mean'), '.3f')}, "
+        f"{_f(s.get('predicted_max_over_mean'), '.3f')}"
     )
 
 

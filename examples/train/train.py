@@ -31,6 +31,7 @@ import mtrain
 
 from . import cp as CP
 from . import dp as DP
+from . import fit as FIT
 from . import model as M
 from . import tune as TUNE
 from .arms import Arm, Budget
@@ -90,10 +91,11 @@ def check_mix(cfg: RunConfig) -> None:
             or cfg.balance_calibration
             or cfg.balance_spread != "even"
             or tuning
+            or cfg.balance_fit
         ):
             raise ValueError(
-                "--balance, --balance-calibration, --balance-spread and --balance-tune deal "
-                "the documents of --mix long-tail: "
+                "--balance, --balance-calibration, --balance-spread, --balance-fit and "
+                "--balance-tune deal the documents of --mix long-tail: "
                 "give --mix long-tail (fixed-length batches are not dealt, every rank holds "
                 "the same batch)"
             )
@@ -121,6 +123,14 @@ def check_mix(cfg: RunConfig) -> None:
                 f"{cfg.arm} arm has none to scale"
             )
         TUNE.parse_bounds(cfg.balance_tune_bounds)
+    if cfg.balance_fit < 0:
+        raise ValueError(
+            f"--balance-fit {cfg.balance_fit}: refit the pricing every K >= 1 steps, or 0 (off)"
+        )
+    if cfg.balance_fit and cfg.balance != "cost":
+        raise ValueError(
+            f"--balance-fit fits the cost predictor's table: give --balance cost, not {cfg.balance}"
+        )
     if cfg.balance_spread == "measured" and not cfg.balance_tune:
         raise ValueError(
             "--balance-spread measured prices the heads by the pairs the tuner measures: give "
@@ -286,6 +296,7 @@ def run(
     where = f", context parallel over {ranks} ({cp.backend}, {cp.layout})" * par
     dealer: DP.Dealer | None = None
     tuner: TUNE.Tuner | None = None
+    refit: FIT.Refit | None = None
     dp_info: dict[str, Any] = {}
     summary: dict[str, Any] = {}
     scratch = DP.scratch() if mix else None
@@ -337,6 +348,18 @@ def run(
                 if cfg.balance_spread == "measured"
                 else f"position model ({cfg.balance_spread})",
             }
+        if cfg.balance_fit:
+            refit = FIT.Refit(cfg.balance_fit, cal)
+            dp_info["fit"] = {
+                "every": cfg.balance_fit,
+                "model": "compute_s = a + x pairs + y rows + z flops (NNLS, a free): pair_s x, "
+                "row_s y, seq_s 0, linear_flops 1/z",
+                "samples": "every rank with a document, every step of the window (ranks dealt "
+                "none left out)",
+                "features": "untuned budgets" if cfg.balance_tune else "the predictor's budgets",
+                "fits": refit.fits,  # filled as the run goes
+            }
+            replay_fits(refit, steps, dealer)
     log(
         f"arm {cfg.arm}, task {cfg.task}, {cfg.size} ({M.parameters(model) / 1e6:.1f}M "
         f"parameters), {cfg.seq_len} tokens x {cfg.batch}, {cfg.steps} steps, {dev}, {dtype}"
@@ -368,8 +391,9 @@ def run(
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step)
             rec = dp_step(
-                cfg, step, model, opt, params, names, dealer, cp, dev, autocast, arm, tuner
-            )
+                cfg, step, model, opt, params, names, dealer, cp, dev, autocast, arm, tuner,
+                refit,
+            )  # fmt: skip
             rec.update(segment=segment)
             steps.append(rec)
             d = rec["dp"]
@@ -379,6 +403,19 @@ def run(
                     f"{d['tokens']} tokens, {rec['time_s']:.3f} s, compute max/mean "
                     f"{_fmt(d['compute_max_over_mean'])}, predicted "
                     f"{_fmt(d['predicted_max_over_mean'])}"
+                )
+            if refit is not None and d["fit"]["refit"] is not None:
+                f = refit.fits[-1]
+                log(
+                    f"step {step + 1}: pricing fitted on steps {f['steps'][0]}-{f['steps'][-1]} "
+                    f"({f['samples']} samples): "
+                    + (
+                        f"table {f['index']}: pair_s {f['table']['pair_s']:.3e}, row_s "
+                        f"{f['table']['row_s']:.3e}, linear_flops "
+                        f"{f['table']['linear_flops']:.3e}, R^2 {_fmt(f['r2'])}"
+                        if f["table"]
+                        else f"kept table {f['index']} ({f['degenerate']})"
+                    )
                 )
         else:
             ids, labels, _, _ = _batch(tasks, cfg, step)
@@ -586,9 +623,11 @@ def dp_step(
     autocast: Any,
     arm: Arm | None = None,
     tuner: TUNE.Tuner | None = None,
+    refit: FIT.Refit | None = None,
 ) -> dict[str, Any]:
     """One data-parallel step of --mix (dp.py): the step's documents drawn (the same on every
-    rank), dealt by the dealer (with a tuner: and each rank's per-head budgets tuned, tune.py),
+    rank), dealt by the dealer (with a tuner: and each rank's per-head budgets tuned, tune.py;
+    with a refit: after the last step of every window the dealer's table refitted, fit.py),
     this rank's packed and trained on; its answer-loss sum over the
     whole batch's answer count is back-propagated, and the gradients, the loss sums, the answer
     counts and every rank's compute and attention seconds are summed over the ranks in one
@@ -644,6 +683,15 @@ def dp_step(
     compute_s = [float(x) for x in total[2 : 2 + w]]
     attention_s = [float(x) for x in total[2 + w : 2 + 2 * w]]
     predicted = dealer.predicted(lengths, rank_of)
+    fitted: dict[str, Any] | None = None
+    if refit is not None:
+        feats = dealer.rank_features(lengths, rank_of)
+        fitted = {"table": refit.index, "rank_features": feats, "refit": None}
+        f = refit.observe(step, feats, compute_s, predicted)
+        if f is not None:
+            fitted["refit"] = len(refit.fits) - 1
+            if f["table"] is not None:
+                dealer.set_calibration(refit.table)
     tokens = sum(lengths)
     rank_tokens = [0] * w
     for n, r in zip(lengths, rank_of, strict=True):
@@ -672,8 +720,28 @@ def dp_step(
             "step_s_max": slowest,
             "tokens_per_s": tokens / slowest if slowest > 0 else None,
             "tune": tuned,
+            "fit": fitted,
         },
     }
+
+
+def replay_fits(refit: FIT.Refit, steps: list[dict[str, Any]], dealer: DP.Dealer) -> None:
+    """--balance-fit after --resume: the fits of the earlier calls made again from their
+    recorded steps (each rank's features, measured and predicted seconds), the same on every
+    rank and the same as the first time (fit.py is deterministic), and the dealer given the
+    last table."""
+    for s in steps:
+        f = s["dp"].get("fit")
+        if f is None:
+            continue
+        if f["table"] != refit.index:
+            raise RuntimeError(
+                f"--balance-fit: step {s['step']} was priced by table {f['table']}, the replayed "
+                f"fits give {refit.index}"
+            )
+        refit.observe(s["step"], f["rank_features"], s["dp"]["compute_s"], s["dp"]["predicted_s"])
+    if refit.index > 0:
+        dealer.set_calibration(refit.table)
 
 
 def _tune(
@@ -772,6 +840,19 @@ def dp_summary(steps: list[dict[str, Any]], segments: list[dict[str, Any]]) -> d
             "curves_s_sum": sum(t["curves_s"] for t in tuned),
             "ranks_over_target_steps": sum(t["ranks_over_target"] > 0 for t in tuned),
         }
+    fits = [x["fit"] for x in d if x.get("fit")]
+    if fits:
+        # --balance-fit: the counted steps priced by a fitted table, and their measured and
+        # predicted max/mean (against all counted steps' above)
+        by_fit = [x for x in d if x.get("fit") and x["fit"]["table"] > 0]
+        out["fitted"] = {
+            "steps_priced_by_fit": len(by_fit),
+            "last_table": max(f["table"] for f in fits),
+        }
+        for key in ("compute", "predicted"):
+            vals = [x[f"{key}_max_over_mean"] for x in by_fit]
+            ok = [v for v in vals if v is not None]
+            out["fitted"][f"{key}_max_over_mean"] = statistics.mean(ok) if ok else None
     return out
 
 
