@@ -38,13 +38,14 @@ REFUSED = {
 }
 # the unit tables that price one term of the predictor alone (Dealer.features): the pairs
 # (pair_s 1; linear_flops so large that F / linear_flops, under 1e-280, vanishes when added to
-# the pairs, which are >= 1), the rows (row_s 1, likewise) and the linear FLOPs (linear_flops 1:
-# the predictor adds F / linear_flops). The predictor accepts 0 for pair_s, row_s and seq_s, and
-# any finite linear_flops > 0.
+# the pairs, which are >= 1), the rows (row_s 1, likewise), the linear FLOPs (linear_flops 1:
+# the predictor adds F / linear_flops) and the documents (seq_s 1: one per document and layer).
+# The predictor accepts 0 for pair_s, row_s and seq_s, and any finite linear_flops > 0.
 UNIT_TABLES = (
     {"pair_s": 1.0, "row_s": 0.0, "seq_s": 0.0, "linear_flops": 1e300},
     {"pair_s": 0.0, "row_s": 1.0, "seq_s": 0.0, "linear_flops": 1e300},
     {"pair_s": 0.0, "row_s": 0.0, "seq_s": 0.0, "linear_flops": 1.0},
+    {"pair_s": 0.0, "row_s": 0.0, "seq_s": 1.0, "linear_flops": 1e300},
 )
 DOC_STRIDE = 2**20  # document j of step s is sample s * DOC_STRIDE + j of its task
 
@@ -235,7 +236,7 @@ class Dealer:
 
     def __post_init__(self) -> None:
         self._seconds: dict[int, float] = {}
-        self._features: dict[int, tuple[float, float, float]] = {}
+        self._features: dict[int, tuple[float, ...]] = {}
         self.row_pairs: Any = None  # spread "measured": [heads, levels], set by the tuner
         if self.method not in BALANCES:
             raise ValueError(f"--balance {self.method!r}: one of {', '.join(BALANCES)}")
@@ -316,22 +317,23 @@ class Dealer:
             self._seconds[n] = float(r.rank_seconds_before[0])
         return self._seconds[n]
 
-    def features(self, n: int) -> tuple[float, float, float]:
+    def features(self, n: int) -> tuple[float, ...]:
         """The predictor's terms of one document of n tokens (--balance-fit): its attention
-        pairs P, its rows R (query rows x heads, as the predictor counts them) and its
-        linear-layer FLOPs F, each priced alone by a unit table (UNIT_TABLES), so that
-        seconds(n) = pair_s P + row_s R + F / linear_flops with the real table."""
+        pairs P, its rows R (query rows x heads, as the predictor counts them), its
+        linear-layer FLOPs F and its per-sequence count D (the layers), each priced alone by a
+        unit table (UNIT_TABLES), so that seconds(n) = pair_s P + row_s R + F / linear_flops +
+        seq_s D with the real table."""
         if n not in self._features:
             out = []
             for unit in UNIT_TABLES:
                 r = mtrain.balance_batch([n], 1, str(self.budgets), unit, **self._kw())
                 out.append(float(r.rank_seconds_before[0]))
-            self._features[n] = (out[0], out[1], out[2])
+            self._features[n] = tuple(out)
         return self._features[n]
 
     def rank_features(self, lengths: list[int], rank_of: list[int]) -> list[list[float]]:
-        """Each rank's summed [P, R, F] over its documents (features())."""
-        out = [[0.0, 0.0, 0.0] for _ in range(self.world)]
+        """Each rank's summed [P, R, F, D] over its documents (features())."""
+        out = [[0.0] * len(UNIT_TABLES) for _ in range(self.world)]
         for n, r in zip(lengths, rank_of, strict=True):
             for k, v in enumerate(self.features(n)):
                 out[r][k] += v

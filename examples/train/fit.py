@@ -1,10 +1,14 @@
 """--balance-fit K (docs/TRAINING.md, "Pricing fitted from the measured times"): the cost
 predictor's calibration table refitted every K steps from the ranks' measured compute seconds.
-Each rank's seconds are modelled as c = a + x P + y R + z F (P: the predictor's attention pairs
-of the rank's documents, R: its query rows x heads, F: its linear-layer FLOPs; a: a free
-intercept), fitted by non-negative least squares on (x, y, z). The fit is plain Python float64
-(math.fsum dot products, a fixed order of operations, no numpy or torch), so every rank computes
-bitwise the same table from the same all-reduced seconds and deals the same documents."""
+Each rank's seconds are modelled as c = a + x P + y R + z F + w D (P: the predictor's attention
+pairs of the rank's documents, R: its query rows x heads, F: its linear-layer FLOPs, D: its
+documents counted as the predictor's per-sequence term does, one per document and layer; a: a
+free intercept), fitted by non-negative least squares on (x, y, z, w). D is there because the
+first GPU measurement found a cost per document (2.0 ms per document and step on 3 H100s,
+docs/TRAINING.md "On GPUs: three H100s") that the given tables leave at 0. The fit is plain
+Python float64 (math.fsum dot products, a fixed order of operations, no numpy or torch), so every
+rank computes bitwise the same table from the same all-reduced seconds and deals the same
+documents."""
 
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# the features' names, in the order of the coefficients (x, y, z)
-FEATURES = ("pairs", "rows", "flops")
+# the features' names, in the order of the coefficients (x, y, z, w)
+FEATURES = ("pairs", "rows", "flops", "documents")
+# the samples a window needs: one per unknown (the intercept and every column; the rows are
+# found collinear with the FLOPs only once there are enough samples to tell)
+MIN_SAMPLES = 1 + len(FEATURES)
 # linear_flops of a table whose z is 0 (no linear term): finite, as the predictor requires
 HUGE_FLOPS = 1e300
 # a column whose part not explained by the columns kept before it is below this share of its
@@ -22,9 +29,9 @@ HUGE_FLOPS = 1e300
 # proportional to its tokens: one of the two is always dropped)
 COLLINEAR = 1e-9
 # the order in which the columns are tested for collinearity (the intercept first: a column
-# constant over the samples is dropped; then the pairs, the FLOPs, the rows: of the rows and the
-# FLOPs, both proportional to the tokens, the FLOPs are kept)
-ORDER = (0, 2, 1)
+# constant over the samples is dropped; then the pairs, the FLOPs, the rows, the documents: of
+# the rows and the FLOPs, both proportional to the tokens, the FLOPs are kept)
+ORDER = (0, 2, 1, 3)
 
 
 @dataclass
@@ -34,7 +41,7 @@ class Fit:
     and why), and `degenerate`: why no table came of it (None when one did)."""
 
     intercept: float
-    coefficients: tuple[float, float, float]
+    coefficients: tuple[float, ...]
     rss: float
     r2: float | None
     samples: int
@@ -42,13 +49,13 @@ class Fit:
     degenerate: str | None = None
 
     def table(self) -> dict[str, float]:
-        """The calibration table of the fit: pair_s x, row_s y, seq_s 0, linear_flops 1/z
+        """The calibration table of the fit: pair_s x, row_s y, seq_s w, linear_flops 1/z
         (HUGE_FLOPS when z is 0, or so small that 1/z would pass it)."""
-        x, y, z = self.coefficients
+        x, y, z, w = self.coefficients
         return {
             "pair_s": x,
             "row_s": y,
-            "seq_s": 0.0,
+            "seq_s": w,
             "linear_flops": 1.0 / z if z > 1.0 / HUGE_FLOPS else HUGE_FLOPS,
         }
 
@@ -88,8 +95,8 @@ def _least_squares(cols: list[list[float]], y: list[float]) -> list[float] | Non
 
 
 def fit(features: list[list[float]], seconds: list[float]) -> Fit:
-    """Non-negative least squares of seconds = a + x P + y R + z F over the samples (one row
-    [P, R, F] of features per sample), a free. Columns all zero are dropped, then columns
+    """Non-negative least squares of seconds = a + x P + y R + z F + w D over the samples (one
+    row [P, R, F, D] of features per sample), a free. Columns all zero are dropped, then columns
     collinear with the intercept and the columns kept before them (ORDER); with fewer samples
     than 1 + the nonzero columns the fit is degenerate. Among the subsets of the kept columns
     (all 2^k, each solved by least squares with the intercept on the columns scaled to a largest
@@ -116,7 +123,7 @@ def fit(features: list[list[float]], seconds: list[float]) -> Fit:
     nonzero = [j for j in range(len(FEATURES)) if scale[j] > 0.0]
 
     def none(why: str) -> Fit:
-        return Fit(mean, (0.0, 0.0, 0.0), tss, None, n, dropped, why)
+        return Fit(mean, (0.0,) * len(FEATURES), tss, None, n, dropped, why)
 
     if n < 1 + len(nonzero):
         return none(f"{n} samples for {1 + len(nonzero)} unknowns")
@@ -148,11 +155,11 @@ def fit(features: list[list[float]], seconds: list[float]) -> Fit:
                 best = (rss, beta[0], beta[1:], subset)
     assert best is not None  # the intercept alone is always feasible
     rss, a, beta, subset = best
-    coef = [0.0, 0.0, 0.0]
+    coef = [0.0] * len(FEATURES)
     for b, j in zip(beta, subset, strict=True):
         coef[j] = b / scale[j]
     r2 = 1.0 - rss / tss if tss > 0.0 else None
-    out = Fit(a, (coef[0], coef[1], coef[2]), rss, r2, n, dropped)
+    out = Fit(a, tuple(coef), rss, r2, n, dropped)
     if not any(c > 0.0 for c in coef):
         out.degenerate = "every coefficient is 0"
     return out
@@ -193,7 +200,7 @@ class Refit:
         compute_s: list[float],
         predicted_s: list[float],
     ) -> dict[str, Any] | None:
-        """Records one step (each rank's [P, R, F], measured compute seconds, predicted
+        """Records one step (each rank's [P, R, F, D], measured compute seconds, predicted
         seconds); after the last step of a window returns the fit's record (its table, when not
         degenerate, is then self.table), else None."""
         self.window.append(
@@ -227,10 +234,10 @@ class Refit:
             "measured_mean_s": _mean_mean([s["compute_s"] for s in window]),
         }
         if result.degenerate is None:
-            x, y, z = result.coefficients
+            c = result.coefficients
             fitted = [
-                [result.intercept + x * f[0] + y * f[1] + z * f[2] if any(f) else 0.0
-                 for f in s["features"]]
+                [result.intercept + math.fsum(a * b for a, b in zip(c, f, strict=True))
+                 if any(f) else 0.0 for f in s["features"]]
                 for s in window
             ]  # fmt: skip
             rec["fitted_max_over_mean"] = _mean_ratio(fitted)

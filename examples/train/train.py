@@ -71,6 +71,13 @@ def open_cp(cfg: RunConfig) -> CP.Cp:
                 f"--mix {cfg.mix} with --cp off under a launcher (WORLD_SIZE={world}): the "
                 "launcher's ranks are data parallel under --mix; use --cp auto"
             )
+        if cfg.balance_fit and cfg.balance_fit * world < FIT.MIN_SAMPLES:
+            raise ValueError(
+                f"--balance-fit {cfg.balance_fit} on {world} rank{'s' * (world != 1)}: a window "
+                f"holds {cfg.balance_fit * world} samples (one per rank and step), the fit needs "
+                f"at least {FIT.MIN_SAMPLES} (the intercept and {len(FIT.FEATURES)} columns); "
+                f"give K >= {-(-FIT.MIN_SAMPLES // world)}"
+            )
         return CP.start(cfg.cp, cfg.device, cfg.cp_layout)
     if CP.wanted(cfg.cp, world):
         g = granularity_of(cfg, device_of(cfg))

@@ -36,10 +36,13 @@ COST = [*BASE, *STATIC, "--balance", "cost", "--steps", "6"]
 
 
 def _samples(rng: random.Random, n: int) -> list[list[float]]:
-    """Feature rows of the magnitudes the program sees: pairs, rows, FLOPs."""
+    """Feature rows of the magnitudes the program sees: pairs, rows, FLOPs, documents (x
+    layers)."""
     return [
-        [rng.uniform(1e3, 1e7), rng.uniform(10.0, 1e4), rng.uniform(1e6, 1e10)] for _ in range(n)
-    ]
+        [rng.uniform(1e3, 1e7), rng.uniform(10.0, 1e4), rng.uniform(1e6, 1e10),
+         float(rng.randrange(1, 40))]
+        for _ in range(n)
+    ]  # fmt: skip
 
 
 def _rss(feats: list[list[float]], secs: list[float], a: float, coef: list[float]) -> float:
@@ -56,7 +59,8 @@ def test_fit_recovers_known_coefficients() -> None:
     for _ in range(20):
         feats = _samples(rng, rng.randrange(6, 40))
         a = rng.uniform(0.0, 0.05)
-        coef = [rng.uniform(1e-10, 1e-8), rng.uniform(1e-7, 1e-5), rng.uniform(1e-12, 1e-10)]
+        coef = [rng.uniform(1e-10, 1e-8), rng.uniform(1e-7, 1e-5), rng.uniform(1e-12, 1e-10),
+                rng.uniform(1e-4, 1e-3)]  # fmt: skip
         secs = [a + sum(c * v for c, v in zip(coef, f, strict=True)) for f in feats]
         got = FIT.fit(feats, secs)
         assert got.degenerate is None and got.dropped == {}, (seed, got)
@@ -67,7 +71,8 @@ def test_fit_recovers_known_coefficients() -> None:
         assert got.r2 is not None and got.r2 > 1 - 1e-12
         table = got.table()
         assert table["pair_s"] == got.coefficients[0] and table["row_s"] == got.coefficients[1]
-        assert table["seq_s"] == 0.0 and table["linear_flops"] == 1.0 / got.coefficients[2]
+        assert table["seq_s"] == got.coefficients[3]
+        assert table["linear_flops"] == 1.0 / got.coefficients[2]
 
 
 def test_fit_is_the_best_non_negative_one() -> None:
@@ -79,7 +84,8 @@ def test_fit_is_the_best_non_negative_one() -> None:
     rng = random.Random(seed)
     for trial in range(20):
         feats = _samples(rng, 30)
-        coef = [3e-8, -3e-6 if trial % 2 else 1e-6, -1e-11 if trial % 3 else 5e-11]
+        coef = [3e-8, -3e-6 if trial % 2 else 1e-6, -1e-11 if trial % 3 else 5e-11,
+                -2e-3 if trial % 5 == 1 else 1e-3]  # fmt: skip
         secs = [
             0.5 + sum(c * v for c, v in zip(coef, f, strict=True)) + rng.gauss(0.0, 1e-3)
             for f in feats
@@ -91,12 +97,12 @@ def test_fit_is_the_best_non_negative_one() -> None:
         assert abs(rss - got.rss) <= 1e-9 * rss, (seed, rss, got.rss)
         x = np.array(feats)
         y = np.array(secs)
-        for k in range(4):
-            for sub in itertools.combinations(range(3), k):
+        for k in range(5):
+            for sub in itertools.combinations(range(4), k):
                 design = np.column_stack([np.ones(len(y)), *(x[:, j] / x[:, j].max() for j in sub)])
                 beta = np.linalg.lstsq(design, y, rcond=None)[0]
                 other = float(((design @ beta - y) ** 2).sum())
-                if k == 3:
+                if k == 4:
                     assert other <= rss * (1 + 1e-9), (seed, other, rss)  # the unconstrained
                 if (beta[1:] >= 0).all():
                     assert rss <= other * (1 + 1e-9), (seed, sub, rss, other)
@@ -106,34 +112,41 @@ def test_fit_degenerate_inputs() -> None:
     rng = random.Random(5)
     feats = _samples(rng, 12)
     # a column all zero (no linear layers): dropped, the others recovered
-    zero = [[p, r, 0.0] for p, r, _ in feats]
-    secs = [0.01 + 2e-9 * p + 3e-6 * r for p, r, _ in zero]
+    zero = [[p, r, 0.0, d] for p, r, _, d in feats]
+    secs = [0.01 + 2e-9 * p + 3e-6 * r + 5e-4 * d for p, r, _, d in zero]
     got = FIT.fit(zero, secs)
     assert got.dropped == {"flops": "all zero"} and got.degenerate is None
     assert abs(got.coefficients[0] - 2e-9) <= 1e-9 * 2e-9
     assert abs(got.coefficients[1] - 3e-6) <= 1e-9 * 3e-6 and got.coefficients[2] == 0.0
+    assert abs(got.coefficients[3] - 5e-4) <= 1e-9 * 5e-4
     assert got.table()["linear_flops"] == FIT.HUGE_FLOPS
-    tiny = FIT.Fit(0.0, (1e-9, 0.0, 1e-320), 0.0, None, 4)
+    tiny = FIT.Fit(0.0, (1e-9, 0.0, 1e-320, 0.0), 0.0, None, 4)
     assert tiny.table()["linear_flops"] == FIT.HUGE_FLOPS  # 1 / 1e-320 is not finite
     # rows proportional to the FLOPs (as in the program: both are the tokens'): rows dropped,
     # the same seconds predicted
-    coll = [[p, f / 1000.0, f] for p, _, f in feats]
-    secs = [0.01 + 2e-9 * p + 3e-6 * r + 1e-10 * f for p, r, f in coll]
+    coll = [[p, f / 1000.0, f, d] for p, _, f, d in feats]
+    secs = [0.01 + 2e-9 * p + 3e-6 * r + 1e-10 * f + 5e-4 * d for p, r, f, d in coll]
     got = FIT.fit(coll, secs)
     assert got.degenerate is None and list(got.dropped) == ["rows"]
     assert got.coefficients[1] == 0.0
     assert abs(got.coefficients[2] - 3.1e-9) <= 1e-9 * 3.1e-9
     assert got.rss <= 1e-12 * sum(s * s for s in secs)
-    # fewer samples than unknowns (the intercept and three nonzero columns)
-    got = FIT.fit(feats[:3], [1.0, 2.0, 3.0])
-    assert got.degenerate == "3 samples for 4 unknowns" and got.coefficients == (0.0, 0.0, 0.0)
+    # every document count the same: the documents column is the intercept's, dropped
+    same = [[p, r, f, 8.0] for p, r, f, _ in feats]
+    got = FIT.fit(same, [0.01 + 2e-9 * p + 1e-10 * f for p, _, f, _ in same])
+    assert got.dropped["documents"].startswith("collinear with the intercept")
+    assert got.coefficients[3] == 0.0 and got.degenerate is None
+    # fewer samples than unknowns (the intercept and four nonzero columns)
+    got = FIT.fit(feats[:4], [1.0, 2.0, 3.0, 4.0])
+    assert got.degenerate == "4 samples for 5 unknowns"
+    assert got.coefficients == (0.0, 0.0, 0.0, 0.0)
     assert FIT.fit([], []).degenerate == "0 samples for 1 unknowns"
     # seconds that fall as every feature grows: every coefficient 0
-    grow = [[float(i), float(i), float(i) ** 1.5] for i in range(1, 9)]
+    grow = [[float(i), float(i), float(i) ** 1.5, float(i) ** 0.5] for i in range(1, 9)]
     got = FIT.fit(grow, [1.0 / i for i in range(1, 9)])
     assert got.degenerate == "every coefficient is 0" and got.intercept > 0
     with pytest.raises(ValueError, match="finite"):
-        FIT.fit([[1.0, 2.0, float("nan")]], [1.0])
+        FIT.fit([[1.0, 2.0, float("nan"), 1.0]], [1.0])
     with pytest.raises(ValueError, match="feature rows"):
         FIT.fit([[1.0, 2.0]], [1.0])
 
@@ -144,16 +157,16 @@ def test_refit_windows() -> None:
     given = {"pair_s": 1e-9, "row_s": 1e-6, "seq_s": 0.0, "linear_flops": 1e10}
     ref = FIT.Refit(2, given)
     rng = random.Random(3)
-    truth = (2e-9, 0.0, 3e-11)
+    truth = (2e-9, 0.0, 3e-11, 4e-4)
     recs = []
     for step in range(6):
         feats = _samples(rng, 3)
         if step == 1:
-            feats[2] = [0.0, 0.0, 0.0]  # a rank dealt none
+            feats[2] = [0.0] * 4  # a rank dealt none
         secs = [0.02 + sum(c * v for c, v in zip(truth, f, strict=True)) if any(f) else 1e-4
                 for f in feats]  # fmt: skip
         if step in (2, 3):  # one rank only: 2 samples, degenerate
-            feats = [feats[0], [0.0] * 3, [0.0] * 3]
+            feats = [feats[0], [0.0] * 4, [0.0] * 4]
         assert ref.index == [0, 0, 1, 1, 1, 1][step]
         recs.append(ref.observe(step, feats, secs, [1.0, 1.0, 1.0]))
     assert [r is not None for r in recs] == [False, True, False, True, False, True]
@@ -162,7 +175,7 @@ def test_refit_windows() -> None:
     assert first["index"] == 1 and first["priced_by"] == [0]
     assert abs(first["coefficients"]["pairs"] - 2e-9) <= 1e-9 * 2e-9
     assert kept["table"] is None and kept["index"] == 1
-    assert kept["degenerate"] == "2 samples for 4 unknowns"
+    assert kept["degenerate"] == "2 samples for 5 unknowns"
     assert third["index"] == 2 and ref.tables[2] == third["table"] and len(ref.fits) == 3
     with pytest.raises(ValueError, match="--balance-fit 0"):
         FIT.Refit(0, given)
@@ -180,22 +193,23 @@ def test_unit_tables_reproduce_the_predictor(tmp_path: Path) -> None:
     cal = d.calibration
     lengths = [1, 17, 300, 1024, 2048]
     for n in lengths:
-        p, r, f = d.features(n)
-        assert p > 0 and r > 0 and f > 0
-        got = cal["pair_s"] * p + cal["row_s"] * r + f / cal["linear_flops"]
+        p, r, f, docs = d.features(n)
+        assert p > 0 and r > 0 and f > 0 and docs == 2.0  # one per layer
+        got = cal["pair_s"] * p + cal["row_s"] * r + f / cal["linear_flops"] + cal["seq_s"] * docs
         assert abs(got - d.seconds(n)) <= 1e-9 * d.seconds(n), (n, got, d.seconds(n))
     # a new table prices from the next call on (the cached seconds dropped)
-    other = {"pair_s": 3e-9, "row_s": 0.0, "seq_s": 0.0, "linear_flops": 2e9}
+    other = {"pair_s": 3e-9, "row_s": 0.0, "seq_s": 1e-3, "linear_flops": 2e9}
     before = d.seconds(1024)
     d.set_calibration(other)
-    p, r, f = d.features(1024)
+    p, r, f, docs = d.features(1024)
     assert d.seconds(1024) != before
-    assert abs(d.seconds(1024) - (3e-9 * p + f / 2e9)) <= 1e-9 * d.seconds(1024)
+    want = 3e-9 * p + f / 2e9 + 1e-3 * docs
+    assert abs(d.seconds(1024) - want) <= 1e-9 * d.seconds(1024)
     rank_of = [0, 1, 1, 0, 1]
     feats = d.rank_features(lengths, rank_of)
     pred = d.predicted(lengths, rank_of)
     for k in range(2):
-        got = 3e-9 * feats[k][0] + feats[k][2] / 2e9
+        got = 3e-9 * feats[k][0] + feats[k][2] / 2e9 + 1e-3 * feats[k][3]
         assert abs(got - pred[k]) <= 1e-9 * pred[k]
     # measured pricing: the pairs follow the row pairs; the features are recomputed
     m = _dealer(tmp_path, "measured")
@@ -204,7 +218,7 @@ def test_unit_tables_reproduce_the_predictor(tmp_path: Path) -> None:
     m.set_row_pairs(np.full((8, 6), 9.0))
     p9 = m.features(1024)[0]
     assert (p5, p9) == (8 * 5 * 1024, 8 * 9 * 1024)
-    _, r, f = m.features(1024)
+    _, r, f, _ = m.features(1024)
     got = cal["pair_s"] * p9 + cal["row_s"] * r + f / cal["linear_flops"]
     assert abs(got - m.seconds(1024)) <= 1e-9 * m.seconds(1024)
 
@@ -222,11 +236,11 @@ def test_fit_in_training(tmp_path: Path) -> None:
     jobs = [
         {"name": "init", "args": [*COST, "--steps", "0", *out("init")]},
         {"name": "cost", "args": [*COST, *out("cost")]},
-        {"name": "fit", "args": [*COST, "--balance-fit", "2", *out("fit")]},
-        {"name": "tuned", "args": [*COST, "--balance-fit", "2", *tune, *out("tuned")]},
+        {"name": "fit", "args": [*COST, "--balance-fit", "3", *out("fit")]},
+        {"name": "tuned", "args": [*COST, "--balance-fit", "3", *tune, *out("tuned")]},
         {
             "name": "cut",
-            "args": [*COST, "--balance-fit", "2", "--resume", str(tmp_path / "c.pt"), *out("c")],
+            "args": [*COST, "--balance-fit", "3", "--resume", str(tmp_path / "c.pt"), *out("c")],
             "cut": True,
         },
     ]
@@ -249,7 +263,7 @@ def test_fit_in_training(tmp_path: Path) -> None:
         assert all(torch.equal(ranks[0][name]["weights"][k], v) for k, v in wr.items()), name
         res = runs[0]
         fit = res["dp"]["fit"]
-        assert fit["every"] == 2 and [f["step"] for f in fit["fits"]] == [2, 4, 6], name
+        assert fit["every"] == 3 and [f["step"] for f in fit["fits"]] == [3, 6], name
         if name == "cut":
             assert ranks[0][name]["calls"] == 6
         if name != "tuned":
@@ -268,13 +282,14 @@ def test_fit_in_training(tmp_path: Path) -> None:
             assert x["fit"]["table"] == index, (name, s["step"])
             t = tables[index]
             for k in range(2):
-                p, r, f = x["fit"]["rank_features"][k]
-                got = t["pair_s"] * p + t["row_s"] * r + f / t["linear_flops"]
+                p, r, f, docs = x["fit"]["rank_features"][k]
+                got = t["pair_s"] * p + t["row_s"] * r + f / t["linear_flops"] + t["seq_s"] * docs
                 assert abs(got - x["predicted_s"][k]) <= 1e-9 * max(x["predicted_s"]), name
             if x["fit"]["refit"] is None:
                 continue
             rec = fit["fits"][x["fit"]["refit"]]
-            assert rec["step"] == s["step"] + 1 and rec["steps"] == [s["step"] - 1, s["step"]]
+            assert rec["step"] == s["step"] + 1
+            assert rec["steps"] == [s["step"] - 2, s["step"] - 1, s["step"]]
             window = [y["dp"] for y in res["steps"] if y["step"] in rec["steps"]]
             feats = [f for w in window for f in w["fit"]["rank_features"]]
             secs = [c for w in window for c in w["compute_s"]]
@@ -296,16 +311,16 @@ def test_fit_in_training(tmp_path: Path) -> None:
         if name != "cut":
             last = res["steps"][-1]["dp"]["fit"]["table"]
             assert res["dp"]["fitted"]["last_table"] == last
-    # tables do get fitted (4 samples a window, 3 unknowns once the rows are dropped; a fit
-    # whose seconds do not grow with the work is degenerate, more often in the cut run, where
-    # every step is its call's first)
+    # tables do get fitted (6 samples a window: the intercept and 4 columns need 5; the rows,
+    # collinear with the FLOPs, are then dropped; a fit whose seconds do not grow with the work
+    # is degenerate, more often in the cut run, where every step is its call's first)
     made = [f for r in ("fit", "tuned") for f in ranks[0][r]["results"]["dp"]["fit"]["fits"]]
-    assert sum(f["table"] is not None for f in made) >= 3, made
+    assert sum(f["table"] is not None for f in made) >= 2, made
     res = ranks[0]["fit"]["results"]
     table = DP.table([("fit", res), ("cost", ref["results"])]).splitlines()
     assert table[0].count("|") == table[2].count("|") == table[3].count("|")
     made_fit = sum(f["table"] is not None for f in res["dp"]["fit"]["fits"])
-    assert f"| {made_fit} of 3, " in table[2] and f"| {made_fit} of 3, " not in table[3], table
+    assert f"| {made_fit} of 2, " in table[2] and f"| {made_fit} of 2, " not in table[3], table
 
 
 def test_refusals(tmp_path: Path) -> None:
@@ -316,6 +331,10 @@ def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--balance-fit fits the cost predictor's table: give "
                        "--balance cost, not tokens"):  # fmt: skip
         open_cp(from_args([*BASE, *STATIC, "--balance", "tokens", "--balance-fit", "3", *out]))
+    with pytest.raises(
+        ValueError, match=r"--balance-fit 4 on 1 rank: a window holds 4 samples .* give K >= 5"
+    ):
+        open_cp(from_args([*COST, "--balance-fit", "4", *out]))
     with pytest.raises(
         ValueError, match="--balance-fit and --balance-tune deal the documents of --mix "
     ):
