@@ -3,7 +3,9 @@ each rank was dealt: its tokens, its documents, and the cost predictor's pairs. 
 reconstructed from the runs' seeds (the same code as the training program; every step's token
 counts are checked against the recorded ones). Prints R^2 and the coefficients of ordinary least
 squares with an intercept, over the counted steps of the off, tokens and cost runs together, for
-the compute (forward + backward) and the attention seconds.
+the compute (forward + backward) and the attention seconds; then the training program's own fit
+(examples/train/fit.py, --balance-fit: non-negative, on the predictor's pairs, rows, FLOPs and
+documents) of the compute seconds, in windows of 10 steps of the off run.
 
   MTRAIN_LIBRARY=build/libmtrain.so PYTHONPATH=python:. \\
     python docs/device-runs/2026-11-27-h100x4-protocol/fit_rank_times.py
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from examples.train import dp as DP
+from examples.train import fit as FIT
 from examples.train.config import RunConfig
 from examples.train.train import long_tail
 
@@ -41,6 +44,7 @@ def rows_of(d: dict, scratch: Path) -> list[tuple[float, ...]]:
         return DP.Dealer(method, 3, bfile, table, g, dims, cfg.sinks, cfg.local_window, "even")
 
     deal, pairs = dealer(dp["balance"], cal), dealer("off", UNIT_PAIRS)
+    units = dealer("off", cal)  # features() prices with the unit tables, whatever the table
     out = []
     for step in d["steps"][3:]:
         lengths = long_tail(cfg).draw(cfg.data_seed, step["step"])
@@ -51,7 +55,8 @@ def rows_of(d: dict, scratch: Path) -> list[tuple[float, ...]]:
         for q in range(3):
             p = sum(pairs.seconds(n) for n in mine[q])
             t = step["dp"]
-            out.append((sum(mine[q]), len(mine[q]), p, t["compute_s"][q], t["attention_s"][q]))
+            f = [sum(units.features(n)[k] for n in mine[q]) for k in range(4)]
+            out.append((sum(mine[q]), len(mine[q]), p, t["compute_s"][q], t["attention_s"][q], *f))
     return out
 
 
@@ -73,12 +78,27 @@ def main() -> None:
             coef = ", ".join(f"{k} {v:.3g}" for k, v in zip(terms, c, strict=True))
             label = " + ".join(names[i].removeprefix("per ") + "s" for i in cols)
             print(f"{name:9s} ~ {label:26s} R^2 {r2:.3f}  ({coef})")
+    print("the program's fit (--balance-fit 10) on the off run:")
+    fitted(data["off"])
     for r in runs:
         b = np.array(data[r])
-        steps = b.reshape(-1, 3, 5)
+        steps = b.reshape(-1, 3, b.shape[1])
         docs = (steps[:, :, 1].max(1) / steps[:, :, 1].mean(1)).mean()
         print(f"{r:6s}: documents max/mean {docs:.3f}, tokens max/mean "
               f"{(steps[:, :, 0].max(1) / steps[:, :, 0].mean(1)).mean():.3f}")  # fmt: skip
+
+
+def fitted(data: list[tuple[float, ...]]) -> None:
+    """The program's fit in windows of 10 steps (30 samples) of one run."""
+    for w in range(0, len(data) // 30 * 30, 30):
+        window = data[w : w + 30]
+        f = FIT.fit([list(x[5:9]) for x in window], [x[3] for x in window])
+        c = dict(zip(FIT.FEATURES, f.coefficients, strict=True))
+        print(
+            f"  steps {w // 3 + 3}-{w // 3 + 12}: R^2 {f.r2:.3f}, intercept {f.intercept:.3g} s, "
+            + ", ".join(f"{k} {v:.3g}" for k, v in c.items())
+            + f", dropped {sorted(f.dropped)}, degenerate {f.degenerate}"
+        )
 
 
 if __name__ == "__main__":
