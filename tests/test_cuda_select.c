@@ -8,7 +8,10 @@
  * budget files (Qwen2.5-3B static and top-p, Llama-3.1-8B static), and a
  * top-p cap beyond the device sort (the backend declines, the host
  * selects). Which path ran is checked through the estimate's timings (the
- * device path copies no scores). Last: both paths timed at 131072 tokens.
+ * device path copies no scores). Packed batches (mtrain_pattern_estimate_batch):
+ * each document's pattern equals its own estimate and the host selection,
+ * timed against one call per document. Last: both paths timed at 131072
+ * tokens.
  * Skipped (exit 77) without a CUDA device. */
 #define _POSIX_C_SOURCE 200809L /* setenv, clock_gettime */
 #include <setjmp.h>
@@ -231,6 +234,115 @@ static void test_cap_beyond_device_sort(void **state) {
   problem_free(&p);
 }
 
+/* A packed batch (mtrain_pattern_estimate_batch): every document's pattern
+ * from the batch's one call equals the estimate of that document alone on
+ * the device and the batch's host selection, bitwise; with a top-p cap
+ * beyond the device sort the whole batch is selected on the host. Then the
+ * batch's time against one estimate per document. */
+static mtrain_pattern_t **estimate_packed(mtrain_context_t *ctx, const problem_t *p,
+                                          const int64_t *offsets, int32_t count, int host_select,
+                                          double *seconds, double *copies) {
+  if (host_select)
+    setenv("MTRAIN_HOST_SELECT", "1", 1);
+  else
+    unsetenv("MTRAIN_HOST_SELECT");
+  const mtrain_tensor_t tq = mtrain_tensor_3d(p->q, p->dtype, p->n, p->hq, p->d);
+  const mtrain_tensor_t tk = mtrain_tensor_3d(p->k, p->dtype, p->n, p->hkv, p->d);
+  const mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
+  const mtrain_seqs_t seqs = {count, offsets};
+  mtrain_pattern_t **out = calloc((size_t)count, sizeof *out);
+  assert_non_null(out);
+  const double t0 = now();
+  CHECK_OK(mtrain_pattern_estimate_batch(ctx, &seqs, &tq, &tk, p->budgets, &opt, out));
+  if (seconds) *seconds = now() - t0;
+  if (copies) *copies = mtrain_estimate_last_times().copies;
+  unsetenv("MTRAIN_HOST_SELECT");
+  return out;
+}
+
+/* One document of p alone: a problem that views rows [a, b) of p's tensors. */
+static problem_t document(const problem_t *p, int64_t a, int64_t b) {
+  problem_t d = *p;
+  const size_t es = mtrain_dtype_size(p->dtype);
+  d.n = b - a;
+  d.q = (char *)p->q + (size_t)a * p->hq * p->d * es;
+  d.k = (char *)p->k + (size_t)a * p->hkv * p->d * es;
+  return d;
+}
+
+static void check_packed(const char *name, const problem_t *p, const int64_t *offsets,
+                         int32_t count, int device_expected) {
+  mtrain_context_t *ctx = cuda_context(p->g);
+  double t_batch, c_batch, c_host;
+  mtrain_pattern_t **dev = estimate_packed(ctx, p, offsets, count, 0, &t_batch, &c_batch);
+  mtrain_pattern_t **host = estimate_packed(ctx, p, offsets, count, 1, NULL, &c_host);
+  double t_each = 0.0;
+  for (int32_t s = 0; s < count; s++) {
+    const problem_t d = document(p, offsets[s], offsets[s + 1]);
+    double t;
+    mtrain_pattern_t *alone = estimate(ctx, &d, 0, &t, NULL);
+    t_each += t;
+    int32_t head = -1;
+    if (!ts_patterns_equal(dev[s], alone, p->hq, &head))
+      fail_msg("%s: document %d (%lld tokens): the batch's pattern differs from the document's "
+               "own estimate at head %d",
+               name, s, (long long)d.n, head);
+    if (!ts_patterns_equal(dev[s], host[s], p->hq, &head))
+      fail_msg("%s: document %d: the batch's device and host selections differ at head %d", name, s,
+               head);
+    mtrain_pattern_destroy(alone);
+    mtrain_pattern_destroy(dev[s]);
+    mtrain_pattern_destroy(host[s]);
+  }
+  print_message("%-40s %2d documents, %6lld tokens: equal (device path %s); batch %.1f ms, one "
+                "call per document %.1f ms\n",
+                name, count, (long long)p->n, c_batch == 0.0 ? "taken" : "not taken", 1e3 * t_batch,
+                1e3 * t_each);
+  assert_true(c_host > 0.0);
+  if (device_expected)
+    assert_true(c_batch == 0.0);
+  else
+    assert_true(c_batch > 0.0);
+  free(dev);
+  free(host);
+  mtrain_context_destroy(ctx);
+}
+
+static void test_packed_batch(void **state) {
+  (void)state;
+  require_gpu();
+  const int64_t lens[] = {1, 100, 128, 129, 4000, 16384, 777, 2, 9001};
+  enum { COUNT = sizeof lens / sizeof lens[0] };
+  int64_t offsets[COUNT + 1] = {0};
+  for (int s = 0; s < COUNT; s++) offsets[s + 1] = offsets[s] + lens[s];
+  const uint64_t seed = 4242;
+  print_message("seed %llu\n", (unsigned long long)seed);
+  problem_t p;
+  problem_init(&p, offsets[COUNT], 16, 2, 128, 128, MTRAIN_BF16, 1, seed);
+  budgets_from_file(&p, "Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json", 3);
+  check_packed("packed, Qwen2.5-3B static layer 3", &p, offsets, COUNT, 1);
+  budgets_from_file(&p, "Qwen2.5_3B_flex_0.90.json", 15);
+  check_packed("packed, Qwen2.5-3B top-p 0.90 layer 15", &p, offsets, COUNT, 1);
+  for (int32_t h = 0; h < p.hq; h++) {
+    p.budgets[h].kind = MTRAIN_BUDGET_TOP_P;
+    p.budgets[h].p_v = p.budgets[h].p_s = 0.95;
+    p.budgets[h].cap_v = 2000, p.budgets[h].cap_s = h == 5 ? 12000 : 2000;
+  }
+  check_packed("packed, top-p cap 12000 (host selects)", &p, offsets, COUNT, 0);
+  problem_free(&p);
+  /* many short documents, the training program's shapes (8:2 heads, d 64) */
+  enum { MANY = 64 };
+  int64_t many[MANY + 1] = {0};
+  for (int s = 0; s < MANY; s++) many[s + 1] = many[s] + 512 + 37 * (s % 29);
+  problem_init(&p, many[MANY], 8, 2, 64, 128, MTRAIN_BF16, 1, seed + 1);
+  for (int32_t h = 0; h < p.hq; h++) {
+    p.budgets[h].kind = MTRAIN_BUDGET_TOP_K;
+    p.budgets[h].v_size = 64 + 16 * h, p.budgets[h].s_size = 256;
+  }
+  check_packed("64 short documents, top-k", &p, many, MANY, 1);
+  problem_free(&p);
+}
+
 static void test_time_at_128k(void **state) {
   (void)state;
   require_gpu();
@@ -265,9 +377,8 @@ static void test_time_at_128k(void **state) {
 int main(void) {
   have_gpu = mtrain_cuda_device_count() > 0;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_random_top_k),
-      cmocka_unit_test(test_real_budgets),
-      cmocka_unit_test(test_cap_beyond_device_sort),
+      cmocka_unit_test(test_random_top_k),           cmocka_unit_test(test_real_budgets),
+      cmocka_unit_test(test_cap_beyond_device_sort), cmocka_unit_test(test_packed_batch),
       cmocka_unit_test(test_time_at_128k),
   };
   const int failed = cmocka_run_group_tests(tests, NULL, NULL);

@@ -119,7 +119,8 @@ static size_t take_peak(mtrain_context_t *ctx) {
 }
 
 /* The main job's sequence on the context's communicator (NULL: one rank):
- * estimate (top-k budgets), plan, forward, backward; the phases' peaks. */
+ * estimate (top-k budgets and one top-p head, whose row statistics make the
+ * estimate's largest memory), plan, forward, backward; the phases' peaks. */
 static void run_sequence(const mem_case_t *c, mtrain_comm_t *comm, uint64_t seed, mem_result_t *r) {
   memset(r, 0, sizeof *r);
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
@@ -152,6 +153,9 @@ static void run_sequence(const mem_case_t *c, mtrain_comm_t *comm, uint64_t seed
     budgets[h].v_size = 32 + 8 * h;
     budgets[h].s_size = 200;
   }
+  budgets[0].kind = MTRAIN_BUDGET_TOP_P;
+  budgets[0].p_v = budgets[0].p_s = 0.9;
+  budgets[0].cap_v = budgets[0].cap_s = 300;
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = LAST_Q;
   mtrain_pattern_t *pattern = NULL;

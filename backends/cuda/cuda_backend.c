@@ -483,6 +483,11 @@ static mtrain_status_t cuda_select_op(void *state, const mtrain_select_args_t *a
   return cuda_pattern_select(state, a);
 }
 
+static mtrain_status_t cuda_select_batch_op(void *state, const mtrain_select_args_t *args,
+                                            int32_t count) {
+  return cuda_pattern_select_batch(state, args, count);
+}
+
 #define CUDA_MAX_TIMERS 4096
 
 static mtrain_status_t cuda_timer_mark(void *state, int index) {
@@ -558,6 +563,7 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .deferred_scan = cuda_deferred_scan_op,
     .deferred_poll = cuda_deferred_poll_op,
     .pattern_select = cuda_select_op,
+    .pattern_select_batch = cuda_select_batch_op,
     .noncausal = 1,
 };
 

@@ -216,8 +216,10 @@ mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const void *dout,
                                mtrain_dtype_t dtype, float *delta, int64_t rows, int32_t heads,
                                int32_t d);
 mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a);
-/* The pattern_select slot (cuda_select.cu). */
+/* The pattern_select and pattern_select_batch slots (cuda_select.cu). */
 mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_select_args_t *a);
+mtrain_status_t cuda_pattern_select_batch(cuda_state_t *s, const mtrain_select_args_t *args,
+                                          int32_t count);
 /* The block scores of SPEC.md section 9 (the block_scores slot; cuda_block_scores.cu). */
 mtrain_status_t cuda_block_scores(void *state, const mtrain_block_scores_args_t *a);
 

@@ -1,8 +1,11 @@
-/* cuda_select.cu: the pattern_select slot of the "cuda" backend: the
- * vertical-slash selection (select_kernels.cuh) on the GPU, so that the
- * estimate's scores (Hq x N x (S + 1) doubles) stay on the device and only
- * the pattern comes back: the heads' counts, then their verticals and block
- * diagonals. Bitwise the host selection's result for the same scores. */
+/* cuda_select.cu: the pattern_select and pattern_select_batch slots of the
+ * "cuda" backend: the vertical-slash selection (select_kernels.cuh) on the
+ * GPU, so that the estimate's scores (Hq x N x (S + 1) doubles) stay on the
+ * device and only the patterns come back. A batch of sequences is selected
+ * with one launch of each kernel per sequence, then one packing kernel puts
+ * every head's kept verticals and block diagonals one after another: the
+ * counts come back, then the packed sets in two copies (two waits for the
+ * whole batch). Bitwise the host selection's result for the same scores. */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,22 +21,22 @@ size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
 
 } // namespace
 
-extern "C" mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_select_args_t *a) {
+/* One sequence's checks and its heads' device budgets; NOT_SUPPORTED for
+ * budgets the device cannot select. *sort_n grows to its largest top-p set. */
+static mtrain_status_t check_sequence(const mtrain_select_args_t *a, int32_t s, sel::Head *heads,
+                                      int64_t *sort_n) {
   const int64_t N = a->seq_len;
   const int32_t Hq = a->num_heads, G = a->granularity;
   if (N < 1 || Hq < 1 || G < 1 || a->slots < 1)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                        "cuda select: seq_len %lld, heads %d, granularity %d, slots %d (each >= 1)",
-                        (long long)N, Hq, G, a->slots);
+                        "cuda select: sequence %d: seq_len %lld, heads %d, granularity %d, slots "
+                        "%d (each >= 1)",
+                        s, (long long)N, Hq, G, a->slots);
   if (N > INT32_MAX)
     return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
                         "cuda select: seq_len %lld beyond the 32-bit counts of the selection",
                         (long long)N);
-  const int64_t nb = (N + G - 1) / G, nv_cand = ((N - 1) / G) * G;
-  /* budgets: the device copy, and the largest top-p set to sort */
-  sel::Head *heads = (sel::Head *)calloc((size_t)Hq, sizeof(sel::Head));
-  if (!heads) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda select: out of host memory");
-  int64_t sort_n = 0;
+  const int64_t nv_cand = ((N - 1) / G) * G;
   for (int32_t h = 0; h < Hq; h++) {
     const mtrain_head_budget_t *b = &a->budgets[h];
     sel::Head *d = &heads[h];
@@ -47,99 +50,211 @@ extern "C" mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_sel
     if (!d->top_p) continue;
     const int64_t mv = b->cap_v < nv_cand ? b->cap_v : nv_cand, ms = b->cap_s < N ? b->cap_s : N;
     const int64_t m = mv > ms ? mv : ms;
-    if (m > sel::kSortMax) {
-      free(heads);
+    if (m > sel::kSortMax)
       return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
                           "cuda select: head %d is top-p with a cap of %lld candidates at N = "
                           "%lld; the device sorts at most %d (the host selects it)",
                           h, (long long)(b->cap_v > b->cap_s ? b->cap_v : b->cap_s), (long long)N,
                           sel::kSortMax);
-    }
-    if (m > sort_n) sort_n = m;
+    if (m > *sort_n) *sort_n = m;
+  }
+  return MTRAIN_SUCCESS;
+}
+
+/* Device scratch of one sequence's selection: slash scores, kept verticals
+ * and tokens, bitmap, block diagonals (byte offsets from its base). */
+struct SeqScratch {
+  size_t sscore, vert, tok, bits, diag, bytes;
+};
+
+static SeqScratch seq_scratch(int64_t N, int32_t Hq, int64_t nb) {
+  const size_t hn = (size_t)Hq * (size_t)N;
+  SeqScratch x;
+  x.sscore = 0;
+  x.vert = x.sscore + align_up(hn * sizeof(double));
+  x.tok = x.vert + align_up(hn * sizeof(int64_t));
+  x.bits = x.tok + align_up(hn * sizeof(int64_t));
+  x.diag = x.bits + align_up((size_t)Hq * (size_t)nb);
+  x.bytes = x.diag + align_up((size_t)Hq * (size_t)(nb + 1) * sizeof(int32_t));
+  return x;
+}
+
+extern "C" mtrain_status_t
+cuda_pattern_select_batch(cuda_state_t *s, const mtrain_select_args_t *args, int32_t count) {
+  if (count < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "cuda select: %d sequences (>= 1)", count);
+  /* every sequence's checks before anything is queued */
+  int64_t entries = 0;
+  for (int32_t q = 0; q < count; q++) entries += args[q].num_heads > 0 ? args[q].num_heads : 0;
+  sel::Head *heads = (sel::Head *)calloc((size_t)(entries > 0 ? entries : 1), sizeof(sel::Head));
+  size_t *base = (size_t *)calloc((size_t)count, sizeof(size_t));
+  if (!heads || !base) {
+    free(heads);
+    free(base);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda select: out of host memory");
+  }
+  mtrain_status_t st = MTRAIN_SUCCESS;
+  int64_t sort_n = 0, e0 = 0, total_v = 0, total_d = 0;
+  size_t bytes = 0;
+  for (int32_t q = 0; q < count && !st; q++) {
+    st = check_sequence(&args[q], q, heads + e0, &sort_n);
+    if (st) break;
+    const int64_t N = args[q].seq_len, nb = (N + args[q].granularity - 1) / args[q].granularity;
+    base[q] = bytes;
+    bytes += seq_scratch(N, args[q].num_heads, nb).bytes;
+    e0 += args[q].num_heads;
+    total_v += (int64_t)args[q].num_heads * N;
+    total_d += (int64_t)args[q].num_heads * (nb + 1);
+  }
+  if (st) {
+    free(heads);
+    free(base);
+    return st;
   }
   int64_t sort_pow2 = 1;
   while (sort_pow2 < sort_n) sort_pow2 <<= 1;
   const size_t smem = sort_n > 0 ? sel::smem_bytes(sort_pow2) : sel::kSmemFixed;
-  /* device scratch: slash scores, kept verticals and tokens, bitmap,
-   * diagonals, counts */
-  const size_t hn = (size_t)Hq * (size_t)N;
-  const size_t o_sscore = 0, o_vert = o_sscore + align_up(hn * sizeof(double)),
-               o_tok = o_vert + align_up(hn * sizeof(int64_t)),
-               o_bits = o_tok + align_up(hn * sizeof(int64_t)),
-               o_diag = o_bits + align_up((size_t)Hq * (size_t)nb),
-               o_count = o_diag + align_up((size_t)Hq * (size_t)(nb + 1) * sizeof(int32_t)),
-               bytes = o_count + align_up((size_t)Hq * 2 * sizeof(int32_t));
+  /* after the sequences: every entry's counts, then the packed sets */
+  const size_t o_count = bytes, o_pv = o_count + align_up((size_t)entries * 2 * sizeof(int32_t)),
+               o_pd = o_pv + align_up((size_t)total_v * sizeof(int64_t)),
+               all = o_pd + align_up((size_t)total_d * sizeof(int32_t));
   void *scr = NULL;
-  mtrain_status_t st = cuda_scratch(s, bytes, &scr);
-  void *dev_heads = NULL;
-  int slot = -1;
-  if (!st) st = cuda_upload_small(s, heads, sizeof(sel::Head) * (size_t)Hq, &dev_heads, &slot);
+  st = cuda_scratch(s, all, &scr);
+  char *dev = (char *)scr;
+  int32_t *counts = (int32_t *)(dev + o_count);
+  int64_t *packed_v = (int64_t *)(dev + o_pv);
+  int32_t *packed_d = (int32_t *)(dev + o_pd);
+  /* the budgets and the packing table travel in one upload */
+  const size_t table_bytes = (size_t)entries * sizeof(sel::PackEntry);
+  const size_t heads_off = align_up(table_bytes),
+               upload = heads_off + (size_t)entries * sizeof(sel::Head);
+  char *staged = st ? NULL : (char *)malloc(upload);
+  if (!st && !staged)
+    st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda select: out of host memory");
+  if (!st) {
+    sel::PackEntry *table = (sel::PackEntry *)staged;
+    int64_t e = 0;
+    for (int32_t q = 0; q < count; q++) {
+      const int64_t N = args[q].seq_len, nb = (N + args[q].granularity - 1) / args[q].granularity;
+      const SeqScratch x = seq_scratch(N, args[q].num_heads, nb);
+      for (int32_t h = 0; h < args[q].num_heads; h++, e++) {
+        table[e].verticals = (const int64_t *)(dev + base[q] + x.vert) + (size_t)h * (size_t)N;
+        table[e].diags = (const int32_t *)(dev + base[q] + x.diag) + (size_t)h * (size_t)(nb + 1);
+      }
+    }
+    memcpy(staged + heads_off, heads, (size_t)entries * sizeof(sel::Head));
+  }
   free(heads);
-  if (st) return st;
-  char *base = (char *)scr;
-  sel::Params p;
-  p.N = N;
-  p.nb = nb;
-  p.nv_cand = nv_cand;
-  p.G = G;
-  p.slots = a->slots;
-  p.Hq = Hq;
-  p.nf_v = a->num_sinks < nv_cand ? a->num_sinks : nv_cand;
-  p.nf_s = a->window < N ? a->window : N;
-  p.col = a->col;
-  p.diag = a->diag;
-  p.sscore = (double *)(base + o_sscore);
-  p.heads = (const sel::Head *)dev_heads;
-  p.verticals = (int64_t *)(base + o_vert);
-  p.tokens = (int64_t *)(base + o_tok);
-  p.bitmap = (uint8_t *)(base + o_bits);
-  p.diags = (int32_t *)(base + o_diag);
-  p.counts = (int32_t *)(base + o_count);
+  void *dev_table = NULL;
+  int slot = -1;
+  if (!st) st = cuda_upload_small(s, staged, upload, &dev_table, &slot);
+  free(staged);
   cudaStream_t str = (cudaStream_t)s->stream;
-  static cuda_smem_attr_t attr;
+  static cuda_smem_attr_t attr, pack_attr;
   char who[96];
   snprintf(who, sizeof who, "select (top-p sorts of %lld)", (long long)sort_pow2);
-  const int64_t sum_blocks = (int64_t)((hn + sel::kThreads - 1) / sel::kThreads);
-  sel::slash_sums_kernel<<<(unsigned)(sum_blocks < 4096 ? sum_blocks : 4096), sel::kThreads, 0,
-                           str>>>(p);
-  st = cuda_check_launch("slash_sums_kernel");
-  if (!st)
-    st = cuda_prepare_launch(s, (const void *)sel::select_kernel, who, "select_kernel", 2 * Hq, 1,
-                             smem, &attr);
-  if (!st) {
-    sel::select_kernel<<<(unsigned)(2 * Hq), sel::kThreads, smem, str>>>(p);
-    st = cuda_check_launch("select_kernel");
+  int64_t e0_dev = 0;
+  for (int32_t q = 0; q < count && !st; q++) {
+    const mtrain_select_args_t *a = &args[q];
+    const int64_t N = a->seq_len, G = a->granularity, nb = (N + G - 1) / G;
+    const SeqScratch x = seq_scratch(N, a->num_heads, nb);
+    char *b = dev + base[q];
+    sel::Params p;
+    p.N = N;
+    p.nb = nb;
+    p.nv_cand = ((N - 1) / G) * G;
+    p.G = (int32_t)G;
+    p.slots = a->slots;
+    p.Hq = a->num_heads;
+    p.nf_v = a->num_sinks < p.nv_cand ? a->num_sinks : p.nv_cand;
+    p.nf_s = a->window < N ? a->window : N;
+    p.col = a->col;
+    p.diag = a->diag;
+    p.sscore = (double *)(b + x.sscore);
+    p.heads = (const sel::Head *)((char *)dev_table + heads_off) + e0_dev;
+    p.verticals = (int64_t *)(b + x.vert);
+    p.tokens = (int64_t *)(b + x.tok);
+    p.bitmap = (uint8_t *)(b + x.bits);
+    p.diags = (int32_t *)(b + x.diag);
+    p.counts = counts + 2 * e0_dev;
+    e0_dev += a->num_heads;
+    const size_t hn = (size_t)a->num_heads * (size_t)N;
+    const int64_t sum_blocks = (int64_t)((hn + sel::kThreads - 1) / sel::kThreads);
+    sel::slash_sums_kernel<<<(unsigned)(sum_blocks < 4096 ? sum_blocks : 4096), sel::kThreads, 0,
+                             str>>>(p);
+    st = cuda_check_launch("slash_sums_kernel");
+    if (!st)
+      st = cuda_prepare_launch(s, (const void *)sel::select_kernel, who, "select_kernel",
+                               2 * (int64_t)a->num_heads, 1, smem, &attr);
+    if (!st) {
+      sel::select_kernel<<<(unsigned)(2 * a->num_heads), sel::kThreads, smem, str>>>(p);
+      st = cuda_check_launch("select_kernel");
+    }
   }
-  /* the counts (pairs: verticals, diagonals), then each head's kept
-   * verticals and block diagonals */
-  int32_t *pairs = NULL;
+  if (!st)
+    st = cuda_prepare_launch(s, (const void *)sel::pack_kernel, "select (pack)", "pack_kernel",
+                             entries, 1, sel::kSmemPack, &pack_attr);
   if (!st) {
-    pairs = (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)Hq);
+    sel::pack_kernel<<<(unsigned)entries, sel::kThreads, sel::kSmemPack, str>>>(
+        (const sel::PackEntry *)dev_table, counts, packed_v, packed_d);
+    st = cuda_check_launch("pack_kernel");
+  }
+  /* the counts, then the packed sets, then each head's share to its place */
+  int32_t *pairs = NULL;
+  int64_t *host_v = NULL;
+  int32_t *host_d = NULL;
+  if (!st) {
+    pairs = (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)entries);
     if (!pairs) st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda select: out of host memory");
   }
   if (!st)
-    st = cuda_check(cudaMemcpyAsync(pairs, p.counts, sizeof(int32_t) * 2 * (size_t)Hq,
+    st = cuda_check(cudaMemcpyAsync(pairs, counts, sizeof(int32_t) * 2 * (size_t)entries,
                                     cudaMemcpyDeviceToHost, str),
                     "select counts to the host");
   if (!st) st = cuda_check(cudaStreamSynchronize(str), "select (wait for the counts)");
-  for (int32_t h = 0; h < Hq && !st; h++) {
-    a->num_verticals[h] = pairs[2 * h];
-    a->num_diagonals[h] = pairs[2 * h + 1];
+  int64_t kept_v = 0, kept_d = 0;
+  for (int64_t e = 0; e < entries && !st; e++) {
+    kept_v += pairs[2 * e];
+    kept_d += pairs[2 * e + 1];
+  }
+  if (!st) {
+    host_v = (int64_t *)malloc(sizeof(int64_t) * (size_t)(kept_v > 0 ? kept_v : 1));
+    host_d = (int32_t *)malloc(sizeof(int32_t) * (size_t)(kept_d > 0 ? kept_d : 1));
+    if (!host_v || !host_d)
+      st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda select: out of host memory");
+  }
+  if (!st && kept_v)
+    st = cuda_check(cudaMemcpyAsync(host_v, packed_v, sizeof(int64_t) * (size_t)kept_v,
+                                    cudaMemcpyDeviceToHost, str),
+                    "selected verticals to the host");
+  if (!st && kept_d)
+    st = cuda_check(cudaMemcpyAsync(host_d, packed_d, sizeof(int32_t) * (size_t)kept_d,
+                                    cudaMemcpyDeviceToHost, str),
+                    "selected diagonals to the host");
+  if (!st) st = cuda_check(cudaStreamSynchronize(str), "select (wait for the patterns)");
+  int64_t e = 0, off_v = 0, off_d = 0;
+  for (int32_t q = 0; q < count && !st; q++) {
+    const mtrain_select_args_t *a = &args[q];
+    const int64_t N = a->seq_len, nb = (N + a->granularity - 1) / a->granularity;
+    for (int32_t h = 0; h < a->num_heads; h++, e++) {
+      const int32_t nv = pairs[2 * e], nd = pairs[2 * e + 1];
+      a->num_verticals[h] = nv;
+      a->num_diagonals[h] = nd;
+      memcpy(a->verticals + (size_t)h * (size_t)N, host_v + off_v, sizeof(int64_t) * (size_t)nv);
+      memcpy(a->diagonals + (size_t)h * (size_t)(nb + 1), host_d + off_d,
+             sizeof(int32_t) * (size_t)nd);
+      off_v += nv;
+      off_d += nd;
+    }
   }
   free(pairs);
-  for (int32_t h = 0; h < Hq && !st; h++) {
-    const size_t nv = (size_t)a->num_verticals[h], nd = (size_t)a->num_diagonals[h];
-    if (nv)
-      st = cuda_check(cudaMemcpyAsync(a->verticals + (size_t)h * N, p.verticals + (size_t)h * N,
-                                      nv * sizeof(int64_t), cudaMemcpyDeviceToHost, str),
-                      "selected verticals to the host");
-    if (!st && nd)
-      st = cuda_check(cudaMemcpyAsync(a->diagonals + (size_t)h * (nb + 1),
-                                      p.diags + (size_t)h * (nb + 1), nd * sizeof(int32_t),
-                                      cudaMemcpyDeviceToHost, str),
-                      "selected diagonals to the host");
-  }
-  if (!st) st = cuda_check(cudaStreamSynchronize(str), "select (wait for the pattern)");
-  mtrain_status_t st2 = cuda_step_release(s, slot);
+  free(host_v);
+  free(host_d);
+  free(base);
+  mtrain_status_t st2 = slot >= 0 ? cuda_step_release(s, slot) : MTRAIN_SUCCESS;
   return st ? st : st2;
+}
+
+extern "C" mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_select_args_t *a) {
+  return cuda_pattern_select_batch(s, a, 1);
 }

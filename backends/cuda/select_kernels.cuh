@@ -336,6 +336,51 @@ __global__ void __launch_bounds__(kThreads) select_kernel(Params p) {
   if (threadIdx.x == 0) p.counts[2 * h + 1] = (int32_t)nd;
 }
 
+/* One (sequence, head) entry of a batched selection, as pack_kernel reads
+ * it: where select_kernel left that head's kept verticals and block
+ * diagonals (Params.verticals + h * N, Params.diags + h * (nb + 1)). */
+struct PackEntry {
+  const int64_t *verticals;
+  const int32_t *diags;
+};
+
+/* Shared memory of pack_kernel: two partial sums per thread. */
+constexpr size_t kSmemPack = 2 * kThreads * sizeof(long long);
+
+/* Packs the kept verticals and block diagonals of `entries` one after
+ * another, entry e after entries 0..e-1, into packed_v and packed_d, so a
+ * batch comes to the host in two copies. counts[2 * e] and [2 * e + 1] are
+ * entry e's counts (select_kernel's). One CTA per entry: it adds the counts
+ * before it (a block reduction) and copies its own. */
+__global__ void __launch_bounds__(kThreads)
+    pack_kernel(const PackEntry *entries, const int32_t *counts, int64_t *packed_v,
+                int32_t *packed_d) {
+  SEL_SMEM(smem);
+  long long *part = (long long *)smem;
+  const int64_t e = blockIdx.x;
+  const int t = (int)threadIdx.x;
+  long long sv = 0, sd = 0;
+  for (int64_t i = t; i < e; i += kThreads) {
+    sv += counts[2 * i];
+    sd += counts[2 * i + 1];
+  }
+  part[t] = sv;
+  part[kThreads + t] = sd;
+  __syncthreads();
+  for (int w = kThreads / 2; w > 0; w >>= 1) {
+    if (t < w) {
+      part[t] += part[t + w];
+      part[kThreads + t] += part[kThreads + t + w];
+    }
+    __syncthreads();
+  }
+  const int64_t off_v = part[0], off_d = part[kThreads];
+  const int32_t nv = counts[2 * e], nd = counts[2 * e + 1];
+  const PackEntry en = entries[e];
+  for (int64_t i = t; i < nv; i += kThreads) packed_v[off_v + i] = en.verticals[i];
+  for (int64_t i = t; i < nd; i += kThreads) packed_d[off_d + i] = en.diags[i];
+}
+
 } /* namespace sel */
 
 #endif /* MTRAIN_CUDA_SELECT_KERNELS_CUH */

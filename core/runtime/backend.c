@@ -64,8 +64,8 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
   REQUIRE_SLOT(kind, ops, attn_bwd_prepare);
   REQUIRE_SLOT(kind, ops, attn_bwd_step);
   REQUIRE_SLOT(kind, ops, synchronize);
-  /* optional: pattern_scores, block_scores, pattern_select, data_stream; the timer slots come as a
-   * pair, the stream-ordered slots as a triple */
+  /* optional: pattern_scores, block_scores, pattern_select (and its batch form), data_stream; the
+   * timer slots come as a pair, the stream-ordered slots as a triple */
   {
     const int n = !!ops->async + !!ops->deferred_scan + !!ops->deferred_poll;
     if (n != 0 && n != 3)
@@ -74,6 +74,11 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
                           "and deferred_poll only %d %s set (all three or none)",
                           ops->name, n, n == 1 ? "is" : "are");
   }
+  if (ops->pattern_select_batch && !ops->pattern_select)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend table '%s': 'pattern_select_batch' is set but 'pattern_select' "
+                        "is NULL (the batch slot needs the single one)",
+                        ops->name);
   if (!ops->timer_mark != !ops->timer_elapsed)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "backend table '%s': '%s' is set but '%s' is NULL (the device timer "
@@ -289,6 +294,18 @@ int mtrain_be_has_block_scores(const mtrain_context_t *ctx) {
 mtrain_status_t mtrain_be_pattern_select(mtrain_context_t *ctx, const mtrain_select_args_t *args) {
   if (!ctx->backend->pattern_select) return not_supported(ctx, "pattern_select");
   return ctx->backend->pattern_select(ctx->backend_state, args);
+}
+
+mtrain_status_t mtrain_be_pattern_select_batch(mtrain_context_t *ctx,
+                                               const mtrain_select_args_t *args, int32_t count) {
+  if (ctx->backend->pattern_select_batch)
+    return ctx->backend->pattern_select_batch(ctx->backend_state, args, count);
+  if (!ctx->backend->pattern_select) return not_supported(ctx, "pattern_select");
+  for (int32_t s = 0; s < count; s++) {
+    mtrain_status_t st = ctx->backend->pattern_select(ctx->backend_state, &args[s]);
+    if (st) return st;
+  }
+  return MTRAIN_SUCCESS;
 }
 
 int mtrain_be_has_pattern_select(const mtrain_context_t *ctx) {

@@ -17,15 +17,16 @@
 /* Bytes of an allocation that attention.c rounds up from 0 to 1. */
 static size_t at_least_1(size_t bytes) { return bytes ? bytes : 1; }
 
-/* estimate.c: the scores' backend buffers of one sequence of N tokens
- * (row, col, diag of estimate_core) plus the gathered last-L queries of the
- * ring form (q_last). */
+/* estimate_core.c: the scores' backend buffers of one sequence of N tokens
+ * with top-p heads (the normalisers' row sums and the row statistics, then
+ * col and diag; top-k alone allocates only col and diag) plus the gathered
+ * last-L queries of the ring form (q_last). */
 static size_t estimate_bytes(int64_t N, int32_t Hq, int32_t d, int32_t G, int32_t last_q,
                              mtrain_dtype_t dtype) {
   const int32_t L = last_q < N ? last_q : (int32_t)N;
   const size_t slots = (size_t)mtrain_scores_slots(L, G), nb = (size_t)((N + G - 1) / G);
   const size_t hl = (size_t)Hq * (size_t)L, n_row_sums = hl * nb;
-  const size_t n_row = n_row_sums > 2 * hl ? n_row_sums : 2 * hl;
+  const size_t n_row = n_row_sums + 2 * hl;
   const size_t n_col = (size_t)Hq * (size_t)N, n_diag = n_col * slots;
   const size_t q_last = hl * (size_t)d * (dtype == MTRAIN_F64 ? 8 : 4);
   return sizeof(double) * (n_row + n_col + n_diag) + q_last;

@@ -441,8 +441,10 @@ MTRAIN_API size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
  *  (docs/MEMORY.md gives the formula). All in bytes, requested sizes as
  *  counted by mtrain_context_memory. */
 typedef struct mtrain_memory_bound {
-  size_t estimate_bytes; /**< one mtrain_pattern_estimate_ring of a sequence of the plan (the
-                              single-rank estimate takes L x Hq x d x 4 less); 0 if last_q 0 */
+  size_t estimate_bytes; /**< one mtrain_pattern_estimate_ring of a sequence of the plan with
+                              top-p heads (the single-rank estimate takes L x Hq x d x 4 less,
+                              top-k budgets alone Hq x L x (ceil(N/G) + 2) x 8 less; a batch
+                              of sequences the sum of theirs); 0 if last_q 0 */
   size_t forward_bytes;  /**< one mtrain_attention_forward */
   size_t backward_bytes; /**< one mtrain_attention_backward */
   size_t backend_bytes;  /**< the largest of the three: the bound on backend_peak_bytes of a
@@ -525,6 +527,23 @@ MTRAIN_API mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const 
                                                    const mtrain_estimate_options_t *options,
                                                    mtrain_pattern_t **out);
 
+/** Estimates the patterns of the packed sequences of a batch on one rank:
+ *  sequence s holds the rows [offsets[s], offsets[s+1]) of q [T, Hq, d] and
+ *  k [T, Hkv, d] (T = offsets[num_seqs]), and out[s] (an array of num_seqs)
+ *  receives its pattern, bitwise the one mtrain_pattern_estimate gives for
+ *  those rows alone. Every stage is queued for all the sequences before the
+ *  backend is waited for, and the backend's selection returns every
+ *  sequence's pattern with one wait, so a batch of many short documents
+ *  costs about one estimate instead of one per document. The caller
+ *  destroys the patterns; on error none is returned (out[] is all NULL).
+ *  Single rank (world 1): on a ring, estimate each sequence with
+ *  mtrain_pattern_estimate_ring. Thread-safety as mtrain_pattern_estimate:
+ *  one call at a time per context. */
+MTRAIN_API mtrain_status_t mtrain_pattern_estimate_batch(
+    mtrain_context_t *ctx, const mtrain_seqs_t *seqs, const mtrain_tensor_t *q,
+    const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
+    const mtrain_estimate_options_t *options, mtrain_pattern_t **out);
+
 /** The distributed estimate (SPEC.md section 2): q and k are this rank's
  *  [local tokens, heads, d] slots of a sequence laid out by `layout` (as the
  *  attention tensors of mtrain_plan_create_ring). The last L queries are
@@ -539,7 +558,8 @@ MTRAIN_API mtrain_status_t mtrain_pattern_estimate_ring(
     const mtrain_estimate_options_t *options, mtrain_pattern_t **out);
 
 /** Wall-clock seconds of the parts of the calling thread's last estimate
- *  (mtrain_pattern_estimate or _ring), for diagnostics and benchmarks:
+ *  (mtrain_pattern_estimate, _batch or _ring; a batch's parts summed over its
+ *  sequences), for diagnostics and benchmarks:
  *  `scores` from the first backend stage to the combined scores (`stages`:
  *  the backend's scoring until the device is done, with top-p its
  *  row-maximum and normaliser passes and their reductions; `reduce`: the

@@ -378,6 +378,14 @@ typedef struct mtrain_backend_ops {
    *  0: a non-causal block selection is refused with MTRAIN_ERR_NOT_SUPPORTED
    *  naming the backend, before any work. */
   int block_scores_noncausal;
+  /** Optional (only with pattern_select): the selection of `count`
+   *  sequences at once, args[s] each as pattern_select takes it, their
+   *  patterns back with one wait for the device; bitwise pattern_select's
+   *  result for each. MTRAIN_ERR_NOT_SUPPORTED, having queued nothing, when
+   *  any sequence's budgets cannot be selected. NULL: the core calls
+   *  pattern_select once per sequence. */
+  mtrain_status_t (*pattern_select_batch)(void *state, const mtrain_select_args_t *args,
+                                          int32_t count);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table

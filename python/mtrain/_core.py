@@ -931,29 +931,37 @@ def _estimate(
     local: list[int],
     layouts: list[Layout] | None,
 ) -> list[Pattern]:
+    """One rank: every packed sequence in one mtrain_pattern_estimate_batch
+    call (one wait per stage for the whole batch); a ring: each sequence with
+    mtrain_pattern_estimate_ring (collective)."""
     num_heads = int(q.shape[1])
     budgets = head_budgets(json.loads(opts.budgets), num_heads)
     eo = L.EstimateOptions(last_q=opts.last_q, num_sinks=opts.num_sinks, window=opts.window)
-    out: list[Pattern] = []
-    row = 0
     ctx.bind_stream()
     with _device_guard(q.device):
+        if layouts is None:
+            qd, kd = descriptor(q), descriptor(k)
+            seqs, _keep = _seqs(local)
+            res = (ctypes.c_void_p * len(local))()
+            st = L.lib().pattern_estimate_batch(
+                ctx.ptr, ctypes.byref(seqs), ctypes.byref(qd), ctypes.byref(kd), budgets,
+                ctypes.byref(eo), res,
+            )  # fmt: skip
+            what = f"{len(local)} sequence{'s' if len(local) > 1 else ''} of {sum(local)} tokens"
+            L.check(st, f"estimating the patterns of {what}")
+            return [Pattern(int(r or 0)) for r in res]
+        out: list[Pattern] = []
+        row = 0
         for s, n in enumerate(local):
             qd = descriptor(q, (row, row + n))
             kd = descriptor(k, (row, row + n))
-            res = ctypes.c_void_p()
-            if layouts is None:
-                st = L.lib().pattern_estimate(
-                    ctx.ptr, ctypes.byref(qd), ctypes.byref(kd), budgets, ctypes.byref(eo),
-                    ctypes.byref(res),
-                )  # fmt: skip
-            else:
-                st = L.lib().pattern_estimate_ring(
-                    ctx.ptr, layouts[s].ptr, ctypes.byref(qd), ctypes.byref(kd), budgets,
-                    ctypes.byref(eo), ctypes.byref(res),
-                )  # fmt: skip
+            r = ctypes.c_void_p()
+            st = L.lib().pattern_estimate_ring(
+                ctx.ptr, layouts[s].ptr, ctypes.byref(qd), ctypes.byref(kd), budgets,
+                ctypes.byref(eo), ctypes.byref(r),
+            )  # fmt: skip
             L.check(st, f"estimating the pattern of sequence {s} ({seq_lens[s]} tokens)")
-            out.append(Pattern(int(res.value or 0)))
+            out.append(Pattern(int(r.value or 0)))
             row += n
     return out
 

@@ -316,6 +316,18 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
         STATUS,
         (P, TP, TP, ctypes.POINTER(HeadBudget), ctypes.POINTER(EstimateOptions), PP),
     ),
+    "mtrain_pattern_estimate_batch": (
+        STATUS,
+        (
+            P,
+            ctypes.POINTER(Seqs),
+            TP,
+            TP,
+            ctypes.POINTER(HeadBudget),
+            ctypes.POINTER(EstimateOptions),
+            PP,
+        ),
+    ),
     "mtrain_pattern_estimate_ring": (
         STATUS,
         (P, P, TP, TP, ctypes.POINTER(HeadBudget), ctypes.POINTER(EstimateOptions), PP),

@@ -3,7 +3,8 @@
 // (core/runtime/select.c, wrapped as estimate.c's select_head wraps it): every head's verticals
 // and block diagonals must be equal, on random scores with ties, NaN, infinities and -0, forced
 // prefixes, top-k budgets of 0, in range and beyond the candidates, top-p budgets with caps below
-// and above the candidates, lengths that are not multiples of the granularity.
+// and above the candidates, lengths that are not multiples of the granularity; and the packing
+// kernel of the batched selection on batches of such selections.
 // Usage: test_select_emu [cases [seed]] (defaults 200 and 11); prints the seed and each case.
 #include "backends/cuda/select_kernels.cuh"
 #include "cuda_emu.h"
@@ -101,10 +102,21 @@ static void host_select(const Case &c, const double *col, const double *diag, in
   diags.resize(nd);
 }
 
-static int run_case(int index, uint64_t seed) {
-  R.seed(seed);
+// One random case and the device selection's outputs (select_kernel's buffers).
+struct Selected {
   Case c;
-  const int big = irand(0, 4) == 0;
+  int style = 0;
+  bool specials = false;
+  vector<double> col, diag;
+  vector<int64_t> verts;
+  vector<int32_t> diags, counts;
+};
+
+static Selected select_case(uint64_t seed, bool allow_big) {
+  R.seed(seed);
+  Selected r;
+  Case &c = r.c;
+  const int big = irand(0, 4) == 0 && allow_big;
   c.N = big ? irand(4000, 12000) : irand(1, 700);
   const int Gs[] = {16, 64, 128};
   c.G = Gs[irand(0, 2)];
@@ -113,17 +125,20 @@ static int run_case(int index, uint64_t seed) {
   c.sinks = irand(0, 40);
   c.window = irand(0, 120);
   for (int h = 0; h < c.Hq; h++) c.budgets.push_back(random_budget(c.N));
-  const int style = irand(0, 4);
-  const bool specials = irand(0, 2) == 0;
+  r.style = irand(0, 4);
+  r.specials = irand(0, 2) == 0;
   const int64_t N = c.N, nb = (N + c.G - 1) / c.G;
-  vector<double> col((size_t)c.Hq * N), diag((size_t)c.Hq * N * c.slots);
-  for (double &x : col) x = score(style, specials);
-  for (double &x : diag) x = score(style, specials);
+  r.col.resize((size_t)c.Hq * N);
+  r.diag.resize((size_t)c.Hq * N * c.slots);
+  for (double &x : r.col) x = score(r.style, r.specials);
+  for (double &x : r.diag) x = score(r.style, r.specials);
   // device buffers (host memory in the emulator)
   vector<double> sscore((size_t)c.Hq * N);
-  vector<int64_t> verts((size_t)c.Hq * N, -1), toks((size_t)c.Hq * N, -1);
+  vector<int64_t> toks((size_t)c.Hq * N, -1);
   vector<uint8_t> bits((size_t)c.Hq * nb, 7);
-  vector<int32_t> diags((size_t)c.Hq * (nb + 1), -1), counts(2 * c.Hq, -1);
+  r.verts.assign((size_t)c.Hq * N, -1);
+  r.diags.assign((size_t)c.Hq * (nb + 1), -1);
+  r.counts.assign(2 * c.Hq, -1);
   vector<sel::Head> heads(c.Hq);
   int64_t sort_n = 0;
   for (int h = 0; h < c.Hq; h++) {
@@ -146,35 +161,42 @@ static int run_case(int index, uint64_t seed) {
   p.Hq = c.Hq;
   p.nf_v = std::min<int64_t>(c.sinks, p.nv_cand);
   p.nf_s = std::min<int64_t>(c.window, N);
-  p.col = col.data();
-  p.diag = diag.data();
+  p.col = r.col.data();
+  p.diag = r.diag.data();
   p.sscore = sscore.data();
   p.heads = heads.data();
-  p.verticals = verts.data();
+  p.verticals = r.verts.data();
   p.tokens = toks.data();
   p.bitmap = bits.data();
-  p.diags = diags.data();
-  p.counts = counts.data();
+  p.diags = r.diags.data();
+  p.counts = r.counts.data();
   const int sum_blocks = (int)std::min<int64_t>(((int64_t)c.Hq * N + 255) / 256, 64);
   emu::launch(
       sum_blocks, 0, [&] { sel::slash_sums_kernel(p); }, true, sel::kThreads);
   const int smem = (int)(sort_n > 0 ? sel::smem_bytes(pow2) : sel::kSmemFixed);
   emu::launch(
       2 * c.Hq, smem, [&] { sel::select_kernel(p); }, true, sel::kThreads);
+  return r;
+}
+
+static int run_case(int index, uint64_t seed) {
+  const Selected r = select_case(seed, true);
+  const Case &c = r.c;
+  const int64_t N = c.N, nb = (N + c.G - 1) / c.G;
   printf("case %d seed %llu: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n", index,
-         (unsigned long long)seed, (long long)N, c.G, c.slots, c.Hq, c.sinks, c.window, style,
-         specials ? " specials" : "");
+         (unsigned long long)seed, (long long)N, c.G, c.slots, c.Hq, c.sinks, c.window, r.style,
+         r.specials ? " specials" : "");
   int bad = 0;
   for (int h = 0; h < c.Hq && !bad; h++) {
     vector<int64_t> hv;
     vector<int32_t> hd;
-    host_select(c, col.data(), diag.data(), h, hv, hd);
+    host_select(c, r.col.data(), r.diag.data(), h, hv, hd);
     const mtrain_head_budget_t &b = c.budgets[h];
-    const int nv = counts[2 * h], nd = counts[2 * h + 1];
+    const int nv = r.counts[2 * h], nd = r.counts[2 * h + 1];
     const bool same_v =
-        nv == (int)hv.size() && std::equal(hv.begin(), hv.end(), verts.begin() + (int64_t)h * N);
+        nv == (int)hv.size() && std::equal(hv.begin(), hv.end(), r.verts.begin() + (int64_t)h * N);
     const bool same_d = nd == (int)hd.size() &&
-                        std::equal(hd.begin(), hd.end(), diags.begin() + (int64_t)h * (nb + 1));
+                        std::equal(hd.begin(), hd.end(), r.diags.begin() + (int64_t)h * (nb + 1));
     if (!same_v || !same_d) {
       printf("  head %d (%s v %lld s %lld p_v %.17g p_s %.17g cap_v %lld cap_s %lld): "
              "verticals %d vs host %zu%s, diagonals %d vs host %zu%s\n",
@@ -187,13 +209,54 @@ static int run_case(int index, uint64_t seed) {
   return bad;
 }
 
+// A batch of 1 to 6 selections packed by pack_kernel (the batched selection's
+// last kernel): every (sequence, head) entry's kept verticals and block
+// diagonals one after another, in entry order, from the counts alone.
+static int run_pack_case(int index, uint64_t seed) {
+  R.seed(seed);
+  const int count = irand(1, 6);
+  vector<Selected> seqs;
+  for (int q = 0; q < count; q++) seqs.push_back(select_case(seed * 31 + (uint64_t)q, false));
+  vector<sel::PackEntry> entries;
+  vector<int32_t> counts;
+  vector<int64_t> want_v;
+  vector<int32_t> want_d;
+  for (const Selected &r : seqs) {
+    const int64_t N = r.c.N, nb = (N + r.c.G - 1) / r.c.G;
+    for (int h = 0; h < r.c.Hq; h++) {
+      const int64_t *v = r.verts.data() + (int64_t)h * N;
+      const int32_t *d = r.diags.data() + (int64_t)h * (nb + 1);
+      entries.push_back(sel::PackEntry{v, d});
+      counts.push_back(r.counts[2 * h]);
+      counts.push_back(r.counts[2 * h + 1]);
+      want_v.insert(want_v.end(), v, v + r.counts[2 * h]);
+      want_d.insert(want_d.end(), d, d + r.counts[2 * h + 1]);
+    }
+  }
+  vector<int64_t> packed_v(want_v.size() + 8, -7);
+  vector<int32_t> packed_d(want_d.size() + 8, -7);
+  emu::launch(
+      (int)entries.size(), (int)sel::kSmemPack,
+      [&] { sel::pack_kernel(entries.data(), counts.data(), packed_v.data(), packed_d.data()); },
+      true, sel::kThreads);
+  const bool same = std::equal(want_v.begin(), want_v.end(), packed_v.begin()) &&
+                    std::equal(want_d.begin(), want_d.end(), packed_d.begin()) &&
+                    packed_v[want_v.size()] == -7 && packed_d[want_d.size()] == -7;
+  printf("pack case %d seed %llu: %d sequences, %zu entries, %zu verticals, %zu diagonals%s\n",
+         index, (unsigned long long)seed, count, entries.size(), want_v.size(), want_d.size(),
+         same ? "" : " DIFFER");
+  return same ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
   const int cases = argc > 1 ? atoi(argv[1]) : 200;
   const uint64_t seed = argc > 2 ? strtoull(argv[2], nullptr, 10) : 11;
   printf("test_select_emu: %d cases, seed %llu\n", cases, (unsigned long long)seed);
   int failed = 0;
   for (int i = 0; i < cases; i++) failed += run_case(i, seed * 1000003ULL + (uint64_t)i);
-  printf("%s: %d of %d cases differ from the host selection\n", failed ? "FAILED" : "passed",
-         failed, cases);
+  const int pack_cases = cases / 4 > 4 ? cases / 4 : 4;
+  for (int i = 0; i < pack_cases; i++) failed += run_pack_case(i, seed * 7919ULL + (uint64_t)i);
+  printf("%s: %d of %d cases differ from the host selection or its packing\n",
+         failed ? "FAILED" : "passed", failed, cases + pack_cases);
   return failed ? 1 : 0;
 }

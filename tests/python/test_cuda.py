@@ -83,6 +83,22 @@ def test_varlen_on_device(gen: torch.Generator) -> None:
     assert_close_spec({key: t.cpu() for key, t in got.items()}, ref, naive)
 
 
+def test_packed_estimate_on_device(gen: torch.Generator) -> None:
+    """The packed batch's estimate on the device (one call for the batch): each
+    document's pattern is the one its own estimate gives, top-k and top-p."""
+    lens = [1, 300, 128, 517, 129, 2000]
+    hq, hkv, d, g = 8, 2, 64, 128
+    n = sum(lens)
+    q, k = (randn(gen, n, h, d, dtype=torch.bfloat16).to(DEV) for h in (hq, hkv))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    for budgets in (mtrain.TopK(40, 90), mtrain.TopP(0.8, 0.9, 500, 1500)):
+        plan = mtrain.estimate_pattern(q, k, budgets, cu_seqlens=cu, granularity=g)
+        for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+            alone = mtrain.estimate_pattern(q[a:b], k[a:b], budgets, granularity=g).patterns[0]
+            for h in range(hq):
+                assert plan.patterns[s].head(h) == alone.head(h), (budgets, s, h)
+
+
 def test_opcheck_cuda(gen: torch.Generator) -> None:
     from mtrain import _core
 

@@ -99,6 +99,29 @@ def test_top_p(gen: torch.Generator) -> None:
         assert 0 < len(got[1]) < n  # top-p kept some verticals, not all
 
 
+def test_packed_sequences(gen: torch.Generator) -> None:
+    """cu_seqlens: every packed sequence's pattern (estimated in one call for the
+    batch) is the brute force's of that sequence alone, and the pattern the
+    sequence gets when estimated by itself; lengths below and between blocks."""
+    hq, hkv, d, g, last_q = 4, 2, 16, 32, 24
+    lens = [5, 70, 32, 129, 1]
+    n = sum(lens)
+    q, k = randn(gen, n, hq, d), randn(gen, n, hkv, d)
+    budgets = [mtrain.TopK(6, 20), mtrain.TopP(0.6, 0.9, 40, 300)] * 2
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"granularity": g, "last_q": last_q, "num_sinks": 3, "window": 5, "backend": "cpu-ref"}
+    plan = mtrain.estimate_pattern(q, k, budgets, cu_seqlens=cu, **kw)
+    assert len(plan.patterns) == len(lens)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        got = plan.patterns[s]
+        assert got.seq_len == b - a
+        alone = mtrain.estimate_pattern(q[a:b], k[a:b], budgets, **kw).patterns[0]
+        for h in range(hq):
+            assert got.head(h) == alone.head(h), (s, h)
+            want = brute_force(q[a:b], k[a:b], budgets[h], h, g, last_q, 3, 5)
+            assert (list(got.head(h)[0]), list(got.head(h)[1])) == want, (s, h)
+
+
 def test_estimate_feeds_forward_and_backward(gen: torch.Generator) -> None:
     """One step: the estimate's plan serves the forward and the backward; the
     gradients are those of the estimated pattern's masked attention."""

@@ -1,0 +1,36 @@
+/* estimate_core.h (private): the scoring and selection of the vertical-slash
+ * estimate (SPEC.md section 2) for one or several sequences at once. The
+ * public entry points (estimate.c) check their inputs and describe each
+ * sequence as an estimate_input_t; the core runs every stage for all the
+ * sequences before the next stage, so a packed batch waits for the backend
+ * once per stage, not once per sequence. */
+#ifndef MTRAIN_CORE_ESTIMATE_CORE_H
+#define MTRAIN_CORE_ESTIMATE_CORE_H
+
+#include "mtrain/mtrain.h"
+
+/* What one sequence's scores are computed from: the last L queries
+ * (gathered) and the keys this rank holds, with their global blocks. */
+typedef struct estimate_input {
+  int64_t N;
+  int32_t Hq, Hkv, d, L;
+  mtrain_dtype_t q_dtype, k_dtype;
+  const void *q_last; /* backend memory [L, Hq, d] */
+  const void *k;      /* backend memory [k_tokens, Hkv, d] */
+  int64_t k_tokens;
+  int32_t num_k_blocks;
+  const int64_t *k_block_global;
+} estimate_input_t;
+
+/* Estimates the patterns of `count` sequences (in[s] each; the same heads,
+ * head_dim and dtypes) with the same budgets: out[s] gets sequence s's
+ * pattern, bitwise what a call for that sequence alone gives. On error no
+ * pattern is returned (out[] is left NULL). Collective over the context's
+ * communicator when its world is above 1 (every rank passes the same count
+ * and lengths). Records mtrain_estimate_last_times for the whole call. */
+mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input_t *in,
+                                     int32_t count, const mtrain_head_budget_t *budgets,
+                                     const mtrain_estimate_options_t *options,
+                                     mtrain_pattern_t **out);
+
+#endif /* MTRAIN_CORE_ESTIMATE_CORE_H */
