@@ -8,12 +8,15 @@ the compute (forward + backward) and the attention seconds; then the training pr
 documents) of the compute seconds, in windows of 10 steps of the off run.
 
   MTRAIN_LIBRARY=build/libmtrain.so PYTHONPATH=python:. \\
-    python docs/device-runs/2026-11-27-h100x4-protocol/fit_rank_times.py
+    python docs/device-runs/2026-11-27-h100x4-protocol/fit_rank_times.py [RUNS_DIR]
+
+RUNS_DIR: the folder of the dp3-*.json files (default: train-balance/ beside this file).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -62,8 +65,9 @@ def rows_of(d: dict, scratch: Path) -> list[tuple[float, ...]]:
 
 def main() -> None:
     runs = ("off", "tokens", "cost")
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "train-balance"
     with tempfile.TemporaryDirectory() as tmp:
-        data = {r: rows_of(json.loads((HERE / "train-balance" / f"dp3-mtrain-static-{r}.json")
+        data = {r: rows_of(json.loads((where / f"dp3-mtrain-static-{r}.json")
                                       .read_text()), Path(tmp)) for r in runs}  # fmt: skip
     a = np.array([x for r in runs for x in data[r]])
     print(f"{len(a)} rank-steps ({', '.join(runs)}); documents per rank-step {a[:, 1].mean():.1f}")
