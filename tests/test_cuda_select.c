@@ -343,6 +343,64 @@ static void test_packed_batch(void **state) {
   problem_free(&p);
 }
 
+/* The device's scores against the host's: top-k budgets rank the raw
+ * logits, which the cuda scores compute in fp64 in the spec's order (no
+ * fused multiply-add), so a packed batch's patterns on the device equal
+ * cpu-ref's on the same values (bf16 inputs widened to fp32 exactly). */
+static void test_scores_against_cpu_ref(void **state) {
+  (void)state;
+  require_gpu();
+  const int64_t lens[] = {700, 1, 4096, 129, 2500};
+  enum { COUNT = sizeof lens / sizeof lens[0] };
+  int64_t offsets[COUNT + 1] = {0};
+  for (int s = 0; s < COUNT; s++) offsets[s + 1] = offsets[s] + lens[s];
+  const uint64_t seed = 777;
+  print_message("seed %llu\n", (unsigned long long)seed);
+  problem_t p;
+  problem_init(&p, offsets[COUNT], 8, 2, 64, 64, MTRAIN_BF16, 1, seed);
+  for (int32_t h = 0; h < p.hq; h++) {
+    p.budgets[h].kind = MTRAIN_BUDGET_TOP_K;
+    p.budgets[h].v_size = 20 + 40 * h, p.budgets[h].s_size = 60 + 25 * h;
+  }
+  mtrain_context_t *dev_ctx = cuda_context(p.g);
+  mtrain_pattern_t **dev = estimate_packed(dev_ctx, &p, offsets, COUNT, 0, NULL, NULL);
+  /* the same values on the host, fp32 */
+  const size_t nq = (size_t)p.n * p.hq * p.d, nk = (size_t)p.n * p.hkv * p.d;
+  uint16_t *qb = malloc(2 * nq), *kb = malloc(2 * nk);
+  float *qf = malloc(4 * nq), *kf = malloc(4 * nk);
+  assert_true(qb && kb && qf && kf);
+  CHECK_OK(mtrain_cuda_memcpy_to_host(qb, p.q, 2 * nq));
+  CHECK_OK(mtrain_cuda_memcpy_to_host(kb, p.k, 2 * nk));
+  CHECK_OK(mtrain_convert(qb, MTRAIN_BF16, qf, MTRAIN_F32, (int64_t)nq));
+  CHECK_OK(mtrain_convert(kb, MTRAIN_BF16, kf, MTRAIN_F32, (int64_t)nk));
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = "cpu-ref";
+  cfg.granularity = p.g;
+  mtrain_context_t *host_ctx = NULL;
+  CHECK_OK(mtrain_context_create(&cfg, NULL, &host_ctx));
+  const mtrain_tensor_t tq = mtrain_tensor_3d(qf, MTRAIN_F32, p.n, p.hq, p.d);
+  const mtrain_tensor_t tk = mtrain_tensor_3d(kf, MTRAIN_F32, p.n, p.hkv, p.d);
+  const mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
+  const mtrain_seqs_t seqs = {COUNT, offsets};
+  mtrain_pattern_t *host[COUNT] = {0};
+  CHECK_OK(mtrain_pattern_estimate_batch(host_ctx, &seqs, &tq, &tk, p.budgets, &opt, host));
+  for (int s = 0; s < COUNT; s++) {
+    int32_t head = -1;
+    if (!ts_patterns_equal(dev[s], host[s], p.hq, &head))
+      fail_msg("document %d (%lld tokens): the cuda estimate differs from cpu-ref's at head %d", s,
+               (long long)lens[s], head);
+    mtrain_pattern_destroy(dev[s]);
+    mtrain_pattern_destroy(host[s]);
+  }
+  print_message("packed top-k estimate, %d documents, %lld tokens: cuda equals cpu-ref\n", COUNT,
+                (long long)p.n);
+  free(dev);
+  free(qb), free(kb), free(qf), free(kf);
+  mtrain_context_destroy(host_ctx);
+  mtrain_context_destroy(dev_ctx);
+  problem_free(&p);
+}
+
 static void test_time_at_128k(void **state) {
   (void)state;
   require_gpu();
@@ -379,7 +437,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_random_top_k),           cmocka_unit_test(test_real_budgets),
       cmocka_unit_test(test_cap_beyond_device_sort), cmocka_unit_test(test_packed_batch),
-      cmocka_unit_test(test_time_at_128k),
+      cmocka_unit_test(test_scores_against_cpu_ref), cmocka_unit_test(test_time_at_128k),
   };
   const int failed = cmocka_run_group_tests(tests, NULL, NULL);
   if (failed) return 1;

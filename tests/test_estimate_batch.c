@@ -5,8 +5,9 @@
  * lengths that are not multiples of G, sequences shorter than G and than L,
  * GQA, several head dims, top-k, top-p and mixed budgets. The selection on a
  * backend (the path the cuda backend takes) is checked with a table that
- * selects on the host through the pattern_select slot, with and without a
- * pattern_select_batch slot. Bad inputs give clear errors and no pattern. */
+ * selects on the host through the pattern_select slot, with and without the
+ * pattern_select_batch and pattern_scores_batch slots (one call per stage
+ * for the whole batch). Bad inputs give clear errors and no pattern. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -191,6 +192,20 @@ static mtrain_status_t host_pattern_select(void *state, const mtrain_select_args
   return MTRAIN_SUCCESS;
 }
 
+static int scores_batch_calls;
+static mtrain_status_t (*real_scores)(void *state, const mtrain_scores_args_t *args);
+
+/* A pattern_scores_batch slot over the backend's own pattern_scores. */
+static mtrain_status_t counting_scores_batch(void *state, const mtrain_scores_args_t *args,
+                                             int32_t count) {
+  scores_batch_calls++;
+  for (int32_t s = 0; s < count; s++) {
+    mtrain_status_t st = real_scores(state, &args[s]);
+    if (st) return st;
+  }
+  return MTRAIN_SUCCESS;
+}
+
 static mtrain_status_t host_pattern_select_batch(void *state, const mtrain_select_args_t *args,
                                                  int32_t count) {
   select_batch_calls++;
@@ -217,13 +232,15 @@ static void test_batch_through_backend_selection(void **state) {
       mtrain_backend_ops_t ops = *ctx->backend;
       ops.pattern_select = host_pattern_select;
       ops.pattern_select_batch = with_batch_slot ? host_pattern_select_batch : NULL;
+      real_scores = ops.pattern_scores;
+      ops.pattern_scores_batch = with_batch_slot ? counting_scores_batch : NULL;
       assert_int_equal(mtrain_backend_table_check(&ops), MTRAIN_SUCCESS);
       /* the reference: the core's own host selection */
       mtrain_pattern_t *host[8] = {0}, *backend[8] = {0};
       check_batch(ctx, &c, "host selection", seed, host);
       const mtrain_backend_ops_t *real = ctx->backend;
       ctx->backend = &ops;
-      select_calls = select_batch_calls = 0;
+      select_calls = select_batch_calls = scores_batch_calls = 0;
       check_batch(ctx, &c, "backend selection", seed, backend);
       for (int32_t s = 0; s < c.count; s++) {
         int32_t head = -1;
@@ -237,6 +254,9 @@ static void test_batch_through_backend_selection(void **state) {
       /* one batch call for the batch, then one per sequence alone */
       assert_int_equal(select_batch_calls, with_batch_slot ? 1 + c.count : 0);
       assert_int_equal(select_calls, 2 * c.count);
+      /* one scores call per stage for the batch (three stages with top-p heads) */
+      const int stages = c.budget_style == 0 ? 1 : 3;
+      assert_int_equal(scores_batch_calls, with_batch_slot ? stages * (1 + c.count) : 0);
       ctx->backend = real;
       mtrain_context_destroy(ctx);
     }
@@ -298,6 +318,11 @@ static void test_batch_bad_inputs(void **state) {
   ops.pattern_select_batch = host_pattern_select_batch;
   TS_ASSERT_STATUS(mtrain_backend_table_check(&ops), MTRAIN_ERR_INVALID_CONFIG,
                    "'pattern_select_batch' is set but 'pattern_select' is NULL");
+  ops = *ctx->backend;
+  ops.pattern_scores = NULL;
+  ops.pattern_scores_batch = counting_scores_batch;
+  TS_ASSERT_STATUS(mtrain_backend_table_check(&ops), MTRAIN_ERR_INVALID_CONFIG,
+                   "'pattern_scores_batch' is set but 'pattern_scores' is NULL");
   mtrain_context_destroy(ctx);
 }
 

@@ -479,6 +479,11 @@ static mtrain_status_t cuda_scores_op(void *state, const mtrain_scores_args_t *a
   return cuda_pattern_scores(state, a);
 }
 
+static mtrain_status_t cuda_scores_batch_op(void *state, const mtrain_scores_args_t *args,
+                                            int32_t count) {
+  return cuda_pattern_scores_batch(state, args, count);
+}
+
 static mtrain_status_t cuda_select_op(void *state, const mtrain_select_args_t *a) {
   return cuda_pattern_select(state, a);
 }
@@ -564,6 +569,7 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .deferred_poll = cuda_deferred_poll_op,
     .pattern_select = cuda_select_op,
     .pattern_select_batch = cuda_select_batch_op,
+    .pattern_scores_batch = cuda_scores_batch_op,
     .noncausal = 1,
 };
 

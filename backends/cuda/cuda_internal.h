@@ -216,6 +216,10 @@ mtrain_status_t cuda_bwd_delta(cuda_state_t *s, const void *o, const void *dout,
                                mtrain_dtype_t dtype, float *delta, int64_t rows, int32_t heads,
                                int32_t d);
 mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a);
+/* The pattern_scores_batch slot (cuda_scores.cu; pattern_scores is
+ * cuda_pattern_scores above). */
+mtrain_status_t cuda_pattern_scores_batch(cuda_state_t *s, const mtrain_scores_args_t *args,
+                                          int32_t count);
 /* The pattern_select and pattern_select_batch slots (cuda_select.cu). */
 mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_select_args_t *a);
 mtrain_status_t cuda_pattern_select_batch(cuda_state_t *s, const mtrain_select_args_t *args,
@@ -228,6 +232,12 @@ mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out);
 /* Staging of small host arrays to device (uses a stage slot). */
 mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t bytes, void **dev,
                                   int *slot);
+/* The same in two parts, for tables that hold their own device address:
+ * reserve gives the slot and its device memory (at least `bytes`), commit
+ * copies `host` into it and queues the upload. The caller releases the slot
+ * (cuda_step_release) after the work that reads it, or on error. */
+mtrain_status_t cuda_upload_reserve(cuda_state_t *s, size_t bytes, void **dev, int *slot);
+mtrain_status_t cuda_upload_commit(cuda_state_t *s, int slot, const void *host, size_t bytes);
 
 #ifdef __cplusplus
 }

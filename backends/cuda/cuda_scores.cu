@@ -1,5 +1,6 @@
 /* cuda_scores.cu: the pattern scores of SPEC.md section 2 on the GPU (the
- * pattern_scores slot). One CTA per (query head, local key block): it
+ * pattern_scores slot, and pattern_scores_batch: the sequences of a batch in
+ * one launch). One CTA per (query head, local key block): it
  * computes the logits of the last L queries against the block's keys in
  * fp64 (no fused multiply-add, the reference's dot-product order), a chunk
  * of rows at a time, and applies the stage. Every output entry of a stage
@@ -55,9 +56,10 @@ struct scores_params {
   double *row_out, *col_out, *diag_out;
 };
 
-__global__ void __launch_bounds__(kThreads) scores_kernel(scores_params p) {
+/* The stage for query head h and local key block lb, by one CTA. */
+__device__ void scores_block(const scores_params &p, int lb, int h) {
   extern __shared__ double smem[];
-  const int lb = blockIdx.x, h = blockIdx.y, hk = h / (p.Hq / p.Hkv), tid = threadIdx.x;
+  const int hk = h / (p.Hq / p.Hkv), tid = threadIdx.x;
   const int R = p.rows_per_chunk, G = p.G, d = p.d, L = p.L;
   double *logit = smem;                        /* [R][G] */
   float *qs = (float *)(smem + (size_t)R * G); /* [R][d] */
@@ -150,15 +152,31 @@ __global__ void __launch_bounds__(kThreads) scores_kernel(scores_params p) {
   }
 }
 
+/* The sequences of a batch in one launch (the same stage, heads, head_dim
+ * and granularity; one sequence is a batch of one): x-block x of first[count] = the sequences' key
+ * blocks in turn is local key block x - first[s] of sequence s (params[s]). */
+__global__ void __launch_bounds__(kThreads)
+    scores_batch_kernel(const scores_params *params, const int64_t *first, int count) {
+  const int64_t x = blockIdx.x;
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] <= x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const scores_params p = params[lo];
+  scores_block(p, (int)(x - first[lo]), (int)blockIdx.y);
+}
+
 } // namespace
 
-extern "C" mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a) {
-  if (a->stage != MTRAIN_SCORES_ROW_MAX && a->stage != MTRAIN_SCORES_ROW_BLOCK_SUMS &&
-      a->stage != MTRAIN_SCORES_SUMS)
-    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "pattern scores: unknown stage %d",
-                        (int)a->stage);
-  if (a->num_k_blocks == 0 || a->num_heads == 0 || a->last_q == 0) return MTRAIN_SUCCESS;
+/* The kernel's parameters of one sequence's stage (k_block_global and
+ * probs are set by the caller to device copies). */
+static scores_params params_of(const mtrain_scores_args_t *a) {
   scores_params p;
+  memset(&p, 0, sizeof p);
   p.stage = a->stage;
   p.N = a->seq_len;
   p.k_tokens = a->k_tokens;
@@ -182,31 +200,87 @@ extern "C" mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_sco
   p.row_out = a->row_out;
   p.col_out = a->col_out;
   p.diag_out = a->diag_out;
-  /* host arrays: block globals and the per-head probs flags, one upload */
-  const size_t nkb = (size_t)a->num_k_blocks, nh = (size_t)a->num_heads;
-  const size_t bytes = nkb * sizeof(int64_t) + nh;
+  return p;
+}
+
+extern "C" mtrain_status_t
+cuda_pattern_scores_batch(cuda_state_t *s, const mtrain_scores_args_t *args, int32_t count) {
+  if (count < 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "pattern scores: %d sequences (>= 1)", count);
+  const mtrain_scores_args_t *a0 = &args[0];
+  if (a0->stage != MTRAIN_SCORES_ROW_MAX && a0->stage != MTRAIN_SCORES_ROW_BLOCK_SUMS &&
+      a0->stage != MTRAIN_SCORES_SUMS)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "pattern scores: unknown stage %d",
+                        (int)a0->stage);
+  if (a0->num_heads == 0) return MTRAIN_SUCCESS;
+  for (int32_t q = 1; q < count; q++)
+    if (args[q].stage != a0->stage || args[q].num_heads != a0->num_heads ||
+        args[q].num_kv_heads != a0->num_kv_heads || args[q].head_dim != a0->head_dim ||
+        args[q].granularity != a0->granularity || args[q].dtype != a0->dtype ||
+        args[q].q_dtype != a0->q_dtype || args[q].probs != a0->probs)
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "pattern scores: sequence %d of a batch differs from sequence 0 in its "
+                          "stage, heads, head_dim, granularity, dtypes or top-p flags",
+                          q);
+  /* one upload: the parameters, the prefix of key blocks, every sequence's
+   * block globals, the per-head probs flags */
+  const size_t nh = (size_t)a0->num_heads;
+  size_t blocks = 0;
+  for (int32_t q = 0; q < count; q++) blocks += (size_t)args[q].num_k_blocks;
+  if (blocks == 0) return MTRAIN_SUCCESS;
+  const size_t o_first = (size_t)count * sizeof(scores_params),
+               o_globals = o_first + (size_t)(count + 1) * sizeof(int64_t),
+               o_probs = o_globals + blocks * sizeof(int64_t), bytes = o_probs + nh;
   unsigned char *host = (unsigned char *)malloc(bytes);
   if (!host) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda scores: out of host memory");
-  memcpy(host, a->k_block_global, nkb * sizeof(int64_t));
-  for (size_t h = 0; h < nh; h++) host[nkb * sizeof(int64_t) + h] = a->probs ? a->probs[h] : 0;
+  int64_t *first = (int64_t *)(host + o_first), *globals = (int64_t *)(host + o_globals);
+  for (size_t h = 0; h < nh; h++) host[o_probs + h] = a0->probs ? a0->probs[h] : 0;
+  first[0] = 0;
+  for (int32_t q = 0; q < count; q++) {
+    const size_t nkb = (size_t)args[q].num_k_blocks;
+    memcpy(globals + first[q], args[q].k_block_global, nkb * sizeof(int64_t));
+    first[q + 1] = first[q] + (int64_t)nkb;
+  }
+  /* the parameters point into the upload: its device address comes first */
   void *dev = NULL;
   int slot = -1;
-  mtrain_status_t st = cuda_upload_small(s, host, bytes, &dev, &slot);
+  mtrain_status_t st = cuda_upload_reserve(s, bytes, &dev, &slot);
+  if (!st) {
+    for (int32_t q = 0; q < count; q++) {
+      scores_params p = params_of(&args[q]);
+      p.k_block_global = (const int64_t *)((unsigned char *)dev + o_globals) + first[q];
+      p.probs = (const uint8_t *)dev + o_probs;
+      memcpy(host + (size_t)q * sizeof(scores_params), &p, sizeof p);
+    }
+    st = cuda_upload_commit(s, slot, host, bytes);
+  }
   free(host);
-  if (st) return st;
-  p.k_block_global = (const int64_t *)dev;
-  p.probs = (const uint8_t *)dev + nkb * sizeof(int64_t);
-  const size_t smem = (size_t)R * p.G * sizeof(double) + (size_t)R * p.d * sizeof(float);
+  if (st) {
+    if (slot >= 0) cuda_step_release(s, slot);
+    return st;
+  }
+  const int R = params_of(a0).rows_per_chunk, G = a0->granularity, d = a0->head_dim;
+  const size_t smem = (size_t)R * G * sizeof(double) + (size_t)R * d * sizeof(float);
   static cuda_smem_attr_t attr;
   char who[64];
-  snprintf(who, sizeof who, "scores (granularity %d, head_dim %d)", p.G, p.d);
-  st = cuda_prepare_launch(s, (const void *)scores_kernel, who, "scores_kernel", a->num_k_blocks,
-                           a->num_heads, smem, &attr);
+  snprintf(who, sizeof who, "scores (granularity %d, head_dim %d)", G, d);
+  st = cuda_prepare_launch(s, (const void *)scores_batch_kernel, who, "scores_batch_kernel",
+                           (int64_t)blocks, a0->num_heads, smem, &attr);
   if (!st) {
-    dim3 grid((unsigned)a->num_k_blocks, (unsigned)a->num_heads);
-    scores_kernel<<<grid, kThreads, smem, (cudaStream_t)s->stream>>>(p);
-    st = cuda_check_launch("scores_kernel");
+    dim3 grid((unsigned)blocks, (unsigned)a0->num_heads);
+    scores_batch_kernel<<<grid, kThreads, smem, (cudaStream_t)s->stream>>>(
+        (const scores_params *)dev, (const int64_t *)((unsigned char *)dev + o_first), count);
+    st = cuda_check_launch("scores_batch_kernel");
   }
   mtrain_status_t st2 = cuda_step_release(s, slot);
   return st ? st : st2;
+}
+
+extern "C" mtrain_status_t cuda_pattern_scores(cuda_state_t *s, const mtrain_scores_args_t *a) {
+  if (a->stage != MTRAIN_SCORES_ROW_MAX && a->stage != MTRAIN_SCORES_ROW_BLOCK_SUMS &&
+      a->stage != MTRAIN_SCORES_SUMS)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "pattern scores: unknown stage %d",
+                        (int)a->stage);
+  if (a->num_k_blocks == 0 || a->num_heads == 0 || a->last_q == 0) return MTRAIN_SUCCESS;
+  return cuda_pattern_scores_batch(s, a, 1);
 }

@@ -2,10 +2,11 @@
  * "cuda" backend: the vertical-slash selection (select_kernels.cuh) on the
  * GPU, so that the estimate's scores (Hq x N x (S + 1) doubles) stay on the
  * device and only the patterns come back. A batch of sequences is selected
- * with one launch of each kernel per sequence, then one packing kernel puts
- * every head's kept verticals and block diagonals one after another: the
- * counts come back, then the packed sets in two copies (two waits for the
- * whole batch). Bitwise the host selection's result for the same scores. */
+ * with one launch of each kernel for all of them (the sequences' parameters
+ * in a device table, each CTA finding its sequence), then one packing kernel
+ * puts every head's kept verticals and block diagonals one after another:
+ * the counts come back, then the packed sets in two copies (two waits for
+ * the whole batch). Bitwise the host selection's result for the same scores. */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,71 +125,83 @@ cuda_pattern_select_batch(cuda_state_t *s, const mtrain_select_args_t *args, int
   int32_t *counts = (int32_t *)(dev + o_count);
   int64_t *packed_v = (int64_t *)(dev + o_pv);
   int32_t *packed_d = (int32_t *)(dev + o_pd);
-  /* the budgets and the packing table travel in one upload */
-  const size_t table_bytes = (size_t)entries * sizeof(sel::PackEntry);
-  const size_t heads_off = align_up(table_bytes),
-               upload = heads_off + (size_t)entries * sizeof(sel::Head);
+  /* the budgets first (the sequences' parameters point at them), then the
+   * packing table, the parameters and the two prefix tables in one upload */
+  void *dev_heads = NULL, *dev_tables = NULL;
+  int slot = -1, slot2 = -1;
+  if (!st) st = cuda_upload_small(s, heads, (size_t)entries * sizeof(sel::Head), &dev_heads, &slot);
+  free(heads);
+  const size_t o_params = align_up((size_t)entries * sizeof(sel::PackEntry)),
+               o_sums = o_params + align_up((size_t)count * sizeof(sel::Params)),
+               o_ctas = o_sums + align_up((size_t)(count + 1) * sizeof(int64_t)),
+               upload = o_ctas + (size_t)(count + 1) * sizeof(int64_t);
   char *staged = st ? NULL : (char *)malloc(upload);
   if (!st && !staged)
     st = mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda select: out of host memory");
+  int64_t total_sums = 0, total_ctas = 0;
   if (!st) {
     sel::PackEntry *table = (sel::PackEntry *)staged;
+    sel::Params *params = (sel::Params *)(staged + o_params);
+    int64_t *first_sums = (int64_t *)(staged + o_sums), *first_ctas = (int64_t *)(staged + o_ctas);
     int64_t e = 0;
     for (int32_t q = 0; q < count; q++) {
-      const int64_t N = args[q].seq_len, nb = (N + args[q].granularity - 1) / args[q].granularity;
-      const SeqScratch x = seq_scratch(N, args[q].num_heads, nb);
-      for (int32_t h = 0; h < args[q].num_heads; h++, e++) {
-        table[e].verticals = (const int64_t *)(dev + base[q] + x.vert) + (size_t)h * (size_t)N;
-        table[e].diags = (const int32_t *)(dev + base[q] + x.diag) + (size_t)h * (size_t)(nb + 1);
+      const mtrain_select_args_t *a = &args[q];
+      const int64_t N = a->seq_len, G = a->granularity, nb = (N + G - 1) / G;
+      const SeqScratch x = seq_scratch(N, a->num_heads, nb);
+      char *b = dev + base[q];
+      sel::Params *p = &params[q];
+      memset(p, 0, sizeof *p);
+      p->N = N;
+      p->nb = nb;
+      p->nv_cand = ((N - 1) / G) * G;
+      p->G = (int32_t)G;
+      p->slots = a->slots;
+      p->Hq = a->num_heads;
+      p->nf_v = a->num_sinks < p->nv_cand ? a->num_sinks : p->nv_cand;
+      p->nf_s = a->window < N ? a->window : N;
+      p->col = a->col;
+      p->diag = a->diag;
+      p->sscore = (double *)(b + x.sscore);
+      p->heads = (const sel::Head *)dev_heads + e;
+      p->verticals = (int64_t *)(b + x.vert);
+      p->tokens = (int64_t *)(b + x.tok);
+      p->bitmap = (uint8_t *)(b + x.bits);
+      p->diags = (int32_t *)(b + x.diag);
+      p->counts = counts + 2 * e;
+      first_sums[q] = total_sums;
+      first_ctas[q] = total_ctas;
+      total_sums += (int64_t)a->num_heads * N;
+      total_ctas += 2 * (int64_t)a->num_heads;
+      for (int32_t h = 0; h < a->num_heads; h++, e++) {
+        table[e].verticals = p->verticals + (size_t)h * (size_t)N;
+        table[e].diags = p->diags + (size_t)h * (size_t)(nb + 1);
       }
     }
-    memcpy(staged + heads_off, heads, (size_t)entries * sizeof(sel::Head));
+    first_sums[count] = total_sums;
+    first_ctas[count] = total_ctas;
+    st = cuda_upload_small(s, staged, upload, &dev_tables, &slot2);
   }
-  free(heads);
-  void *dev_table = NULL;
-  int slot = -1;
-  if (!st) st = cuda_upload_small(s, staged, upload, &dev_table, &slot);
   free(staged);
   cudaStream_t str = (cudaStream_t)s->stream;
   static cuda_smem_attr_t attr, pack_attr;
   char who[96];
   snprintf(who, sizeof who, "select (top-p sorts of %lld)", (long long)sort_pow2);
-  int64_t e0_dev = 0;
-  for (int32_t q = 0; q < count && !st; q++) {
-    const mtrain_select_args_t *a = &args[q];
-    const int64_t N = a->seq_len, G = a->granularity, nb = (N + G - 1) / G;
-    const SeqScratch x = seq_scratch(N, a->num_heads, nb);
-    char *b = dev + base[q];
-    sel::Params p;
-    p.N = N;
-    p.nb = nb;
-    p.nv_cand = ((N - 1) / G) * G;
-    p.G = (int32_t)G;
-    p.slots = a->slots;
-    p.Hq = a->num_heads;
-    p.nf_v = a->num_sinks < p.nv_cand ? a->num_sinks : p.nv_cand;
-    p.nf_s = a->window < N ? a->window : N;
-    p.col = a->col;
-    p.diag = a->diag;
-    p.sscore = (double *)(b + x.sscore);
-    p.heads = (const sel::Head *)((char *)dev_table + heads_off) + e0_dev;
-    p.verticals = (int64_t *)(b + x.vert);
-    p.tokens = (int64_t *)(b + x.tok);
-    p.bitmap = (uint8_t *)(b + x.bits);
-    p.diags = (int32_t *)(b + x.diag);
-    p.counts = counts + 2 * e0_dev;
-    e0_dev += a->num_heads;
-    const size_t hn = (size_t)a->num_heads * (size_t)N;
-    const int64_t sum_blocks = (int64_t)((hn + sel::kThreads - 1) / sel::kThreads);
-    sel::slash_sums_kernel<<<(unsigned)(sum_blocks < 4096 ? sum_blocks : 4096), sel::kThreads, 0,
-                             str>>>(p);
-    st = cuda_check_launch("slash_sums_kernel");
+  /* one launch of each kernel for the whole batch */
+  if (!st) {
+    const sel::Params *params = (const sel::Params *)((char *)dev_tables + o_params);
+    const int64_t *first_sums = (const int64_t *)((char *)dev_tables + o_sums);
+    const int64_t *first_ctas = (const int64_t *)((char *)dev_tables + o_ctas);
+    const int64_t sum_blocks = (total_sums + sel::kThreads - 1) / sel::kThreads;
+    sel::slash_sums_batch_kernel<<<(unsigned)(sum_blocks < 4096 ? sum_blocks : 4096), sel::kThreads,
+                                   0, str>>>(params, first_sums, count);
+    st = cuda_check_launch("slash_sums_batch_kernel");
     if (!st)
-      st = cuda_prepare_launch(s, (const void *)sel::select_kernel, who, "select_kernel",
-                               2 * (int64_t)a->num_heads, 1, smem, &attr);
+      st = cuda_prepare_launch(s, (const void *)sel::select_batch_kernel, who,
+                               "select_batch_kernel", total_ctas, 1, smem, &attr);
     if (!st) {
-      sel::select_kernel<<<(unsigned)(2 * a->num_heads), sel::kThreads, smem, str>>>(p);
-      st = cuda_check_launch("select_kernel");
+      sel::select_batch_kernel<<<(unsigned)total_ctas, sel::kThreads, smem, str>>>(
+          params, first_ctas, count);
+      st = cuda_check_launch("select_batch_kernel");
     }
   }
   if (!st)
@@ -196,7 +209,7 @@ cuda_pattern_select_batch(cuda_state_t *s, const mtrain_select_args_t *args, int
                              entries, 1, sel::kSmemPack, &pack_attr);
   if (!st) {
     sel::pack_kernel<<<(unsigned)entries, sel::kThreads, sel::kSmemPack, str>>>(
-        (const sel::PackEntry *)dev_table, counts, packed_v, packed_d);
+        (const sel::PackEntry *)dev_tables, counts, packed_v, packed_d);
     st = cuda_check_launch("pack_kernel");
   }
   /* the counts, then the packed sets, then each head's share to its place */
@@ -252,7 +265,8 @@ cuda_pattern_select_batch(cuda_state_t *s, const mtrain_select_args_t *args, int
   free(host_d);
   free(base);
   mtrain_status_t st2 = slot >= 0 ? cuda_step_release(s, slot) : MTRAIN_SUCCESS;
-  return st ? st : st2;
+  mtrain_status_t st3 = slot2 >= 0 ? cuda_step_release(s, slot2) : MTRAIN_SUCCESS;
+  return st ? st : st2 ? st2 : st3;
 }
 
 extern "C" mtrain_status_t cuda_pattern_select(cuda_state_t *s, const mtrain_select_args_t *a) {

@@ -60,17 +60,34 @@ mtrain_status_t cuda_step_release(cuda_state_t *s, int slot) {
                     "cudaEventRecord");
 }
 
-mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t bytes, void **dev,
-                                  int *slot) {
+mtrain_status_t cuda_upload_reserve(cuda_state_t *s, size_t bytes, void **dev, int *slot) {
   int i = 0;
   mtrain_status_t st = slot_acquire(s, bytes, &i);
   if (st) return st;
-  memcpy(s->slots[i].host, host, bytes);
-  st = cuda_check(cudaMemcpyAsync(s->slots[i].dev, s->slots[i].host, bytes, cudaMemcpyHostToDevice,
-                                  (cudaStream_t)s->stream),
-                  "metadata upload");
-  if (st) return st;
   *dev = s->slots[i].dev;
+  *slot = i;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t cuda_upload_commit(cuda_state_t *s, int slot, const void *host, size_t bytes) {
+  memcpy(s->slots[slot].host, host, bytes);
+  return cuda_check(cudaMemcpyAsync(s->slots[slot].dev, s->slots[slot].host, bytes,
+                                    cudaMemcpyHostToDevice, (cudaStream_t)s->stream),
+                    "metadata upload");
+}
+
+mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t bytes, void **dev,
+                                  int *slot) {
+  int i = 0;
+  void *d = NULL;
+  mtrain_status_t st = cuda_upload_reserve(s, bytes, &d, &i);
+  if (st) return st;
+  st = cuda_upload_commit(s, i, host, bytes);
+  if (st) {
+    cuda_step_release(s, i);
+    return st;
+  }
+  *dev = d;
   *slot = i;
   return MTRAIN_SUCCESS;
 }

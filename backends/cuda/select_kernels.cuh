@@ -271,25 +271,53 @@ __device__ int64_t top_p_count(const double *s, int64_t m, double p, int64_t *ou
 
 /* sscore[h * N + t] = the slash score of token diagonal t of head h: its
  * per-slot partial sums added in slot order from 0.0 (the host's loop). */
+__device__ __forceinline__ void slash_sum_at(const Params &p, int64_t i) {
+  const double *d = p.diag + i * p.slots;
+  double sum = 0.0;
+  for (int s = 0; s < p.slots; s++) sum += d[s];
+  p.sscore[i] = sum;
+}
+
 __global__ void slash_sums_kernel(Params p) {
   const int64_t total = (int64_t)p.Hq * p.N;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    const double *d = p.diag + i * p.slots;
-    double sum = 0.0;
-    for (int s = 0; s < p.slots; s++) sum += d[s];
-    p.sscore[i] = sum;
+       i += (int64_t)gridDim.x * blockDim.x)
+    slash_sum_at(p, i);
+}
+
+/* The sequence of a batch that holds item x: first[s] <= x < first[s + 1]
+ * (first[0] = 0, count + 1 entries, increasing). */
+__device__ __forceinline__ int batch_find(const int64_t *first, int count, int64_t x) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] <= x)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+/* The slash sums of a batch of sequences (params[s] each) in one launch:
+ * item x of first[count] = sum of Hq * N is entry x - first[s] of sequence s. */
+__global__ void slash_sums_batch_kernel(const Params *params, const int64_t *first, int count) {
+  const int64_t total = first[count];
+  for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < total;
+       x += (int64_t)gridDim.x * blockDim.x) {
+    const int s = batch_find(first, count, x);
+    slash_sum_at(params[s], x - first[s]);
   }
 }
 
-/* One CTA per (head h, side): blockIdx.x = 2 * h + side. */
-__global__ void __launch_bounds__(kThreads) select_kernel(Params p) {
+/* The selection of head h, side 0 (verticals) or 1 (token diagonals, then
+ * block diagonals), by one CTA. */
+__device__ void select_head_side(const Params &p, int h, int side) {
   SEL_SMEM(smem);
   unsigned *hist = (unsigned *)smem;
   long long *scan = (long long *)(smem + kSmemHist);
   unsigned long long *bcast = (unsigned long long *)(smem + kSmemHist + kSmemScan);
   unsigned char *sort_mem = smem + kSmemFixed;
-  const int h = (int)(blockIdx.x / 2), side = (int)(blockIdx.x % 2);
   const Head hb = p.heads[h];
   const double *s = side == 0 ? p.col + (int64_t)h * p.N : p.sscore + (int64_t)h * p.N;
   const int64_t n = side == 0 ? p.nv_cand : p.N;
@@ -334,6 +362,22 @@ __global__ void __launch_bounds__(kThreads) select_kernel(Params p) {
   __syncthreads();
   const int64_t nd = compact_flagged(diags, bits, p.nb, scan);
   if (threadIdx.x == 0) p.counts[2 * h + 1] = (int32_t)nd;
+}
+
+/* One CTA per (head h, side): blockIdx.x = 2 * h + side. */
+__global__ void __launch_bounds__(kThreads) select_kernel(Params p) {
+  select_head_side(p, (int)(blockIdx.x / 2), (int)(blockIdx.x % 2));
+}
+
+/* A batch of sequences in one launch: CTA x of first[count] = sum of 2 * Hq
+ * is CTA x - first[s] of sequence s's select_kernel. Shared memory: the
+ * largest of the sequences'. */
+__global__ void __launch_bounds__(kThreads)
+    select_batch_kernel(const Params *params, const int64_t *first, int count) {
+  const int s = batch_find(first, count, (int64_t)blockIdx.x);
+  const Params p = params[s];
+  const int64_t local = (int64_t)blockIdx.x - first[s];
+  select_head_side(p, (int)(local / 2), (int)(local % 2));
 }
 
 /* One (sequence, head) entry of a batched selection, as pack_kernel reads

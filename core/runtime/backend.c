@@ -74,6 +74,11 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
                           "and deferred_poll only %d %s set (all three or none)",
                           ops->name, n, n == 1 ? "is" : "are");
   }
+  if (ops->pattern_scores_batch && !ops->pattern_scores)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend table '%s': 'pattern_scores_batch' is set but 'pattern_scores' "
+                        "is NULL (the batch slot needs the single one)",
+                        ops->name);
   if (ops->pattern_select_batch && !ops->pattern_select)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "backend table '%s': 'pattern_select_batch' is set but 'pattern_select' "
@@ -275,6 +280,18 @@ mtrain_status_t mtrain_be_attn_bwd_step(mtrain_context_t *ctx, const mtrain_bwd_
 mtrain_status_t mtrain_be_pattern_scores(mtrain_context_t *ctx, const mtrain_scores_args_t *args) {
   if (!ctx->backend->pattern_scores) return not_supported(ctx, "pattern_scores");
   return ctx->backend->pattern_scores(ctx->backend_state, args);
+}
+
+mtrain_status_t mtrain_be_pattern_scores_batch(mtrain_context_t *ctx,
+                                               const mtrain_scores_args_t *args, int32_t count) {
+  if (ctx->backend->pattern_scores_batch)
+    return ctx->backend->pattern_scores_batch(ctx->backend_state, args, count);
+  if (!ctx->backend->pattern_scores) return not_supported(ctx, "pattern_scores");
+  for (int32_t s = 0; s < count; s++) {
+    mtrain_status_t st = ctx->backend->pattern_scores(ctx->backend_state, &args[s]);
+    if (st) return st;
+  }
+  return MTRAIN_SUCCESS;
 }
 
 int mtrain_be_has_pattern_scores(const mtrain_context_t *ctx) {

@@ -40,6 +40,8 @@
  *   deferred_poll (opt.)   mtrain_be_deferred_poll(ctx, blocking)
  *   block_scores (opt.)    mtrain_be_block_scores(ctx, &args); mtrain_be_has_block_scores
  *   pattern_select (opt.)  mtrain_be_pattern_select(ctx, &args); mtrain_be_has_pattern_select
+ *   pattern_scores_batch (opt.) mtrain_be_pattern_scores_batch(ctx, args, count): per
+ *                          sequence through pattern_scores when absent
  *   pattern_select_batch (opt.) mtrain_be_pattern_select_batch(ctx, args, count): per
  *                          sequence through pattern_select when absent
  *   acc_dtype, memory_space  mtrain_be_acc_dtype(ctx), mtrain_be_memory_space(ctx)
@@ -153,6 +155,10 @@ int mtrain_be_has_block_scores(const mtrain_context_t *ctx);
  *  naming the backend when it has none, or naming the budget it cannot
  *  select (optional slot). */
 mtrain_status_t mtrain_be_pattern_select(mtrain_context_t *ctx, const mtrain_select_args_t *args);
+/** One scores stage of `count` sequences (the pattern_scores_batch slot,
+ *  else pattern_scores for each in turn). */
+mtrain_status_t mtrain_be_pattern_scores_batch(mtrain_context_t *ctx,
+                                               const mtrain_scores_args_t *args, int32_t count);
 /** The selection of `count` sequences (the pattern_select_batch slot, else
  *  pattern_select for each in turn: a MTRAIN_ERR_NOT_SUPPORTED then may come
  *  after earlier sequences were selected; the caller selects them all on

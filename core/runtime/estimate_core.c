@@ -1,9 +1,10 @@
 /* estimate_core.c: the stages of the vertical-slash estimate (SPEC.md
  * section 2) for a batch of sequences. The backend computes the last-L
  * query scores in stages (row maxima and normalisers for top-p heads, then
- * column and diagonal sums); each stage is queued for every sequence of the
- * batch before its results are combined, so a packed batch waits for the
- * backend once per stage instead of once per sequence. Partial results are
+ * column and diagonal sums); each stage is one call for every sequence of
+ * the batch (pattern_scores_batch, or pattern_scores per sequence) before
+ * its results are combined, so a packed batch waits for the backend once
+ * per stage instead of once per sequence. Partial results are
  * indexed globally and combined with the communicator's all-reduce (each
  * entry has one contributor, so the sums are exact and do not depend on the
  * world size), on the devices where the communicator has a device
@@ -53,6 +54,7 @@ typedef struct estimate_buffers {
   double *stat_host;                       /* [2 * n_stat]: row maxima, then normalisers */
   uint8_t *probs;
   seq_part_t *parts;
+  mtrain_scores_args_t *stage;
   size_t n_row, n_stat, n_col, n_diag, select_bytes; /* totals */
 } estimate_buffers_t;
 
@@ -62,6 +64,7 @@ static void buffers_free(mtrain_context_t *ctx, estimate_buffers_t *b) {
   free(b->stat_host);
   free(b->probs);
   free(b->parts);
+  free(b->stage);
 }
 
 /* The context's reused host region of at least `bytes` (NULL when out of
@@ -311,7 +314,9 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
   memset(&b, 0, sizeof b);
   b.probs = calloc((size_t)Hq, 1);
   b.parts = calloc((size_t)count, sizeof *b.parts);
-  MTRAIN_FAIL_IF(!b.probs || !b.parts, MTRAIN_ERR_OUT_OF_MEMORY,
+  b.stage = calloc((size_t)count, sizeof *b.stage);
+  mtrain_scores_args_t *stage = b.stage; /* one stage's arguments, per sequence */
+  MTRAIN_FAIL_IF(!b.probs || !b.parts || !b.stage, MTRAIN_ERR_OUT_OF_MEMORY,
                  "estimate: out of host memory (%d sequences, %d heads)", count, Hq);
   plan_parts(in, count, G, &b);
   int any_probs = 0;
@@ -364,21 +369,23 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
     MTRAIN_TRY(from_host(ctx, b.stat, b.stat_host, b.n_stat));
     a.stage = MTRAIN_SCORES_ROW_MAX;
     for (int32_t s = 0; s < count; s++) {
-      scores_seq(&a, &in[s]);
-      a.row_out = stat_dev + b.parts[s].stat_off;
-      MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
+      stage[s] = a;
+      scores_seq(&stage[s], &in[s]);
+      stage[s].row_out = stat_dev + b.parts[s].stat_off;
     }
+    MTRAIN_TRY(mtrain_be_pattern_scores_batch(ctx, stage, count));
     MTRAIN_TRY(combine(ctx, b.stat, b.stat_host, b.n_stat, MTRAIN_REDUCE_MAX, reduce_on_device));
     /* normalisers: per (row, key block) partial sums, added in block order */
     MTRAIN_TRY(mtrain_be_memset_zero(ctx, b.row, b.n_row * sizeof(double)));
     MTRAIN_TRY(from_host(ctx, b.stat, b.stat_host, b.n_stat));
     a.stage = MTRAIN_SCORES_ROW_BLOCK_SUMS;
     for (int32_t s = 0; s < count; s++) {
-      scores_seq(&a, &in[s]);
-      a.row_max = stat_dev + b.parts[s].stat_off;
-      a.row_out = (double *)b.row + b.parts[s].row_off;
-      MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
+      stage[s] = a;
+      scores_seq(&stage[s], &in[s]);
+      stage[s].row_max = stat_dev + b.parts[s].stat_off;
+      stage[s].row_out = (double *)b.row + b.parts[s].row_off;
     }
+    MTRAIN_TRY(mtrain_be_pattern_scores_batch(ctx, stage, count));
     MTRAIN_TRY(combine(ctx, b.row, b.row_host, b.n_row, MTRAIN_REDUCE_SUM, reduce_on_device));
     for (int32_t s = 0; s < count; s++) {
       const seq_part_t *sp = &b.parts[s];
@@ -399,15 +406,16 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
   a.row_out = NULL;
   for (int32_t s = 0; s < count; s++) {
     const seq_part_t *sp = &b.parts[s];
-    scores_seq(&a, &in[s]);
+    stage[s] = a;
+    scores_seq(&stage[s], &in[s]);
     if (any_probs) {
-      a.row_max = stat_dev + sp->stat_off;
-      a.row_norm = stat_dev + b.n_stat + sp->stat_off;
+      stage[s].row_max = stat_dev + sp->stat_off;
+      stage[s].row_norm = stat_dev + b.n_stat + sp->stat_off;
     }
-    a.col_out = (double *)b.col + sp->col_off;
-    a.diag_out = (double *)b.diag + sp->diag_off;
-    MTRAIN_TRY(mtrain_be_pattern_scores(ctx, &a));
+    stage[s].col_out = (double *)b.col + sp->col_off;
+    stage[s].diag_out = (double *)b.diag + sp->diag_off;
   }
+  MTRAIN_TRY(mtrain_be_pattern_scores_batch(ctx, stage, count));
   /* the copies below wait for the stages anyway: the wait is only timed apart */
   MTRAIN_TRY(mtrain_be_synchronize(ctx));
   const double t_stages = now_s();

@@ -386,6 +386,13 @@ typedef struct mtrain_backend_ops {
    *  pattern_select once per sequence. */
   mtrain_status_t (*pattern_select_batch)(void *state, const mtrain_select_args_t *args,
                                           int32_t count);
+  /** Optional (only with pattern_scores): one stage for `count` sequences
+   *  at once (args[s] each as pattern_scores takes it; the same stage,
+   *  heads, head_dim, granularity, dtypes and probs), each sequence's
+   *  outputs exactly pattern_scores'. NULL: the core calls pattern_scores
+   *  once per sequence. */
+  mtrain_status_t (*pattern_scores_batch)(void *state, const mtrain_scores_args_t *args,
+                                          int32_t count);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table

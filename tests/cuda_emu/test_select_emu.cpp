@@ -3,8 +3,8 @@
 // (core/runtime/select.c, wrapped as estimate.c's select_head wraps it): every head's verticals
 // and block diagonals must be equal, on random scores with ties, NaN, infinities and -0, forced
 // prefixes, top-k budgets of 0, in range and beyond the candidates, top-p budgets with caps below
-// and above the candidates, lengths that are not multiples of the granularity; and the packing
-// kernel of the batched selection on batches of such selections.
+// and above the candidates, lengths that are not multiples of the granularity; and the batched
+// selection (one launch of each kernel for 1 to 6 such sequences, then the packing kernel).
 // Usage: test_select_emu [cases [seed]] (defaults 200 and 11); prints the seed and each case.
 #include "backends/cuda/select_kernels.cuh"
 #include "cuda_emu.h"
@@ -102,17 +102,51 @@ static void host_select(const Case &c, const double *col, const double *diag, in
   diags.resize(nd);
 }
 
-// One random case and the device selection's outputs (select_kernel's buffers).
+// One random case and the device selection's buffers (host memory in the emulator).
 struct Selected {
   Case c;
   int style = 0;
   bool specials = false;
-  vector<double> col, diag;
-  vector<int64_t> verts;
+  int64_t sort_pow2 = 1;
+  vector<double> col, diag, sscore;
+  vector<int64_t> verts, toks;
+  vector<uint8_t> bits;
   vector<int32_t> diags, counts;
+  vector<sel::Head> heads;
 };
 
-static Selected select_case(uint64_t seed, bool allow_big) {
+// The kernels' parameters over r's buffers.
+static sel::Params params_of(Selected &r) {
+  const Case &c = r.c;
+  sel::Params p;
+  p.N = c.N;
+  p.nb = (c.N + c.G - 1) / c.G;
+  p.nv_cand = ((c.N - 1) / c.G) * c.G;
+  p.G = c.G;
+  p.slots = c.slots;
+  p.Hq = c.Hq;
+  p.nf_v = std::min<int64_t>(c.sinks, p.nv_cand);
+  p.nf_s = std::min<int64_t>(c.window, c.N);
+  p.col = r.col.data();
+  p.diag = r.diag.data();
+  p.sscore = r.sscore.data();
+  p.heads = r.heads.data();
+  p.verticals = r.verts.data();
+  p.tokens = r.toks.data();
+  p.bitmap = r.bits.data();
+  p.diags = r.diags.data();
+  p.counts = r.counts.data();
+  return p;
+}
+
+static int smem_of(const Selected &r) {
+  bool any_top_p = false;
+  for (const mtrain_head_budget_t &b : r.c.budgets) any_top_p |= b.kind == MTRAIN_BUDGET_TOP_P;
+  return (int)(any_top_p ? sel::smem_bytes(r.sort_pow2) : sel::kSmemFixed);
+}
+
+// A random case; with `launch`, selected by slash_sums_kernel and select_kernel.
+static Selected select_case(uint64_t seed, bool allow_big, bool launch = true) {
   R.seed(seed);
   Selected r;
   Case &c = r.c;
@@ -132,62 +166,40 @@ static Selected select_case(uint64_t seed, bool allow_big) {
   r.diag.resize((size_t)c.Hq * N * c.slots);
   for (double &x : r.col) x = score(r.style, r.specials);
   for (double &x : r.diag) x = score(r.style, r.specials);
-  // device buffers (host memory in the emulator)
-  vector<double> sscore((size_t)c.Hq * N);
-  vector<int64_t> toks((size_t)c.Hq * N, -1);
-  vector<uint8_t> bits((size_t)c.Hq * nb, 7);
+  r.sscore.assign((size_t)c.Hq * N, 0.0);
+  r.toks.assign((size_t)c.Hq * N, -1);
+  r.bits.assign((size_t)c.Hq * nb, 7);
   r.verts.assign((size_t)c.Hq * N, -1);
   r.diags.assign((size_t)c.Hq * (nb + 1), -1);
   r.counts.assign(2 * c.Hq, -1);
-  vector<sel::Head> heads(c.Hq);
+  r.heads.resize(c.Hq);
   int64_t sort_n = 0;
   for (int h = 0; h < c.Hq; h++) {
     const mtrain_head_budget_t &b = c.budgets[h];
-    heads[h] = sel::Head{
+    r.heads[h] = sel::Head{
         b.kind == MTRAIN_BUDGET_TOP_P, 0, b.v_size, b.s_size, b.cap_v, b.cap_s, b.p_v, b.p_s};
     if (b.kind == MTRAIN_BUDGET_TOP_P) {
       const int64_t nv_cand = ((N - 1) / c.G) * c.G;
       sort_n = std::max(sort_n, std::max(std::min(b.cap_v, nv_cand), std::min(b.cap_s, N)));
     }
   }
-  int64_t pow2 = 1;
-  while (pow2 < sort_n) pow2 <<= 1;
-  sel::Params p;
-  p.N = N;
-  p.nb = nb;
-  p.nv_cand = ((N - 1) / c.G) * c.G;
-  p.G = c.G;
-  p.slots = c.slots;
-  p.Hq = c.Hq;
-  p.nf_v = std::min<int64_t>(c.sinks, p.nv_cand);
-  p.nf_s = std::min<int64_t>(c.window, N);
-  p.col = r.col.data();
-  p.diag = r.diag.data();
-  p.sscore = sscore.data();
-  p.heads = heads.data();
-  p.verticals = r.verts.data();
-  p.tokens = toks.data();
-  p.bitmap = bits.data();
-  p.diags = r.diags.data();
-  p.counts = r.counts.data();
+  while (r.sort_pow2 < sort_n) r.sort_pow2 <<= 1;
+  if (!launch) return r;
+  const sel::Params p = params_of(r);
   const int sum_blocks = (int)std::min<int64_t>(((int64_t)c.Hq * N + 255) / 256, 64);
   emu::launch(
       sum_blocks, 0, [&] { sel::slash_sums_kernel(p); }, true, sel::kThreads);
-  const int smem = (int)(sort_n > 0 ? sel::smem_bytes(pow2) : sel::kSmemFixed);
   emu::launch(
-      2 * c.Hq, smem, [&] { sel::select_kernel(p); }, true, sel::kThreads);
+      2 * c.Hq, smem_of(r), [&] { sel::select_kernel(p); }, true, sel::kThreads);
   return r;
 }
 
-static int run_case(int index, uint64_t seed) {
-  const Selected r = select_case(seed, true);
+// The host's selection of every head of r against r's device outputs; prints the first
+// difference and returns 1 when there is one.
+static int compare_with_host(const Selected &r) {
   const Case &c = r.c;
   const int64_t N = c.N, nb = (N + c.G - 1) / c.G;
-  printf("case %d seed %llu: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n", index,
-         (unsigned long long)seed, (long long)N, c.G, c.slots, c.Hq, c.sinks, c.window, r.style,
-         r.specials ? " specials" : "");
-  int bad = 0;
-  for (int h = 0; h < c.Hq && !bad; h++) {
+  for (int h = 0; h < c.Hq; h++) {
     vector<int64_t> hv;
     vector<int32_t> hd;
     host_select(c, r.col.data(), r.diag.data(), h, hv, hd);
@@ -203,20 +215,49 @@ static int run_case(int index, uint64_t seed) {
              h, b.kind == MTRAIN_BUDGET_TOP_P ? "top-p" : "top-k", (long long)b.v_size,
              (long long)b.s_size, b.p_v, b.p_s, (long long)b.cap_v, (long long)b.cap_s, nv,
              hv.size(), same_v ? "" : " DIFFER", nd, hd.size(), same_d ? "" : " DIFFER");
-      bad = 1;
+      return 1;
     }
   }
-  return bad;
+  return 0;
 }
 
-// A batch of 1 to 6 selections packed by pack_kernel (the batched selection's
-// last kernel): every (sequence, head) entry's kept verticals and block
-// diagonals one after another, in entry order, from the counts alone.
-static int run_pack_case(int index, uint64_t seed) {
+static int run_case(int index, uint64_t seed) {
+  const Selected r = select_case(seed, true);
+  const Case &c = r.c;
+  printf("case %d seed %llu: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n", index,
+         (unsigned long long)seed, (long long)c.N, c.G, c.slots, c.Hq, c.sinks, c.window, r.style,
+         r.specials ? " specials" : "");
+  return compare_with_host(r);
+}
+
+// A batch of 1 to 6 sequences selected as the batched selection does it: one launch of
+// slash_sums_batch_kernel and one of select_batch_kernel for all of them (parameter and prefix
+// tables), every head against the host's selection, then pack_kernel: every (sequence, head)
+// entry's kept verticals and block diagonals one after another, in entry order.
+static int run_batch_case(int index, uint64_t seed) {
   R.seed(seed);
   const int count = irand(1, 6);
   vector<Selected> seqs;
-  for (int q = 0; q < count; q++) seqs.push_back(select_case(seed * 31 + (uint64_t)q, false));
+  for (int q = 0; q < count; q++)
+    seqs.push_back(select_case(seed * 31 + (uint64_t)q, irand(0, 9) == 0, false));
+  vector<sel::Params> params;
+  vector<int64_t> first_sums{0}, first_ctas{0};
+  int smem = (int)sel::kSmemFixed;
+  for (Selected &r : seqs) {
+    params.push_back(params_of(r));
+    first_sums.push_back(first_sums.back() + (int64_t)r.c.Hq * r.c.N);
+    first_ctas.push_back(first_ctas.back() + 2 * (int64_t)r.c.Hq);
+    smem = std::max(smem, smem_of(r));
+  }
+  const int sum_blocks = (int)std::min<int64_t>((first_sums.back() + 255) / 256, 64);
+  emu::launch(
+      sum_blocks, 0, [&] { sel::slash_sums_batch_kernel(params.data(), first_sums.data(), count); },
+      true, sel::kThreads);
+  emu::launch((int)first_ctas.back(), smem,
+              [&] { sel::select_batch_kernel(params.data(), first_ctas.data(), count); }, true,
+              sel::kThreads);
+  int bad = 0;
+  for (const Selected &r : seqs) bad |= compare_with_host(r);
   vector<sel::PackEntry> entries;
   vector<int32_t> counts;
   vector<int64_t> want_v;
@@ -242,10 +283,11 @@ static int run_pack_case(int index, uint64_t seed) {
   const bool same = std::equal(want_v.begin(), want_v.end(), packed_v.begin()) &&
                     std::equal(want_d.begin(), want_d.end(), packed_d.begin()) &&
                     packed_v[want_v.size()] == -7 && packed_d[want_d.size()] == -7;
-  printf("pack case %d seed %llu: %d sequences, %zu entries, %zu verticals, %zu diagonals%s\n",
-         index, (unsigned long long)seed, count, entries.size(), want_v.size(), want_d.size(),
-         same ? "" : " DIFFER");
-  return same ? 0 : 1;
+  printf("batch case %d seed %llu: %d sequences (N", index, (unsigned long long)seed, count);
+  for (const Selected &r : seqs) printf(" %lld", (long long)r.c.N);
+  printf("), %zu entries, %zu verticals, %zu diagonals%s%s\n", entries.size(), want_v.size(),
+         want_d.size(), bad ? " SELECTION DIFFERS" : "", same ? "" : " PACKING DIFFERS");
+  return bad || !same ? 1 : 0;
 }
 
 int main(int argc, char **argv) {
@@ -254,9 +296,9 @@ int main(int argc, char **argv) {
   printf("test_select_emu: %d cases, seed %llu\n", cases, (unsigned long long)seed);
   int failed = 0;
   for (int i = 0; i < cases; i++) failed += run_case(i, seed * 1000003ULL + (uint64_t)i);
-  const int pack_cases = cases / 4 > 4 ? cases / 4 : 4;
-  for (int i = 0; i < pack_cases; i++) failed += run_pack_case(i, seed * 7919ULL + (uint64_t)i);
+  const int batch_cases = cases / 4 > 4 ? cases / 4 : 4;
+  for (int i = 0; i < batch_cases; i++) failed += run_batch_case(i, seed * 7919ULL + (uint64_t)i);
   printf("%s: %d of %d cases differ from the host selection or its packing\n",
-         failed ? "FAILED" : "passed", failed, cases + pack_cases);
+         failed ? "FAILED" : "passed", failed, cases + batch_cases);
   return failed ? 1 : 0;
 }
