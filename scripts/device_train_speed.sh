@@ -13,7 +13,9 @@
 # Environment (defaults): SIZES ("small base"), LENS ("16384 32768 65536"), ARMS ("dense
 # mtrain-static mtrain-topp"), TOKENS (65536), STEPS (20), PROBE_EVERY (5), RUN_S (timeout of
 # one run, 120), CALL_S (the whole call's budget, 540: a run is not started with less than
-# MIN_S = 30 left), PYTHON (python3), DEVICE (cuda; cpu: a dry run with one thread).
+# MIN_S = 30 left), PYTHON (python3), DEVICE (cuda; cpu: a dry run with one thread),
+# DENSE_ABOVE and DENSE_RECHECK (empty and 1: the estimating arms' dense fallback, --dense-above
+# and --dense-recheck; with DENSE_ABOVE set those arms' runs are named ARM+fallback).
 # Exit status: 0 when every run wrote its results, 1 when one did not (its log says why).
 set -uo pipefail
 
@@ -51,6 +53,15 @@ for size in $SIZES; do
     [ "$b" -lt 1 ] && b=1
     for arm in $ARMS; do
       name=$size-$n-$arm
+      fallback=()
+      case "$arm" in
+      mtrain-static | mtrain-topp | mtrain-full)
+        if [ -n "${DENSE_ABOVE:-}" ]; then
+          fallback=(--dense-above "$DENSE_ABOVE" --dense-recheck "${DENSE_RECHECK:-1}")
+          name=$name+fallback
+        fi
+        ;;
+      esac
       left=$((t_end - $(date +%s)))
       if [ "$left" -lt "$MIN_S" ]; then
         echo "$name: not started, $left s left of CALL_S=$CALL_S"
@@ -62,7 +73,7 @@ for size in $SIZES; do
       t0=$SECONDS
       timeout -k 10 "$to" "$PY" -m examples.train --size "$size" --arm "$arm" --task mix \
         --seq-len "$n" --batch "$b" --steps "$STEPS" --probe-every "${PROBE_EVERY:-5}" \
-        --eval-seqs 1 --eval-batch 1 --device "$DEVICE" "${extra[@]}" --out "$out/$name.json" \
+        --eval-seqs 1 --eval-batch 1 --device "$DEVICE" "${extra[@]}" "${fallback[@]}" --out "$out/$name.json" \
         >"$out/$name.log" 2>&1
       rc=$?
       if [ -f "$out/$name.json" ]; then

@@ -67,6 +67,8 @@ class Budget:
     block_refresh: int = 0  # 0: select in every call; K >= 1: BlockPatternCache, every K steps
     block_measure_every: int = 1  # K > 1: measure the recall drop every M windows (0: never)
     block_measure_rows: int = 0  # 0: BlockPatternCache.measure; R > 0: on R sampled rows
+    dense_above: float | str | None = None  # the estimating arms' dense fallback (None: never)
+    dense_recheck: int = 1
 
     def block_options(self) -> dict[str, Any]:
         """mtrain.select_blocks' options of the mtrain-block arm."""
@@ -186,7 +188,9 @@ class Arm:
                 self.blocks = b.block_options()
                 mtrain.register_transformers(self.inner, blocks=self.blocks, **common)
             else:
-                mtrain.register_transformers(self.inner, budgets=self.budgets, **common, **est)
+                mtrain.register_transformers(
+                    self.inner, budgets=self.budgets, **common, **est, **self._fallback()
+                )
             base = ALL_ATTENTION_FUNCTIONS[self.inner]
             mask = ALL_MASK_ATTENTION_FUNCTIONS[self.inner]
         AttentionInterface.register(self.attn_name, _wrap(self, base))
@@ -201,10 +205,19 @@ class Arm:
         common = {"granularity": b.granularity}
         est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
         budgets = path if path is not None else self.budgets
-        mtrain.register_transformers(self.inner, budgets=budgets, **common, **est)
+        mtrain.register_transformers(
+            self.inner, budgets=budgets, **common, **est, **self._fallback()
+        )
         AttentionInterface.register(
             self.attn_name, _wrap(self, ALL_ATTENTION_FUNCTIONS[self.inner])
         )
+
+    def _fallback(self) -> dict[str, Any]:
+        """The dense fallback's options of the estimating arms (none when off)."""
+        b = self.budget
+        if b.dense_above is None:
+            return {}
+        return {"dense_above": b.dense_above, "dense_recheck": b.dense_recheck}
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"arm": self.name, "granularity": self.budget.granularity}
@@ -233,6 +246,9 @@ class Arm:
             out["matched_density"] = self.budget.match_density or None
         if self.name == "mtrain-static":
             out["nominal_density"] = self.budget.static_density(self.seq_len)
+        if self.budgets is not None and self.budget.dense_above is not None:
+            out["dense_above"] = self.budget.dense_above
+            out["dense_recheck"] = self.budget.dense_recheck
         return out
 
     def plan_of(

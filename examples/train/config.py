@@ -77,6 +77,9 @@ class RunConfig:
     block_measure_every: int = 1  # --block-refresh K > 1: measure the recall drop every M windows
     block_measure_rows: int = 0  # 0: BlockPatternCache.measure (exact, fp64, CPU); R: R rows
     mqar_distinct: int = 0  # 1: each MQAR pair queried at most once (Q <= P)
+    # the estimating arms' dense fallback (mtrain.attention's dense_above, dense_recheck)
+    dense_above: str = ""  # "": never; "auto": the device's threshold; or a density in [0, 1]
+    dense_recheck: int = 1  # with --dense-above: a layer found dense re-estimates every K calls
 
 
 HELP = {
@@ -163,6 +166,11 @@ HELP = {
     "mqar_pairs": "MQAR key-value pairs",
     "mqar_queries": "MQAR queries per sequence",
     "passkey_digits": "passkey length in digits",
+    "dense_above": "mtrain-static, mtrain-topp, mtrain-full: run torch's dense attention for a "
+    "layer whose estimated pattern computes more than this share of the causal pairs (a "
+    'density in [0, 1], or "auto": the device\'s measured threshold; "": never)',
+    "dense_recheck": "with --dense-above: a layer found dense runs dense for K - 1 more calls "
+    "without estimating (1: estimate every call)",
     "depth_buckets": "passkey depth buckets",
 }
 

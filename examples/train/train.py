@@ -169,10 +169,53 @@ def check_options(cfg: RunConfig) -> None:
         raise ValueError(f"--block-measure-rows {cfg.block_measure_rows}: must be >= 0")
     if cfg.mqar_distinct not in (0, 1):
         raise ValueError(f"--mqar-distinct {cfg.mqar_distinct}: 0 or 1")
+    check_dense_fallback(cfg)
     if cfg.mqar_distinct and cfg.task in ("mqar", "mix") and cfg.mqar_queries > cfg.mqar_pairs:
         raise ValueError(
             f"--mqar-distinct 1 queries each pair at most once: --mqar-queries {cfg.mqar_queries} "
             f"must be <= --mqar-pairs {cfg.mqar_pairs}"
+        )
+
+
+ESTIMATING_ARMS = ("mtrain-static", "mtrain-topp", "mtrain-full")
+
+
+def dense_above_of(cfg: RunConfig) -> float | str | None:
+    """--dense-above as mtrain.attention takes it: None (off), "auto" or a density."""
+    text = cfg.dense_above.strip()
+    if not text:
+        return None
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f'--dense-above {cfg.dense_above!r}: a density in [0, 1], "auto" (the device\'s '
+            "measured threshold) or empty (never)"
+        )
+    return value
+
+
+def check_dense_fallback(cfg: RunConfig) -> None:
+    """Refuses --dense-above and --dense-recheck where they cannot apply."""
+    if cfg.dense_recheck < 1:
+        raise ValueError(f"--dense-recheck {cfg.dense_recheck}: must be >= 1")
+    if dense_above_of(cfg) is None:
+        if cfg.dense_recheck != 1:
+            raise ValueError(f"--dense-recheck {cfg.dense_recheck} needs --dense-above")
+        return
+    if cfg.arm not in ESTIMATING_ARMS:
+        raise ValueError(
+            f"--dense-above: the fallback runs after an estimate, which the {cfg.arm} arm does "
+            f"not make (arms: {', '.join(ESTIMATING_ARMS)})"
+        )
+    if cfg.mix == "none" and cfg.cp in CP.MODES and CP.wanted(cfg.cp, CP.env_world()):
+        raise ValueError(
+            "--dense-above with context parallel: the fallback is one GPU's dense attention, "
+            "not a ring (use it on one rank or with --mix data parallel)"
         )
 
 
@@ -259,7 +302,8 @@ def run(
         block_method=cfg.block_method, block_top_p=cfg.block_top_p, block_top_k=cfg.block_top_k,
         block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
         block_refresh=cfg.block_refresh, block_measure_every=cfg.block_measure_every,
-        block_measure_rows=cfg.block_measure_rows,
+        block_measure_rows=cfg.block_measure_rows, dense_above=dense_above_of(cfg),
+        dense_recheck=cfg.dense_recheck,
     )  # fmt: skip
     arm = Arm(cfg.arm, size.heads, budget, cp=par, packed=mix)
     arm.set_length(cfg.seq_len)
