@@ -282,6 +282,49 @@ static mtrain_memory_bound_t bound_of(const mtrain_pattern_t *p, int32_t W, int3
  * divisible by G * W: no padding), the estimation's term does not depend on
  * W, and the ring's constant over the single-rank path is the documented
  * one. Qwen2.5-3B's heads (16 query, 2 kv, d = 128) at N = 32768. */
+/* A packed batch estimated in one call (mtrain_pattern_estimate_batch) holds
+ * every sequence's score buffers at once: its peak is the bound's estimate
+ * term for the batch's plan, less the longest sequence's q_last (one rank). */
+static void test_packed_estimate_peak(void **state) {
+  (void)state;
+  const int64_t offsets[4] = {0, 300, 817, 946}; /* 300, 517 and 129 tokens */
+  const mem_case_t c = {"cpu", MTRAIN_F32, offsets[3], 4, 2, 32, 32, MTRAIN_LAYOUT_STRIPED, 0};
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.backend = c.backend;
+  cfg.granularity = c.G;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, NULL, &ctx), MTRAIN_SUCCESS);
+  tensors_t t;
+  tensors_alloc(&t, &c, c.N);
+  generate(&t, 5);
+  mtrain_head_budget_t budgets[4];
+  for (int32_t h = 0; h < 4; h++)
+    budgets[h] = (mtrain_head_budget_t){MTRAIN_BUDGET_TOP_K, 20 + 8 * h, 60, 0, 0, 0, 0};
+  budgets[0] = (mtrain_head_budget_t){MTRAIN_BUDGET_TOP_P, 0, 0, 0.9, 0.9, 300, 300};
+  mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
+  eo.last_q = LAST_Q;
+  const mtrain_seqs_t seqs = {3, offsets};
+  mtrain_pattern_t *pats[3] = {NULL, NULL, NULL};
+  take_peak(ctx);
+  if (mtrain_pattern_estimate_batch(ctx, &seqs, &t.q, &t.k, budgets, &eo, pats))
+    fail_msg("estimate: %s", mtrain_last_error());
+  const size_t peak = take_peak(ctx);
+  mtrain_plan_t *plan = NULL;
+  assert_int_equal(mtrain_plan_create(ctx, &seqs, (const mtrain_pattern_t *const *)pats, &plan),
+                   MTRAIN_SUCCESS);
+  mtrain_memory_bound_t b;
+  assert_int_equal(mtrain_memory_bound(ctx, plan, c.hkv, c.d, c.dtype, LAST_Q, &b), MTRAIN_SUCCESS);
+  const mem_case_t longest = {"cpu", MTRAIN_F32, 517, 4, 2, 32, 32, MTRAIN_LAYOUT_STRIPED, 0};
+  print_message("packed batch of 300, 517 and 129 tokens: estimate peak %zu, bound %zu (less the "
+                "longest sequence's q_last %zu)\n",
+                peak, b.estimate_bytes, q_last_bytes(&longest));
+  assert_int_equal(peak, b.estimate_bytes - q_last_bytes(&longest));
+  mtrain_plan_destroy(plan);
+  for (int s = 0; s < 3; s++) mtrain_pattern_destroy(pats[s]);
+  tensors_free(&t);
+  mtrain_context_destroy(ctx);
+}
+
 static void test_bound_scales(void **state) {
   (void)state;
   enum { BN = 32768, BHQ = 16, BHKV = 2, BD = 128, BG = 128 };
@@ -395,6 +438,7 @@ static void test_leak_loop(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_peaks_single_rank),
+      cmocka_unit_test(test_packed_estimate_peak),
       cmocka_unit_test(test_bound_scales),
       cmocka_unit_test(test_leak_loop),
   };

@@ -17,6 +17,12 @@
 /* Bytes of an allocation that attention.c rounds up from 0 to 1. */
 static size_t at_least_1(size_t bytes) { return bytes ? bytes : 1; }
 
+/* The gathered last-L queries of the ring form of the estimate. */
+static size_t q_last_bytes(int64_t N, int32_t Hq, int32_t d, int32_t last_q, mtrain_dtype_t dtype) {
+  const int32_t L = last_q < N ? last_q : (int32_t)N;
+  return (size_t)Hq * (size_t)L * (size_t)d * (dtype == MTRAIN_F64 ? 8 : 4);
+}
+
 /* estimate_core.c: the scores' backend buffers of one sequence of N tokens
  * with top-p heads (the normalisers' row sums and the row statistics, then
  * col and diag; top-k alone allocates only col and diag) plus the gathered
@@ -28,8 +34,7 @@ static size_t estimate_bytes(int64_t N, int32_t Hq, int32_t d, int32_t G, int32_
   const size_t hl = (size_t)Hq * (size_t)L, n_row_sums = hl * nb;
   const size_t n_row = n_row_sums + 2 * hl;
   const size_t n_col = (size_t)Hq * (size_t)N, n_diag = n_col * slots;
-  const size_t q_last = hl * (size_t)d * (dtype == MTRAIN_F64 ? 8 : 4);
-  return sizeof(double) * (n_row + n_col + n_diag) + q_last;
+  return sizeof(double) * (n_row + n_col + n_diag) + q_last_bytes(N, Hq, d, last_q, dtype);
 }
 
 mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_plan_t *plan,
@@ -83,11 +88,21 @@ mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_pl
     b.backward_bytes += ring_bwd;
   }
   if (last_q > 0) {
-    int64_t N = 0; /* the longest sequence: the estimation runs once per sequence */
-    for (int32_t s = 0; s < plan->num_seqs; s++)
-      if (plan->seqs[s].pattern->seq_len > N) N = plan->seqs[s].pattern->seq_len;
+    /* W > 1: one mtrain_pattern_estimate_ring per sequence, the longest's buffers. One rank:
+     * mtrain_pattern_estimate_batch holds every sequence's buffers at once; their sum, with
+     * the longest sequence's q_last term kept so that one sequence's bound is as on a ring
+     * (the single-rank estimate allocates no q_last: the caller subtracts it, mtrain.h). */
+    int64_t N = 0;
+    size_t sum = 0, longest = 0;
+    for (int32_t s = 0; s < plan->num_seqs; s++) {
+      const int64_t n = plan->seqs[s].pattern->seq_len;
+      const size_t one =
+          estimate_bytes(n, plan->num_heads, head_dim, plan->granularity, last_q, dtype);
+      sum += one - q_last_bytes(n, plan->num_heads, head_dim, last_q, dtype);
+      if (n > N) N = n, longest = one;
+    }
     b.estimate_bytes =
-        estimate_bytes(N, plan->num_heads, head_dim, plan->granularity, last_q, dtype);
+        plan->world > 1 ? longest : sum + q_last_bytes(N, plan->num_heads, head_dim, last_q, dtype);
   }
   b.backend_bytes = b.forward_bytes > b.backward_bytes ? b.forward_bytes : b.backward_bytes;
   if (b.estimate_bytes > b.backend_bytes) b.backend_bytes = b.estimate_bytes;

@@ -441,10 +441,12 @@ MTRAIN_API size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
  *  (docs/MEMORY.md gives the formula). All in bytes, requested sizes as
  *  counted by mtrain_context_memory. */
 typedef struct mtrain_memory_bound {
-  size_t estimate_bytes; /**< one mtrain_pattern_estimate_ring of a sequence of the plan with
-                              top-p heads (the single-rank estimate takes L x Hq x d x 4 less,
-                              top-k budgets alone Hq x L x (ceil(N/G) + 2) x 8 less; a batch
-                              of sequences the sum of theirs); 0 if last_q 0 */
+  size_t estimate_bytes; /**< with top-p heads: W > 1, one mtrain_pattern_estimate_ring of
+                              the plan's longest sequence; one rank, one
+                              mtrain_pattern_estimate_batch of all its sequences (the sum of
+                              theirs). The single-rank estimate takes L x Hq x d x 4 less (L
+                              of the longest sequence), top-k budgets alone
+                              Hq x L x (ceil(N/G) + 2) x 8 less per sequence; 0 if last_q 0 */
   size_t forward_bytes;  /**< one mtrain_attention_forward */
   size_t backward_bytes; /**< one mtrain_attention_backward */
   size_t backend_bytes;  /**< the largest of the three: the bound on backend_peak_bytes of a
