@@ -72,12 +72,16 @@ template <int D, int NWG> struct BwdShape {
   static constexpr int kDsOff = kStageOff + 2 * SB;
   static constexpr int kLdOff = kDsOff + TBS;
   static constexpr int kRingOff = kLdOff + 2 * 2 * kKT * 4;
-  static constexpr int kSmem = kRingOff + kRingBytesQ + 1024;
   /* dQ columns of a warpgroup; at d = 64 with two warpgroups each takes
    * all 64 columns over its own 64 keys (a 32-column N-major operand would
    * start inside a swizzle row) */
   static constexpr int DQN = D / NWG >= 64 ? D / NWG : D;
   static constexpr bool kDqOwnKeys = NWG > 1 && DQN == D;
+  /* kDqOwnKeys: the two warpgroups' parts of one dQ tile meet here before
+   * the atomics (per warpgroup, warp and k-slice, one float4 per lane) */
+  static constexpr int kXOff = kRingOff + kRingBytesQ;
+  static constexpr int kXBytes = kDqOwnKeys ? NWG * 4 * 4 * 32 * 16 : 0;
+  static constexpr int kSmem = kXOff + kXBytes + 1024;
   static_assert(TBK % 1024 == 0 && TBQ % 1024 == 0 && TBS % 1024 == 0, "1024-byte alignment");
   static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
 };
@@ -108,6 +112,38 @@ __device__ __forceinline__ void keys_by_queries(float (&x)[32], uint32_t sA, uin
     const uint32_t ka = (uint32_t)((kk >> 2) * BN * 128 + (kk & 3) * 32);
     const uint32_t kb = (uint32_t)((kk >> 2) * kKT * 128 + (kk & 3) * 32);
     wgmma_ss_m64n64k16<T, 0, 0>(x, sw128_desc(sA + ka, 16, 1024), sw128_desc(sB + kb, 16, 1024));
+  }
+}
+
+/* kDqOwnKeys (d 64, two warpgroups): each warpgroup holds its 64 keys'
+ * part of the same 64 x 64 dQ tile, warp j of both the same 16 rows.
+ * Instead of two atomics per element, warpgroup w keeps the columns 32 w ..
+ * 32 w + 31 (C fragment column groups KEEP .. KEEP + 3) and hands the other
+ * 32 (SEND ..) to warp j of the other warpgroup through shared memory
+ * (xs: [warpgroup][warp][group][lane] float4), then adds what it received
+ * and issues the atomics of its own 32 columns: half of the red.global
+ * traffic, split evenly over the 8 warps. The barrier (id 2 + j, the two
+ * warps j) orders the writes before the reads; the next write to xs comes
+ * after the next iteration's CTA barrier, when both have read. */
+template <int SEND, int KEEP>
+__device__ __forceinline__ void dq_pair_exchange(float (&acc)[32], float4 *xs, int wgi, int wj,
+                                                 int lane) {
+  float4 *mine = xs + (wgi * 4 + wj) * 4 * 32 + lane;
+  const float4 *theirs = xs + ((wgi ^ 1) * 4 + wj) * 4 * 32 + lane;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = SEND + j;
+    mine[32 * j] = make_float4(acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3]);
+  }
+  named_barrier(2 + wj, 64);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = KEEP + j;
+    const float4 x = theirs[32 * j];
+    acc[4 * n] += x.x;
+    acc[4 * n + 1] += x.y;
+    acc[4 * n + 2] += x.z;
+    acc[4 * n + 3] += x.w;
   }
 }
 
@@ -302,14 +338,30 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 #pragma unroll
         for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
         const float sc = st.scale;
+        if constexpr (S::kDqOwnKeys) {
+          static_assert(DQN == 64, "the exchange splits 64 columns");
+          float4 *xs = reinterpret_cast<float4 *>(sbase + S::kXOff);
+          if (wgi == 0)
+            dq_pair_exchange<4, 0>(acc, xs, wgi, warp & 3, lane);
+          else
+            dq_pair_exchange<0, 4>(acc, xs, wgi, warp & 3, lane);
+        }
+        /* the column groups this warpgroup adds into dq_acc */
+        constexpr int NRED = S::kDqOwnKeys ? 4 : DQN / 8;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int row = wr + g + 8 * hh;
           if (row < t.nvalid) {
             float *dqr = dq_acc + ((t.row0 + row) * st.Hq + t.h) * D + c0 + 2 * t4;
+            if (S::kDqOwnKeys && wgi == 1) {
 #pragma unroll
-            for (int n = 0; n < DQN / 8; ++n)
-              red_add_v2(dqr + 8 * n, sc * acc[4 * n + 2 * hh], sc * acc[4 * n + 2 * hh + 1]);
+              for (int n = 4; n < 8; ++n)
+                red_add_v2(dqr + 8 * n, sc * acc[4 * n + 2 * hh], sc * acc[4 * n + 2 * hh + 1]);
+            } else {
+#pragma unroll
+              for (int n = 0; n < NRED; ++n)
+                red_add_v2(dqr + 8 * n, sc * acc[4 * n + 2 * hh], sc * acc[4 * n + 2 * hh + 1]);
+            }
           }
         }
       } else {
