@@ -15,6 +15,12 @@
  *    key tile S = Q K^T is 8 (d 128) or 8 half-width (d 64) wgmma reading
  *    K K-major, O += P V is 4 wgmma m64n{d}k16 with P from registers and V
  *    read N-major;
+ *  - at d 64 the consumer loop is software-pipelined inside the warpgroup:
+ *    S of tile n + 1 is issued before P V of tile n, and its softmax runs
+ *    while P V is on the tensor cores (the producer publishes each tile as
+ *    soon as it has landed, so that looking one tile ahead does not wait);
+ *    at d 128 with two consumer warpgroups the second S fragment does not
+ *    fit the registers, and the loop takes one tile at a time;
  *  - the masks, the online softmax in the log2 domain, the skipped O
  *    rescale and the epilogue's merge into o_acc / lse_acc are variant 2's.
  * The backward of variant 3 is attn_wgmma_bwd.cu. */
@@ -150,6 +156,10 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   constexpr int NC = S::NC, BM = S::BM, TBK = S::TBK, NST = S::kStages;
   constexpr int NKS = D / 16; /* k-slices of Q K^T */
   constexpr int NO = D / 2;   /* O accumulators per thread (64 rows x D per warpgroup) */
+  /* the software pipeline of the consumer loop (below) at d 64; at d 128
+   * with two consumer warpgroups its second S fragment does not fit the 168
+   * registers a thread has (ptxas serializes the wgmma, C7512) */
+  constexpr bool kPipelined = D == 64;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   mma2::QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
@@ -177,7 +187,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
     const int p = tid - NC; /* producer thread */
     /* ---- producer warpgroup: walks the key tiles (every thread alike), loads
      * tile n into stage n % NST once the consumers released it, publishes
-     * tile n - 2 when its copies have landed (three tiles in flight) ---- */
+     * tile n - 2 once its copies have landed (three tiles in flight) ---- */
     KeyWalk2 w;
     w.init(st, h, qb, gq, qt * BM, rows_here);
     /* tile x's descriptor into the control block, then this thread's
@@ -189,6 +199,14 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
     KTile2 prev2, prev1; /* tiles n - 2 and n - 1, loaded, not yet published */
     prev2.kind = prev1.kind = 0;
     for (int n = 0;; ++n) {
+      /* tile n - 2 first, before the wait for a free stage: it is published
+       * as soon as it has landed, so the consumers, which look one tile ahead,
+       * do not wait on the producer's wait for the stage of tile n */
+      if (n >= 2) {
+        cp_async_wait<1>();  /* tile n - 2 has landed (this thread's copies) */
+        fence_proxy_async(); /* ... visible to wgmma's reads */
+        publish(n - 2, prev2);
+      }
       KTile2 t;
       const bool have = w.next(st, t);
       const int sn = n % NST;
@@ -206,17 +224,11 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
       if (!have) {
         cp_async_wait<0>();  /* every tile has landed (this thread's copies) */
         fence_proxy_async(); /* ... visible to wgmma's reads */
-        if (n >= 2) publish(n - 2, prev2);
         if (n >= 1) publish(n - 1, prev1);
         KTile2 end;
         end.kind = 0;
         publish(n, end);
         break;
-      }
-      if (n >= 2) {
-        cp_async_wait<2>();  /* tile n - 2 has landed (this thread's copies) */
-        fence_proxy_async(); /* ... visible to wgmma's reads */
-        publish(n - 2, prev2);
       }
       prev2 = prev1;
       prev1 = t;
@@ -254,94 +266,164 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float sl2 = st.scale * kLog2e;
 
-  for (int n = 0;; ++n) {
+  /* The tile's masked scores to probabilities in place (log2 domain, scale
+   * folded in); the running max and sums move on, alpha[hh] is the factor
+   * that O's row hh still needs. Returns whether a max of the warp changed. */
+  auto softmax = [&](float(&s)[32], const KTile2 &t, float(&alpha)[2]) -> bool {
+    /* masked scores -inf (raw scores; the scale is applied below) */
+    if (t.nvalid < kKT || (t.causal && t.off + kKT - 1 > wr0)) {
+#pragma unroll
+      for (int x = 0; x < 32; ++x) {
+        const int col = (x >> 2) * 8 + 2 * t4 + (x & 1);
+        const int row = wr0 + g + (((x >> 1) & 1) << 3);
+        if (col >= t.nvalid || (t.causal && col + t.off > row)) s[x] = -INFINITY;
+      }
+    }
+    /* online softmax, row hh: s[4n + 2hh], s[4n + 2hh + 1] */
+    bool changed = false;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hh], s[4 * c + 2 * hh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mnew = fmaxf(m[hh], mx * sl2);
+      changed |= mnew != m[hh];
+      const float mu = mnew == -INFINITY ? 0.f : mnew; /* no key yet: exp2(-inf) = 0 */
+      alpha[hh] = fast_exp2(m[hh] - mu);
+      m[hh] = mnew;
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        s[4 * c + 2 * hh] = fast_exp2(fmaf(s[4 * c + 2 * hh], sl2, -mu));
+        s[4 * c + 2 * hh + 1] = fast_exp2(fmaf(s[4 * c + 2 * hh + 1], sl2, -mu));
+        sum += s[4 * c + 2 * hh] + s[4 * c + 2 * hh + 1];
+      }
+      l[hh] = l[hh] * alpha[hh] + sum;
+    }
+    return __any_sync(0xffffffffu, changed);
+  };
+  /* O *= alpha (row-wise) */
+  auto rescale = [&](const float(&alpha)[2]) {
+#pragma unroll
+    for (int c = 0; c < NO / 4; ++c) {
+      o[4 * c] *= alpha[0];
+      o[4 * c + 1] *= alpha[0];
+      o[4 * c + 2] *= alpha[1];
+      o[4 * c + 3] *= alpha[1];
+    }
+  };
+  /* P's A fragment of k-slice j (keys 16j .. 16j + 15) packed from the C
+   * fragments of key columns 16j.. and 16j + 8.. */
+  uint32_t pa[4][4];
+  auto pack_p = [&](const float(&s)[32]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
+      pa[j][1] = pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+      pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+      pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+    }
+  };
+  /* waits for tile n's stage; false at the end of the walk */
+  auto next_tile = [&](int n, KTile2 &t) -> bool {
     const int sn = n % NST;
     while (!mbar_try_wait(full0 + 8 * sn, (uint32_t)((n / NST) & 1))) {
     }
-    const KTile2 t = ctl.tile[sn];
-    if (t.kind == 0) break;
-    const uint32_t sK = sKV + (uint32_t)(sn * 2 * TBK), sV = sK + TBK;
-    /* the warpgroup's 64 rows all padding, or all before the tile's keys
-     * (uniform over the warpgroup, as wgmma requires) */
-    const bool skip = wgr0 >= rows_here || (t.causal && t.off > wgr0 + 63);
-    if (!skip) {
-      /* S = Q K^T: s[4n + e] = key column 8n + 2 t4 + (e & 1) */
-      float s[32];
+    t = ctl.tile[sn];
+    return t.kind != 0;
+  };
+  auto stage_k = [&](int n) { return sKV + (uint32_t)((n % NST) * 2 * TBK); };
+  auto zero_s = [&](float(&s)[32]) {
 #pragma unroll
-      for (int x = 0; x < 32; ++x) {
-        s[x] = 0.f;
-        reg_fence(s[x]); /* zeroed before the fence: zeroing sunk past it makes
-                            ptxas serialize every wgmma of the kernel */
-      }
+    for (int x = 0; x < 32; ++x) {
+      s[x] = 0.f;
+      reg_fence(s[x]); /* zeroed before the fence: zeroing sunk past it makes
+                          ptxas serialize every wgmma of the kernel */
+    }
+  };
+
+  float s[32];
+  float alpha[2];
+  if constexpr (kPipelined) {
+    /* Software pipeline inside the warpgroup: while P_n V_n runs on the tensor
+     * cores, the softmax of tile n + 1 (whose S was issued just before it)
+     * runs on the other pipes. Per iteration: issue S_{n+1} = Q K_{n+1}^T,
+     * issue O += P_n V_n, wait for S_{n+1}, softmax, wait for P_n V_n,
+     * release stage n, rescale O, pack P_{n+1}. Every product is issued
+     * unconditionally (a wgmma under a branch makes ptxas serialize all of
+     * them, C7520): tiles that none of the warpgroup's rows reach are masked
+     * to P = 0, and past the walk's end S reads a stale stage and is
+     * dropped. */
+    KTile2 t;
+    bool have = next_tile(0, t);
+    zero_s(s);
+    wgmma_fence();
+    qk_product<D, T>(s, qf, stage_k(0));
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+    if (have) {
+      softmax(s, t, alpha); /* O is zero: nothing to rescale */
+      pack_p(s);
+    }
+    for (int n = 0; have; ++n) {
+      KTile2 t1;
+      const bool have1 = next_tile(n + 1, t1);
+      zero_s(s);
       wgmma_fence();
-      qk_product<D, T>(s, qf, sK);
+      qk_product<D, T>(s, qf, stage_k(n + 1)); /* S_{n+1} */
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_regs_by_rows64<D, T>(o, pa, stage_k(n) + TBK); /* O += P_n V_n */
+      wgmma_commit();
+      wgmma_wait<1>(); /* S_{n+1} done */
 #pragma unroll
       for (int x = 0; x < 32; ++x) reg_fence(s[x]);
-
-      /* masked scores -inf (raw scores; the scale is applied below) */
-      if (t.nvalid < kKT || (t.causal && t.off + kKT - 1 > wr0)) {
-#pragma unroll
-        for (int x = 0; x < 32; ++x) {
-          const int col = (x >> 2) * 8 + 2 * t4 + (x & 1);
-          const int row = wr0 + g + (((x >> 1) & 1) << 3);
-          if (col >= t.nvalid || (t.causal && col + t.off > row)) s[x] = -INFINITY;
-        }
-      }
-
-      /* online softmax, row hh: s[4n + 2hh], s[4n + 2hh + 1] */
       bool changed = false;
-      float alpha[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hh], s[4 * c + 2 * hh + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(m[hh], mx * sl2);
-        changed |= mnew != m[hh];
-        const float mu = mnew == -INFINITY ? 0.f : mnew; /* no key yet: exp2(-inf) = 0 */
-        alpha[hh] = fast_exp2(m[hh] - mu);
-        m[hh] = mnew;
-        float sum = 0.f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          s[4 * c + 2 * hh] = fast_exp2(fmaf(s[4 * c + 2 * hh], sl2, -mu));
-          s[4 * c + 2 * hh + 1] = fast_exp2(fmaf(s[4 * c + 2 * hh + 1], sl2, -mu));
-          sum += s[4 * c + 2 * hh] + s[4 * c + 2 * hh + 1];
-        }
-        l[hh] = l[hh] * alpha[hh] + sum;
-      }
-      if (__any_sync(0xffffffffu, changed)) {
-#pragma unroll
-        for (int c = 0; c < NO / 4; ++c) {
-          o[4 * c] *= alpha[0];
-          o[4 * c + 1] *= alpha[0];
-          o[4 * c + 2] *= alpha[1];
-          o[4 * c + 3] *= alpha[1];
-        }
-      }
-
-      /* O += P V: P's A fragment of k-slice j (keys 16j .. 16j + 15) packed
-       * from the C fragments of key columns 16j.. and 16j + 8.. */
-      uint32_t pa[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
-        pa[j][1] = pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-        pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-        pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
-      }
-      wgmma_fence();
-      wgmma_regs_by_rows64<D, T>(o, pa, sV); /* O += P V */
-      wgmma_commit();
-      wgmma_wait<0>();
+      if (have1) changed = softmax(s, t1, alpha);
+      wgmma_wait<0>(); /* P_n V_n done */
 #pragma unroll
       for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) reg_fence_u(pa[j][r]);
+      mbar_arrive(empty0 + 8 * (n % NST)); /* this thread's reads of stage n are done */
+      if (have1) {
+        if (changed) rescale(alpha);
+        pack_p(s);
+      }
+      have = have1;
     }
-    mbar_arrive(empty0 + 8 * sn); /* this thread's reads of the stage are done */
+  } else {
+    /* one tile at a time: S, softmax, P V, each product waited for */
+    for (int n = 0;; ++n) {
+      KTile2 t;
+      if (!next_tile(n, t)) break;
+      /* the warpgroup's 64 rows all padding, or all before the tile's keys
+       * (uniform over the warpgroup, as wgmma requires) */
+      const bool skip = wgr0 >= rows_here || (t.causal && t.off > wgr0 + 63);
+      if (!skip) {
+        zero_s(s);
+        wgmma_fence();
+        qk_product<D, T>(s, qf, stage_k(n));
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+        if (softmax(s, t, alpha)) rescale(alpha);
+        pack_p(s);
+        wgmma_fence();
+        wgmma_regs_by_rows64<D, T>(o, pa, stage_k(n) + TBK); /* O += P V */
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+      }
+      mbar_arrive(empty0 + 8 * (n % NST)); /* this thread's reads of the stage are done */
+    }
   }
 
   /* merge the step's (lse_s, O / l) into the running values, row by row */
