@@ -350,6 +350,15 @@ MTRAIN_API int32_t mtrain_pattern_granularity(const mtrain_pattern_t *pattern);
 MTRAIN_API int64_t mtrain_pattern_num_blocks(const mtrain_pattern_t *pattern);
 /** 1 when head h is in block-mask form. */
 MTRAIN_API int mtrain_pattern_head_is_block_mask(const mtrain_pattern_t *pattern, int32_t head);
+/** A 128-bit digest of the content of patterns[0 .. count - 1], in order: each
+ *  pattern's seq_len, heads, granularity and causality, and every head's
+ *  diagonals and verticals or block mask. Equal lists give equal digests;
+ *  different lists differ except with a chance of about 2^-64 per pair (not
+ *  cryptographic: meant for caches of plans, such as the Python package's, not
+ *  for untrusted input). Reads only; any thread, while no thread changes the
+ *  patterns. count may be 0. */
+MTRAIN_API mtrain_status_t mtrain_pattern_digest(const mtrain_pattern_t *const *patterns,
+                                                 int32_t count, uint64_t digest[2]);
 /** Borrowed views of head h's vertical-slash sets (valid until the pattern
  *  changes). For a block-mask head both counts are 0. */
 MTRAIN_API mtrain_status_t mtrain_pattern_get_head(const mtrain_pattern_t *pattern, int32_t head,

@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import os
-import struct
 import threading
 import weakref
 from collections import OrderedDict
@@ -824,7 +823,7 @@ def build_plan(
         assert q is not None and k is not None
         patterns = _estimate(ctx, opts, q, k, seq_lens, local, layouts)
         # the same patterns give the same plan: reuse a live one (and its id)
-        key = (id(ctx), opts.encode(), tokens, tuple(seq_lens), *map(_content_key, patterns))
+        key = (id(ctx), opts.encode(), tokens, tuple(seq_lens), _content_key(patterns))
         with _lock:
             i = _plans_by_key.get(key)
             if i is not None and i in _plans:
@@ -868,27 +867,13 @@ def build_plan(
     return plan
 
 
-def _content_key(p: Pattern) -> bytes:
-    """A digest of a vertical-slash pattern's sets (estimated patterns have
-    no block-mask heads)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(struct.pack("<qii", p.seq_len, p.num_heads, p.granularity))
-    dp = ctypes.POINTER(ctypes.c_int32)()
-    vp = ctypes.POINTER(ctypes.c_int64)()
-    nd, nv = ctypes.c_int32(), ctypes.c_int32()
-    for head in range(p.num_heads):
-        L.check(
-            L.lib().pattern_get_head(
-                p.ptr, head, ctypes.byref(dp), ctypes.byref(nd), ctypes.byref(vp),
-                ctypes.byref(nv),
-            )
-        )  # fmt: skip
-        h.update(struct.pack("<ii", nd.value, nv.value))
-        if nd.value:
-            h.update(ctypes.string_at(dp, 4 * nd.value))
-        if nv.value:
-            h.update(ctypes.string_at(vp, 8 * nv.value))
-    return h.digest()
+def _content_key(patterns: Sequence[Pattern]) -> tuple[int, int]:
+    """The 128-bit digest of the patterns' content, in order
+    (mtrain_pattern_digest: one call for the batch)."""
+    arr = (ctypes.c_void_p * len(patterns))(*[p.ptr.value for p in patterns])
+    out = (ctypes.c_uint64 * 2)()
+    L.check(L.lib().pattern_digest(arr, len(patterns), out), "pattern digest")
+    return (out[0], out[1])
 
 
 def cached_plan(

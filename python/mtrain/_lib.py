@@ -293,6 +293,7 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
             ctypes.POINTER(I32),
         ),
     ),
+    "mtrain_pattern_digest": (STATUS, (PP, I32, ctypes.POINTER(ctypes.c_uint64))),
     "mtrain_pattern_allowed": (ctypes.c_int, (P, I32, I64, I64)),
     "mtrain_pattern_count_pairs": (I64, (P, I32)),
     "mtrain_pattern_read_json": (STATUS, (ctypes.c_char_p, PP)),

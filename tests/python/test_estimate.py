@@ -122,6 +122,43 @@ def test_packed_sequences(gen: torch.Generator) -> None:
             assert (list(got.head(h)[0]), list(got.head(h)[1])) == want, (s, h)
 
 
+def test_live_plan_found_by_content(gen: torch.Generator) -> None:
+    """The same estimated patterns (a packed batch, estimated again from copies
+    of its inputs) find the live plan through their content digest; a batch
+    whose patterns differ in one sequence, or holds them in another order,
+    gets a plan of its own."""
+    hq, hkv, d, g = 2, 1, 16, 16
+    lens = [40, 64, 23]
+    n = sum(lens)
+    q, k = randn(gen, n, hq, d), randn(gen, n, hkv, d)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"granularity": g, "last_q": 8, "num_sinks": 0, "window": 0, "backend": "cpu-ref"}
+    budget = mtrain.TopK(5, 1)
+    first = mtrain.estimate_pattern(q, k, budget, cu_seqlens=cu, **kw)
+    again = mtrain.estimate_pattern(q.clone(), k.clone(), budget, cu_seqlens=cu, **kw)
+    assert again._plan() is first._plan()
+    # the last sequence's keys change: its pattern differs, the plan too
+    k2 = k.clone()
+    k2[lens[0] + lens[1] :] = randn(gen, lens[2], hkv, d)
+    other = mtrain.estimate_pattern(q, k2, budget, cu_seqlens=cu, **kw)
+    assert [p.head(h) for p in other.patterns for h in range(hq)] != [
+        p.head(h) for p in first.patterns for h in range(hq)
+    ]
+    assert other._plan() is not first._plan()
+    # two sequences of one length swapped: same lengths, patterns in another order
+    a, b = randn(gen, 32, hq, d), randn(gen, 32, hq, d)
+    ka, kb = randn(gen, 32, hkv, d), randn(gen, 32, hkv, d)
+    cu2 = torch.tensor([0, 32, 64], dtype=torch.int32)
+    ab = mtrain.estimate_pattern(
+        torch.cat([a, b]), torch.cat([ka, kb]), budget, cu_seqlens=cu2, **kw
+    )
+    ba = mtrain.estimate_pattern(
+        torch.cat([b, a]), torch.cat([kb, ka]), budget, cu_seqlens=cu2, **kw
+    )
+    assert [p.head(0) for p in ab.patterns] != [p.head(0) for p in ba.patterns]
+    assert ba._plan() is not ab._plan()
+
+
 def test_estimate_feeds_forward_and_backward(gen: torch.Generator) -> None:
     """One step: the estimate's plan serves the forward and the backward; the
     gradients are those of the estimated pattern's masked attention."""
