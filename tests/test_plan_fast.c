@@ -255,6 +255,74 @@ static void test_random_plans(void **state) {
   }
 }
 
+/* Packed batches (several sequences in one plan, built in one parallel loop
+ * over all sequences, steps and heads): the library's plan of rank r against
+ * the reference's, single-rank and on rings of every layout kind. */
+static void compare_packed_rank(const mtrain_pattern_t *const *ps, int32_t n, int32_t W, int32_t r,
+                                int kind, int threads, const char *what) {
+  const int32_t G = mtrain_pattern_granularity(ps[0]);
+  int64_t offsets[9] = {0};
+  for (int32_t s = 0; s < n; s++) offsets[s + 1] = offsets[s] + mtrain_pattern_seq_len(ps[s]);
+  const mtrain_seqs_t seqs = {n, offsets};
+  mtrain_comm_t *comm = NULL;
+  assert_int_equal(mtrain_comm_create_planning(r, W, &comm), MTRAIN_SUCCESS);
+  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
+  cfg.granularity = G;
+  cfg.num_threads = threads;
+  mtrain_context_t *ctx = NULL;
+  assert_int_equal(mtrain_context_create(&cfg, W > 1 ? comm : NULL, &ctx), MTRAIN_SUCCESS);
+  mtrain_layout_t *layouts[8] = {NULL};
+  mtrain_plan_t *fast = NULL, *ref = NULL;
+  mtrain_status_t sf, sr;
+  if (kind < 0) {
+    sf = mtrain_plan_create(ctx, &seqs, ps, &fast);
+    sr = ref_plan_create(ctx, &seqs, ps, &ref);
+  } else {
+    for (int32_t s = 0; s < n; s++)
+      assert_int_equal(mtrain_layout_create((mtrain_layout_kind_t)kind,
+                                            mtrain_pattern_seq_len(ps[s]), G, W, NULL, &layouts[s]),
+                       MTRAIN_SUCCESS);
+    const mtrain_layout_t *const *ls = (const mtrain_layout_t *const *)layouts;
+    sf = mtrain_plan_create_ring(ctx, &seqs, ls, 0, ps, &fast);
+    sr = ref_plan_create_ring(ctx, &seqs, ls, 0, ps, &ref);
+  }
+  snprintf(where, sizeof where, "%.300s: %d sequences G %d W %d rank %d layout %s threads %d", what,
+           n, G, W, r, kind < 0 ? "single" : mtrain_layout_kind_name(kind), threads);
+  SAME(sf, sr, "status");
+  assert_int_equal(sf, MTRAIN_SUCCESS);
+  same_plan(fast, ref);
+  mtrain_plan_destroy(fast);
+  ref_plan_destroy(ref);
+  for (int32_t s = 0; s < n; s++) mtrain_layout_destroy(layouts[s]);
+  mtrain_context_destroy(ctx);
+  mtrain_comm_destroy(comm);
+}
+
+static void test_packed_plans(void **state) {
+  (void)state;
+  for (int c = 0; c < (quick() ? 3 : 8); c++) {
+    const uint64_t seed = ts_seed(0xBA7C0000u + (uint64_t)c);
+    ts_rng_t rng;
+    ts_rng_seed(&rng, seed);
+    const int32_t G = (int32_t)(8 << ts_rng_below(&rng, 4)), H = 1 + (int32_t)ts_rng_below(&rng, 4);
+    const int32_t n = 2 + (int32_t)ts_rng_below(&rng, 7);
+    mtrain_pattern_t *ps[8];
+    for (int32_t s = 0; s < n; s++)
+      ps[s] = random_pattern(&rng, 1 + ts_rng_below(&rng, 20 * G), H, G);
+    char what[96];
+    snprintf(what, sizeof what, "packed plan seed %llu", (unsigned long long)seed);
+    printf("%s: %d sequences G %d heads %d\n", what, n, G, H);
+    const mtrain_pattern_t *const *cps = (const mtrain_pattern_t *const *)ps;
+    compare_packed_rank(cps, n, 1, 0, -1, 1 + c % 3, what);
+    static const int32_t worlds[] = {2, 3};
+    for (int wi = 0; wi < 2; wi++)
+      for (int kind = 0; kind <= MTRAIN_LAYOUT_BALANCED; kind++)
+        for (int32_t r = 0; r < worlds[wi]; r++)
+          compare_packed_rank(cps, n, worlds[wi], r, kind, 1 + (r + kind) % 3, what);
+    for (int32_t s = 0; s < n; s++) mtrain_pattern_destroy(ps[s]);
+  }
+}
+
 /* The step builder alone, on arbitrary increasing block subsets (padding
  * blocks included) for q and k, with and without bars. */
 static void test_step_head_builder(void **state) {
@@ -508,9 +576,10 @@ static void test_long_budget_plans(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_selection),    cmocka_unit_test(test_step_head_builder),
-      cmocka_unit_test(test_random_plans), cmocka_unit_test(test_random_estimates),
-      cmocka_unit_test(test_real_budgets), cmocka_unit_test(test_long_budget_plans),
+      cmocka_unit_test(test_selection),         cmocka_unit_test(test_step_head_builder),
+      cmocka_unit_test(test_random_plans),      cmocka_unit_test(test_packed_plans),
+      cmocka_unit_test(test_random_estimates),  cmocka_unit_test(test_real_budgets),
+      cmocka_unit_test(test_long_budget_plans),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -589,25 +589,32 @@ static void step_head_done(mtrain_plan_t *plan, const mtrain_plan_seq_t *s,
 }
 
 /* Threads of the host-side plan work: the context's (OpenMP's default when
- * 0). Every (step, head) entry is built by one thread from read-only inputs,
- * and the totals are added afterwards in (step, head) order, so the plan is
- * the same for any thread count. */
+ * 0). Every (sequence, step, head) entry is built by one thread from
+ * read-only inputs, and the totals are added afterwards in that order, so
+ * the plan is the same for any thread count. */
 static int plan_threads(const mtrain_context_t *ctx) {
   return ctx->config.num_threads > 0 ? ctx->config.num_threads : omp_get_max_threads();
 }
 
-/* The head tables of a pattern, one per head, built in parallel (NULL when
- * out of memory). */
-static head_aux_t *head_aux_build_all(const mtrain_pattern_t *p, int threads) {
-  head_aux_t *aux = calloc((size_t)p->num_heads, sizeof *aux);
-  if (!aux) return NULL;
+/* The head tables of every sequence's pattern (aux[s][h]), all (sequence,
+ * head) pairs in one parallel loop, so that a packed batch of many short
+ * sequences pays for one OpenMP region, not one per sequence. aux[s] are
+ * allocated here; 0 when out of memory (head_aux_free_all frees what
+ * exists). */
+static int head_aux_build_seqs(const mtrain_plan_t *plan, head_aux_t **aux, int threads) {
+  const int32_t S = plan->num_seqs, H = plan->num_heads;
+  for (int32_t s = 0; s < S; s++) {
+    aux[s] = calloc((size_t)H, sizeof *aux[s]);
+    if (!aux[s]) return 0;
+  }
+  const int64_t tasks = (int64_t)S * H;
   int ok = 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(& : ok)
-  for (int32_t h = 0; h < p->num_heads; h++) ok &= head_aux_build(p, h, &aux[h]);
-  if (ok) return aux;
-  for (int32_t h = 0; h < p->num_heads; h++) head_aux_free(&aux[h]);
-  free(aux);
-  return NULL;
+  for (int64_t i = 0; i < tasks; i++) {
+    const int32_t s = (int32_t)(i / H), h = (int32_t)(i % H);
+    ok &= head_aux_build(plan->seqs[s].pattern, h, &aux[s][h]);
+  }
+  return ok;
 }
 
 static void head_aux_free_all(head_aux_t *aux, int32_t num_heads) {
@@ -615,38 +622,43 @@ static void head_aux_free_all(head_aux_t *aux, int32_t num_heads) {
   free(aux);
 }
 
-/* Builds every step of sequence s (step t's chunk and source already set
- * in s->steps[t]): all (step, head) entries in parallel, then the views and
- * the totals in order. */
-static mtrain_status_t build_steps(mtrain_plan_t *plan, mtrain_plan_seq_t *s, const head_aux_t *aux,
-                                   int with_bars, int threads) {
+/* Builds every step of every sequence (step t's chunk and source already
+ * set in seqs[s].steps[t]): the chunk tables in order, all (sequence, step,
+ * head) entries in one parallel loop (one OpenMP region for a packed batch
+ * of any size), then the views and the totals in order. */
+static mtrain_status_t build_steps(mtrain_plan_t *plan, head_aux_t *const *aux, int threads) {
   const int32_t T = plan->num_steps, H = plan->num_heads;
-  chunk_aux_t *caux = calloc((size_t)T, sizeof *caux);
-  uint8_t *done = calloc((size_t)T * (size_t)H, 1);
+  const int64_t chunks = (int64_t)plan->num_seqs * T, tasks = chunks * H;
+  chunk_aux_t *caux = calloc((size_t)chunks, sizeof *caux);
+  uint8_t *done = calloc((size_t)tasks, 1);
   mtrain_status_t st = MTRAIN_SUCCESS;
   int ok = caux && done;
-  for (int32_t t = 0; ok && t < T; t++) {
+  for (int64_t x = 0; ok && x < chunks; x++) {
+    mtrain_plan_seq_t *s = &plan->seqs[x / T];
+    const int32_t t = (int32_t)(x % T);
     mtrain_plan_step_t *step = &s->steps[t];
     st = step_init(plan, s, step, t, step->src_rank, step->k.tokens, step->k.num_blocks,
                    step->k.global);
     ok = st == MTRAIN_SUCCESS &&
          chunk_aux_build(&step->k, max_global_of(&s->q, &step->k), s->pattern->seq_len,
-                         s->pattern->granularity, &caux[t]);
+                         s->pattern->granularity, &caux[x]);
   }
   if (ok) {
-    const int64_t tasks = (int64_t)T * H;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < tasks; i++) {
-      const int32_t t = (int32_t)(i / H), h = (int32_t)(i % H);
-      mtrain_plan_step_t *step = &s->steps[t];
-      done[i] = (uint8_t)build_step_head_core(s->pattern, h, &aux[h], &s->q, &step->k, &caux[t],
-                                              with_bars, &step->heads[h]);
+      const int64_t x = i / H;
+      const int32_t h = (int32_t)(i % H);
+      mtrain_plan_seq_t *s = &plan->seqs[x / T];
+      mtrain_plan_step_t *step = &s->steps[x % T];
+      done[i] = (uint8_t)build_step_head_core(s->pattern, h, &aux[x / T][h], &s->q, &step->k,
+                                              &caux[x], s->bar_steps == NULL, &step->heads[h]);
     }
     for (int64_t i = 0; ok && i < tasks; i++) ok = done[i];
   }
-  for (int32_t t = 0; ok && t < T; t++)
-    for (int32_t h = 0; h < H; h++) step_head_done(plan, s, &s->steps[t], h);
-  for (int32_t t = 0; caux && t < T; t++) chunk_aux_free(&caux[t]);
+  for (int64_t x = 0; ok && x < chunks; x++)
+    for (int32_t h = 0; h < H; h++)
+      step_head_done(plan, &plan->seqs[x / T], &plan->seqs[x / T].steps[x % T], h);
+  for (int64_t x = 0; caux && x < chunks; x++) chunk_aux_free(&caux[x]);
   free(caux);
   free(done);
   if (st) return st;
@@ -952,9 +964,9 @@ static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
       ps->q_global[b] = layouts ? mtrain_layout_rank_blocks(layouts[s], rank)[b] : b;
     ps->q.global = ps->q_global; /* the plan must not depend on the layout's lifetime */
     plan->local_tokens += ps->q.tokens;
-    aux[s] = head_aux_build_all(ps->pattern, threads);
-    MTRAIN_FAIL_IF(!aux[s], MTRAIN_ERR_OUT_OF_MEMORY, "plan: out of memory");
   }
+  MTRAIN_FAIL_IF(!head_aux_build_seqs(plan, aux, threads), MTRAIN_ERR_OUT_OF_MEMORY,
+                 "plan: out of memory");
   if (world > 1)
     for (int32_t s = 0; s < num_seqs; s++)
       if (mtrain_layout_bars_mode(layouts[s]) == MTRAIN_BARS_GATHERED) {
@@ -979,8 +991,8 @@ static mtrain_status_t build_plan(mtrain_context_t *ctx, int32_t num_seqs,
       ps->steps[t].src_rank = src;
       ps->steps[t].k = k;
     }
-    MTRAIN_TRY(build_steps(plan, ps, aux[s], ps->bar_steps == NULL, threads));
   }
+  MTRAIN_TRY(build_steps(plan, aux, threads));
   plan->bytes += sizeof *plan + (size_t)num_seqs * sizeof *plan->seqs;
   if (layouts) MTRAIN_TRY(check_ring_plan_agrees(ctx, plan));
   for (int32_t s = 0; s < num_seqs; s++) head_aux_free_all(aux[s], plan->num_heads);
