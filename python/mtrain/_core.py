@@ -43,9 +43,8 @@ _patterns: weakref.WeakValueDictionary[int, Pattern] = weakref.WeakValueDictiona
 _lock = threading.RLock()  # RLock: a handle finalizer may run inside
 
 
-def _new_handle(kind: int) -> tuple[int, torch.Tensor]:
-    i = next(_ids)
-    return i, torch.tensor([MAGIC, kind, i], dtype=torch.int64)
+def _handle_tensor(kind: int, i: int) -> torch.Tensor:
+    return torch.tensor([MAGIC, kind, i], dtype=torch.int64)
 
 
 def _handle_id(handle: torch.Tensor, kind: int, what: str) -> int:
@@ -75,8 +74,18 @@ class Pattern:
 
     def __init__(self, ptr: int) -> None:
         self._ptr = ctypes.c_void_p(ptr)
-        self.id, self.handle = _new_handle(KIND_PATTERN)
+        self.id = next(_ids)
+        self._handle: torch.Tensor | None = None
         _patterns[self.id] = self
+
+    @property
+    def handle(self) -> torch.Tensor:
+        """The handle tensor that names this pattern to the torch ops (made on
+        first use: a packed batch's estimate makes a pattern per document, and
+        most never reach an op)."""
+        if self._handle is None:
+            self._handle = _handle_tensor(KIND_PATTERN, self.id)
+        return self._handle
 
     def __del__(self) -> None:
         ptr = getattr(self, "_ptr", None)
@@ -835,7 +844,10 @@ def build_plan(
         raise L.fail(
             L.ERR_SHAPE_MISMATCH, f"{len(patterns)} patterns for {len(seq_lens)} sequences"
         )
-    for s, (p, n) in enumerate(zip(patterns, seq_lens, strict=True)):
+    # the given patterns against the batch (dense and estimated ones are made to
+    # fit it: no need to read them back, a packed batch's documents one by one)
+    checked = patterns if opts.pattern == "given" else []
+    for s, (p, n) in enumerate(zip(checked, seq_lens, strict=False)):
         if p.seq_len != n or p.num_heads != num_heads or p.granularity != g:
             raise L.fail(
                 L.ERR_SHAPE_MISMATCH if p.seq_len != n else L.ERR_HEAD_MISMATCH
