@@ -76,14 +76,15 @@ class Pattern:
         self._ptr = ctypes.c_void_p(ptr)
         self.id = next(_ids)
         self._handle: torch.Tensor | None = None
-        _patterns[self.id] = self
 
     @property
     def handle(self) -> torch.Tensor:
-        """The handle tensor that names this pattern to the torch ops (made on
-        first use: a packed batch's estimate makes a pattern per document, and
-        most never reach an op)."""
+        """The handle tensor that names this pattern to the torch ops (made, and
+        the pattern registered for resolve_pattern, on first use: a packed
+        batch's estimate makes a pattern per document, and most never reach an
+        op)."""
         if self._handle is None:
+            _patterns[self.id] = self
             self._handle = _handle_tensor(KIND_PATTERN, self.id)
         return self._handle
 
