@@ -17,7 +17,9 @@
  *    (stmatrix) and dQ = dS K is one more wgmma (dS read M-major, K read
  *    N-major), added into dq_acc with red.global.add.v2.f32; at d = 128
  *    with two warpgroups each takes 64 of dQ's columns over all 128 keys,
- *    at d = 64 each adds its own keys' part of all columns;
+ *    at d = 64 each computes its own keys' part of all columns, and the
+ *    two parts are summed through shared memory before the atomics
+ *    (dq_pair_exchange);
  *  - deterministic contexts run variant 2's query-major dQ kernel
  *    (cuda_mma2_bwd_dq) and this kernel without its dQ product.
  * Per (query i, key j): p = exp(scale q_i.k_j - lse_i), dp = dout_i.v_j,
