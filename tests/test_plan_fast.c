@@ -129,13 +129,18 @@ static void same_plan(const mtrain_plan_t *a, const mtrain_plan_t *b) {
   }
 }
 
-/* Builds the plan of rank r of W (layout kind, ranks per node) with the
- * library and the reference and compares them; W == 1 with kind < 0: the
- * single-rank mtrain_plan_create. */
-static void compare_plan_rank(const mtrain_pattern_t *p, int32_t W, int32_t r, int kind,
-                              int32_t rpn, int threads, const char *what) {
-  const int64_t N = mtrain_pattern_seq_len(p);
-  const int32_t G = mtrain_pattern_granularity(p);
+/* Builds the plan of rank r of W (layout kind, ranks per node) for the n
+ * sequences ps (a packed batch when n > 1; n == 1 passes no mtrain_seqs_t)
+ * with the library and the reference and compares them; W == 1 with kind < 0:
+ * the single-rank mtrain_plan_create. */
+static void compare_batch_rank(const mtrain_pattern_t *const *ps, int32_t n, int32_t W, int32_t r,
+                               int kind, int32_t rpn, int threads, const char *what) {
+  const int32_t G = mtrain_pattern_granularity(ps[0]);
+  int64_t offsets[9] = {0};
+  assert_true(n >= 1 && n <= 8);
+  for (int32_t s = 0; s < n; s++) offsets[s + 1] = offsets[s] + mtrain_pattern_seq_len(ps[s]);
+  const mtrain_seqs_t batch = {n, offsets};
+  const mtrain_seqs_t *seqs = n > 1 ? &batch : NULL;
   mtrain_comm_t *comm = NULL;
   assert_int_equal(mtrain_comm_create_planning(r, W, &comm), MTRAIN_SUCCESS);
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
@@ -143,29 +148,38 @@ static void compare_plan_rank(const mtrain_pattern_t *p, int32_t W, int32_t r, i
   cfg.num_threads = threads;
   mtrain_context_t *ctx = NULL;
   assert_int_equal(mtrain_context_create(&cfg, W > 1 ? comm : NULL, &ctx), MTRAIN_SUCCESS);
-  mtrain_layout_t *layout = NULL;
+  mtrain_layout_t *layouts[8] = {NULL};
   mtrain_plan_t *fast = NULL, *ref = NULL;
   mtrain_status_t sf, sr;
   if (kind < 0) {
-    sf = mtrain_plan_create(ctx, NULL, (const mtrain_pattern_t *const[]){p}, &fast);
-    sr = ref_plan_create(ctx, NULL, (const mtrain_pattern_t *const[]){p}, &ref);
+    sf = mtrain_plan_create(ctx, seqs, ps, &fast);
+    sr = ref_plan_create(ctx, seqs, ps, &ref);
   } else {
-    assert_int_equal(mtrain_layout_create((mtrain_layout_kind_t)kind, N, G, W, NULL, &layout),
-                     MTRAIN_SUCCESS);
-    const mtrain_layout_t *const ls[] = {layout};
-    sf = mtrain_plan_create_ring(ctx, NULL, ls, rpn, (const mtrain_pattern_t *const[]){p}, &fast);
-    sr = ref_plan_create_ring(ctx, NULL, ls, rpn, (const mtrain_pattern_t *const[]){p}, &ref);
+    for (int32_t s = 0; s < n; s++)
+      assert_int_equal(mtrain_layout_create((mtrain_layout_kind_t)kind,
+                                            mtrain_pattern_seq_len(ps[s]), G, W, NULL, &layouts[s]),
+                       MTRAIN_SUCCESS);
+    const mtrain_layout_t *const *ls = (const mtrain_layout_t *const *)layouts;
+    sf = mtrain_plan_create_ring(ctx, seqs, ls, rpn, ps, &fast);
+    sr = ref_plan_create_ring(ctx, seqs, ls, rpn, ps, &ref);
   }
-  snprintf(where, sizeof where, "%.300s: N %lld G %d W %d rank %d layout %s rpn %d threads %d",
-           what, (long long)N, G, W, r, kind < 0 ? "single" : mtrain_layout_kind_name(kind), rpn,
-           threads);
+  snprintf(where, sizeof where,
+           "%.300s: %d sequence(s), N %lld (first) G %d W %d rank %d layout %s rpn %d threads %d",
+           what, n, (long long)offsets[1], G, W, r,
+           kind < 0 ? "single" : mtrain_layout_kind_name(kind), rpn, threads);
   SAME(sf, sr, "status");
   if (sf == MTRAIN_SUCCESS) same_plan(fast, ref);
   mtrain_plan_destroy(fast);
   ref_plan_destroy(ref);
-  mtrain_layout_destroy(layout);
+  for (int32_t s = 0; s < n; s++) mtrain_layout_destroy(layouts[s]);
   mtrain_context_destroy(ctx);
   mtrain_comm_destroy(comm);
+}
+
+/* One sequence's plan (compare_batch_rank with n = 1). */
+static void compare_plan_rank(const mtrain_pattern_t *p, int32_t W, int32_t r, int kind,
+                              int32_t rpn, int threads, const char *what) {
+  compare_batch_rank((const mtrain_pattern_t *const[]){p}, 1, W, r, kind, rpn, threads, what);
 }
 
 /* Every rank of W = 1, 2, 3, 5 over every layout kind (flat; hierarchical
@@ -258,46 +272,6 @@ static void test_random_plans(void **state) {
 /* Packed batches (several sequences in one plan, built in one parallel loop
  * over all sequences, steps and heads): the library's plan of rank r against
  * the reference's, single-rank and on rings of every layout kind. */
-static void compare_packed_rank(const mtrain_pattern_t *const *ps, int32_t n, int32_t W, int32_t r,
-                                int kind, int threads, const char *what) {
-  const int32_t G = mtrain_pattern_granularity(ps[0]);
-  int64_t offsets[9] = {0};
-  for (int32_t s = 0; s < n; s++) offsets[s + 1] = offsets[s] + mtrain_pattern_seq_len(ps[s]);
-  const mtrain_seqs_t seqs = {n, offsets};
-  mtrain_comm_t *comm = NULL;
-  assert_int_equal(mtrain_comm_create_planning(r, W, &comm), MTRAIN_SUCCESS);
-  mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
-  cfg.granularity = G;
-  cfg.num_threads = threads;
-  mtrain_context_t *ctx = NULL;
-  assert_int_equal(mtrain_context_create(&cfg, W > 1 ? comm : NULL, &ctx), MTRAIN_SUCCESS);
-  mtrain_layout_t *layouts[8] = {NULL};
-  mtrain_plan_t *fast = NULL, *ref = NULL;
-  mtrain_status_t sf, sr;
-  if (kind < 0) {
-    sf = mtrain_plan_create(ctx, &seqs, ps, &fast);
-    sr = ref_plan_create(ctx, &seqs, ps, &ref);
-  } else {
-    for (int32_t s = 0; s < n; s++)
-      assert_int_equal(mtrain_layout_create((mtrain_layout_kind_t)kind,
-                                            mtrain_pattern_seq_len(ps[s]), G, W, NULL, &layouts[s]),
-                       MTRAIN_SUCCESS);
-    const mtrain_layout_t *const *ls = (const mtrain_layout_t *const *)layouts;
-    sf = mtrain_plan_create_ring(ctx, &seqs, ls, 0, ps, &fast);
-    sr = ref_plan_create_ring(ctx, &seqs, ls, 0, ps, &ref);
-  }
-  snprintf(where, sizeof where, "%.300s: %d sequences G %d W %d rank %d layout %s threads %d", what,
-           n, G, W, r, kind < 0 ? "single" : mtrain_layout_kind_name(kind), threads);
-  SAME(sf, sr, "status");
-  assert_int_equal(sf, MTRAIN_SUCCESS);
-  same_plan(fast, ref);
-  mtrain_plan_destroy(fast);
-  ref_plan_destroy(ref);
-  for (int32_t s = 0; s < n; s++) mtrain_layout_destroy(layouts[s]);
-  mtrain_context_destroy(ctx);
-  mtrain_comm_destroy(comm);
-}
-
 static void test_packed_plans(void **state) {
   (void)state;
   for (int c = 0; c < (quick() ? 3 : 8); c++) {
@@ -313,12 +287,12 @@ static void test_packed_plans(void **state) {
     snprintf(what, sizeof what, "packed plan seed %llu", (unsigned long long)seed);
     printf("%s: %d sequences G %d heads %d\n", what, n, G, H);
     const mtrain_pattern_t *const *cps = (const mtrain_pattern_t *const *)ps;
-    compare_packed_rank(cps, n, 1, 0, -1, 1 + c % 3, what);
+    compare_batch_rank(cps, n, 1, 0, -1, 0, 1 + c % 3, what);
     static const int32_t worlds[] = {2, 3};
     for (int wi = 0; wi < 2; wi++)
       for (int kind = 0; kind <= MTRAIN_LAYOUT_BALANCED; kind++)
         for (int32_t r = 0; r < worlds[wi]; r++)
-          compare_packed_rank(cps, n, worlds[wi], r, kind, 1 + (r + kind) % 3, what);
+          compare_batch_rank(cps, n, worlds[wi], r, kind, 0, 1 + (r + kind) % 3, what);
     for (int32_t s = 0; s < n; s++) mtrain_pattern_destroy(ps[s]);
   }
 }
