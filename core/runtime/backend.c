@@ -84,6 +84,21 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
                         "backend table '%s': 'pattern_select_batch' is set but 'pattern_select' "
                         "is NULL (the batch slot needs the single one)",
                         ops->name);
+  {
+    const int n = !!ops->device_plan_size + !!ops->device_plan_build + !!ops->device_plan_read +
+                  !!ops->device_plan_release;
+    if (n != 0 && n != 4)
+      return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                          "backend table '%s': of the device-plan slots device_plan_size, "
+                          "device_plan_build, device_plan_read and device_plan_release only %d "
+                          "%s set (all four or none)",
+                          ops->name, n, n == 1 ? "is" : "are");
+    if (n == 4 && !ops->pattern_select)
+      return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                          "backend table '%s': the device-plan slots are set but "
+                          "'pattern_select' is NULL (a device plan selects on the backend)",
+                          ops->name);
+  }
   if (!ops->timer_mark != !ops->timer_elapsed)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "backend table '%s': '%s' is set but '%s' is NULL (the device timer "
@@ -327,6 +342,34 @@ mtrain_status_t mtrain_be_pattern_select_batch(mtrain_context_t *ctx,
 
 int mtrain_be_has_pattern_select(const mtrain_context_t *ctx) {
   return ctx->backend->pattern_select != NULL;
+}
+
+int mtrain_be_has_device_plan(const mtrain_context_t *ctx) {
+  return ctx->backend->device_plan_build != NULL;
+}
+
+mtrain_status_t mtrain_be_device_plan_size(mtrain_context_t *ctx,
+                                           const mtrain_device_plan_args_t *args, size_t *bytes) {
+  if (!ctx->backend->device_plan_size) return not_supported(ctx, "device_plan_size");
+  return ctx->backend->device_plan_size(ctx->backend_state, args, bytes);
+}
+
+mtrain_status_t mtrain_be_device_plan_build(mtrain_context_t *ctx,
+                                            const mtrain_device_plan_args_t *args, void *memory,
+                                            void **handle) {
+  if (!ctx->backend->device_plan_build) return not_supported(ctx, "device_plan_build");
+  return ctx->backend->device_plan_build(ctx->backend_state, args, memory, handle);
+}
+
+mtrain_status_t mtrain_be_device_plan_read(mtrain_context_t *ctx, void *handle,
+                                           const mtrain_device_plan_args_t *args, int64_t *pairs) {
+  if (!ctx->backend->device_plan_read) return not_supported(ctx, "device_plan_read");
+  return ctx->backend->device_plan_read(ctx->backend_state, handle, args, pairs);
+}
+
+void mtrain_be_device_plan_release(mtrain_context_t *ctx, void *handle) {
+  if (ctx->backend->device_plan_release && handle)
+    ctx->backend->device_plan_release(ctx->backend_state, handle);
 }
 
 int mtrain_be_has_data_stream(const mtrain_context_t *ctx) {

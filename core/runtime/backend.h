@@ -44,6 +44,8 @@
  *                          sequence through pattern_scores when absent
  *   pattern_select_batch (opt.) mtrain_be_pattern_select_batch(ctx, args, count): per
  *                          sequence through pattern_select when absent
+ *   device_plan_* (opt.)   mtrain_be_device_plan_size / _build / _read / _release;
+ *                          mtrain_be_has_device_plan
  *   acc_dtype, memory_space  mtrain_be_acc_dtype(ctx), mtrain_be_memory_space(ctx)
  *   communicator table     wrapper
  *   isend, irecv           mtrain_cm_isend(ctx, buf, bytes, peer, tag, &req), mtrain_cm_irecv
@@ -167,6 +169,19 @@ mtrain_status_t mtrain_be_pattern_select_batch(mtrain_context_t *ctx,
                                                const mtrain_select_args_t *args, int32_t count);
 /** 1 when the backend selects vertical-slash patterns itself. */
 int mtrain_be_has_pattern_select(const mtrain_context_t *ctx);
+
+/** Plans built on the backend (the four device_plan slots; mtrain_backend.h
+ *  says what each does). The wrappers report MTRAIN_ERR_NOT_SUPPORTED naming
+ *  the backend when it has none; release is a no-op then. */
+int mtrain_be_has_device_plan(const mtrain_context_t *ctx);
+mtrain_status_t mtrain_be_device_plan_size(mtrain_context_t *ctx,
+                                           const mtrain_device_plan_args_t *args, size_t *bytes);
+mtrain_status_t mtrain_be_device_plan_build(mtrain_context_t *ctx,
+                                            const mtrain_device_plan_args_t *args, void *memory,
+                                            void **handle);
+mtrain_status_t mtrain_be_device_plan_read(mtrain_context_t *ctx, void *handle,
+                                           const mtrain_device_plan_args_t *args, int64_t *pairs);
+void mtrain_be_device_plan_release(mtrain_context_t *ctx, void *handle);
 
 /** 1 when the backend has a data stream (the optional data_stream slot). */
 int mtrain_be_has_data_stream(const mtrain_context_t *ctx);

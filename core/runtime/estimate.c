@@ -62,7 +62,7 @@ static mtrain_status_t estimate_packed(mtrain_context_t *ctx, const int64_t *off
                                        const mtrain_tensor_t *q, const mtrain_tensor_t *k,
                                        const mtrain_head_budget_t *budgets,
                                        const mtrain_estimate_options_t *options,
-                                       mtrain_pattern_t **out) {
+                                       mtrain_pattern_t **out, estimate_device_plan_t *device) {
   const int32_t G = ctx->config.granularity;
   const int32_t Hq = (int32_t)q->shape[1], Hkv = (int32_t)k->shape[1], d = (int32_t)q->shape[2];
   int64_t max_nb = 0;
@@ -97,7 +97,7 @@ static mtrain_status_t estimate_packed(mtrain_context_t *ctx, const int64_t *off
                            .num_k_blocks = (int32_t)((N + G - 1) / G),
                            .k_block_global = identity};
   }
-  mtrain_status_t st = mtrain_estimate_core(ctx, in, count, budgets, options, out);
+  mtrain_status_t st = mtrain_estimate_core(ctx, in, count, budgets, options, out, device);
   free(in);
   free(identity);
   return st;
@@ -122,7 +122,7 @@ mtrain_status_t mtrain_pattern_estimate(mtrain_context_t *ctx, const mtrain_tens
                              "tensors");
   if (st) return st;
   const int64_t offsets[2] = {0, q->shape[0]};
-  return estimate_packed(ctx, offsets, 1, q, k, budgets, options, out);
+  return estimate_packed(ctx, offsets, 1, q, k, budgets, options, out, NULL);
 }
 
 mtrain_status_t mtrain_pattern_estimate_batch(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
@@ -130,6 +130,15 @@ mtrain_status_t mtrain_pattern_estimate_batch(mtrain_context_t *ctx, const mtrai
                                               const mtrain_head_budget_t *budgets,
                                               const mtrain_estimate_options_t *options,
                                               mtrain_pattern_t **out) {
+  return mtrain_estimate_batch_or_plan(ctx, seqs, q, k, budgets, options, out, NULL);
+}
+
+mtrain_status_t mtrain_estimate_batch_or_plan(mtrain_context_t *ctx, const mtrain_seqs_t *seqs,
+                                              const mtrain_tensor_t *q, const mtrain_tensor_t *k,
+                                              const mtrain_head_budget_t *budgets,
+                                              const mtrain_estimate_options_t *options,
+                                              mtrain_pattern_t **out,
+                                              estimate_device_plan_t *device) {
   MTRAIN_CHECK_NOT_NULL(seqs);
   MTRAIN_CHECK_NOT_NULL(out);
   if (seqs->num_seqs < 1)
@@ -157,7 +166,7 @@ mtrain_status_t mtrain_pattern_estimate_batch(mtrain_context_t *ctx, const mtrai
                         "estimate batch: the %d sequences hold %lld tokens, q and k have %lld",
                         seqs->num_seqs, (long long)seqs->offsets[seqs->num_seqs],
                         (long long)q->shape[0]);
-  return estimate_packed(ctx, seqs->offsets, seqs->num_seqs, q, k, budgets, options, out);
+  return estimate_packed(ctx, seqs->offsets, seqs->num_seqs, q, k, budgets, options, out, device);
 }
 
 mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
@@ -225,7 +234,7 @@ mtrain_status_t mtrain_pattern_estimate_ring(mtrain_context_t *ctx,
                                  .k_tokens = T,
                                  .num_k_blocks = mtrain_layout_rank_num_blocks(layout, rank),
                                  .k_block_global = mtrain_layout_rank_blocks(layout, rank)};
-    st = mtrain_estimate_core(ctx, &in, 1, budgets, options, out);
+    st = mtrain_estimate_core(ctx, &in, 1, budgets, options, out, NULL);
   }
   mtrain_be_free(ctx, q_last);
   free(host);

@@ -302,11 +302,50 @@ static void scores_seq(mtrain_scores_args_t *a, const estimate_input_t *in) {
   a->k_block_global = in->k_block_global;
 }
 
+/* Every sequence's selection arguments for a plan built on the backend
+ * (their host outputs unused): `args` [count]. */
+static void device_select_args(const estimate_buffers_t *b, const mtrain_head_budget_t *budgets,
+                               const mtrain_estimate_options_t *o, int32_t Hq, int32_t G,
+                               int32_t count, mtrain_select_args_t *args) {
+  for (int32_t s = 0; s < count; s++) {
+    const seq_part_t *sp = &b->parts[s];
+    args[s] = (mtrain_select_args_t){.seq_len = sp->N,
+                                     .granularity = G,
+                                     .num_heads = Hq,
+                                     .slots = sp->slots,
+                                     .num_sinks = o->num_sinks,
+                                     .window = o->window,
+                                     .budgets = budgets,
+                                     .col = (const double *)b->col + sp->col_off,
+                                     .diag = (const double *)b->diag + sp->diag_off};
+  }
+}
+
+/* Whether the batch's plan is built on the backend: one rank, a `device`
+ * request, the backend's device_plan slots, MTRAIN_PLAN_ON_HOST unset and
+ * budgets the backend takes (its device_plan_size answers; NOT_SUPPORTED:
+ * no). Sets *bytes. */
+static mtrain_status_t wants_device_plan(mtrain_context_t *ctx, const estimate_device_plan_t *dev,
+                                         int device_select, const mtrain_device_plan_args_t *pa,
+                                         int *yes, size_t *bytes) {
+  *yes = 0;
+  const char *env = getenv("MTRAIN_PLAN_ON_HOST");
+  if (!dev || !device_select || mtrain_context_world(ctx) != 1 || !mtrain_be_has_device_plan(ctx) ||
+      (env && env[0] == '1'))
+    return MTRAIN_SUCCESS;
+  mtrain_status_t st = mtrain_be_device_plan_size(ctx, pa, bytes);
+  if (st == MTRAIN_ERR_NOT_SUPPORTED) return MTRAIN_SUCCESS; /* the host plan, as before */
+  if (st) return st;
+  *yes = 1;
+  return MTRAIN_SUCCESS;
+}
+
 mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input_t *in,
                                      int32_t count, const mtrain_head_budget_t *budgets,
                                      const mtrain_estimate_options_t *options,
-                                     mtrain_pattern_t **out) {
+                                     mtrain_pattern_t **out, estimate_device_plan_t *device) {
   mtrain_status_t st = MTRAIN_SUCCESS;
+  mtrain_select_args_t *plan_select = NULL; /* a plan built on the backend: its selections */
   const int32_t Hq = in[0].Hq;
   const int32_t G = ctx->config.granularity;
   for (int32_t s = 0; s < count; s++) out[s] = NULL;
@@ -351,6 +390,18 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
   }
   MTRAIN_TRY(mtrain_be_alloc(ctx, b.n_col * sizeof(double), &b.col));
   MTRAIN_TRY(mtrain_be_alloc(ctx, b.n_diag * sizeof(double), &b.diag));
+  /* a plan built on the backend? decided before any work (host arithmetic) */
+  int on_device = 0;
+  size_t plan_bytes = 0;
+  mtrain_device_plan_args_t plan_args = {.count = count,
+                                         .num_kv_heads = device ? device->num_kv_heads : 0};
+  if (device) {
+    plan_select = calloc((size_t)count, sizeof *plan_select);
+    MTRAIN_FAIL_IF(!plan_select, MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory");
+    device_select_args(&b, budgets, options, Hq, G, count, plan_select);
+    plan_args.select = plan_select;
+    MTRAIN_TRY(wants_device_plan(ctx, device, device_select, &plan_args, &on_device, &plan_bytes));
+  }
   memset(&last_times, 0, sizeof last_times);
   const double t_scores = now_s();
   mtrain_scores_args_t a = {.granularity = G,
@@ -416,6 +467,24 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
     stage[s].diag_out = (double *)b.diag + sp->diag_off;
   }
   MTRAIN_TRY(mtrain_be_pattern_scores_batch(ctx, stage, count));
+  if (on_device) {
+    /* the selection and the plan's tables queued behind the stages: no wait */
+    MTRAIN_TRY(mtrain_be_alloc(ctx, plan_bytes, &device->memory));
+    device->bytes = plan_bytes;
+    const double t_queued = now_s();
+    st = mtrain_be_device_plan_build(ctx, &plan_args, device->memory, &device->handle);
+    if (st) {
+      mtrain_be_free(ctx, device->memory);
+      device->memory = NULL;
+      device->bytes = 0;
+      device->handle = NULL;
+      goto cleanup;
+    }
+    last_times.stages = t_queued - t_scores;
+    last_times.scores = t_queued - t_scores;
+    last_times.select = now_s() - t_queued;
+    goto cleanup;
+  }
   /* the copies below wait for the stages anyway: the wait is only timed apart */
   MTRAIN_TRY(mtrain_be_synchronize(ctx));
   const double t_stages = now_s();
@@ -474,6 +543,7 @@ cleanup:
       mtrain_pattern_destroy(out[s]);
       out[s] = NULL;
     }
+  free(plan_select);
   buffers_free(ctx, &b);
   return st;
 }

@@ -104,9 +104,17 @@ mtrain_status_t mtrain_memory_bound(const mtrain_context_t *ctx, const mtrain_pl
     b.estimate_bytes =
         plan->world > 1 ? longest : sum + q_last_bytes(N, plan->num_heads, head_dim, last_q, dtype);
   }
+  if (plan->device) {
+    /* plan_estimated.c: the device plan's memory is taken during the estimate
+     * (after its score buffers) and held until the plan is destroyed */
+    b.device_plan_bytes = plan->device->bytes;
+    if (last_q > 0) b.estimate_bytes += b.device_plan_bytes;
+    b.forward_bytes += b.device_plan_bytes;
+    b.backward_bytes += b.device_plan_bytes;
+  }
   b.backend_bytes = b.forward_bytes > b.backward_bytes ? b.forward_bytes : b.backward_bytes;
   if (b.estimate_bytes > b.backend_bytes) b.backend_bytes = b.estimate_bytes;
-  b.plan_bytes = plan->bytes;
+  b.plan_bytes = plan->bytes - b.device_plan_bytes;
   *out = b;
   return MTRAIN_SUCCESS;
 }

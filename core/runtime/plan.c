@@ -546,6 +546,7 @@ static void gathered_free(mtrain_plan_gathered_t *g) {
 
 void mtrain_plan_destroy(mtrain_plan_t *plan) {
   if (!plan) return;
+  mtrain_plan_device_free(plan->device);
   gathered_free(plan->gathered);
   if (plan->seqs)
     for (int32_t s = 0; s < plan->num_seqs; s++)
@@ -1058,7 +1059,5 @@ int32_t mtrain_plan_rank(const mtrain_plan_t *plan) { return plan ? plan->rank :
 int32_t mtrain_plan_ranks_per_node(const mtrain_plan_t *plan) {
   return plan ? plan->ranks_per_node : 0;
 }
-int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan) {
-  return plan ? plan->computed_pairs : 0;
-}
+
 size_t mtrain_plan_bytes(const mtrain_plan_t *plan) { return plan ? plan->bytes : 0; }

@@ -81,6 +81,20 @@ typedef struct mtrain_plan_gathered {
   int64_t *owned_bars; /* [2 * owned] */
 } mtrain_plan_gathered_t;
 
+/* A plan built on the backend (mtrain_plan_create_estimated, one rank): the
+ * backend's handle of the batch's device tables and the backend memory that
+ * holds them and the patterns, both of `ctx`'s backend. Until `read` the
+ * sequences' patterns are shells (their geometry, no head sets) and the
+ * plan's computed_pairs is -1; plan_estimated.c reads them on demand. */
+typedef struct mtrain_plan_device {
+  mtrain_context_t *ctx;
+  void *handle;
+  void *memory;
+  size_t bytes;
+  int32_t num_kv_heads;
+  int read; /* the patterns and pairs have been read back */
+} mtrain_plan_device_t;
+
 struct mtrain_plan {
   int32_t num_seqs, num_steps, num_heads, granularity, rank;
   int32_t world, ranks_per_node;    /* ring: world size and ranks per node (0: flat) */
@@ -89,6 +103,11 @@ struct mtrain_plan {
   int64_t computed_pairs;
   size_t bytes;
   mtrain_plan_seq_t *seqs;
+  mtrain_plan_device_t *device; /* NULL: the plan was built on the host */
 };
+
+/* Frees a plan's device part (plan_estimated.c): releases the backend's
+ * handle and gives its memory back. */
+void mtrain_plan_device_free(mtrain_plan_device_t *d);
 
 #endif /* MTRAIN_CORE_PLAN_INTERNAL_H */

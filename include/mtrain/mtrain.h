@@ -31,7 +31,7 @@ extern "C" {
 /** Version of the config struct and of the backend/communicator tables
  *  (6: the communicator's allreduce_device, the backend's
  *  block_scores_noncausal and mtrain_block_options_t.noncausal). */
-#define MTRAIN_API_VERSION 6
+#define MTRAIN_API_VERSION 7
 
 /* ------------------------------------------------------------------------ */
 /* Status codes                                                              */
@@ -441,26 +441,41 @@ MTRAIN_API int32_t mtrain_plan_num_heads(const mtrain_plan_t *plan);
 /** Number of ring steps (world size). */
 MTRAIN_API int32_t mtrain_plan_num_steps(const mtrain_plan_t *plan);
 /** Number of (query, key) pairs the plan computes on this rank, summed over
- *  heads and steps (what effective FLOP counts are based on). */
+ *  heads and steps (what effective FLOP counts are based on). A plan built
+ *  on the device (mtrain_plan_on_device) counts them there: the first call
+ *  waits for the device and reads them back (-1 if that fails;
+ *  mtrain_last_error says why). */
 MTRAIN_API int64_t mtrain_plan_computed_pairs(const mtrain_plan_t *plan);
-/** Plan memory in bytes. */
+/** Plan memory in bytes (host memory, plus the backend memory of a plan
+ *  built on the device). */
 MTRAIN_API size_t mtrain_plan_bytes(const mtrain_plan_t *plan);
+/** 1 when the plan's step tables were built on the backend's device by
+ *  mtrain_plan_create_estimated (no host round trip), else 0. */
+MTRAIN_API int mtrain_plan_on_device(const mtrain_plan_t *plan);
+/** The pattern of sequence `seq` of the plan, borrowed (valid while the
+ *  plan lives). A plan built on the device reads its patterns back on the
+ *  first call, waiting for the device. Not thread-safe against other calls
+ *  on the plan or its context. */
+MTRAIN_API mtrain_status_t mtrain_plan_pattern(mtrain_plan_t *plan, int32_t seq,
+                                               const mtrain_pattern_t **out);
 
 /** The backend memory of the calls on one plan, derived from the shapes
  *  (docs/MEMORY.md gives the formula). All in bytes, requested sizes as
  *  counted by mtrain_context_memory. */
 typedef struct mtrain_memory_bound {
-  size_t estimate_bytes; /**< with top-p heads: W > 1, one mtrain_pattern_estimate_ring of
-                              the plan's longest sequence; one rank, one
-                              mtrain_pattern_estimate_batch of all its sequences (the sum of
-                              theirs). The single-rank estimate takes L x Hq x d x 4 less (L
-                              of the longest sequence), top-k budgets alone
-                              Hq x L x (ceil(N/G) + 2) x 8 less per sequence; 0 if last_q 0 */
-  size_t forward_bytes;  /**< one mtrain_attention_forward */
-  size_t backward_bytes; /**< one mtrain_attention_backward */
-  size_t backend_bytes;  /**< the largest of the three: the bound on backend_peak_bytes of a
-                              context that runs these calls one after another */
-  size_t plan_bytes;     /**< host memory of the plan (mtrain_plan_bytes), not backend memory */
+  size_t estimate_bytes;    /**< with top-p heads: W > 1, one mtrain_pattern_estimate_ring of
+                                 the plan's longest sequence; one rank, one
+                                 mtrain_pattern_estimate_batch of all its sequences (the sum of
+                                 theirs). The single-rank estimate takes L x Hq x d x 4 less (L
+                                 of the longest sequence), top-k budgets alone
+                                 Hq x L x (ceil(N/G) + 2) x 8 less per sequence; 0 if last_q 0 */
+  size_t forward_bytes;     /**< one mtrain_attention_forward */
+  size_t backward_bytes;    /**< one mtrain_attention_backward */
+  size_t backend_bytes;     /**< the largest of the three: the bound on backend_peak_bytes of a
+                                 context that runs these calls one after another */
+  size_t plan_bytes;        /**< host memory of the plan (mtrain_plan_bytes less the next) */
+  size_t device_plan_bytes; /**< backend memory a plan built on the device holds from its
+                                 estimate to its destruction (counted in each of the above) */
 } mtrain_memory_bound_t;
 
 /** The memory bound of estimating, running forward and backward on `plan`
@@ -554,6 +569,27 @@ MTRAIN_API mtrain_status_t mtrain_pattern_estimate_batch(
     mtrain_context_t *ctx, const mtrain_seqs_t *seqs, const mtrain_tensor_t *q,
     const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
     const mtrain_estimate_options_t *options, mtrain_pattern_t **out);
+
+/** Estimates the patterns of the packed sequences of a batch on one rank and
+ *  builds their plan, in one call: the plan that mtrain_plan_create builds
+ *  from the patterns that mtrain_pattern_estimate_batch gives (the same
+ *  pattern bitwise, the same pairs; forward and backward compute the same
+ *  results). Where the backend builds plans itself ("cuda": budgets its
+ *  selection takes, that is top-k, and top-p with caps up to 8192
+ *  candidates) the selection and the plan's step tables stay in device
+ *  memory and are queued on the backend's stream: with top-k budgets the
+ *  call returns without waiting for the device (top-p heads still bring
+ *  their row statistics to the host); the patterns come to the host only
+ *  when asked for (mtrain_plan_pattern, mtrain_plan_computed_pairs, which
+ *  then wait). Elsewhere (the CPU backends, other budgets, world > 1) it is
+ *  those two calls. MTRAIN_PLAN_ON_HOST=1 in the environment makes every
+ *  plan on the host (comparisons). A plan built on the device holds backend
+ *  memory of `ctx` (counted by mtrain_context_memory): destroy it before the
+ *  context. Single rank; one call at a time per context. */
+MTRAIN_API mtrain_status_t mtrain_plan_create_estimated(
+    mtrain_context_t *ctx, const mtrain_seqs_t *seqs, const mtrain_tensor_t *q,
+    const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
+    const mtrain_estimate_options_t *options, mtrain_plan_t **out);
 
 /** The distributed estimate (SPEC.md section 2): q and k are this rank's
  *  [local tokens, heads, d] slots of a sequence laid out by `layout` (as the

@@ -52,8 +52,14 @@ typedef struct mtrain_step_view {
   int32_t num_k_blocks;
   const int64_t *q_block_global;   /**< [num_q_blocks] global block of each local q block */
   const int64_t *k_block_global;   /**< [num_k_blocks] global block of each chunk key block */
-  const mtrain_step_head_t *heads; /**< [num_heads] */
+  const mtrain_step_head_t *heads; /**< [num_heads]; NULL in a plan built on the device */
   int32_t causal; /**< 1: mask j > i in diagonal blocks; 0: non-causal (block masks only) */
+  /** NULL, or (a plan built on the device, mtrain_plan_create_estimated) the
+   *  backend's handle of the batch's device-built tables (device_plan_build):
+   *  `heads` is then NULL and the backend computes sequence `device_seq` of
+   *  that handle; the view's other fields still describe the step. */
+  const void *device_tables;
+  int32_t device_seq;
 } mtrain_step_view_t;
 
 /** Number of valid rows of local block lb of a side with `tokens` local
@@ -248,6 +254,17 @@ typedef struct mtrain_select_args {
   int32_t *num_diagonals; /**< host [Hq] */
 } mtrain_select_args_t;
 
+/** The plan of a packed batch on one rank built on the backend from the
+ *  estimate's scores without a host round trip (mtrain_plan_create_estimated):
+ *  the selection of every sequence (select[s], as pattern_select_batch takes
+ *  it; its host outputs are not written) and the step tables that the
+ *  attention slots then read (mtrain_step_view_t.device_tables). */
+typedef struct mtrain_device_plan_args {
+  int32_t count;                      /**< sequences */
+  int32_t num_kv_heads;               /**< Hkv (Hq, G, N are select[s]'s) */
+  const mtrain_select_args_t *select; /**< [count] */
+} mtrain_device_plan_args_t;
+
 /** Where a backend keeps tensor memory, and where a communicator's
  *  point-to-point buffers must live. A context pairs a backend with a
  *  communicator only when the spaces agree (MTRAIN_MEMORY_ANY agrees with
@@ -393,6 +410,27 @@ typedef struct mtrain_backend_ops {
    *  once per sequence. */
   mtrain_status_t (*pattern_scores_batch)(void *state, const mtrain_scores_args_t *args,
                                           int32_t count);
+
+  /** Optional, all four or none (since MTRAIN_API_VERSION 7): plans built on
+   *  the backend (mtrain_plan_create_estimated on one rank). device_plan_size
+   *  gives the bytes of backend memory a build needs (host arithmetic only;
+   *  MTRAIN_ERR_NOT_SUPPORTED, having done nothing, for budgets it cannot
+   *  select or shapes it cannot build). device_plan_build queues the
+   *  selection and the tables into `memory` (that many bytes, the core's, kept
+   *  until device_plan_release) without waiting for the device, and returns
+   *  the handle that step views carry. device_plan_read waits for the device
+   *  and writes every sequence's selection into the host outputs of
+   *  args->select[s] (as pattern_select_batch does) and, when `pairs` is not
+   *  NULL, the pairs each head computes into pairs[s * Hq + h]. An error the
+   *  build's kernels found (a capacity overrun: an internal error) is
+   *  reported here. device_plan_release frees the handle (not `memory`). */
+  mtrain_status_t (*device_plan_size)(void *state, const mtrain_device_plan_args_t *args,
+                                      size_t *bytes);
+  mtrain_status_t (*device_plan_build)(void *state, const mtrain_device_plan_args_t *args,
+                                       void *memory, void **handle);
+  mtrain_status_t (*device_plan_read)(void *state, void *handle,
+                                      const mtrain_device_plan_args_t *args, int64_t *pairs);
+  void (*device_plan_release)(void *state, void *handle);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table
