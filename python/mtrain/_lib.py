@@ -18,7 +18,7 @@ from .errors import MtrainError
 
 # ---- constants of mtrain.h / mtrain_layout.h / mtrain_comm.h / mtrain_backend.h ----
 
-API_VERSION = 6
+API_VERSION = 7
 SUCCESS = 0
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
