@@ -15,6 +15,7 @@
 #include "backends/cuda/attn_mma2.h"
 #include "backends/cuda/attn_wgmma.h"
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_device_plan.h"
 #include "backends/cuda/cuda_internal.h"
 #ifdef MTRAIN_HAVE_CUDA_DEV_VARIANTS
 #include "backends/cuda/dev/attn_mma1.h"
@@ -359,8 +360,20 @@ static mtrain_status_t step_begin(cuda_state_t *s, const mtrain_step_view_t *vie
   if (!st)
     st = pick_variant(s, dtype, head_dim, view->granularity,
                       aligned16(q, k, v, backward ? dout : q), variant);
-  if (!st) st = cuda_step_upload(s, view, num_kv_heads, head_dim, scale, backward, step, slot);
-  return st;
+  if (st) return st;
+  if (view->device_tables) {
+    /* a plan built on the device: its tables are there already */
+    st = cuda_device_plan_step(view->device_tables, view->device_seq, step);
+    if (st) return st;
+    if (step->Hkv != num_kv_heads)
+      return mtrain_error(MTRAIN_ERR_HEAD_MISMATCH,
+                          "cuda: the device plan was built for %d kv heads, the call has %d",
+                          step->Hkv, num_kv_heads);
+    step->d = head_dim;
+    step->scale = (float)scale;
+    return MTRAIN_SUCCESS;
+  }
+  return cuda_step_upload(s, view, num_kv_heads, head_dim, scale, backward, step, slot);
 }
 
 static mtrain_status_t cuda_fwd_init_op(void *state, void *o_acc, void *lse_acc, int64_t rows,
@@ -571,6 +584,10 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .pattern_select_batch = cuda_select_batch_op,
     .pattern_scores_batch = cuda_scores_batch_op,
     .noncausal = 1,
+    .device_plan_size = cuda_device_plan_size,
+    .device_plan_build = cuda_device_plan_build,
+    .device_plan_read = cuda_device_plan_read,
+    .device_plan_release = cuda_device_plan_release,
 };
 
 /* ---- public functions (mtrain_cuda.h) ---------------------------------------- */

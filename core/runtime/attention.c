@@ -69,6 +69,10 @@ static mtrain_status_t check_common(mtrain_context_t *ctx, const mtrain_plan_t *
   if (!q) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor 'q' is NULL");
   if (!k) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor 'k' is NULL");
   if (!v) return mtrain_error(MTRAIN_ERR_NULL_POINTER, "tensor 'v' is NULL");
+  if (plan->device && plan->device->ctx != ctx)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "plan was built on the device of another context "
+                        "(mtrain_plan_create_estimated): run it on the context that built it");
   if (plan->granularity != ctx->config.granularity)
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "plan granularity %d differs from the context's %d", plan->granularity,
