@@ -9,6 +9,10 @@ input set for every layer, so the layers differ by their budgets only), times pe
              the call synchronises);
   fwd        mtrain.attention(q, k, v, pattern=plan) (CUDA events);
   fwd+bwd    the same with the backward through autograd (CUDA events);
+  step       (--steps) the training step's view: estimate, forward and backward queued back to
+             back and timed by CUDA events around all three, with the plan built on the GPU
+             (mtrain_plan_create_estimated: no host round trip) and, in the same run, with
+             MTRAIN_PLAN_ON_HOST=1 (the selection copied back and the plan built on the host);
 
 and once (the shapes are the same for every layer): dense causal attention by mtrain (ours) and
 by torch SDPA with the cuDNN backend (the strongest dense peer measured in docs/PERFORMANCE.md),
@@ -23,7 +27,7 @@ the threshold (mtrain.fallback), the sparse kernels elsewhere; the totals add th
 
 usage: python tools/bench_model.py [--budgets FILE] [--seq-len 131072] [--layers all|0,3,5-7]
        [--reps 2] [--warmup 1] [--kv-heads 2] [--head-dim 128] [--deterministic]
-       [--dense-above auto|none|X] [--dense-recheck R] [--json OUT.json]
+       [--dense-above auto|none|X] [--dense-recheck R] [--steps] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -116,6 +121,12 @@ def main() -> None:
         default=1,
         help="R > 1: also time R successive training calls per layer through "
         "mtrain.attention(budgets=, dense_above=, dense_recheck=R) (estimates included)",
+    )
+    ap.add_argument(
+        "--steps",
+        action="store_true",
+        help="also time estimate + fwd + bwd queued back to back per layer, with the plan built "
+        "on the GPU and on the host (MTRAIN_PLAN_ON_HOST=1)",
     )
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
@@ -205,6 +216,23 @@ def main() -> None:
             f"layer {layer:3d} density {row['density']:.3f} estimate {row['estimate_ms']:7.1f} ms "
             f"fwd {row['fwd_ms']:7.1f} ms fwd+bwd {row['fwdbwd_ms']:7.1f} ms"
         )
+        row["plan_on_device"] = bool(plan._plan().on_device)
+        if a.steps:
+
+            def step(layer: int = layer) -> None:
+                p = mtrain.estimate_pattern(q, k, a.budgets, layer, deterministic=det)
+                mtrain.attention(qg, kg, vg, pattern=p, deterministic=det).backward(do)
+
+            row["step_ms"] = event_ms(step, a.reps, a.warmup)
+            os.environ["MTRAIN_PLAN_ON_HOST"] = "1"
+            try:
+                row["step_host_plan_ms"] = event_ms(step, a.reps, a.warmup)
+            finally:
+                del os.environ["MTRAIN_PLAN_ON_HOST"]
+            line += (
+                f" | step (estimate+fwd+bwd) {row['step_ms']:7.1f} ms, plan on the host "
+                f"{row['step_host_plan_ms']:7.1f} ms"
+            )
         if threshold is not None:
             row["dense_fallback"] = row["density"] > threshold
             row["hybrid_fwdbwd_ms"] = event_ms(hybrid_fb, a.reps, a.warmup)
@@ -252,6 +280,19 @@ def main() -> None:
         "speedup_vs_dense_cudnn": nl * dense["cudnn_fwdbwd_ms"] / sparse_step,
         "ceiling_from_pairs": ceiling,
     }
+    if a.steps:
+        step_dev = sum(r["step_ms"] for r in rows)
+        step_host = sum(r["step_host_plan_ms"] for r in rows)
+        totals.update(
+            {
+                "step_ms": step_dev,
+                "step_host_plan_ms": step_host,
+                "plans_on_device": sum(1 for r in rows if r["plan_on_device"]),
+                "step_estimate_share_of_sparse_fwdbwd": (step_dev - sparse_attn) / sparse_attn,
+                "step_speedup_vs_dense_ours": nl * dense["ours_fwdbwd_ms"] / step_dev,
+                "step_speedup_vs_dense_cudnn": nl * dense["cudnn_fwdbwd_ms"] / step_dev,
+            }
+        )
     if threshold is not None:
         hybrid = sum(r["estimate_ms"] + r["hybrid_fwdbwd_ms"] for r in rows)
         totals.update(
@@ -285,6 +326,17 @@ def main() -> None:
         f"{totals['speedup_vs_dense_cudnn']:.2f}x over dense cuDNN; ceiling from the pair counts "
         f"{ceiling:.2f}x"
     )
+    if a.steps:
+        print(
+            f"training-step view (estimate + fwd + bwd queued back to back, CUDA events): "
+            f"{totals['step_ms'] / 1e3:.2f} s with the plans built on the GPU "
+            f"({totals['plans_on_device']} of {nl} layers), "
+            f"{totals['step_host_plan_ms'] / 1e3:.2f} s with them built on the host; "
+            f"estimate + plan "
+            f"{100 * totals['step_estimate_share_of_sparse_fwdbwd']:.1f}% of the sparse fwd+bwd; "
+            f"{totals['step_speedup_vs_dense_ours']:.2f}x dense ours, "
+            f"{totals['step_speedup_vs_dense_cudnn']:.2f}x dense cuDNN"
+        )
     if threshold is not None and a.dense_recheck > 1:
         recheck = sum(r["recheck_call_ms"] for r in rows)
         totals.update(

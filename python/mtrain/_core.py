@@ -712,26 +712,63 @@ def layout(kind: str, seq_len: int, granularity: int, world: int) -> Layout:
 
 
 class Plan:
-    """An mtrain_plan_t with everything it was built from."""
+    """An mtrain_plan_t with everything it was built from. A plan built on the
+    device (mtrain_plan_create_estimated on a CUDA context: ``on_device``) reads
+    its patterns and pair count back only when they are asked for, which waits
+    for the GPU."""
 
     def __init__(
         self,
         ctx: Context,
         ptr: ctypes.c_void_p,
-        patterns: list[Pattern],
+        patterns: list[Pattern] | None,
         seq_lens: list[int],
         layouts: list[Layout] | None,
     ) -> None:
         self.ctx = ctx
         self.ptr = ptr
-        self.patterns = patterns
+        self._patterns = patterns
         self.seq_lens = seq_lens
         self.layouts = layouts
         self.local_tokens = int(L.lib().plan_local_tokens(ptr))
         self.num_heads = int(L.lib().plan_num_heads(ptr))
-        self.computed_pairs = int(L.lib().plan_computed_pairs(ptr))
+        self.on_device = bool(L.lib().plan_on_device(ptr))
+        self._pairs: int | None = None if self.on_device else int(L.lib().plan_computed_pairs(ptr))
         self.id = 0  # set when registered
         self.key: tuple[Any, ...] | None = None  # content key of an estimated plan
+
+    @property
+    def patterns(self) -> list[Pattern]:
+        """Each sequence's pattern (a plan built on the device copies them to the
+        host on the first access: a wait for the GPU)."""
+        if self._patterns is None:
+            out: list[Pattern] = []
+            with _device_guard(self.ctx.device):
+                for s in range(len(self.seq_lens)):
+                    borrowed = ctypes.c_void_p()
+                    L.check(L.lib().plan_pattern(self.ptr, s, ctypes.byref(borrowed)), "plan")
+                    own = ctypes.c_void_p()
+                    L.check(L.lib().pattern_clone(borrowed, ctypes.byref(own)), "plan pattern")
+                    out.append(Pattern(int(own.value or 0)))
+            self._patterns = out
+        return self._patterns
+
+    @property
+    def computed_pairs(self) -> int:
+        """(query, key) pairs this rank computes (a plan built on the device reads
+        them back on the first access: a wait for the GPU)."""
+        if self._pairs is None:
+            with _device_guard(self.ctx.device):
+                # the read back (status and message on failure), then the count
+                first = ctypes.c_void_p()
+                L.check(L.lib().plan_pattern(self.ptr, 0, ctypes.byref(first)), "plan")
+                self._pairs = int(L.lib().plan_computed_pairs(self.ptr))
+        return self._pairs
+
+    @property
+    def causal(self) -> bool:
+        """Every sequence's pattern is causal (an estimated plan always is)."""
+        return self.on_device or all(p.causal for p in self.patterns)
 
     def __del__(self) -> None:
         if getattr(self, "ptr", None) is not None and self.ptr.value and L._lib is not None:
@@ -829,6 +866,11 @@ def build_plan(
     key = None
     if opts.pattern == "dense":
         patterns = [dense_pattern(n, num_heads, g) for n in seq_lens]
+    elif opts.pattern == "estimate" and layouts is None:
+        # one rank: estimate and plan in one call; on a GPU the patterns and the
+        # plan's tables stay there and nothing waits (mtrain_plan_create_estimated)
+        assert q is not None and k is not None
+        return _estimated_plan(ctx, opts, q, k, seq_lens)
     elif opts.pattern == "estimate":
         assert q is not None and k is not None
         patterns = _estimate(ctx, opts, q, k, seq_lens, local, layouts)
@@ -917,6 +959,56 @@ def cached_plan(
         _plan_cache[key] = plan
         while len(_plan_cache) > _PLAN_CACHE_SIZE:
             _plan_cache.popitem(last=False)
+    return plan
+
+
+def _estimated_plan(
+    ctx: Context, opts: Options, q: torch.Tensor, k: torch.Tensor, seq_lens: list[int]
+) -> Plan:
+    """One rank: the patterns of every packed sequence estimated and their plan
+    built in one mtrain_plan_create_estimated call. On a CUDA context the plan
+    is built on the GPU and the call returns without waiting for it (top-k
+    budgets); elsewhere it is the estimate then the host plan."""
+    num_heads = int(q.shape[1])
+    budgets = head_budgets(json.loads(opts.budgets), num_heads)
+    eo = L.EstimateOptions(last_q=opts.last_q, num_sinks=opts.num_sinks, window=opts.window)
+    ctx.bind_stream()
+    qd, kd = descriptor(q), descriptor(k)
+    seqs, _keep = _seqs(seq_lens)
+    out = ctypes.c_void_p()
+    with _device_guard(q.device):
+        st = L.lib().plan_create_estimated(
+            ctx.ptr, ctypes.byref(seqs), ctypes.byref(qd), ctypes.byref(kd), budgets,
+            ctypes.byref(eo), ctypes.byref(out),
+        )  # fmt: skip
+    n = len(seq_lens)
+    L.check(st, f"estimating the patterns of {n} sequence{'s' if n > 1 else ''} of {sum(seq_lens)} "
+                "tokens and building their plan")  # fmt: skip
+    plan = Plan(ctx, out, None, seq_lens, None)
+    if not plan.on_device:
+        # a host plan: the same patterns give the same plan, so a live one (and its
+        # id) is found again by content, as a recomputed forward does (a plan built
+        # on the device is not: reading its patterns would wait for the GPU)
+        borrowed = (ctypes.c_void_p * n)()
+        for s_ in range(n):
+            one = ctypes.c_void_p()
+            L.check(L.lib().plan_pattern(out, s_, ctypes.byref(one)), "plan")
+            borrowed[s_] = one
+        digest = (ctypes.c_uint64 * 2)()
+        L.check(L.lib().pattern_digest(borrowed, n, digest), "pattern digest")
+        key = (id(ctx), opts.encode(), int(q.shape[0]), tuple(seq_lens), (digest[0], digest[1]))
+        with _lock:
+            i = _plans_by_key.get(key)
+            if i is not None and i in _plans:
+                return _plans[i][0]  # (the new plan is freed with its Plan)
+            plan.key = key
+            plan.id = next(_ids)
+            _plans.setdefault(plan.id, [plan, 0])
+            _plans_by_key[key] = plan.id
+        return plan
+    with _lock:
+        plan.id = next(_ids)
+        _plans.setdefault(plan.id, [plan, 0])
     return plan
 
 

@@ -619,7 +619,7 @@ def attention(
                 )
             opts = _options(int(q3.shape[-1]), granularity=g, pattern="given", **common)
             handle = torch.ops.mtrain.pattern_plan(q3, [p.handle for p in pats], cu, opts)
-    if threshold is not None and all(p.causal for p in C.resolve_plan(handle).patterns):
+    if threshold is not None and C.resolve_plan(handle).causal:
         # (the fallback's SDPA is causal: a non-causal plan never falls back)
         lengths = _seq_lengths(int(q3.shape[0]), cu)
         plan = C.resolve_plan(handle)

@@ -463,3 +463,76 @@ def test_dense_fallback_on_gpu(gen: torch.Generator) -> None:
     )
     assert mtrain.dense_fallback_counts()["sparse"] == 1
     assert sparse.shape == q.shape
+
+
+def _attention_outputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, plan: mtrain.SparsePlan
+) -> list[torch.Tensor]:
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o, lse = mtrain.attention(q, k, v, pattern=plan, return_lse=True)
+    o.backward(do)
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    return [t.detach().cpu() for t in (o, lse, q.grad, k.grad, v.grad)]
+
+
+@pytest.mark.parametrize("budgets", ["top-k", "top-p"])
+def test_device_plan_equals_host_plan(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, budgets: str
+) -> None:
+    """The online estimate's plan built on the GPU (on_device) gives the host
+    plan's patterns and pairs and bitwise its forward and deterministic backward,
+    for a packed batch with lengths that are not multiples of G."""
+    lens, hq, hkv, d = [3000, 128, 77, 1500], 8, 2, 64
+    n = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, do = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)))
+    b = mtrain.TopK(96, 300) if budgets == "top-k" else mtrain.TopP(0.7, 0.9, 256, 2048)
+    kw = {"cu_seqlens": cu, "granularity": 64}
+    dev = mtrain.estimate_pattern(q, k, b, **kw)
+    assert dev._plan().on_device
+    monkeypatch.setenv("MTRAIN_PLAN_ON_HOST", "1")
+    host = mtrain.estimate_pattern(q, k, b, **kw)
+    monkeypatch.delenv("MTRAIN_PLAN_ON_HOST")
+    assert not host._plan().on_device
+    assert dev.computed_pairs == host.computed_pairs
+    for pd, ph in zip(dev.patterns, host.patterns, strict=True):
+        assert [pd.head(h) for h in range(hq)] == [ph.head(h) for h in range(hq)]
+    for got, want in zip(
+        _attention_outputs(q, k, v, do, dev), _attention_outputs(q, k, v, do, host), strict=True
+    ):
+        assert torch.equal(got, want)
+
+
+def test_estimate_does_not_wait(gen: torch.Generator) -> None:
+    """With top-k budgets the online estimate, its plan, the forward and the
+    backward all return while the GPU is still busy with a 0.3 s sleep kernel
+    queued first: no synchronisation on the training step's path."""
+    import time
+
+    n, hq, hkv, d = 8192, 8, 2, 128
+    q, k, v, do = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)))
+    budget = mtrain.TopK(200, 500)
+    q.requires_grad_(True)
+    for _ in range(2):  # warm-up: contexts, the allocator's pool
+        plan = mtrain.estimate_pattern(q.detach(), k, budget)
+        mtrain.attention(q, k, v, pattern=plan).backward(do)
+    q.grad = None
+    torch.cuda.synchronize()
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.3)  # kHz -> 0.3 s
+    t_sleep = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    slept = time.perf_counter() - t_sleep
+    torch.cuda._sleep(cycles)
+    t0 = time.perf_counter()
+    plan = mtrain.estimate_pattern(q.detach(), k, budget)
+    t1 = time.perf_counter()
+    o = mtrain.attention(q, k, v, pattern=plan)
+    o.backward(do)
+    t2 = time.perf_counter()
+    mtrain.synchronize()
+    torch.cuda.synchronize()
+    print(f"sleep {slept * 1e3:.1f} ms; estimate and plan queued in {(t1 - t0) * 1e3:.2f} ms, "
+          f"forward and backward in {(t2 - t1) * 1e3:.2f} ms")  # fmt: skip
+    assert plan._plan().on_device
+    assert t2 - t0 < 0.5 * slept, "the step waited for the device"
