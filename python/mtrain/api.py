@@ -542,7 +542,10 @@ def attention(
             on the CPU). None (default): always the sparse kernels. One rank, without
             return_lse, outside torch.compile only.
         dense_recheck: with ``budgets=`` and ``layer=``, a layer found too dense runs dense
-            for its next dense_recheck - 1 calls without estimating (1: estimate every call).
+            for its next dense_recheck - 1 calls without estimating (1: estimate every call);
+            on a GPU, where the plan is built on the device and its density is read back
+            with a wait, a layer found sparse keeps the sparse kernels for its next
+            dense_recheck - 1 calls without that read.
 
     Returns:
         o shaped like q (and lse when return_lse).
@@ -619,14 +622,22 @@ def attention(
                 )
             opts = _options(int(q3.shape[-1]), granularity=g, pattern="given", **common)
             handle = torch.ops.mtrain.pattern_plan(q3, [p.handle for p in pats], cu, opts)
-    if threshold is not None and C.resolve_plan(handle).causal:
-        # (the fallback's SDPA is causal: a non-causal plan never falls back)
+    plan_obj = C.resolve_plan(handle) if threshold is not None else None
+    held_sparse = (
+        plan_obj is not None
+        and sticky_key is not None
+        and plan_obj.on_device
+        and _fallback.still_sparse(sticky_key)
+    )
+    if plan_obj is not None and plan_obj.causal and not held_sparse:
+        # (the fallback's SDPA is causal: a non-causal plan never falls back; a plan built on
+        # the GPU that was found sparse keeps the sparse kernels for dense_recheck - 1 calls
+        # without reading its density back, which would wait for the GPU)
         lengths = _seq_lengths(int(q3.shape[0]), cu)
-        plan = C.resolve_plan(handle)
-        density = plan.computed_pairs / _fallback.causal_pairs(lengths, int(q3.shape[1]))
+        density = plan_obj.computed_pairs / _fallback.causal_pairs(lengths, int(q3.shape[1]))
         dense = _fallback.choose_dense(density, threshold, layer)
         if sticky_key is not None:
-            _fallback.remember(sticky_key, dense, recheck)
+            _fallback.remember(sticky_key, dense, recheck, hold_sparse=plan_obj.on_device)
         if dense:
             o = _fallback.dense_attention(q3, k3, v3, lengths, softmax_scale)
             return o.view(q.shape) if batched is not None else o

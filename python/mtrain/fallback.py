@@ -35,6 +35,7 @@ AUTO_DENSE_ABOVE_CUDA = 0.55
 _counts = {"sparse": 0, "dense": 0, "estimates_skipped": 0}
 # dense_recheck: the calls of a (layer, budgets, shape) that still run dense without estimating
 _sticky: dict[Any, int] = {}
+_sticky_sparse: dict[Any, int] = {}  # sparse decisions held for plans built on the GPU
 
 
 def dense_fallback_counts(reset: bool = False) -> dict[str, int]:
@@ -46,6 +47,7 @@ def dense_fallback_counts(reset: bool = False) -> dict[str, int]:
         for name in _counts:
             _counts[name] = 0
         _sticky.clear()
+        _sticky_sparse.clear()
     return out
 
 
@@ -71,12 +73,26 @@ def still_dense(key: Any) -> bool:
     return True
 
 
-def remember(key: Any, dense: bool, recheck: int) -> None:
-    """A decision for `key`: dense ones hold for the next recheck - 1 calls."""
-    if dense and recheck > 1:
+def still_sparse(key: Any) -> bool:
+    """True (and counted) when an earlier sparse decision for `key` still holds: the call
+    runs the sparse kernels without reading its plan's density back from the GPU."""
+    left = _sticky_sparse.get(key, 0)
+    if left <= 0:
+        return False
+    _sticky_sparse[key] = left - 1
+    _counts["sparse"] += 1
+    return True
+
+
+def remember(key: Any, dense: bool, recheck: int, hold_sparse: bool = False) -> None:
+    """A decision for `key`: dense ones hold for the next recheck - 1 calls; with hold_sparse
+    (a plan built on the GPU, whose density is read back with a wait) sparse ones too."""
+    _sticky.pop(key, None)
+    _sticky_sparse.pop(key, None)
+    if recheck > 1 and dense:
         _sticky[key] = recheck - 1
-    else:
-        _sticky.pop(key, None)
+    elif recheck > 1 and hold_sparse:
+        _sticky_sparse[key] = recheck - 1
 
 
 def resolve_dense_above(dense_above: Any, device: torch.device) -> float | None:

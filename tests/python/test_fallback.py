@@ -153,3 +153,22 @@ def test_bad_threshold_is_refused(gen: torch.Generator, bad: object) -> None:
     q, k, v = (randn(gen, 64, 2, 64) for _ in range(3))
     with pytest.raises(mtrain.MtrainError, match="dense_above"):
         mtrain.attention(q, k, v, budgets=mtrain.TopK(4, 16), granularity=32, dense_above=bad)
+
+
+def test_sparse_decisions_held_only_for_device_plans() -> None:
+    """remember(hold_sparse=True) (a plan built on the GPU, whose density is read back with a
+    wait) keeps a sparse decision for recheck - 1 calls, counted as sparse; without it (host
+    plans) and with recheck 1 nothing is held; a dense decision replaces a held sparse one."""
+    from mtrain import fallback
+
+    fallback.dense_fallback_counts(reset=True)
+    fallback.remember("a", False, 3, hold_sparse=True)
+    assert [fallback.still_sparse("a") for _ in range(3)] == [True, True, False]
+    assert fallback.dense_fallback_counts()["sparse"] == 2
+    fallback.remember("b", False, 3)
+    fallback.remember("c", False, 1, hold_sparse=True)
+    assert not fallback.still_sparse("b") and not fallback.still_sparse("c")
+    fallback.remember("a", False, 4, hold_sparse=True)
+    fallback.remember("a", True, 2)
+    assert not fallback.still_sparse("a") and fallback.still_dense("a")
+    fallback.dense_fallback_counts(reset=True)
