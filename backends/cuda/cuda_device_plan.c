@@ -146,6 +146,7 @@ struct cuda_device_plan {
   int32_t **diags;     /* device, [count] */
   int32_t *counts;     /* device */
   int64_t *pairs;      /* device [count * Hq] */
+  char *tables;        /* device: the builder's memory (its error word first) */
   cuda_step_t *steps;  /* [count] */
 };
 
@@ -210,7 +211,8 @@ mtrain_status_t cuda_device_plan_build(void *state, const mtrain_device_plan_arg
                               .granularity = a->select[0].granularity,
                               .count = count,
                               .seqs = x.seqs};
-  if (!st) st = cuda_plan_build(s, &g, mem + lay.tables, p->steps, &p->pairs);
+  p->tables = mem + lay.tables;
+  if (!st) st = cuda_plan_build(s, &g, p->tables, p->steps, &p->pairs);
   arrays_free(&x);
   if (st) {
     cuda_device_plan_release(s, p);
@@ -239,9 +241,21 @@ mtrain_status_t cuda_device_plan_read(void *state, void *handle, const mtrain_de
                                     sizeof(int64_t) * (size_t)p->count * (size_t)p->num_heads,
                                     cudaMemcpyDeviceToHost, (cudaStream_t)s->stream),
                     "device plan pairs to the host");
+  uint32_t err = 0;
+  if (!st)
+    st = cuda_check(cudaMemcpyAsync(&err, p->tables + CUDA_PLAN_ERR_OFFSET, sizeof err,
+                                    cudaMemcpyDeviceToHost, (cudaStream_t)s->stream),
+                    "device plan error word to the host");
   if (!st)
     st = cuda_check(cudaStreamSynchronize((cudaStream_t)s->stream), "device plan (read back)");
-  if (!st) st = cuda_plan_build_check(s, p->steps);
+  /* the selection's output always keeps the builder's contract: a set bit is a bug */
+  if (!st && err)
+    st = mtrain_error(MTRAIN_ERR_INTERNAL,
+                      "cuda device plan: the table builder found %s%s%s (error word 0x%x): the "
+                      "plan's results are not to be trusted",
+                      err & CUDA_PLAN_ERR_CAPACITY ? "a count above its capacity " : "",
+                      err & CUDA_PLAN_ERR_PATTERN ? "a malformed selection " : "",
+                      err & CUDA_PLAN_ERR_INTERNAL ? "a table beyond its bound " : "", err);
   return st;
 }
 
