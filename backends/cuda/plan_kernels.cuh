@@ -925,23 +925,27 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(Batch b) {
   if (threadIdx.x == 0 && out + total != P.bt_off[pos + 1]) atomicOr(b.err, CUDA_PLAN_ERR_INTERNAL);
 }
 
-/* CTAs of a grid-stride launch over n items of one thread each. */
-inline int64_t grid_for(int64_t n) {
-  return lmax(1, lmin((n + kThreads - 1) / kThreads, kMaxGrid));
+/* CTAs of a grid-stride launch over n items of one thread each, at most
+ * max_grid. */
+inline int64_t grid_for(int64_t n, int64_t max_grid) {
+  return lmax(1, lmin((n + kThreads - 1) / kThreads, max_grid));
 }
 
 using Kernel = void (*)(Batch);
 
 /* The launches of the build, in order: launch(kernel, name, grid, smem)
  * queues `kernel` on grid CTAs of kThreads threads with `smem` bytes of
- * dynamic shared memory (grid >= 1) and returns nonzero to stop. */
+ * dynamic shared memory (grid >= 1) and returns nonzero to stop. The
+ * grid-stride launches use at most max_grid CTAs (the test makes them loop). */
 template <class Launch>
-auto run_stages(const Batch &b, Launch &&launch) -> decltype(launch(aux_kernel, "", 1, 0)) {
+auto run_stages(const Batch &b, Launch &&launch, int64_t max_grid = kMaxGrid)
+    -> decltype(launch(aux_kernel, "", 1, 0)) {
+  const int64_t count_grid = grid_for(lmax(b.q_items, b.kv_items), max_grid);
+  const int64_t fill_grid = grid_for(lmax(b.q_items, 32 * b.kv_items), max_grid);
   auto st = launch(aux_kernel, "plan aux_kernel", b.heads, kSmem);
-  if (!st) st = launch(count_kernel, "plan count_kernel", grid_for(lmax(b.q_items, b.kv_items)), 0);
+  if (!st) st = launch(count_kernel, "plan count_kernel", count_grid, 0);
   if (!st) st = launch(scan_kernel, "plan scan_kernel", b.heads + b.count, kSmem);
-  if (!st)
-    st = launch(fill_kernel, "plan fill_kernel", grid_for(lmax(b.q_items, 32 * b.kv_items)), 0);
+  if (!st) st = launch(fill_kernel, "plan fill_kernel", fill_grid, 0);
   if (!st && b.tiles > 0) st = launch(tile_kernel, "plan tile_kernel", b.tiles, kSmem);
   return st;
 }
