@@ -58,7 +58,8 @@ struct Case {
   int32_t Hq = 1, Hkv = 1, G = 16;
   vector<Seq> seqs;
   uint32_t want_err = 0;
-  bool host_ok = true; // the host plan is comparable (false: a head without diagonal 0)
+  bool host_ok = true;     // the host plan is comparable (false: a head without diagonal 0)
+  int64_t max_grid = 8192; // CTAs of the grid-stride launches (small: they loop)
   std::string what;
 };
 
@@ -157,23 +158,27 @@ static void finish_seq(Seq &s, int32_t G) {
   }
 }
 
-// A random case; `breakage` >= 0 breaks the contract in one of several ways.
-static Case random_case(uint64_t seed, int breakage) {
+// A random case; `breakage` >= 0 breaks the contract in one of several ways; `long_seqs`: one or
+// two sequences of more than 2048 blocks (prefix sums over several chunks), G 16, 1 to 4 heads.
+// A third of the cases cap the grid-stride launches at 1 to 3 CTAs (so that they loop).
+static Case random_case(uint64_t seed, int breakage, bool long_seqs = false) {
   R.seed(seed);
   Case c;
   const int32_t Gs[] = {16, 32, 64, 128}, groups[] = {1, 2, 4, 8};
-  c.G = Gs[irand(0, 3)];
-  const int32_t group = groups[irand(0, 3)];
+  c.G = long_seqs ? 16 : Gs[irand(0, 3)];
+  const int32_t group = long_seqs ? (int32_t)irand(1, 2) : groups[irand(0, 3)];
   c.Hkv = group == 8 ? 1 : (int32_t)irand(1, 2);
   c.Hq = c.Hkv * group;
-  const int count = irand(0, 2) == 0 ? 1 : (int)irand(1, 6);
+  c.max_grid = irand(0, 2) == 0 ? irand(1, 3) : 8192;
+  const int count = long_seqs ? (int)irand(1, 2) : irand(0, 2) == 0 ? 1 : (int)irand(1, 6);
   for (int q = 0; q < count; q++) {
     Seq s;
-    const int pick = (int)irand(0, 9);
-    s.N = pick == 0   ? irand(1, c.G - 1)     // below G
-          : pick == 1 ? c.G * irand(1, 20)    // a multiple of G
-          : pick == 2 ? irand(1500, 4000)     // longer
-                      : irand(c.G, 1200) | 1; // not a multiple of G
+    const int pick = long_seqs ? -1 : (int)irand(0, 9);
+    s.N = pick == -1  ? irand(2100 * c.G, 2600 * c.G) | 1 // over 2048 blocks
+          : pick == 0 ? irand(1, c.G - 1)                 // below G
+          : pick == 1 ? c.G * irand(1, 20)                // a multiple of G
+          : pick == 2 ? irand(1500, 4000)                 // longer
+                      : irand(c.G, 1200) | 1;             // not a multiple of G
     const int64_t nb = (s.N + c.G - 1) / c.G;
     int32_t max_v = 0, max_d = 1;
     for (int32_t h = 0; h < c.Hq; h++) {
@@ -290,10 +295,13 @@ static int build_on_device(const Case &c, vector<cuda_plan_seq_t> &in, Built &B)
   plan::Batch b;
   plan::batch_prepare(&g, B.L.data(), B.base.data(), (char *)B.dev, (char *)B.table.data(),
                       (char *)B.table.data(), &b, B.steps.data(), &B.pairs);
-  return plan::run_stages(b, [&](plan::Kernel k, const char *, int64_t grid, size_t smem) {
-    emu::launch((int)grid, (int)smem, [&] { k(b); }, true, plan::kThreads);
-    return 0;
-  });
+  return plan::run_stages(
+      b,
+      [&](plan::Kernel k, const char *, int64_t grid, size_t smem) {
+        emu::launch((int)grid, (int)smem, [&] { k(b); }, true, plan::kThreads);
+        return 0;
+      },
+      c.max_grid);
 }
 
 // ---- the comparison ----------------------------------------------------------------------------
@@ -518,6 +526,7 @@ static void describe(const char *kind, int index, uint64_t seed, const Case &c) 
   for (const Seq &s : c.seqs) printf(" %lld", (long long)s.N);
   printf("), caps");
   for (const Seq &s : c.seqs) printf(" %d/%d", s.cap_v, s.cap_d);
+  if (c.max_grid < 8192) printf(", grids of at most %lld CTAs", (long long)c.max_grid);
   if (!c.what.empty()) printf(", %s (error %u)", c.what.c_str(), c.want_err);
   printf("\n");
 }
@@ -579,6 +588,14 @@ int main(int argc, char **argv) {
     const uint64_t cs = seed * 1000003ULL + (uint64_t)i;
     const Case c = random_case(cs, -1);
     describe("case", i, cs, c);
+    failed += run(c, fill);
+    total++;
+  }
+  const int longer = cases / 30 > 2 ? cases / 30 : 2;
+  for (int i = 0; i < longer; i++) {
+    const uint64_t cs = seed * 104729ULL + (uint64_t)i;
+    const Case c = random_case(cs, -1, true);
+    describe("long case", i, cs, c);
     failed += run(c, fill);
     total++;
   }
