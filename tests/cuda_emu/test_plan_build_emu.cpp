@@ -7,9 +7,11 @@
 // bytes) or past the buffer. Random packed batches of 1 to 6 sequences: GQA (group 1, 2, 4, 8),
 // G in {16, 32, 64, 128}, lengths not multiples of G and below G, heads with no verticals, with
 // only diagonal 0, all diagonals, every other diagonal, verticals in block 0, in the last partial
-// block, in diagonal blocks, capacities equal to the true maxima or larger; patterns that break
-// the contract (counts over the capacities, unsorted or out-of-range entries): the tables of the
-// cut pattern and the error bits; a case where the runs and kv bounds are reached exactly.
+// block, in diagonal blocks, capacities equal to the true maxima or larger, grid-stride launches
+// capped at a few CTAs (so that they loop), sequences of more than 2048 blocks (prefix sums over
+// several chunks); patterns that break the contract (counts over the capacities, unsorted or
+// out-of-range entries): the tables of the cut pattern and the error bits; a case where the runs,
+// segments and kv bounds are reached exactly.
 // Usage: test_plan_build_emu [cases [seed]] (defaults 150 and 7); prints the seed and each case.
 #include "backends/cuda/plan_kernels.cuh"
 #include "cuda_emu.h"
