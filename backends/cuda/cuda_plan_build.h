@@ -41,6 +41,19 @@ typedef struct cuda_plan_geom {
   const cuda_plan_seq_t *seqs; /* host [count] */
 } cuda_plan_geom_t;
 
+/* The builder's error word: a uint32 at byte CUDA_PLAN_ERR_OFFSET of `dev`.
+ * The first kernel zeroes it; later ones set bits in it when a pattern breaks
+ * the contract above, and then build the tables of the pattern cut to what
+ * the contract allows (never writing outside `dev`'s regions): the first
+ * min(count, capacity) entries of a head, then their longest prefix that is
+ * strictly increasing and in range (diagonals also starting at 0). 0 after
+ * the kernels: the tables are those of the pattern as given. The caller may
+ * copy it back whenever convenient (the kernels never read it back). */
+#define CUDA_PLAN_ERR_OFFSET 0
+#define CUDA_PLAN_ERR_CAPACITY 1u /* a count above its capacity (or negative) */
+#define CUDA_PLAN_ERR_PATTERN 2u  /* entries unsorted, out of range, or diagonals[0] != 0 */
+#define CUDA_PLAN_ERR_INTERNAL 4u /* a table outgrew its bound: a builder bug (entries dropped) */
+
 /** Bytes of device memory cuda_plan_build needs for the whole batch (tables
  *  and the builder's scratch). MTRAIN_ERR_INVALID_ARGUMENT for a bad
  *  geometry (named), MTRAIN_ERR_NOT_SUPPORTED beyond the 32-bit indices of

@@ -60,6 +60,11 @@ static inline unsigned atomicAdd(unsigned *p, unsigned v) {
   *p = old + v;
   return old;
 }
+static inline unsigned atomicOr(unsigned *p, unsigned v) {
+  const unsigned old = *p;
+  *p = old | v;
+  return old;
+}
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 #undef __global__
