@@ -3,7 +3,8 @@
 // random order; shared memory starts as NaN bytes; warp collectives (shuffles, ldmatrix,
 // stmatrix, mma.sync) and warpgroup wgmma (descriptor decoded, 128-byte swizzle applied to the
 // address bits, products in fp64) meet all their threads first; cp.async copies land at
-// wait_group and are checked against the registered input buffers; mbarriers keep phases.
+// wait_group and are checked against the registered input buffers; mbarriers keep phases;
+// setmaxnreg moves registers between a warpgroup and the CTA's pool (blocking inc).
 #include "cuda_emu.h"
 #include <cstdarg>
 #include <functional>
@@ -82,7 +83,7 @@ struct WGrp {
   uint64_t desc[128], adesc[128];
   int n[128];
 };
-static WGrp wgrps[2];
+static WGrp wgrps[4];
 static std::vector<unsigned char> g_smem;
 static uint32_t g_smem_size;
 Dim3 g_grid, g_block;
@@ -304,6 +305,46 @@ void wgmma_ss(float *d, uint64_t adesc, int tnsp_a, uint64_t desc, int N, int tn
   wgmma_any(d, nullptr, adesc, tnsp_a, desc, N, tnsp, bf16);
 }
 
+/* setmaxnreg: each warpgroup's per-thread register limit and the CTA's pool of registers that
+ * no warpgroup holds; g_launch_regs (set_launch_regs before a launch, 0: not checked) is the
+ * per-thread count the kernel was launched with, the pool starts empty. */
+static int g_launch_regs = 0;
+static int wg_regs[4];
+static long reg_pool = 0;
+static int wg_req[4][128];
+void set_launch_regs(int n) { g_launch_regs = n; }
+void setmaxnreg(int n, bool inc) {
+  const int t = g_cur->tid, lt = t & 127, wi = t >> 7;
+  if (wi >= 4 || (t | 127) >= g_nt) fail("setmaxnreg by thread %d of a CTA of %d", t, g_nt);
+  if (n % 8 || n < 24 || n > 256) fail("setmaxnreg count %d", n);
+  WGrp &w = wgrps[wi];
+  wg_req[wi][lt] = inc ? n : -n;
+  barrier_wait(w.bar, 128); /* .sync.aligned: every thread of the warpgroup */
+  for (int i = 0; i < 128; ++i)
+    if (wg_req[wi][i] != wg_req[wi][lt])
+      fail("setmaxnreg differs across the warpgroup (%d, %d)", wg_req[wi][i], wg_req[wi][lt]);
+  if (lt == 0 && g_launch_regs > 0) {
+    const int cur = wg_regs[wi];
+    if (inc ? n < cur : n > cur)
+      fail("setmaxnreg.%s %d from %d registers", inc ? "inc" : "dec", n, cur);
+    if (inc) {
+      /* blocks until the pool holds the registers (another warpgroup's dec) */
+      long spins = 0;
+      while (reg_pool < 128L * (n - cur)) {
+        if (++spins > 100000000L)
+          fail("setmaxnreg.inc %d waits for registers that no warpgroup releases (pool %ld)", n,
+               reg_pool);
+        yield();
+      }
+      reg_pool -= 128L * (n - cur);
+    } else {
+      reg_pool += 128L * (cur - n);
+    }
+    wg_regs[wi] = n;
+  }
+  barrier_wait(w.bar, 128);
+}
+
 struct MBar {
   int count, pending, phase;
 };
@@ -384,6 +425,8 @@ void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_bloc
     for (auto &w : wgrps) w.bar = Barrier();
     for (auto &b : named_bars) b = Barrier();
     g_mbars.clear();
+    for (int &r : wg_regs) r = g_launch_regs;
+    reg_pool = 0;
     for (int t = 0; t < g_nt; ++t) {
       Fiber &f = fibers[t];
       if (!f.stack) f.stack = (char *)aligned_alloc(64, kStack);
