@@ -574,7 +574,11 @@ template <int D, int NWG> struct WsShape {
    * 255 each and moves none */
   static constexpr bool kMoveRegs = NT * kMinBlocks > 256;
   static constexpr int kLaunchRegs = (65536 / (NT * kMinBlocks)) & ~7;
-  static constexpr int kProducerRegs = 40;
+  /* 40 with two consumer warpgroups (the consumers get 232: 24 would give
+   * them 240 but spill the producer's walk); 32 with one (the consumers get
+   * 224, of which the pipelined d 64 loop needs more than 216: ptxas
+   * serializes the wgmma, C7512, at 40) */
+  static constexpr int kProducerRegs = NWG == 1 ? 32 : 40;
   static constexpr int kConsumerRegs = ((NT * kLaunchRegs - NP * kProducerRegs) / NC) & ~7;
   /* shared memory: K, V of the item; kStages stages; two dS^T tiles
    * (fused; tile n in n % 2, so that a warp writes tile n only after every
@@ -829,22 +833,47 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
   float sT[32], dpT[32];
   uint32_t pa[4][4], dsa[4][4];
   float acc[DQN / 2];
+  /* P^T and dS^T of tile t from the S^T, dP^T products in flight (the two
+   * most recent groups), packed into the A fragments pa, dsa */
+  auto softmax_grad = [&](const QTile2 &t, const float *ld) {
+    wgmma_wait<1>(); /* S^T */
+#pragma unroll
+    for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
+    probs_t(sT, ld, t, sl2, kw0, kw0 + wr + g, t4);
+    wgmma_wait<0>(); /* dP^T */
+#pragma unroll
+    for (int x = 0; x < 32; ++x) reg_fence(dpT[x]);
+    dsoft_t(dpT, sT, ld, t4);
+    pack_a_frags<T>(pa, sT);
+    pack_a_frags<T>(dsa, dpT);
+  };
+  auto stage_ld = [&](int n) {
+    return reinterpret_cast<const float *>(sbase + S::kLdOff + (n % NST) * kLdBytes);
+  };
   if constexpr (S::kPipelined) {
-    /* Per iteration n: issue S^T, dP^T of tile n (queued behind tile n - 1's
-     * dV, dK, dQ); wait for tile n - 1's products, release its stage and add
-     * its dQ (exchange, atomics) while tile n's run; P^T, dS^T; issue dV, dK;
-     * dS^T into shared memory; issue dQ; on to tile n + 1 without a wait.
-     * Every product is issued unconditionally (branch-free within the
-     * warpgroup). */
-    QTile2 tp{}; /* tile n - 1 */
-    int n = 0;
-    for (;; ++n) {
-      const QTile2 t = acquire(n);
-      if (t.h < 0) break;
-      const int sn = n % NST;
-      const uint32_t sQ = sS + (uint32_t)(sn * SB);
-      issue_s_dp(sT, dpT, sQ);
-      wgmma_wait<2>(); /* tile n - 1's dV, dK (and dQ) done */
+    /* Iteration n starts with P^T, dS^T of tile n packed: issue dV, dK; dS^T
+     * into shared memory; issue dQ; wait for tile n + 1's stage and issue
+     * its S^T, dP^T (queued behind tile n's products); wait for tile n's
+     * products, release its stage and add its dQ (exchange, atomics) while
+     * tile n + 1's run; P^T, dS^T of tile n + 1. Every product is issued
+     * unconditionally (branch-free within the warpgroup): past the walk's
+     * end S^T and dP^T read a stale stage (not written any more) and are
+     * dropped. Each product is waited for in the iteration that issued it:
+     * ptxas serializes every wgmma (C7514) when an accumulator is read
+     * after a wait that retires a product of the previous iteration. */
+    QTile2 t = acquire(0);
+    issue_s_dp(sT, dpT, sS);
+    softmax_grad(t, stage_ld(0));
+    for (int n = 0;; ++n) {
+      const uint32_t sQ = sS + (uint32_t)((n % NST) * SB);
+      wgmma_fence();
+      wgmma_regs_by_rows64<D, T>(dv, pa, sQ + TBQ);
+      wgmma_regs_by_rows64<D, T>(dk, dsa, sQ);
+      wgmma_commit();
+      if constexpr (FUSED) issue_dq(acc, store_ds(dsa, n));
+      const QTile2 t1 = acquire(n + 1);
+      issue_s_dp(sT, dpT, sS + (uint32_t)(((n + 1) % NST) * SB));
+      wgmma_wait<2>(); /* tile n's dV, dK (and dQ) */
       fence_kv();
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -853,44 +882,16 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
           reg_fence_u(pa[j][r]);
           reg_fence_u(dsa[j][r]);
         }
-      if (n > 0) {
-        mbar_arrive(empty0 + 8 * ((n - 1) % NST)); /* this thread is done with tile n - 1's stage */
-        if constexpr (FUSED) {
-#pragma unroll
-          for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
-          ws_dq_out<D, NWG>(acc, xs + ((n - 1) & 1) * kXHalf, dq_acc, st, tp.row0, tp.h, tp.nvalid,
-                            wgi, warp, lane);
-        }
-      }
-      const float *ld = reinterpret_cast<const float *>(sbase + S::kLdOff + sn * kLdBytes);
-      wgmma_wait<1>(); /* S^T */
-#pragma unroll
-      for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
-      probs_t(sT, ld, t, sl2, kw0, kw0 + wr + g, t4);
-      wgmma_wait<0>(); /* dP^T */
-#pragma unroll
-      for (int x = 0; x < 32; ++x) reg_fence(dpT[x]);
-      dsoft_t(dpT, sT, ld, t4);
-      pack_a_frags<T>(pa, sT);
-      pack_a_frags<T>(dsa, dpT);
-      wgmma_fence();
-      wgmma_regs_by_rows64<D, T>(dv, pa, sQ + TBQ);
-      wgmma_regs_by_rows64<D, T>(dk, dsa, sQ);
-      wgmma_commit();
-      if constexpr (FUSED) issue_dq(acc, store_ds(dsa, n));
-      tp = t;
-    }
-    /* the last tile's products */
-    wgmma_wait<0>();
-    fence_kv();
-    if (n > 0) {
-      mbar_arrive(empty0 + 8 * ((n - 1) % NST));
+      mbar_arrive(empty0 + 8 * (n % NST)); /* this thread is done with tile n's stage */
       if constexpr (FUSED) {
 #pragma unroll
         for (int x = 0; x < DQN / 2; ++x) reg_fence(acc[x]);
-        ws_dq_out<D, NWG>(acc, xs + ((n - 1) & 1) * kXHalf, dq_acc, st, tp.row0, tp.h, tp.nvalid,
-                          wgi, warp, lane);
+        ws_dq_out<D, NWG>(acc, xs + (n & 1) * kXHalf, dq_acc, st, t.row0, t.h, t.nvalid, wgi, warp,
+                          lane);
       }
+      softmax_grad(t1, stage_ld(n + 1));
+      if (t1.h < 0) break;
+      t = t1;
     }
   } else {
     /* one tile at a time: S^T, dP^T; P^T, dS^T; dV, dK (and dQ) */
@@ -899,18 +900,8 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
       if (t.h < 0) break;
       const int sn = n % NST;
       const uint32_t sQ = sS + (uint32_t)(sn * SB);
-      const float *ld = reinterpret_cast<const float *>(sbase + S::kLdOff + sn * kLdBytes);
       issue_s_dp(sT, dpT, sQ);
-      wgmma_wait<1>(); /* S^T */
-#pragma unroll
-      for (int x = 0; x < 32; ++x) reg_fence(sT[x]);
-      probs_t(sT, ld, t, sl2, kw0, kw0 + wr + g, t4);
-      wgmma_wait<0>(); /* dP^T */
-#pragma unroll
-      for (int x = 0; x < 32; ++x) reg_fence(dpT[x]);
-      dsoft_t(dpT, sT, ld, t4);
-      pack_a_frags<T>(pa, sT);
-      pack_a_frags<T>(dsa, dpT);
+      softmax_grad(t, stage_ld(n));
       wgmma_fence();
       wgmma_regs_by_rows64<D, T>(dv, pa, sQ + TBQ);
       wgmma_regs_by_rows64<D, T>(dk, dsa, sQ);
