@@ -44,6 +44,8 @@ void setmaxnreg(int n, bool inc);
 void set_launch_regs(int n);
 void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16);
 void wgmma_ss(float *d, uint64_t adesc, int tnsp_a, uint64_t desc, int N, int tnsp, bool bf16);
+void wgmma_commit();
+void wgmma_wait(int n);
 void red_add(float *p, float v);
 [[noreturn]] void fail(const char *fmt, ...);
 } // namespace emu
