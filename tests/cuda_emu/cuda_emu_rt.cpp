@@ -3,8 +3,9 @@
 // random order; shared memory starts as NaN bytes; warp collectives (shuffles, ldmatrix,
 // stmatrix, mma.sync) and warpgroup wgmma (descriptor decoded, 128-byte swizzle applied to the
 // address bits, products in fp64; executed asynchronously, at a commit or at the wait that
-// retires them) meet all their threads first; cp.async copies land at
-// wait_group and are checked against the registered input buffers; mbarriers keep phases;
+// retires them) meet all their threads first; cp.async copies land at their commit or at
+// the wait_group that needs them (at random) and are checked against the registered input
+// buffers; mbarriers keep phases;
 // setmaxnreg moves registers between a warpgroup and the CTA's pool (blocking inc).
 #include "cuda_emu.h"
 #include <cstdarg>
@@ -449,18 +450,27 @@ void cp_async(uint32_t dst, const void *src, int bytes, bool valid) {
   }
   g_cur->open.push_back({dst, src, bytes, valid});
 }
+static void cp_land(std::vector<Copy> &g) {
+  for (auto &c : g) {
+    if (c.valid)
+      memcpy(g_smem.data() + c.dst, c.src, c.bytes);
+    else
+      memset(g_smem.data() + c.dst, 0, c.bytes);
+  }
+  g.clear();
+}
+/* A committed group lands at once (at random) or at the wait_group that needs it: the copies
+ * complete at some time between their issue and that wait, as on the hardware, so that a
+ * stage overwritten too early, or read too early, is seen. A landed group stays in the list
+ * (empty) so that wait_group counts the most recent groups as the hardware does. */
 void cp_commit() {
   g_cur->groups.push_back(std::move(g_cur->open));
   g_cur->open.clear();
+  if (rng() & 1) cp_land(g_cur->groups.back());
 }
 void cp_wait(int n) {
   while ((int)g_cur->groups.size() > n) {
-    for (auto &c : g_cur->groups.front()) {
-      if (c.valid)
-        memcpy(g_smem.data() + c.dst, c.src, c.bytes);
-      else
-        memset(g_smem.data() + c.dst, 0, c.bytes);
-    }
+    cp_land(g_cur->groups.front());
     g_cur->groups.erase(g_cur->groups.begin());
   }
 }
