@@ -6,8 +6,8 @@
  *    when G is a multiple of 128, else 1), warpgroup w owning keys 64 w ..
  *    64 w + 63; K and V of the item stay in shared memory (panel layout of
  *    attn_wgmma_ptx.cuh), dK and dV in registers (wgmma accumulators);
- *  - 64-row (Q, dO, LSE, delta) query tiles stream through two cp.async
- *    stages, loaded one tile ahead by every thread;
+ *  - 64-row (Q, dO, LSE, delta) query tiles stream through cp.async
+ *    stages;
  *  - per query tile and warpgroup, transposed so that the keys are the M
  *    dimension: S^T = K Q^T and dP^T = V dO^T (A and B from shared memory),
  *    P^T = exp(scale S^T - LSE) and dS^T = P^T (dP^T - delta) in registers,
@@ -22,6 +22,13 @@
  *    (dq_pair_exchange);
  *  - deterministic contexts run variant 2's query-major dQ kernel
  *    (cuda_mma2_bwd_dq) and this kernel without its dQ product.
+ * Two kernels compute this, chosen per context (MTRAIN_CUDA_WGMMA_BWD,
+ * cuda_wgmma_bwd_kernel_from_env): wgmma_bwd_kernel (1: consumer
+ * warpgroups only, every thread loading the next query tile, a CTA barrier
+ * per tile) and wgmma_bwd_ws_kernel (2, the default: a producer warpgroup
+ * walks and loads the query tiles into mbarrier-guarded stages, setmaxnreg
+ * moves its registers to the consumers, which never meet at a CTA barrier;
+ * at d 64 the consumer loop is software-pipelined).
  * Per (query i, key j): p = exp(scale q_i.k_j - lse_i), dp = dout_i.v_j,
  * ds = p (dp - delta_i); dq_i += scale ds k_j, dk_j += scale ds q_i,
  * dv_j += p dout_i. */
@@ -513,8 +520,10 @@ __global__ void __launch_bounds__(128 * NWG, 1)
  * of stages guarded by mbarriers (full: the copies landed and the tile's
  * descriptor is published; empty: every consumer thread is done with the
  * stage); the consumer warpgroups never meet at a CTA barrier in the loop.
- * With two consumer warpgroups the CTA has 384 threads, so setmaxnreg moves
- * registers from the producer (24) to the consumers (240). */
+ * With two consumer warpgroups the CTA has 384 threads (168 registers each
+ * at launch), so setmaxnreg moves registers from the producer (40) to the
+ * consumers (232); with one at d 64, two CTAs of 256 threads share an SM
+ * (128 registers each at launch; producer 32, consumers 224). */
 
 /* Named barriers of wgmma_bwd_ws_kernel (0 is __syncthreads): the producer
  * warpgroup's (thread 0's tile descriptor, read by every producer thread),
@@ -573,13 +582,14 @@ template <int D, int NWG> struct WsShape {
    * the producer's and the consumers'; one CTA of 256 threads per SM has
    * 255 each and moves none */
   static constexpr bool kMoveRegs = NT * kMinBlocks > 256;
-  static constexpr int kLaunchRegs = (65536 / (NT * kMinBlocks)) & ~7;
+  static constexpr int kLaunchRegs = kMoveRegs ? (65536 / (NT * kMinBlocks)) & ~7 : 255;
   /* 40 with two consumer warpgroups (the consumers get 232: 24 would give
    * them 240 but spill the producer's walk); 32 with one (the consumers get
    * 224, of which the pipelined d 64 loop needs more than 216: ptxas
    * serializes the wgmma, C7512, at 40) */
   static constexpr int kProducerRegs = NWG == 1 ? 32 : 40;
-  static constexpr int kConsumerRegs = ((NT * kLaunchRegs - NP * kProducerRegs) / NC) & ~7;
+  static constexpr int kConsumerRegs =
+      kMoveRegs ? ((NT * kLaunchRegs - NP * kProducerRegs) / NC) & ~7 : kLaunchRegs;
   /* shared memory: K, V of the item; kStages stages; two dS^T tiles
    * (fused; tile n in n % 2, so that a warp writes tile n only after every
    * warp's dQ product of tile n - 2, not n - 1, has completed); LSE and
@@ -666,7 +676,7 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
     ctl.nk = nk;
     ctl.bars = bars;
     QWalk2 w = qw;
-    QTile2 t0;
+    QTile2 t0{};
     if (!w.next(st, t0)) t0.h = -1;
     ctl.w = w;
     ctl.tile[0] = t0;
@@ -704,7 +714,7 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
       if (n > 0) {
         /* thread 0: tile n's descriptor into the free slot */
         if (p == 0) {
-          QTile2 t;
+          QTile2 t{};
           if (!ctl.w.next(st, t)) t.h = -1;
           ctl.tile[sn] = t;
         }
