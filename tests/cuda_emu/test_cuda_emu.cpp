@@ -6,7 +6,9 @@
 // variant 2's deterministic and fused backward, and variant 3's with each of its two kernels
 // (kv0: wgmma_bwd_kernel, kv3: the warp-specialised wgmma_bwd_ws_kernel).
 // Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
-// configurations of kQuick with seed 7.
+// configurations of kQuick with seed 7. bwd: one backward of the list `all` in run() (4, 5:
+// variant 3's first kernel, deterministic and fused; 6, 7: its warp-specialised kernel); a fwd
+// kind that no forward has (e.g. 9) runs variant 3's forward only.
 #include "backends/cuda/attn_mma2_bwd.cu"
 #include "backends/cuda/attn_mma2_fwd.cu"
 #include "backends/cuda/attn_wgmma_bwd.cu"
