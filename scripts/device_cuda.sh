@@ -21,7 +21,8 @@
 #             the pattern and the validation dumps; then variants 2 and 3 with the
 #             fused (non-deterministic) backward, and each further tile configuration
 #             listed in $MTRAIN_BENCH_MMA2_CONFIGS (default none) with
-#             MTRAIN_DETERMINISTIC 1, 0
+#             MTRAIN_DETERMINISTIC 1, 0; variant 3's fused backward with each of its
+#             kernels (MTRAIN_CUDA_WGMMA_BWD 2, the default, and 1)
 #   nccl      (two or more GPUs) the NCCL ring and fault tests (ctest -L nccl: one
 #             process per GPU under mpiexec, one process with a thread per GPU, and
 #             test_nccl_fault_*: a peer killed or stalled mid-forward/backward must
@@ -243,12 +244,16 @@ stage_bench() {
       grep -E "^(dense|vertical-slash) " "$work/extra.log"
     done
   done
-  # variant 3 with the fused backward
-  echo "== variant 3, MTRAIN_DETERMINISTIC=0" | tee -a "$log"
-  MTRAIN_DETERMINISTIC=0 "$build/tools/mtrain-bench-cuda" --seq-len "$bench_seq" --variants 3 \
-    > "$work/extra.log" 2>&1 || rc=$?
-  cat "$work/extra.log" >> "$log"
-  grep -E "^(dense|vertical-slash) " "$work/extra.log"
+  # variant 3 with the fused backward: the default kernel (the warp-specialised
+  # wgmma_bwd_ws_kernel), then the first one (MTRAIN_CUDA_WGMMA_BWD=1) in the same call
+  local bk
+  for bk in 2 1; do
+    echo "== variant 3, MTRAIN_DETERMINISTIC=0 MTRAIN_CUDA_WGMMA_BWD=$bk" | tee -a "$log"
+    MTRAIN_CUDA_WGMMA_BWD=$bk MTRAIN_DETERMINISTIC=0 "$build/tools/mtrain-bench-cuda" \
+      --seq-len "$bench_seq" --variants 3 > "$work/extra.log" 2>&1 || rc=$?
+    cat "$work/extra.log" >> "$log"
+    grep -E "^(dense|vertical-slash) " "$work/extra.log"
+  done
   if [ $rc -eq 0 ]; then
     note bench ok $((SECONDS - t0)) "table in bench.log"
   else

@@ -612,18 +612,28 @@ __device__ __forceinline__ void kv_item_rows(int64_t (&rows)[LoadShape<NT, BN>::
   }
 }
 
-/* The dK and dV output rows of key kr of the item whose ring is r: a bar
- * item's scratch rows (written), a run item's dk_acc / dv_acc rows (added). */
+/* The dK and dV output rows of key kr of a key-major item (bars: a bar
+ * item; krow0: its first scratch row, or a run item's first local key row;
+ * hk: the kv head): a bar item's scratch rows (written), a run item's
+ * dk_acc / dv_acc rows (added). */
+__device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, bool bars, int64_t krow0, int hk,
+                                            int kr, int D, float *dk_acc, float *dv_acc,
+                                            float *dk_bar, float *dv_bar, float *&dkr,
+                                            float *&dvr) {
+  if (bars) {
+    dkr = dk_bar + (krow0 + kr) * D;
+    dvr = dv_bar + (krow0 + kr) * D;
+  } else {
+    dkr = dk_acc + ((krow0 + kr) * st.Hkv + hk) * D;
+    dvr = dv_acc + ((krow0 + kr) * st.Hkv + hk) * D;
+  }
+}
+
+/* The same for the item whose ring is r. */
 __device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, const QRing &r, int kr, int D,
                                             float *dk_acc, float *dv_acc, float *dk_bar,
                                             float *dv_bar, float *&dkr, float *&dvr) {
-  if (r.bars) {
-    dkr = dk_bar + (r.krow0 + kr) * D;
-    dvr = dv_bar + (r.krow0 + kr) * D;
-  } else {
-    dkr = dk_acc + ((r.krow0 + kr) * st.Hkv + r.hk) * D;
-    dvr = dv_acc + ((r.krow0 + kr) * st.Hkv + r.hk) * D;
-  }
+  kv_out_rows(st, r.bars != 0, r.krow0, r.hk, kr, D, dk_acc, dv_acc, dk_bar, dv_bar, dkr, dvr);
 }
 
 /* Writes (bar scratch) or adds (owned accumulator rows) two floats. */

@@ -29,6 +29,13 @@ mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,
  * aligned; the bar scratch rows are written as by cuda_mma2_bwd. */
 mtrain_status_t cuda_wgmma_bwd(cuda_state_t *s, const cuda_step_t *st,
                                const mtrain_bwd_step_args_t *a, float *dk_bar, float *dv_bar);
+/* The backward kernel of variant 3 that a context runs, read once when the
+ * context is created (kept in cuda_state_t::wgmma_bwd): the environment
+ * variable MTRAIN_CUDA_WGMMA_BWD, "1" for the first kernel (wgmma_bwd_kernel:
+ * consumer warpgroups only, which load the query tiles themselves), "2" or
+ * unset for the warp-specialised one (wgmma_bwd_ws_kernel: a producer
+ * warpgroup, mbarrier stages). Any other value: MTRAIN_ERR_INVALID_CONFIG. */
+mtrain_status_t cuda_wgmma_bwd_kernel_from_env(int *which);
 
 #ifdef __cplusplus
 }

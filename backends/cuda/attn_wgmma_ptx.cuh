@@ -2,8 +2,9 @@
  * (sm_90a): warpgroup MMA (wgmma.mma_async m64nNk16, A from registers, B
  * from shared memory through a matrix descriptor, fp32 accumulators), its
  * fence / commit / wait, the async-proxy fence that makes shared-memory
- * writes of cp.async visible to wgmma, and the 128-byte-swizzle shared
- * memory descriptor.
+ * writes of cp.async visible to wgmma, the 128-byte-swizzle shared
+ * memory descriptor, mbarriers, named barriers and setmaxnreg (registers
+ * moved between warpgroups).
  *
  * Shared-memory operand layout (every B operand of variant 3): a tile of R
  * rows x C 16-bit columns is stored as C / 64 panels of R rows x 128 bytes,
@@ -186,6 +187,19 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 /* Barrier `id` (1..15) over `count` threads (a multiple of 32). */
 __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+/* setmaxnreg (sm_90a): the executing warpgroup's per-thread register limit
+ * becomes N (a multiple of 8 in [24, 256]); dec returns registers to the
+ * CTA's pool, inc takes them from it (blocking until the pool has them).
+ * Executed by all 128 threads of a warpgroup, once per warpgroup here. */
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg count");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg count");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 /* ---- end of PTX wrappers of variant 3 ---- */

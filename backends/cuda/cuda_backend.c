@@ -139,6 +139,7 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   if (!s) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "backend 'cuda': out of host memory");
   MTRAIN_TRY(parse_variant_env(&s->variant));
   MTRAIN_TRY(cuda_mma2_config_from_env(&s->mma2_config));
+  MTRAIN_TRY(cuda_wgmma_bwd_kernel_from_env(&s->wgmma_bwd));
   s->last_variant = -1;
   s->deterministic = config->deterministic;
   MTRAIN_TRY(cuda_check(cudaGetDevice(&s->device), "cudaGetDevice"));

@@ -107,6 +107,7 @@ typedef struct cuda_state {
   int last_variant; /* the variant the last step ran */
   int deterministic;
   int mma2_config; /* variant 2's tile configuration (MTRAIN_CUDA_MMA2_CONFIG) */
+  int wgmma_bwd;   /* variant 3's backward kernel: 1 or 2 (MTRAIN_CUDA_WGMMA_BWD) */
   /* read once from the device at init: */
   int num_sms;
   int cc_major, cc_minor; /* compute capability of the device */

@@ -1,7 +1,7 @@
 // cuda_emu.h: force-included (-include) into the CPU build of test_cuda_emu: the CUDA
 // execution model emulated on the host for the tensor-core kernels of variants 2 and 3
 // (thread and block indices, barriers, shuffles, warp- and warpgroup-collective
-// matrix instructions, cp.async, mbarriers), implemented in cuda_emu_rt.cpp.
+// matrix instructions, cp.async, mbarriers, setmaxnreg), implemented in cuda_emu_rt.cpp.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -40,8 +40,12 @@ void mbar_init(uint32_t bar, int count);
 void mbar_arrive(uint32_t bar);
 bool mbar_try_wait(uint32_t bar, uint32_t parity);
 void named_barrier(int id, int count);
+void setmaxnreg(int n, bool inc);
+void set_launch_regs(int n);
 void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16);
 void wgmma_ss(float *d, uint64_t adesc, int tnsp_a, uint64_t desc, int N, int tnsp, bool bf16);
+void wgmma_commit();
+void wgmma_wait(int n);
 void red_add(float *p, float v);
 [[noreturn]] void fail(const char *fmt, ...);
 } // namespace emu

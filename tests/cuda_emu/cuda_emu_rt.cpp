@@ -1,9 +1,13 @@
 // cuda_emu_rt.cpp: the emulator behind cuda_emu.h. A CTA is run as cooperative fibers, one per
-// thread, switched at every barrier and collective (x86-64 only); blocks run one at a time in
-// random order; shared memory starts as NaN bytes; warp collectives (shuffles, ldmatrix,
+// thread, switched at every barrier and collective (x86-64 only), one warpgroup at a time
+// favoured for a while so that warpgroups drift apart; blocks run one at a time in random
+// order; shared memory starts as NaN bytes; warp collectives (shuffles, ldmatrix,
 // stmatrix, mma.sync) and warpgroup wgmma (descriptor decoded, 128-byte swizzle applied to the
-// address bits, products in fp64) meet all their threads first; cp.async copies land at
-// wait_group and are checked against the registered input buffers; mbarriers keep phases.
+// address bits, products in fp64; executed asynchronously, at a commit or at the wait that
+// retires them) meet all their threads first; cp.async copies land at their commit or at
+// the wait_group that needs them (at random) and are checked against the registered input
+// buffers; mbarriers keep phases;
+// setmaxnreg moves registers between a warpgroup and the CTA's pool (blocking inc).
 #include "cuda_emu.h"
 #include <cstdarg>
 #include <functional>
@@ -75,14 +79,25 @@ static Fiber *g_cur;
 static void *sched_sp;
 static Barrier cta_bar;
 static Warp warps[16];
+/* One issued wgmma of a warpgroup: each thread's accumulator array and A fragment (nullptr:
+ * A from shared memory through adesc), read and written when the product executes. */
+struct WgOp {
+  float *d[128];
+  const uint32_t *a[128];
+  uint64_t desc, adesc;
+  int N, tnsp, tnsp_a;
+  bool bf16;
+};
 struct WGrp {
   Barrier bar;
-  uint32_t a[128][4];
-  float c[128][64];
+  float *d[128];
+  const uint32_t *a[128];
   uint64_t desc[128], adesc[128];
   int n[128];
+  std::vector<WgOp> open;                /* issued since the last commit */
+  std::vector<std::vector<WgOp>> groups; /* committed, not yet executed (oldest first) */
 };
-static WGrp wgrps[2];
+static WGrp wgrps[4];
 static std::vector<unsigned char> g_smem;
 static uint32_t g_smem_size;
 Dim3 g_grid, g_block;
@@ -258,50 +273,142 @@ static uint32_t desc_addr(uint64_t desc, int mn, int k, int tnsp) {
   if (start & 127) fail("MN-major operand not at the start of a 128-byte row");
   return start + (mn / 64) * lbo + (mn % 64) * 2 + (k / 8) * sbo + (k % 8) * 128;
 }
-/* D[64 x N] += A[64 x 16] B[16 x N] for the calling thread's warpgroup: A from the threads'
- * registers (adesc_or_0 == 0, a != nullptr) or through the descriptor adesc (M-major when
- * tnsp_a). Every thread of the warpgroup must pass the same descriptors and shape. */
+/* D[64 x N] += A[64 x 16] B[16 x N] of one issued wgmma, for every thread of its warpgroup:
+ * the accumulators and A fragments read through the threads' pointers now, the products in
+ * fp64, the results written back. */
+static void wgmma_exec(const WgOp &op) {
+  for (int lt = 0; lt < 128; ++lt) {
+    const int wq = lt >> 5, lane = lt & 31, g = lane >> 2, t4 = lane & 3;
+    float *d = op.d[lt];
+    for (int x = 0; x < op.N / 2; ++x) {
+      const int j = x >> 2, e = x & 3;
+      const int row = 16 * wq + g + 8 * (e >> 1), col = 8 * j + 2 * t4 + (e & 1);
+      double sum = d[x];
+      for (int k = 0; k < 16; ++k) {
+        double av;
+        if (op.a[lt]) {
+          const int r16 = row & 15;
+          const int la = (r16 % 8) * 4 + (k % 8) / 2, ra = (r16 / 8) + 2 * (k / 8);
+          av = h2f(op.a[wq * 32 + la][ra], k % 2, op.bf16);
+        } else {
+          av = smem16(desc_addr(op.adesc, row, k, op.tnsp_a), op.bf16);
+        }
+        sum += av * (double)smem16(desc_addr(op.desc, col, k, op.tnsp), op.bf16);
+      }
+      d[x] = (float)sum;
+    }
+  }
+}
+/* Issues D[64 x N] += A[64 x 16] B[16 x N] for the calling thread's warpgroup: A from the
+ * threads' registers (a != nullptr) or through the descriptor adesc (M-major when tnsp_a).
+ * Every thread of the warpgroup must pass the same descriptors and shape. Asynchronous like
+ * the hardware's: the product executes (reads the accumulators, the A registers and shared
+ * memory, writes the accumulators) at a commit or at the wait_group that retires its group,
+ * at random, so that a kernel that touches its operands or accumulators, or releases the
+ * shared memory it reads, before the wait sees wrong values. */
 static void wgmma_any(float *d, const uint32_t *a, uint64_t adesc, int tnsp_a, uint64_t desc, int N,
                       int tnsp, bool bf16) {
   const int t = g_cur->tid, lt = t & 127;
-  if ((t >> 7) >= 2 || (t | 127) >= g_nt) fail("wgmma by thread %d of a CTA of %d", t, g_nt);
+  if ((t >> 7) >= 4 || (t | 127) >= g_nt) fail("wgmma by thread %d of a CTA of %d", t, g_nt);
   WGrp &w = wgrps[t >> 7];
-  for (int i = 0; i < 4; ++i) w.a[lt][i] = a ? a[i] : 0u;
-  for (int x = 0; x < N / 2; ++x) w.c[lt][x] = d[x];
+  w.d[lt] = d;
+  w.a[lt] = a;
   w.desc[lt] = desc;
   w.adesc[lt] = a ? 0 : adesc;
   w.n[lt] = N * 4 + tnsp * 2 + tnsp_a;
   barrier_wait(w.bar, 128);
-  for (int i = 0; i < 128; ++i)
-    if (w.desc[i] != desc || w.n[i] != w.n[lt] || w.adesc[i] != w.adesc[lt])
-      fail("wgmma operands differ across the warpgroup");
-  const int wq = lt >> 5, lane = lt & 31, g = lane >> 2, t4 = lane & 3;
-  float out[64];
-  for (int x = 0; x < N / 2; ++x) {
-    const int j = x >> 2, e = x & 3;
-    const int row = 16 * wq + g + 8 * (e >> 1), col = 8 * j + 2 * t4 + (e & 1);
-    double sum = w.c[lt][x];
-    for (int k = 0; k < 16; ++k) {
-      double av;
-      if (a) {
-        const int r16 = row & 15;
-        const int la = (r16 % 8) * 4 + (k % 8) / 2, ra = (r16 / 8) + 2 * (k / 8);
-        av = h2f(w.a[wq * 32 + la][ra], k % 2, bf16);
-      } else {
-        av = smem16(desc_addr(adesc, row, k, tnsp_a), bf16);
-      }
-      sum += av * (double)smem16(desc_addr(desc, col, k, tnsp), bf16);
+  if (lt == 0) {
+    for (int i = 0; i < 128; ++i)
+      if (w.desc[i] != desc || w.n[i] != w.n[lt] || w.adesc[i] != w.adesc[lt] || !w.a[i] != !a)
+        fail("wgmma operands differ across the warpgroup");
+    WgOp op;
+    for (int i = 0; i < 128; ++i) {
+      op.d[i] = w.d[i];
+      op.a[i] = w.a[i];
     }
-    out[x] = (float)sum;
+    op.desc = desc;
+    op.adesc = a ? 0 : adesc;
+    op.N = N;
+    op.tnsp = tnsp;
+    op.tnsp_a = tnsp_a;
+    op.bf16 = bf16;
+    w.open.push_back(op);
   }
   barrier_wait(w.bar, 128);
-  for (int x = 0; x < N / 2; ++x) d[x] = out[x];
+}
+/* Executes the warpgroup's committed groups, oldest first, until at most `keep` are pending. */
+static void wgmma_retire(WGrp &w, size_t keep) {
+  while (w.groups.size() > keep) {
+    for (const WgOp &op : w.groups.front()) wgmma_exec(op);
+    w.groups.erase(w.groups.begin());
+  }
+}
+static WGrp &wgmma_group_of_caller(const char *what) {
+  const int t = g_cur->tid;
+  if ((t >> 7) >= 4 || (t | 127) >= g_nt) fail("%s by thread %d of a CTA of %d", what, t, g_nt);
+  return wgrps[t >> 7];
+}
+void wgmma_commit() {
+  WGrp &w = wgmma_group_of_caller("wgmma.commit_group");
+  barrier_wait(w.bar, 128);
+  if ((g_cur->tid & 127) == 0) {
+    w.groups.push_back(std::move(w.open));
+    w.open.clear();
+    if (rng() & 1) wgmma_retire(w, 0); /* executes now, at random */
+  }
+  barrier_wait(w.bar, 128);
+}
+void wgmma_wait(int n) {
+  WGrp &w = wgmma_group_of_caller("wgmma.wait_group");
+  barrier_wait(w.bar, 128);
+  if ((g_cur->tid & 127) == 0) wgmma_retire(w, (size_t)n);
+  barrier_wait(w.bar, 128);
 }
 void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16) {
   wgmma_any(d, a, 0, 0, desc, N, tnsp, bf16);
 }
 void wgmma_ss(float *d, uint64_t adesc, int tnsp_a, uint64_t desc, int N, int tnsp, bool bf16) {
   wgmma_any(d, nullptr, adesc, tnsp_a, desc, N, tnsp, bf16);
+}
+
+/* setmaxnreg: each warpgroup's per-thread register limit and the CTA's pool of registers that
+ * no warpgroup holds; g_launch_regs (set_launch_regs before a launch, 0: not checked) is the
+ * per-thread count the kernel was launched with, the pool starts empty. */
+static int g_launch_regs = 0;
+static int wg_regs[4];
+static long reg_pool = 0;
+static int wg_req[4][128];
+void set_launch_regs(int n) { g_launch_regs = n; }
+void setmaxnreg(int n, bool inc) {
+  const int t = g_cur->tid, lt = t & 127, wi = t >> 7;
+  if (wi >= 4 || (t | 127) >= g_nt) fail("setmaxnreg by thread %d of a CTA of %d", t, g_nt);
+  if (n % 8 || n < 24 || n > 256) fail("setmaxnreg count %d", n);
+  WGrp &w = wgrps[wi];
+  wg_req[wi][lt] = inc ? n : -n;
+  barrier_wait(w.bar, 128); /* .sync.aligned: every thread of the warpgroup */
+  for (int i = 0; i < 128; ++i)
+    if (wg_req[wi][i] != wg_req[wi][lt])
+      fail("setmaxnreg differs across the warpgroup (%d, %d)", wg_req[wi][i], wg_req[wi][lt]);
+  if (lt == 0 && g_launch_regs > 0) {
+    const int cur = wg_regs[wi];
+    if (inc ? n < cur : n > cur)
+      fail("setmaxnreg.%s %d from %d registers", inc ? "inc" : "dec", n, cur);
+    if (inc) {
+      /* blocks until the pool holds the registers (another warpgroup's dec) */
+      long spins = 0;
+      while (reg_pool < 128L * (n - cur)) {
+        if (++spins > 100000000L)
+          fail("setmaxnreg.inc %d waits for registers that no warpgroup releases (pool %ld)", n,
+               reg_pool);
+        yield();
+      }
+      reg_pool -= 128L * (n - cur);
+    } else {
+      reg_pool += 128L * (cur - n);
+    }
+    wg_regs[wi] = n;
+  }
+  barrier_wait(w.bar, 128);
 }
 
 struct MBar {
@@ -344,18 +451,27 @@ void cp_async(uint32_t dst, const void *src, int bytes, bool valid) {
   }
   g_cur->open.push_back({dst, src, bytes, valid});
 }
+static void cp_land(std::vector<Copy> &g) {
+  for (auto &c : g) {
+    if (c.valid)
+      memcpy(g_smem.data() + c.dst, c.src, c.bytes);
+    else
+      memset(g_smem.data() + c.dst, 0, c.bytes);
+  }
+  g.clear();
+}
+/* A committed group lands at once (at random) or at the wait_group that needs it: the copies
+ * complete at some time between their issue and that wait, as on the hardware, so that a
+ * stage overwritten too early, or read too early, is seen. A landed group stays in the list
+ * (empty) so that wait_group counts the most recent groups as the hardware does. */
 void cp_commit() {
   g_cur->groups.push_back(std::move(g_cur->open));
   g_cur->open.clear();
+  if (rng() & 1) cp_land(g_cur->groups.back());
 }
 void cp_wait(int n) {
   while ((int)g_cur->groups.size() > n) {
-    for (auto &c : g_cur->groups.front()) {
-      if (c.valid)
-        memcpy(g_smem.data() + c.dst, c.src, c.bytes);
-      else
-        memset(g_smem.data() + c.dst, 0, c.bytes);
-    }
+    cp_land(g_cur->groups.front());
     g_cur->groups.erase(g_cur->groups.begin());
   }
 }
@@ -381,9 +497,15 @@ void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_bloc
     memset(g_smem.data(), 0xFF, g_smem.size()); // NaN garbage
     cta_bar = Barrier();
     for (auto &w : warps) w.bar = Barrier();
-    for (auto &w : wgrps) w.bar = Barrier();
+    for (auto &w : wgrps) {
+      w.bar = Barrier();
+      w.open.clear();
+      w.groups.clear();
+    }
     for (auto &b : named_bars) b = Barrier();
     g_mbars.clear();
+    for (int &r : wg_regs) r = g_launch_regs;
+    reg_pool = 0;
     for (int t = 0; t < g_nt; ++t) {
       Fiber &f = fibers[t];
       if (!f.stack) f.stack = (char *)aligned_alloc(64, kStack);
@@ -400,7 +522,9 @@ void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_bloc
       for (int i = 0; i < 6; ++i) *--sp = nullptr;
       f.sp = sp;
     }
-    std::vector<int> run;
+    std::vector<int> run, fav;
+    int favour = 0;
+    long favour_left = 0;
     for (;;) {
       run.clear();
       bool all_done = true;
@@ -410,12 +534,31 @@ void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_bloc
         all_done = false;
         if (!f.wait_on || f.wait_on->gen != f.wait_gen) run.push_back(t);
       }
-      if (all_done) break;
+      if (all_done) {
+        for (auto &w : wgrps)
+          if (!w.open.empty() || !w.groups.empty())
+            fail("wgmma products still pending (not waited for) when the block ends");
+        break;
+      }
       if (run.empty()) {
         g_cur = nullptr;
         fail("deadlock: live threads all wait at barriers (divergent exit or sync?)");
       }
-      g_cur = &fibers[run[rng() % run.size()]];
+      /* a favoured warpgroup, changed at random every few thousand switches, runs ahead of
+       * the others (9 picks in 10 among its runnable threads): warps of a CTA drift far apart
+       * on the hardware, and a buffer that one warpgroup rewrites while another still reads it
+       * is then seen */
+      if (--favour_left <= 0) {
+        favour = (int)(rng() % (unsigned)((g_nt + 127) / 128));
+        favour_left = 1000 + (long)(rng() % 20000);
+      }
+      fav.clear();
+      for (int t : run)
+        if (t >> 7 == favour) fav.push_back(t);
+      if (!fav.empty() && rng() % 10 != 0)
+        g_cur = &fibers[fav[rng() % fav.size()]];
+      else
+        g_cur = &fibers[run[rng() % run.size()]];
       emu_switch(&sched_sp, g_cur->sp);
     }
     g_cur = nullptr;

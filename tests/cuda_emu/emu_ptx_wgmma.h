@@ -4,8 +4,8 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uin
          ((uint64_t)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
 }
 __device__ __forceinline__ void wgmma_fence() {}
-__device__ __forceinline__ void wgmma_commit() {}
-template <int N> __device__ __forceinline__ void wgmma_wait() {}
+__device__ __forceinline__ void wgmma_commit() { emu::wgmma_commit(); }
+template <int N> __device__ __forceinline__ void wgmma_wait() { emu::wgmma_wait(N); }
 __device__ __forceinline__ void reg_fence(float &) {}
 __device__ __forceinline__ void reg_fence_u(uint32_t &) {}
 __device__ __forceinline__ void fence_proxy_async() {}
@@ -38,3 +38,5 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   return emu::mbar_try_wait(bar, parity);
 }
 __device__ __forceinline__ void named_barrier(int id, int count) { emu::named_barrier(id, count); }
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() { emu::setmaxnreg(N, true); }
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() { emu::setmaxnreg(N, false); }

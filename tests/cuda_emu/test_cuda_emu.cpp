@@ -3,9 +3,12 @@
 // attention steps (single-rank and ring-like, bars anywhere, padded tokens, GQA, d 64 and 128,
 // bf16 and fp16; causal, and non-causal with key blocks on both sides of the diagonal and no
 // mask but the sequence end): every forward tiling of variant 2 and variant 3's forward,
-// variant 2's deterministic and fused backward, and variant 3's (kv0: the wgmma dK/dV kernel).
+// variant 2's deterministic and fused backward, and variant 3's with each of its two kernels
+// (kv0: wgmma_bwd_kernel, kv3: the warp-specialised wgmma_bwd_ws_kernel).
 // Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
-// configurations of kQuick with seed 7.
+// configurations of kQuick with seed 7. bwd: one backward of the list `all` in run() (4, 5:
+// variant 3's first kernel, deterministic and fused; 6, 7: its warp-specialised kernel); a fwd
+// kind that no forward has (e.g. 9) runs variant 3's forward only.
 #include "backends/cuda/attn_mma2_bwd.cu"
 #include "backends/cuda/attn_mma2_fwd.cu"
 #include "backends/cuda/attn_wgmma_bwd.cu"
@@ -28,6 +31,7 @@ void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_bloc
 void red_region(float *p, size_t n);
 void register_buffer(const void *p, size_t n);
 void clear_buffers();
+void set_launch_regs(int n);
 extern long g_switches;
 } // namespace emu
 
@@ -462,14 +466,17 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
             *dp = (const T *)dout.data();
     const float *lp = lse.data(), *dlp = delta.data();
     // variants: (fused, kv_nw, dq_nw)
-    // kv_nw 0: variant 3's wgmma kernel (two warpgroups when G % 128 == 0, else one)
+    // kv_nw 0: variant 3's first wgmma kernel (wgmma_bwd_kernel, MTRAIN_CUDA_WGMMA_BWD=1), 3:
+    // its warp-specialised kernel (wgmma_bwd_ws_kernel, the default); two consumer warpgroups
+    // when G % 128 == 0, else one
     struct BV {
       int fused, kv_nw, dq_nw;
     };
     vector<BV> bvs;
     const int wide = G % 128 == 0 ? 8 : 4;
-    const BV all[6] = {{0, 4, 4}, {0, 8, 8}, {1, 4, 0}, {1, 8, 0}, {0, 0, wide}, {1, 0, 0}};
-    for (int x = 0; x < 6; ++x) {
+    const BV all[8] = {{0, 4, 4},    {0, 8, 8}, {1, 4, 0},    {1, 8, 0},
+                       {0, 0, wide}, {1, 0, 0}, {0, 3, wide}, {1, 3, 0}};
+    for (int x = 0; x < 8; ++x) {
       if (all[x].kv_nw == 8 && G % 128 != 0) continue;
       if (only_bwd >= 0 && x != only_bwd) continue;
       bvs.push_back(all[x]);
@@ -517,7 +524,25 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
                 },                                                                                 \
                 true, S::NC);                                                                      \
   }
-      if (bv.kv_nw == 0) {
+#define WS_LAUNCH(NWG, FU)                                                                         \
+  {                                                                                                \
+    using S = wg::WsShape<D, NWG>;                                                                 \
+    emu::set_launch_regs(S::kMoveRegs ? S::kLaunchRegs : 0);                                       \
+    emu::launch((int)cuda_kv_items(&st, S::BN), S::kSmem,                                          \
+                [&]() {                                                                            \
+                  wg::wgmma_bwd_ws_kernel<D, T, NWG, FU>(st, qp, kp, vp, dp, lp, dlp, dqp, dkp,    \
+                                                         dvp, dkbp, dvbp);                         \
+                },                                                                                 \
+                true, S::NT);                                                                      \
+    emu::set_launch_regs(0);                                                                       \
+  }
+      if (bv.kv_nw == 3) {
+        if (G % 128 == 0) {
+          if (bv.fused) WS_LAUNCH(2, true) else WS_LAUNCH(2, false)
+        } else {
+          if (bv.fused) WS_LAUNCH(1, true) else WS_LAUNCH(1, false)
+        }
+      } else if (bv.kv_nw == 0) {
         if (G % 128 == 0) {
           if (bv.fused) WG_LAUNCH(2, true) else WG_LAUNCH(2, false)
         } else {
