@@ -24,7 +24,10 @@ layers=${1:-3,15,31}
 export OUT PATH=$PATH:/usr/local/cuda/bin
 # OpenBLAS from .device/debs lives under openblas-pthread (no alternatives ran)
 export CMAKE_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu/openblas-pthread
-export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+deps=/tmp/deps/usr/lib/x86_64-linux-gnu # device_cuda.sh unpacks .device/debs there
+export LD_LIBRARY_PATH=$deps/openblas-pthread:$deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+stages=${STAGES:-build tests sanitize pytest bench} # a subset: STAGES="tests sanitize"
+want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 log=$OUT/check.log # every step's output, one after the other
 : > "$log"
@@ -41,14 +44,17 @@ step() { # name, command...
   rm -f "$OUT/.step"
   return $rc
 }
-step build bash "$root/scripts/device_cuda.sh" build || { tail -40 "$OUT/build.log"; exit 1; }
+if want build && ! step build bash "$root/scripts/device_cuda.sh" build; then
+  tail -40 "$OUT/build.log"
+  exit 1
+fi
 build=$root/build-cuda
-step tests bash -c "cd $build && ctest -R 'cuda_device_plan|cuda_select|cuda_async|cross_backend_cuda_v3_det1' --output-on-failure --timeout 900"
+want tests && step tests bash -c "cd $build && ctest -R 'cuda_device_plan|cuda_select|cuda_async|cross_backend_cuda_v3_det1' --output-on-failure --timeout 900"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-step sanitize bash -c "MTRAIN_TEST_QUICK=1 $cs --tool memcheck --error-exitcode 99 $build/tests/test_cuda_device_plan && MTRAIN_TEST_QUICK=1 $cs --tool racecheck --error-exitcode 99 $build/tests/test_cuda_device_plan"
+want sanitize && step sanitize bash -c "MTRAIN_TEST_QUICK=1 $cs --tool memcheck --error-exitcode 99 $build/tests/test_cuda_device_plan && MTRAIN_TEST_QUICK=1 $cs --tool racecheck --error-exitcode 99 $build/tests/test_cuda_device_plan"
 PYTEST_K="device_plan or does_not_wait or estimate or attention_against_reference"
 export MTRAIN_LIBRARY=$build/libmtrain.so PYTHONPATH=$root/python PYTHONUNBUFFERED=1
-step pytest bash -c "cd $root && python3 -m pytest -q -p no:cacheprovider -s tests/python/test_cuda.py -k '$PYTEST_K'"
-step bench python3 "$root/tools/bench_model.py" --layers "$layers" --reps 2 --warmup 1 --dense-above none --steps --json "$OUT/bench_model_steps.json"
+want pytest && step pytest bash -c "cd $root && python3 -m pytest -q -p no:cacheprovider -s tests/python/test_cuda.py -k '$PYTEST_K'"
+want bench && step bench python3 "$root/tools/bench_model.py" --layers "$layers" --reps 2 --warmup 1 --dense-above none --steps --json "$OUT/bench_model_steps.json"
 printf '%s\n' "${summary[@]}" | tee -a "$log"
 grep -A8 "^NVIDIA\|^H200\|dense per layer" "$log" | tail -10
