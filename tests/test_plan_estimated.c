@@ -165,6 +165,25 @@ static mtrain_status_t stand_to_host(void *state, void *dst, const void *src, si
   return real->copy_to_host(state, dst, src, bytes);
 }
 
+/* The row statistics on the "backend" (host memory: cpu-ref's), as the
+ * cuda backend keeps them on its device. */
+static mtrain_status_t stand_fill(void *state, double *dst, double value, int64_t count) {
+  (void)state;
+  for (int64_t i = 0; i < count; i++) dst[i] = value;
+  return MTRAIN_SUCCESS;
+}
+
+static mtrain_status_t stand_row_sums(void *state, const double *in, double *out, int64_t rows,
+                                      int64_t cols) {
+  (void)state;
+  for (int64_t r = 0; r < rows; r++) {
+    double sum = 0.0;
+    for (int64_t c = 0; c < cols; c++) sum += in[r * cols + c];
+    out[r] = sum;
+  }
+  return MTRAIN_SUCCESS;
+}
+
 static mtrain_backend_ops_t stand_table(void) {
   real = mtrain_backend_find("cpu-ref");
   assert_non_null(real);
@@ -179,6 +198,8 @@ static mtrain_backend_ops_t stand_table(void) {
   ops.attn_bwd_step = stand_bwd;
   ops.synchronize = stand_sync;
   ops.copy_to_host = stand_to_host;
+  ops.fill_f64 = stand_fill;
+  ops.row_sums_f64 = stand_row_sums;
   return ops;
 }
 
@@ -348,15 +369,20 @@ static void test_backend_plan_equals_host_plan(void **state) {
   const uint64_t seed0 = ts_seed(20261128);
   mtrain_backend_ops_t ops = stand_table();
   assert_int_equal(mtrain_backend_table_check(&ops), MTRAIN_SUCCESS);
+  mtrain_backend_ops_t no_stats = ops; /* without the row-statistics slots */
+  no_stats.fill_f64 = NULL;
+  no_stats.row_sums_f64 = NULL;
   for (int i = 0; i < 18; i++) {
     const uint64_t seed = seed0 + (uint64_t)i;
     batch_t b = random_batch(seed);
-    printf("case %d seed %llu: %d sequences (%lld tokens), G %d, %d:%d heads, d %d, budgets %d\n",
+    const int with_stats = i % 3 != 2;
+    printf("case %d seed %llu: %d sequences (%lld tokens), G %d, %d:%d heads, d %d, budgets %d, "
+           "row statistics %s\n",
            i, (unsigned long long)seed, b.count, (long long)b.offsets[b.count], b.G, b.Hq, b.Hkv,
-           b.d, b.style);
+           b.d, b.style, with_stats ? "on the backend" : "on the host");
     mtrain_context_t *ref_ctx = make_context(b.G), *ctx = make_context(b.G);
     side = make_context(b.G);
-    ctx->backend = &ops;
+    ctx->backend = with_stats ? &ops : &no_stats;
     mtrain_pattern_t *ref_patterns[8] = {0};
     mtrain_plan_t *ref = reference_plan(ref_ctx, &b, ref_patterns);
     syncs = to_host = builds = reads = releases = 0;
@@ -364,10 +390,14 @@ static void test_backend_plan_equals_host_plan(void **state) {
     assert_int_equal(mtrain_plan_on_device(plan), 1);
     assert_int_equal(builds, 1);
     assert_int_equal(reads, 0); /* nothing read back until asked for */
-    if (b.style == 0) {
-      /* top-k: the call neither waits for the backend nor copies to the host */
+    if (b.style == 0 || with_stats) {
+      /* top-k, or top-p heads with the row statistics on the backend: the call
+       * neither waits for the backend nor copies to the host */
       assert_int_equal(syncs, 0);
       assert_int_equal(to_host, 0);
+    } else {
+      /* top-p heads without them: the statistics come to the host */
+      assert_true(to_host > 0);
     }
     /* the plan holds the backend memory it asked for, counted by the context */
     mtrain_memory_stats_t m;
@@ -499,6 +529,10 @@ static void test_bad_inputs(void **state) {
   partial.pattern_select_batch = NULL;
   TS_ASSERT_STATUS(mtrain_backend_table_check(&partial), MTRAIN_ERR_INVALID_CONFIG,
                    "'pattern_select' is NULL");
+  partial = ops;
+  partial.row_sums_f64 = NULL;
+  TS_ASSERT_STATUS(mtrain_backend_table_check(&partial), MTRAIN_ERR_INVALID_CONFIG,
+                   "'fill_f64' is set but 'row_sums_f64' is NULL");
   mtrain_context_destroy(side);
   ctx->backend = real;
   mtrain_context_destroy(ctx);

@@ -476,6 +476,15 @@ static mtrain_status_t cuda_find_nonfinite_op(void *state, const void *ptr, mtra
   return st ? st : cuda_find_nonfinite(state, ptr, dtype, count, bad_index);
 }
 
+static mtrain_status_t cuda_fill_f64_op(void *state, double *dst, double value, int64_t count) {
+  return cuda_fill_f64(state, dst, value, count);
+}
+
+static mtrain_status_t cuda_row_sums_f64_op(void *state, const double *in, double *out,
+                                            int64_t rows, int64_t cols) {
+  return cuda_row_sums_f64(state, in, out, rows, cols);
+}
+
 static mtrain_status_t cuda_add_op(void *state, void *dst, const void *src, mtrain_dtype_t dtype,
                                    int64_t count) {
   return cuda_add(state, dst, src, dtype, count);
@@ -589,6 +598,8 @@ const mtrain_backend_ops_t mtrain_cuda_backend = {
     .device_plan_build = cuda_device_plan_build,
     .device_plan_read = cuda_device_plan_read,
     .device_plan_release = cuda_device_plan_release,
+    .fill_f64 = cuda_fill_f64_op,
+    .row_sums_f64 = cuda_row_sums_f64_op,
 };
 
 /* ---- public functions (mtrain_cuda.h) ---------------------------------------- */

@@ -192,6 +192,10 @@ mtrain_status_t cuda_bars_reduce(cuda_state_t *s, const cuda_step_t *st, const f
 /* Elementwise and misc kernels (cuda_misc.cu). */
 mtrain_status_t cuda_fwd_init(cuda_state_t *s, float *o_acc, float *lse_acc, int64_t rows,
                               int32_t heads, int32_t d);
+/* The estimate's row statistics (the fill_f64 and row_sums_f64 slots). */
+mtrain_status_t cuda_fill_f64(cuda_state_t *s, double *dst, double value, int64_t count);
+mtrain_status_t cuda_row_sums_f64(cuda_state_t *s, const double *in, double *out, int64_t rows,
+                                  int64_t cols);
 mtrain_status_t cuda_add(cuda_state_t *s, void *dst, const void *src, mtrain_dtype_t dtype,
                          int64_t count);
 mtrain_status_t cuda_convert(cuda_state_t *s, const void *src, mtrain_dtype_t src_dtype, void *dst,

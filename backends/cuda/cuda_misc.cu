@@ -1,8 +1,9 @@
 /* cuda_misc.cu: the CUDA backend's element-wise and bookkeeping kernels:
  * running O/LSE initialisation, accumulator addition, dtype conversion, the
  * NaN/Inf scan, the layout row permutation, the backward's delta =
- * rowsum(dout * o), and the deterministic addition of the bars' dK/dV
- * scratch into the chunk's accumulators. */
+ * rowsum(dout * o), the deterministic addition of the bars' dK/dV
+ * scratch into the chunk's accumulators, and the estimate's row statistics
+ * (a fill and ordered row sums in fp64). */
 #include <cuda_runtime.h>
 #include <math.h>
 
@@ -17,6 +18,24 @@ int grid_for(int64_t n) {
   int64_t b = (n + kThreads - 1) / kThreads;
   if (b > 65535 * 8) b = 65535 * 8;
   return (int)(b > 0 ? b : 1);
+}
+
+__global__ void fill_f64_kernel(double *dst, double value, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = value;
+}
+
+/* One thread per row: the row's entries added in order from 0.0, as the
+ * host's loop does (bitwise the same sum). */
+__global__ void row_sums_f64_kernel(const double *in, double *out, int64_t rows, int64_t cols) {
+  for (int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; r < rows;
+       r += (int64_t)gridDim.x * blockDim.x) {
+    const double *x = in + r * cols;
+    double sum = 0.0;
+    for (int64_t c = 0; c < cols; c++) sum += x[c];
+    out[r] = sum;
+  }
 }
 
 __global__ void fwd_init_kernel(float *o, int64_t no, float *lse, int64_t nl) {
@@ -131,6 +150,21 @@ extern "C" mtrain_status_t cuda_fwd_init(cuda_state_t *s, float *o_acc, float *l
   const int64_t no = rows * heads * d, nl = rows * heads;
   fwd_init_kernel<<<grid_for(no), kThreads, 0, (cudaStream_t)s->stream>>>(o_acc, no, lse_acc, nl);
   return cuda_check_launch("fwd_init_kernel");
+}
+
+extern "C" mtrain_status_t cuda_fill_f64(cuda_state_t *s, double *dst, double value,
+                                         int64_t count) {
+  if (count <= 0) return MTRAIN_SUCCESS;
+  fill_f64_kernel<<<grid_for(count), kThreads, 0, (cudaStream_t)s->stream>>>(dst, value, count);
+  return cuda_check_launch("fill_f64_kernel");
+}
+
+extern "C" mtrain_status_t cuda_row_sums_f64(cuda_state_t *s, const double *in, double *out,
+                                             int64_t rows, int64_t cols) {
+  if (rows <= 0) return MTRAIN_SUCCESS;
+  row_sums_f64_kernel<<<grid_for(rows), kThreads, 0, (cudaStream_t)s->stream>>>(in, out, rows,
+                                                                                cols);
+  return cuda_check_launch("row_sums_f64_kernel");
 }
 
 extern "C" mtrain_status_t cuda_add(cuda_state_t *s, void *dst, const void *src,

@@ -99,6 +99,12 @@ mtrain_status_t mtrain_backend_table_check(const mtrain_backend_ops_t *ops) {
                           "'pattern_select' is NULL (a device plan selects on the backend)",
                           ops->name);
   }
+  if (!ops->fill_f64 != !ops->row_sums_f64)
+    return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                        "backend table '%s': '%s' is set but '%s' is NULL (the row statistics "
+                        "need both or neither)",
+                        ops->name, ops->fill_f64 ? "fill_f64" : "row_sums_f64",
+                        ops->fill_f64 ? "row_sums_f64" : "fill_f64");
   if (!ops->timer_mark != !ops->timer_elapsed)
     return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
                         "backend table '%s': '%s' is set but '%s' is NULL (the device timer "
@@ -365,6 +371,22 @@ mtrain_status_t mtrain_be_device_plan_read(mtrain_context_t *ctx, void *handle,
                                            const mtrain_device_plan_args_t *args, int64_t *pairs) {
   if (!ctx->backend->device_plan_read) return not_supported(ctx, "device_plan_read");
   return ctx->backend->device_plan_read(ctx->backend_state, handle, args, pairs);
+}
+
+int mtrain_be_has_row_stats(const mtrain_context_t *ctx) {
+  return ctx->backend->fill_f64 && ctx->backend->row_sums_f64;
+}
+
+mtrain_status_t mtrain_be_fill_f64(mtrain_context_t *ctx, double *dst, double value,
+                                   int64_t count) {
+  if (!ctx->backend->fill_f64) return not_supported(ctx, "fill_f64");
+  return ctx->backend->fill_f64(ctx->backend_state, dst, value, count);
+}
+
+mtrain_status_t mtrain_be_row_sums_f64(mtrain_context_t *ctx, const double *in, double *out,
+                                       int64_t rows, int64_t cols) {
+  if (!ctx->backend->row_sums_f64) return not_supported(ctx, "row_sums_f64");
+  return ctx->backend->row_sums_f64(ctx->backend_state, in, out, rows, cols);
 }
 
 void mtrain_be_device_plan_release(mtrain_context_t *ctx, void *handle) {

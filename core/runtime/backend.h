@@ -46,6 +46,8 @@
  *                          sequence through pattern_select when absent
  *   device_plan_* (opt.)   mtrain_be_device_plan_size / _build / _read / _release;
  *                          mtrain_be_has_device_plan
+ *   fill_f64, row_sums_f64 (opt.) mtrain_be_fill_f64, mtrain_be_row_sums_f64;
+ *                          mtrain_be_has_row_stats
  *   acc_dtype, memory_space  mtrain_be_acc_dtype(ctx), mtrain_be_memory_space(ctx)
  *   communicator table     wrapper
  *   isend, irecv           mtrain_cm_isend(ctx, buf, bytes, peer, tag, &req), mtrain_cm_irecv
@@ -182,6 +184,13 @@ mtrain_status_t mtrain_be_device_plan_build(mtrain_context_t *ctx,
 mtrain_status_t mtrain_be_device_plan_read(mtrain_context_t *ctx, void *handle,
                                            const mtrain_device_plan_args_t *args, int64_t *pairs);
 void mtrain_be_device_plan_release(mtrain_context_t *ctx, void *handle);
+
+/** The estimate's row statistics in backend memory (fill_f64, row_sums_f64;
+ *  mtrain_backend.h): 1 when the backend has both slots. */
+int mtrain_be_has_row_stats(const mtrain_context_t *ctx);
+mtrain_status_t mtrain_be_fill_f64(mtrain_context_t *ctx, double *dst, double value, int64_t count);
+mtrain_status_t mtrain_be_row_sums_f64(mtrain_context_t *ctx, const double *in, double *out,
+                                       int64_t rows, int64_t cols);
 
 /** 1 when the backend has a data stream (the optional data_stream slot). */
 int mtrain_be_has_data_stream(const mtrain_context_t *ctx);

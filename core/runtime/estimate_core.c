@@ -414,10 +414,19 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
                             .q_dtype = in[0].q_dtype,
                             .probs = b.probs};
   double *stat_dev = b.stat;
+  /* a plan built on the device with top-p heads: the row statistics stay in
+   * backend memory too (one rank: every entry has one contributor, the maxima
+   * need no combining, and the normalisers are summed there in the host's
+   * order), so the estimate makes no host round trip */
+  const int stats_on_device = on_device && mtrain_be_has_row_stats(ctx);
   if (any_probs) {
     /* row maxima, combined with MAX */
-    for (size_t i = 0; i < b.n_stat; i++) b.stat_host[i] = -INFINITY;
-    MTRAIN_TRY(from_host(ctx, b.stat, b.stat_host, b.n_stat));
+    if (stats_on_device) {
+      MTRAIN_TRY(mtrain_be_fill_f64(ctx, b.stat, -INFINITY, (int64_t)b.n_stat));
+    } else {
+      for (size_t i = 0; i < b.n_stat; i++) b.stat_host[i] = -INFINITY;
+      MTRAIN_TRY(from_host(ctx, b.stat, b.stat_host, b.n_stat));
+    }
     a.stage = MTRAIN_SCORES_ROW_MAX;
     for (int32_t s = 0; s < count; s++) {
       stage[s] = a;
@@ -425,10 +434,11 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
       stage[s].row_out = stat_dev + b.parts[s].stat_off;
     }
     MTRAIN_TRY(mtrain_be_pattern_scores_batch(ctx, stage, count));
-    MTRAIN_TRY(combine(ctx, b.stat, b.stat_host, b.n_stat, MTRAIN_REDUCE_MAX, reduce_on_device));
+    if (!stats_on_device)
+      MTRAIN_TRY(combine(ctx, b.stat, b.stat_host, b.n_stat, MTRAIN_REDUCE_MAX, reduce_on_device));
     /* normalisers: per (row, key block) partial sums, added in block order */
     MTRAIN_TRY(mtrain_be_memset_zero(ctx, b.row, b.n_row * sizeof(double)));
-    MTRAIN_TRY(from_host(ctx, b.stat, b.stat_host, b.n_stat));
+    if (!stats_on_device) MTRAIN_TRY(from_host(ctx, b.stat, b.stat_host, b.n_stat));
     a.stage = MTRAIN_SCORES_ROW_BLOCK_SUMS;
     for (int32_t s = 0; s < count; s++) {
       stage[s] = a;
@@ -437,6 +447,14 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
       stage[s].row_out = (double *)b.row + b.parts[s].row_off;
     }
     MTRAIN_TRY(mtrain_be_pattern_scores_batch(ctx, stage, count));
+    for (int32_t s = 0; stats_on_device && s < count; s++) {
+      const seq_part_t *sp = &b.parts[s];
+      MTRAIN_TRY(mtrain_be_row_sums_f64(ctx, (const double *)b.row + sp->row_off,
+                                        stat_dev + b.n_stat + sp->stat_off, (int64_t)sp->n_stat,
+                                        sp->nb));
+    }
+  }
+  if (any_probs && !stats_on_device) {
     MTRAIN_TRY(combine(ctx, b.row, b.row_host, b.n_row, MTRAIN_REDUCE_SUM, reduce_on_device));
     for (int32_t s = 0; s < count; s++) {
       const seq_part_t *sp = &b.parts[s];

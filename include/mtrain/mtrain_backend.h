@@ -431,6 +431,17 @@ typedef struct mtrain_backend_ops {
   mtrain_status_t (*device_plan_read)(void *state, void *handle,
                                       const mtrain_device_plan_args_t *args, int64_t *pairs);
   void (*device_plan_release)(void *state, void *handle);
+
+  /** Optional, both or none (since MTRAIN_API_VERSION 7): the estimate's top-p
+   *  row statistics kept in backend memory on one rank, so that a plan built
+   *  on the device needs no host round trip with top-p heads either.
+   *  fill_f64 sets `count` doubles of dst to `value`; row_sums_f64 sets
+   *  out[r] to the sum of in[r * cols + c] for c = 0 .. cols - 1, added in
+   *  that order from 0.0 (bitwise the host's loop), for r < rows. Both are
+   *  queued on the backend's stream and never wait. */
+  mtrain_status_t (*fill_f64)(void *state, double *dst, double value, int64_t count);
+  mtrain_status_t (*row_sums_f64)(void *state, const double *in, double *out, int64_t rows,
+                                  int64_t cols);
 } mtrain_backend_ops_t;
 
 /** The state of the context's backend when the context uses the table
