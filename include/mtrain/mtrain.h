@@ -577,11 +577,10 @@ MTRAIN_API mtrain_status_t mtrain_pattern_estimate_batch(
  *  results). Where the backend builds plans itself ("cuda": budgets its
  *  selection takes, that is top-k, and top-p with caps up to 8192
  *  candidates) the selection and the plan's step tables stay in device
- *  memory and are queued on the backend's stream: with top-k budgets the
- *  call returns without waiting for the device (top-p heads still bring
- *  their row statistics to the host); the patterns come to the host only
- *  when asked for (mtrain_plan_pattern, mtrain_plan_computed_pairs, which
- *  then wait). Elsewhere (the CPU backends, other budgets, world > 1) it is
+ *  memory and are queued on the backend's stream (the top-p row statistics
+ *  too): the call returns without waiting for the device; the patterns come
+ *  to the host only when asked for (mtrain_plan_pattern,
+ *  mtrain_plan_computed_pairs, which then wait). Elsewhere (the CPU backends, other budgets, world > 1) it is
  *  those two calls. MTRAIN_PLAN_ON_HOST=1 in the environment makes every
  *  plan on the host (comparisons). A plan built on the device holds backend
  *  memory of `ctx` (counted by mtrain_context_memory): destroy it before the

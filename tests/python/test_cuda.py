@@ -503,15 +503,16 @@ def test_device_plan_equals_host_plan(
         assert torch.equal(got, want)
 
 
-def test_estimate_does_not_wait(gen: torch.Generator) -> None:
-    """With top-k budgets the online estimate, its plan, the forward and the
-    backward all return while the GPU is still busy with a 0.3 s sleep kernel
-    queued first: no synchronisation on the training step's path."""
+@pytest.mark.parametrize("kind", ["top-k", "top-p"])
+def test_estimate_does_not_wait(gen: torch.Generator, kind: str) -> None:
+    """With top-k or top-p budgets the online estimate, its plan, the forward
+    and the backward all return while the GPU is still busy with a 0.3 s sleep
+    kernel queued first: no synchronisation on the training step's path."""
     import time
 
     n, hq, hkv, d = 8192, 8, 2, 128
     q, k, v, do = to_dev(*(randn(gen, n, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq)))
-    budget = mtrain.TopK(200, 500)
+    budget = mtrain.TopK(200, 500) if kind == "top-k" else mtrain.TopP(0.8, 0.9, 512, 4096)
     q.requires_grad_(True)
     for _ in range(2):  # warm-up: contexts, the allocator's pool
         plan = mtrain.estimate_pattern(q.detach(), k, budget)
