@@ -580,11 +580,12 @@ MTRAIN_API mtrain_status_t mtrain_pattern_estimate_batch(
  *  memory and are queued on the backend's stream (the top-p row statistics
  *  too): the call returns without waiting for the device; the patterns come
  *  to the host only when asked for (mtrain_plan_pattern,
- *  mtrain_plan_computed_pairs, which then wait). Elsewhere (the CPU backends, other budgets, world > 1) it is
- *  those two calls. MTRAIN_PLAN_ON_HOST=1 in the environment makes every
- *  plan on the host (comparisons). A plan built on the device holds backend
- *  memory of `ctx` (counted by mtrain_context_memory): destroy it before the
- *  context. Single rank; one call at a time per context. */
+ *  mtrain_plan_computed_pairs, which then wait). Elsewhere (the CPU
+ *  backends, other budgets, several ranks) it is those two calls.
+ *  MTRAIN_PLAN_ON_HOST=1 in the environment makes every plan on the host
+ *  (comparisons). A plan built on the device holds backend memory of `ctx`
+ *  (counted by mtrain_context_memory): destroy it before the context.
+ *  Single rank; one call at a time per context. */
 MTRAIN_API mtrain_status_t mtrain_plan_create_estimated(
     mtrain_context_t *ctx, const mtrain_seqs_t *seqs, const mtrain_tensor_t *q,
     const mtrain_tensor_t *k, const mtrain_head_budget_t *budgets,
