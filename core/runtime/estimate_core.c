@@ -241,6 +241,25 @@ static mtrain_status_t select_all(mtrain_context_t *ctx, const mtrain_head_budge
   return st;
 }
 
+/* Every sequence's selection arguments, `args` [count], without their host
+ * outputs (a plan built on the backend leaves them unused). */
+static void select_args_of(const estimate_buffers_t *b, const mtrain_head_budget_t *budgets,
+                           const mtrain_estimate_options_t *o, int32_t Hq, int32_t G, int32_t count,
+                           mtrain_select_args_t *args) {
+  for (int32_t s = 0; s < count; s++) {
+    const seq_part_t *sp = &b->parts[s];
+    args[s] = (mtrain_select_args_t){.seq_len = sp->N,
+                                     .granularity = G,
+                                     .num_heads = Hq,
+                                     .slots = sp->slots,
+                                     .num_sinks = o->num_sinks,
+                                     .window = o->window,
+                                     .budgets = budgets,
+                                     .col = (const double *)b->col + sp->col_off,
+                                     .diag = (const double *)b->diag + sp->diag_off};
+  }
+}
+
 /* The selection on the backend (one rank, or scores already combined on
  * the devices): every sequence's verticals and block diagonals come back
  * into `region` (the context's host region) and make out[s].
@@ -252,24 +271,16 @@ static mtrain_status_t select_on_backend(mtrain_context_t *ctx, const mtrain_hea
                                          mtrain_pattern_t **out) {
   mtrain_select_args_t *args = calloc((size_t)count, sizeof *args);
   if (!args) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory");
+  select_args_of(b, budgets, o, Hq, G, count, args);
   for (int32_t s = 0; s < count; s++) {
     const seq_part_t *sp = &b->parts[s];
     int64_t *verticals = (int64_t *)(region + sp->select_off);
     int32_t *diagonals = (int32_t *)(verticals + (size_t)Hq * (size_t)sp->N);
     int32_t *num_diagonals = diagonals + (size_t)Hq * (size_t)(sp->nb + 1);
-    args[s] = (mtrain_select_args_t){.seq_len = sp->N,
-                                     .granularity = G,
-                                     .num_heads = Hq,
-                                     .slots = sp->slots,
-                                     .num_sinks = o->num_sinks,
-                                     .window = o->window,
-                                     .budgets = budgets,
-                                     .col = (const double *)b->col + sp->col_off,
-                                     .diag = (const double *)b->diag + sp->diag_off,
-                                     .verticals = verticals,
-                                     .num_verticals = num_diagonals + Hq,
-                                     .diagonals = diagonals,
-                                     .num_diagonals = num_diagonals};
+    args[s].verticals = verticals;
+    args[s].num_verticals = num_diagonals + Hq;
+    args[s].diagonals = diagonals;
+    args[s].num_diagonals = num_diagonals;
   }
   mtrain_status_t st = mtrain_be_pattern_select_batch(ctx, args, count);
   for (int32_t s = 0; s < count && !st; s++) {
@@ -300,25 +311,6 @@ static void scores_seq(mtrain_scores_args_t *a, const estimate_input_t *in) {
   a->k_tokens = in->k_tokens;
   a->num_k_blocks = in->num_k_blocks;
   a->k_block_global = in->k_block_global;
-}
-
-/* Every sequence's selection arguments for a plan built on the backend
- * (their host outputs unused): `args` [count]. */
-static void device_select_args(const estimate_buffers_t *b, const mtrain_head_budget_t *budgets,
-                               const mtrain_estimate_options_t *o, int32_t Hq, int32_t G,
-                               int32_t count, mtrain_select_args_t *args) {
-  for (int32_t s = 0; s < count; s++) {
-    const seq_part_t *sp = &b->parts[s];
-    args[s] = (mtrain_select_args_t){.seq_len = sp->N,
-                                     .granularity = G,
-                                     .num_heads = Hq,
-                                     .slots = sp->slots,
-                                     .num_sinks = o->num_sinks,
-                                     .window = o->window,
-                                     .budgets = budgets,
-                                     .col = (const double *)b->col + sp->col_off,
-                                     .diag = (const double *)b->diag + sp->diag_off};
-  }
 }
 
 /* Whether the batch's plan is built on the backend: one rank, a `device`
@@ -398,7 +390,7 @@ mtrain_status_t mtrain_estimate_core(mtrain_context_t *ctx, const estimate_input
   if (device) {
     plan_select = calloc((size_t)count, sizeof *plan_select);
     MTRAIN_FAIL_IF(!plan_select, MTRAIN_ERR_OUT_OF_MEMORY, "estimate: out of host memory");
-    device_select_args(&b, budgets, options, Hq, G, count, plan_select);
+    select_args_of(&b, budgets, options, Hq, G, count, plan_select);
     plan_args.select = plan_select;
     MTRAIN_TRY(wants_device_plan(ctx, device, device_select, &plan_args, &on_device, &plan_bytes));
   }
