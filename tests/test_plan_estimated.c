@@ -123,7 +123,8 @@ static mtrain_status_t stand_read(void *state, void *handle, const mtrain_device
       x->num_diagonals[h] = ph->num_diagonals;
       x->num_verticals[h] = ph->num_verticals;
       memcpy(x->diagonals + h * (nb + 1), ph->diagonals, sizeof(int32_t) * ph->num_diagonals);
-      memcpy(x->verticals + h * N, ph->verticals, sizeof(int64_t) * ph->num_verticals);
+      if (ph->num_verticals) /* (no array without verticals) */
+        memcpy(x->verticals + h * N, ph->verticals, sizeof(int64_t) * ph->num_verticals);
       if (pairs) pairs[s * p->num_heads + h] = p->plan->seqs[s].steps[0].heads[h].pairs;
     }
   }
