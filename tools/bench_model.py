@@ -6,7 +6,7 @@ input set for every layer, so the layers differ by their budgets only), times pe
 (after --warmup steps) and per step, as a training step pays them:
 
   estimate   mtrain.estimate_pattern(q, k, budgets, layer): scores, selection, plan (host clock,
-             the call synchronises);
+             with a synchronisation before and after: the call itself only queues on one GPU);
   fwd        mtrain.attention(q, k, v, pattern=plan) (CUDA events);
   fwd+bwd    the same with the backward through autograd (CUDA events);
   step       (--steps) the training step's view: estimate, forward and backward queued back to

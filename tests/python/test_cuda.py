@@ -302,6 +302,20 @@ def test_ordered_after_the_producer_on_default_stream(gen: torch.Generator) -> N
         assert torch.equal(got.cpu(), expect)
 
 
+def _queue_sleep() -> float:
+    """Measures a 0.3 s sleep kernel (its seconds), then queues another one on the
+    current stream without waiting for it: what a call queued next must not wait for."""
+    import time
+
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.3)  # kHz -> 0.3 s
+    t_sleep = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    slept = time.perf_counter() - t_sleep
+    torch.cuda._sleep(cycles)
+    return slept
+
+
 def test_host_does_not_wait(gen: torch.Generator) -> None:
     """With a given pattern, the forward and the backward return while the
     GPU is still busy with earlier work (a 0.3 s sleep kernel queued first
@@ -318,12 +332,7 @@ def test_host_does_not_wait(gen: torch.Generator) -> None:
     o_ref, dq_ref = o_ref.detach().cpu(), q.grad.cpu()
     q.grad = None
     torch.cuda.synchronize()
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.3)  # kHz -> 0.3 s
-    t_sleep = time.perf_counter()
-    torch.cuda._sleep(cycles)
-    torch.cuda.synchronize()
-    slept = time.perf_counter() - t_sleep
-    torch.cuda._sleep(cycles)
+    slept = _queue_sleep()
     t0 = time.perf_counter()
     o = mtrain.attention(q, k, v, pattern=pattern)
     t1 = time.perf_counter()
@@ -519,12 +528,7 @@ def test_estimate_does_not_wait(gen: torch.Generator, kind: str) -> None:
         mtrain.attention(q, k, v, pattern=plan).backward(do)
     q.grad = None
     torch.cuda.synchronize()
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.3)  # kHz -> 0.3 s
-    t_sleep = time.perf_counter()
-    torch.cuda._sleep(cycles)
-    torch.cuda.synchronize()
-    slept = time.perf_counter() - t_sleep
-    torch.cuda._sleep(cycles)
+    slept = _queue_sleep()
     t0 = time.perf_counter()
     plan = mtrain.estimate_pattern(q.detach(), k, budget)
     t1 = time.perf_counter()
