@@ -28,7 +28,9 @@
 # EQUAL_COUNT (16), TOPP_BUDGETS (data/budgets/Qwen2.5_3B_flex_0.90.json), CALIBRATION
 # (data/calibration/h200-derived.json), RUN_S (timeout of one run: 330), CALL_S (the whole
 # call's budget, build included: 560; a run is not started with less than MIN_S = 30 left),
-# PYTHON (python3).
+# PYTHON (python3), FIT (0; 1: the longtail run fits pair_s, row_s, seq_s and linear_flops on its
+# own untuned calls first, --fit-calibration, and balances with the fitted table; the table is in
+# its JSON under calibration_fit).
 # Exit status: 0 when every run wrote its JSON, 1 when one did not (its log says why), 2 when
 # the preflight failed.
 set -uo pipefail
@@ -51,6 +53,7 @@ RUN_S=${RUN_S:-330}
 CALL_S=${CALL_S:-560}
 MIN_S=${MIN_S:-30}
 RUNS=${RUNS:-longtail}
+FIT=${FIT:-0}
 t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
@@ -107,7 +110,8 @@ for name in $RUNS; do
   case $name in
   longtail)
     args=("${static[@]}" --methods "$METHODS" --layers "$LAYERS" --grid "$GRID"
-      --validate "$VALIDATE") ;;
+      --validate "$VALIDATE")
+    [ "$FIT" = 1 ] && args+=(--fit-calibration) ;;
   tuned)
     args=("${static[@]}" --methods tokens,cost+tuned --layers "$TUNED_LAYERS" --grid "$GRID") ;;
   topp)
