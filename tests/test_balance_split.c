@@ -32,18 +32,23 @@ static const char budgets_text[] =
 static const double scales[] = {0.25, 0.5, 1.0, 2.0};
 enum { K = 4, BASE = 2 };
 
-static mtrain_balance_predictor_t *make_predictor(int64_t context) {
+/* linear_seq_s: the calibration's per-sequence cost of the linear layers */
+static mtrain_balance_predictor_t *make_predictor_lin(int64_t context, double linear_seq_s) {
   mtrain_budgets_t *b = NULL;
   assert_int_equal(mtrain_budgets_parse(budgets_text, "inline", &b), MTRAIN_SUCCESS);
   mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
   pm.budget_context = context;
-  mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12};
+  mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12, linear_seq_s};
   mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
   mtrain_balance_predictor_t *p = NULL;
   assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &p),
                    MTRAIN_SUCCESS);
   mtrain_budgets_destroy(b);
   return p;
+}
+
+static mtrain_balance_predictor_t *make_predictor(int64_t context) {
+  return make_predictor_lin(context, 0.0);
 }
 
 static void random_weights(ts_rng_t *rng, double *w, int32_t n, int kind) {
@@ -364,6 +369,23 @@ static void test_batch_split(void **state) {
     sum += s.rank_load[r] - s.rank_idle[r];
   }
   assert_true(fabs(sum - busy) <= 1e-9 * busy);
+  /* with the linear layers' per-sequence constant, every rank of the group pays it whole */
+  {
+    mtrain_balance_predictor_t *pl = make_predictor_lin(16384, 0.5);
+    mtrain_balance_split_t sl;
+    assert_int_equal(
+        mtrain_balance_batch_split(pl, len, N, NULL, &o, &so, &sl, NULL, NULL, NULL, NULL),
+        MTRAIN_SUCCESS);
+    double c0 = 0;
+    assert_int_equal(mtrain_balance_predict(pl, len[0], NULL, &c0), MTRAIN_SUCCESS);
+    assert_true(fabs(c0 - (cost0 + 0.5)) <= 1e-12 * c0);
+    const int32_t kl = sl.num_ranks[0];
+    assert_true(kl >= 2);
+    const double wl = once + 0.5 + (1.01 * attn + lin) / kl;
+    assert_true(fabs(sl.share[0] - wl) <= 1e-9 * wl);
+    mtrain_balance_split_free(&sl);
+    mtrain_balance_predictor_destroy(pl);
+  }
   print_message("batch split: max/mean %.4f -> %.4f, document 0 over %d ranks (%.3f s each of "
                 "%.3f s)\n",
                 rep.max_before / rep.mean_before, rep2.max_before / rep2.mean_before, k, s.share[0],

@@ -38,7 +38,7 @@ static mtrain_balance_predictor_t *make_predictor(const char *text, int64_t cont
   assert_int_equal(mtrain_budgets_parse(text, "inline", &b), MTRAIN_SUCCESS);
   mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
   pm.budget_context = context;
-  mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12};
+  mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12, 0};
   mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
   mtrain_balance_predictor_t *p = NULL;
   assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &p),
@@ -83,7 +83,7 @@ static void test_pairs_real_budgets(void **state) {
   mtrain_budgets_t *b = NULL;
   assert_int_equal(mtrain_budgets_read(path, &b), MTRAIN_SUCCESS);
   mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
-  mtrain_balance_calibration_t cal = {2e-9, 0, 0, 0};
+  mtrain_balance_calibration_t cal = {2e-9, 0, 0, 0, 0};
   mtrain_balance_model_t model = {0, 0, 0, 0, 0};
   mtrain_balance_predictor_t *pred = NULL;
   const double one[] = {1.0};
@@ -141,6 +141,32 @@ static void test_predict_definition(void **state) {
   double got = 0;
   assert_int_equal(mtrain_balance_predict(p, N, lv, &got), MTRAIN_SUCCESS);
   assert_true(fabs(got - want) <= 1e-12 * want);
+  /* the linear layers' per-sequence constant: once per sequence, only with linear layers */
+  {
+    mtrain_budgets_t *b = NULL;
+    assert_int_equal(mtrain_budgets_parse(budgets_text, "inline", &b), MTRAIN_SUCCESS);
+    mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
+    mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12, 0.25};
+    mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
+    mtrain_balance_predictor_t *q = NULL;
+    assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
+                     MTRAIN_SUCCESS);
+    double g2 = 0;
+    assert_int_equal(mtrain_balance_predict(q, N, lv, &g2), MTRAIN_SUCCESS);
+    assert_true(fabs(g2 - (want + 0.25)) <= 1e-12 * want);
+    mtrain_balance_predictor_destroy(q);
+    model.hidden = 0; /* no linear layers: neither their FLOPs nor their constant */
+    assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
+                     MTRAIN_SUCCESS);
+    assert_int_equal(mtrain_balance_predict(q, N, lv, &g2), MTRAIN_SUCCESS);
+    assert_true(fabs(g2 - (want - lin)) <= 1e-12 * want);
+    mtrain_balance_predictor_destroy(q);
+    cal.linear_seq_s = -1;
+    TS_ASSERT_STATUS(
+        mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
+        MTRAIN_ERR_INVALID_ARGUMENT, "calibration values must be finite and >= 0");
+    mtrain_budgets_destroy(b);
+  }
   /* more budget, more pairs, up to dense (500 token slashes spread evenly over 782
    * blocks mark every block diagonal: head 1 is dense from level 2 on) */
   int64_t prev = -1;
@@ -559,6 +585,19 @@ static void test_calibration_file(void **state) {
                        &c),
                    MTRAIN_SUCCESS);
   assert_true(c.pair_s == 1e-12 && c.seq_s == 2e-5 && c.linear_flops == 5e14);
+  assert_true(c.linear_seq_s == 0); /* optional: 0 when absent */
+  assert_int_equal(mtrain_balance_calibration_read(
+                       write_tmp("cal_lin.json", "{\"pair_s\": 1e-12, \"row_s\": 0, \"seq_s\": "
+                                                 "0, \"linear_flops\": 5e14, \"linear_seq_s\": "
+                                                 "0.03}"),
+                       &c),
+                   MTRAIN_SUCCESS);
+  assert_true(c.linear_seq_s == 0.03 && c.linear_flops == 5e14);
+  TS_ASSERT_STATUS(mtrain_balance_calibration_read(
+                       write_tmp("cal_bad4.json", "{\"pair_s\": 1, \"row_s\": 0, \"seq_s\": 0, "
+                                                  "\"linear_flops\": 0, \"linear_seq_s\": -2}"),
+                       &c),
+                   MTRAIN_ERR_FORMAT, "\"linear_seq_s\" is -2");
   TS_ASSERT_STATUS(mtrain_balance_calibration_read(
                        write_tmp("cal_bad1.json", "{\"pair_s\": 1, \"row_s\": 0, \"seq_s\": 0, "
                                                   "\"linear_flops\": 0, \"pairs_s\": 3}"),
@@ -580,7 +619,7 @@ static void test_bad_inputs(void **state) {
   mtrain_budgets_t *b = NULL;
   assert_int_equal(mtrain_budgets_parse(budgets_text, "inline", &b), MTRAIN_SUCCESS);
   mtrain_position_model_t pm = MTRAIN_POSITION_MODEL_INIT;
-  mtrain_balance_calibration_t cal = {1e-9, 0, 0, 1e12};
+  mtrain_balance_calibration_t cal = {1e-9, 0, 0, 1e12, 0};
   mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
   mtrain_balance_predictor_t *p = NULL;
   const double down[] = {1.0, 0.5};

@@ -31,6 +31,7 @@ from balance_tool.measure import run  # noqa: E402
 from balance_tool.pricing import (  # noqa: E402
     PairCounter,
     fit_calibration,
+    fit_linear,
     linear_flops_per_token,
     predictor_pairs,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "derive_budgets",
     "doc_seed",
     "fit_calibration",
+    "fit_linear",
     "head_budgets",
     "linear_flops_per_token",
     "linear_seconds",

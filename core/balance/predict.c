@@ -2,7 +2,8 @@
  * "SparseBalance"): the seconds of one training step's work on a sequence,
  * from the pairs of its predicted pattern at its length (the position model
  * of the budgets, exact counts), a per-device calibration (seconds per pair,
- * per query row, per call; FLOP/s of the linear layers) and the model's
+ * per query row, per call; FLOP/s and a per-sequence cost of the linear
+ * layers) and the model's
  * linear-layer FLOPs per token. Also the calibration file reader. */
 #include <jansson.h>
 #include <math.h>
@@ -24,10 +25,12 @@ mtrain_status_t mtrain_balance_calibration_read(const char *path,
     return mtrain_error(MTRAIN_ERR_FORMAT, "calibration %s: line %d: %s", path, jerr.line,
                         jerr.text);
   mtrain_status_t st = MTRAIN_SUCCESS;
-  static const char *const numbers[] = {"pair_s", "row_s", "seq_s", "linear_flops"};
+  /* the four required numbers, then the optional linear_seq_s (0 when absent) */
+  static const char *const numbers[] = {"pair_s", "row_s", "seq_s", "linear_flops",
+                                        "linear_seq_s"};
   static const char *const notes[] = {"device",  "backend", "status",       "derivation",
                                       "anchors", "fit",     "measurements", "model"};
-  double v[4];
+  double v[5] = {0, 0, 0, 0, 0};
   if (!json_is_object(root)) {
     st = mtrain_error(MTRAIN_ERR_FORMAT, "calibration %s: expected a JSON object", path);
     goto cleanup;
@@ -36,12 +39,13 @@ mtrain_status_t mtrain_balance_calibration_read(const char *path,
   json_t *val;
   json_object_foreach(root, key, val) {
     int known = 0;
-    for (int i = 0; i < 4; i++) known |= strcmp(key, numbers[i]) == 0;
+    for (int i = 0; i < 5; i++) known |= strcmp(key, numbers[i]) == 0;
     for (int i = 0; i < 8; i++) known |= strcmp(key, notes[i]) == 0;
     MTRAIN_FAIL_IF(!known, MTRAIN_ERR_FORMAT, "calibration %s: unknown key \"%s\"", path, key);
   }
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < 5; i++) {
     json_t *x = json_object_get(root, numbers[i]);
+    if (!x && i == 4) continue; /* linear_seq_s is optional */
     MTRAIN_FAIL_IF(!x || !json_is_number(x), MTRAIN_ERR_FORMAT,
                    "calibration %s: \"%s\" must be a number", path, numbers[i]);
     v[i] = json_number_value(x);
@@ -52,6 +56,7 @@ mtrain_status_t mtrain_balance_calibration_read(const char *path,
   out->row_s = v[1];
   out->seq_s = v[2];
   out->linear_flops = v[3];
+  out->linear_seq_s = v[4];
 cleanup:
   json_decref(root);
   return st;
@@ -93,7 +98,8 @@ mtrain_status_t mtrain_balance_predictor_create(
                         "balance predictor: granularity %d must be >= 1", granularity);
   const mtrain_balance_calibration_t *c = calibration;
   if (!(c->pair_s >= 0) || !(c->row_s >= 0) || !(c->seq_s >= 0) || !(c->linear_flops >= 0) ||
-      !isfinite(c->pair_s + c->row_s + c->seq_s + c->linear_flops))
+      !(c->linear_seq_s >= 0) ||
+      !isfinite(c->pair_s + c->row_s + c->seq_s + c->linear_flops + c->linear_seq_s))
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "balance predictor: calibration values must be finite and >= 0");
   if (model->hidden < 0 || model->intermediate < 0 || model->vocab < 0 || model->kv_heads < 0 ||
@@ -233,7 +239,8 @@ mtrain_status_t mtrain_predictor_pair_table(const mtrain_balance_predictor_t *p,
 
 double mtrain_predictor_fixed_seconds(const mtrain_balance_predictor_t *p, int64_t N) {
   double s = p->cal.row_s * (double)N * (double)p->num_heads + p->cal.seq_s * (double)p->num_layers;
-  if (p->linear_flop_per_token > 0) s += p->linear_flop_per_token * (double)N / p->cal.linear_flops;
+  if (p->linear_flop_per_token > 0)
+    s += p->linear_flop_per_token * (double)N / p->cal.linear_flops + p->cal.linear_seq_s;
   return s;
 }
 

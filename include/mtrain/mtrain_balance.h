@@ -213,10 +213,17 @@ typedef struct mtrain_balance_calibration {
   double row_s;        /**< seconds per (query row, head): per-row attention overhead */
   double seq_s;        /**< seconds per sequence and layer (per attention call) */
   double linear_flops; /**< FLOP/s of the linear layers; 0: their cost is left out */
+  /** Seconds per sequence of the linear layers, beside their FLOPs at
+   *  linear_flops: the fixed cost of their matrix products (short sequences
+   *  run below the rate of long ones). Charged once per sequence when the
+   *  linear layers are charged (model hidden > 0), and by every rank of a
+   *  split sequence (each runs them on its share). Optional in files: 0. */
+  double linear_seq_s;
 } mtrain_balance_calibration_t;
 
 /** Reads a calibration JSON: an object with the numbers "pair_s", "row_s",
- *  "seq_s" (>= 0) and "linear_flops" (>= 0), plus the documentation keys
+ *  "seq_s" (>= 0) and "linear_flops" (>= 0), the optional number
+ *  "linear_seq_s" (>= 0; 0 when absent), plus the documentation keys
  *  "device", "backend", "status", "derivation", "anchors", "fit",
  *  "measurements" and "model" (not interpreted). Any other key, a missing
  *  number or a negative one is MTRAIN_ERR_FORMAT naming the file and key. */
@@ -278,7 +285,8 @@ MTRAIN_API mtrain_status_t mtrain_balance_head_pairs(const mtrain_balance_predic
                                                      int64_t *out);
 /** Predicted seconds (forward + backward) of one sequence of seq_len
  *  tokens: sum over heads of pair_s * pairs + row_s * N * heads + seq_s *
- *  layers + linear FLOPs * N / linear_flops. `levels` holds one level per
+ *  layers + linear FLOPs * N / linear_flops + linear_seq_s (the last two
+ *  when the model has linear layers). `levels` holds one level per
  *  head, or NULL for the base level everywhere. */
 MTRAIN_API mtrain_status_t mtrain_balance_predict(const mtrain_balance_predictor_t *predictor,
                                                   int64_t seq_len, const int32_t *levels,
@@ -438,10 +446,11 @@ mtrain_balance_batch(const mtrain_balance_predictor_t *predictor, const int64_t 
 /** mtrain_balance_batch with the largest documents split over several ranks
  *  (mtrain_balance_assign_split; docs/BALANCE.md, "Splitting the longest
  *  documents over a ring"). A split document of N tokens costs each of its k
- *  ranks seq_s * layers + (ring_overhead * (pair_s * pairs + row_s * N *
- *  heads) + linear FLOPs * N / linear_flops) / k at the base level: the
- *  attention, carried by the ring, divided by k and times the overhead, the
- *  linear layers divided by k, the per-call constant paid by every rank.
+ *  ranks seq_s * layers + linear_seq_s + (ring_overhead * (pair_s * pairs +
+ *  row_s * N * heads) + linear FLOPs * N / linear_flops) / k at the base
+ *  level: the attention, carried by the ring, divided by k and times the
+ *  overhead, the linear layers' FLOPs divided by k, the per-call and the
+ *  linear layers' per-sequence constants paid by every rank.
  *  MTRAIN_BATCH_COST splits by these seconds, MTRAIN_BATCH_TOKENS by token
  *  counts (N * ring_overhead / k), both with the same threshold fraction.
  *  Split documents run at the base level (clamped into the bounds) on all

@@ -39,6 +39,7 @@ class _Calibration(ctypes.Structure):
         ("row_s", ctypes.c_double),
         ("seq_s", ctypes.c_double),
         ("linear_flops", ctypes.c_double),
+        ("linear_seq_s", ctypes.c_double),
     )
 
 
@@ -262,6 +263,7 @@ def _calibration(calibration: str | os.PathLike[str] | Mapping[str, float]) -> _
             if key not in calibration:
                 raise _bad(f"calibration: missing key {key!r}")
             setattr(cal, key, float(calibration[key]))
+        cal.linear_seq_s = float(calibration.get("linear_seq_s", 0.0))  # optional, as in files
         return cal
     _lib.check(
         _dll().mtrain_balance_calibration_read(os.fsencode(calibration), ctypes.byref(cal)),
@@ -307,7 +309,8 @@ def balance_batch(
         world: data-parallel ranks.
         budgets: MInference budget file (every layer and head).
         calibration: a calibration JSON (``data/calibration/``) or a mapping
-            with pair_s, row_s, seq_s and linear_flops.
+            with pair_s, row_s, seq_s and linear_flops (and optionally
+            linear_seq_s, the linear layers' seconds per sequence; 0 when absent).
         micro_batches: micro-batches per rank.
         method: "cost" (predicted cost, the default), "tokens" (token-count
             balancing) or "sorted" (length-sorted batching).

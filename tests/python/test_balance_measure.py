@@ -295,6 +295,95 @@ def test_linear_layers(tmp_path: pathlib.Path) -> None:
     )
 
 
+def test_fit_linear_recovers_a_per_sequence_constant() -> None:
+    # linear layers that cost exactly c0 + FLOPs / rate: the fit finds both (the FLOPs-only
+    # model at the longest length's rate is then off at the short lengths, and it says so);
+    # above --linear-chunk nothing is fitted
+    a = types.SimpleNamespace(
+        hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=100, linear_chunk=4096
+    )
+    fpt = bm.linear_flops_per_token(a, 36)
+    ns = [128, 384, 1024, 2048, 4096, 65536]
+    lin = {n: 0.04 + fpt * n / 5e11 for n in ns}
+    lin[65536] = 123.0  # above the chunk: not fitted
+    flops, c0, rep = bm.fit_linear(a, lin, 36)
+    assert c0 == pytest.approx(0.04, rel=1e-9)
+    assert flops == pytest.approx(5e11, rel=1e-9)
+    assert rep["points"] == 5 and rep["top"] == 4096
+    assert rep["max_abs_rel_error"] < 1e-9 and rep["flops_only_max_abs_rel_error"] > 0.5
+    # no constant in the data: none fitted
+    flops, c0, _ = bm.fit_linear(a, {n: fpt * n / 7e11 for n in ns[:5]}, 36)
+    assert c0 == pytest.approx(0.0, abs=1e-12) and flops == pytest.approx(7e11, rel=1e-9)
+
+
+def test_replay_reproduces_a_run_without_timing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a run's --json replayed: the same measured values and rank times bit for bit, nothing
+    # timed (the runner's step and linear are made to fail), another calibration re-deals the
+    # same measurements; a point the file lacks, another setting, --validate are refused
+    _synthetic(monkeypatch)
+
+    def linear(self: bm.Runner, n: int, shapes: list, reps: int, warmup: int) -> float:
+        return 1e-3 + 1e-6 * n * len(shapes)
+
+    monkeypatch.setattr(bm.Runner, "linear", linear)
+    lf = _lengths(tmp_path, [128, 256, 384, 512, 1024, 1536, 2048])
+    first_json = str(tmp_path / "first.json")
+
+    def argv(layers: str = "0,5") -> list[str]:
+        out = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "3"]
+        out += ["--methods", "tokens,cost", "--layers", layers, "--reps", "1", "--warmup", "0"]
+        return [
+            *out,
+            "--linear",
+            "--hidden",
+            "32",
+            "--intermediate",
+            "64",
+            "--vocab",
+            "100",
+            *SMALL,
+        ]
+
+    first = bm.run([*argv(), "--json", first_json], log=_quiet)
+
+    def no_call(self: bm.Runner, *args: object) -> tuple[float, float, int]:
+        raise AssertionError("--replay timed a call")
+
+    monkeypatch.setattr(bm.Runner, "step", no_call)
+    monkeypatch.setattr(bm.Runner, "linear", no_call)
+    again = bm.run([*argv(), "--replay", first_json], log=_quiet)
+    assert again["replay"] == first_json
+    assert again["linear_s"] == first["linear_s"]
+    for m in ("tokens", "cost"):
+        assert again["methods"][m]["measured_s"] == first["methods"][m]["measured_s"]
+        assert again["methods"][m]["predicted_s"] == first["methods"][m]["predicted_s"]
+    other = bm.run(
+        [*argv(), "--replay", first_json, "--calibration", _pairs_only(tmp_path)], log=_quiet
+    )
+    assert other["methods"]["tokens"]["measured_s"] == first["methods"]["tokens"]["measured_s"]
+    refit = bm.run([*argv(), "--replay", first_json, "--fit-calibration"], log=_quiet)
+    # 36 layers and the LM head, 1 ms each per call
+    assert refit["calibration"]["linear_seq_s"] == pytest.approx(37e-3, rel=1e-6)
+    # another setting (layers measured), --validate, a missing file
+    with pytest.raises(SystemExit):
+        bm.run([*argv("0"), "--replay", first_json], log=_quiet)
+    with pytest.raises(SystemExit):
+        bm.run([*argv(), "--replay", first_json, "--validate", "1"], log=_quiet)
+    with pytest.raises(SystemExit):
+        bm.run([*argv(), "--replay", str(tmp_path / "nothing.json")], log=_quiet)
+    # a point the file lacks: its record removed
+    import json
+
+    with open(first_json) as f:
+        data = json.load(f)
+    data["measurements"] = data["measurements"][1:]
+    (tmp_path / "less.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="has no measurement of layer"):
+        bm.run([*argv(), "--replay", str(tmp_path / "less.json")], log=_quiet)
+
+
 def test_validate_real_timing_is_additive(tmp_path: pathlib.Path) -> None:
     # Real kernels, one library and torch thread, timed by this process's CPU seconds (--clock
     # process: the other jobs on the machine do not count). Bound: whole / summed within

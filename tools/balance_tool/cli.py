@@ -146,6 +146,14 @@ def parser() -> argparse.ArgumentParser:
         "balance with that table (in-sample: the best the cost model can do here)",
     )
     m.add_argument("--fit-points", type=int, default=8, help="lengths of the fit (8)")
+    m.add_argument(
+        "--replay",
+        metavar="JSON",
+        help="take every measurement (attention calls, linear layers) from the --json of an "
+        "earlier run of the same workload, shape and layers instead of timing anything: new "
+        "calibrations or methods are evaluated on those measured values; a point the file "
+        "lacks is an error (no device needed; --validate and --spread measured refused)",
+    )
     m.add_argument("--json", help="write everything here")
     return ap
 
@@ -163,10 +171,18 @@ def check_args(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error(f"--scale {a.scale} must be >= 1")
     if a.backend not in ("cpu", "cuda"):
         ap.error(f"--backend {a.backend!r} is not cpu or cuda")
-    if a.backend == "cuda" and not torch.cuda.is_available():
-        ap.error("--backend cuda: torch sees no CUDA device")
-    if a.backend not in mtrain.backends():
-        ap.error(f"--backend {a.backend}: the library has {mtrain.backends()}")
+    if a.replay:
+        if not os.path.isfile(a.replay):
+            ap.error(f"--replay {a.replay}: no such file")
+        if a.validate:
+            ap.error("--replay runs nothing: --validate needs real runs")
+        if a.spread == "measured":
+            ap.error("--replay runs nothing: --spread measured needs real estimates")
+    else:
+        if a.backend == "cuda" and not torch.cuda.is_available():
+            ap.error("--backend cuda: torch sees no CUDA device")
+        if a.backend not in mtrain.backends():
+            ap.error(f"--backend {a.backend}: the library has {mtrain.backends()}")
     a.dtype = a.dtype or ("bfloat16" if a.backend == "cuda" else "float32")
     if a.dtype not in ("float32", "bfloat16", "float16"):
         ap.error(f"--dtype {a.dtype!r} is not float32, bfloat16 or float16")

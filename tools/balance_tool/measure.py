@@ -62,7 +62,9 @@ def _say_setup(
         f"{len(set(lengths))} distinct"
     )
     say(
-        f"device {a.backend} ({_device_name(a.backend)}), {a.dtype}, {a.heads}:{a.kv_heads} heads, "
+        f"device {a.backend} ("
+        + (_replayed_device(a) if a.replay else _device_name(a.backend))
+        + f"), {a.dtype}, {a.heads}:{a.kv_heads} heads, "
         f"d {a.head_dim}, layers {a.layers} measured of {nl} (the rest extrapolated: x "
         f"{nl / len(a.layers):.3g}), budgets {a.budgets}"
         + (f" counts / {a.scale}" if a.scale_budgets and a.scale > 1 else "")
@@ -124,6 +126,51 @@ def _measure(
     return value, grid_report
 
 
+def _replayed_device(a: argparse.Namespace) -> str:
+    with open(a.replay) as f:
+        return f"{json.load(f).get('device')} (replayed from {a.replay})"
+
+
+def _replay(
+    a: argparse.Namespace,
+    ap: argparse.ArgumentParser,
+    lengths: list[int],
+    points: Points,
+    say: Callable[[str], None],
+) -> dict[int, float]:
+    """--replay: the earlier run's measurements and linear layers, after checking that it
+    measured the same thing (workload, shape, dtype, layers, linear layers, repetitions)."""
+    with open(a.replay) as f:
+        r = json.load(f)
+    if r.get("tool") != "balance_measure":
+        ap.error(f"--replay {a.replay}: not a balance_measure --json file")
+    checks = {
+        "lengths": (r.get("lengths"), lengths),
+        "backend": (r.get("backend"), a.backend),
+        "dtype": (r.get("dtype"), a.dtype),
+        "heads": (r.get("heads"), a.heads),
+        "kv_heads": (r.get("kv_heads"), a.kv_heads),
+        "head_dim": (r.get("head_dim"), a.head_dim),
+        "layers_measured": (r.get("layers_measured"), a.layers),
+        "linear": (r.get("linear"), a.linear),
+        "scale_budgets": (r.get("scale_budgets"), a.scale_budgets),
+        "grid": (r.get("grid"), a.grid),
+    }
+    bad = [k for k, (theirs, ours) in checks.items() if theirs != ours]
+    if bad:
+        ap.error(
+            f"--replay {a.replay}: measured another setting ("
+            + "; ".join(f"{k}: file {checks[k][0]!r}, here {checks[k][1]!r}" for k in bad[:3])
+            + ")"
+        )
+    points.load(a.replay, r["measurements"])
+    say(
+        f"replay: {len(r['measurements'])} measured points and the linear layers of "
+        f"{a.replay} ({r.get('device')}); nothing is timed in this run"
+    )
+    return {int(n): float(t) for n, t in r["linear_s"].items()}
+
+
 def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Parses argv, measures, prints the tables, returns (and with --json writes) the result."""
     say = log or (lambda s: print(s, flush=True))
@@ -160,7 +207,10 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         )
     pairs = PairCounter(a, budget_file, row_pairs)
     points = Points(a, runner, budgets, per_document, pairs, say)
-    linear_s = linear_seconds(a, runner, lengths, nl, say) if a.linear else {}
+    if a.replay:
+        linear_s = _replay(a, ap, lengths, points, say)
+    else:
+        linear_s = linear_seconds(a, runner, lengths, nl, say) if a.linear else {}
     calibration: Any = a.calibration
     fit_report: dict[str, Any] | None = None
     if a.fit_calibration:
@@ -182,8 +232,9 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     )  # fmt: skip
     result = {
         "tool": "balance_measure",
+        "replay": a.replay,
         "argv": list(argv) if argv is not None else sys.argv[1:],
-        "device": _device_name(a.backend),
+        "device": _replayed_device(a) if a.replay else _device_name(a.backend),
         "backend": a.backend,
         "dtype": a.dtype,
         "torch": torch.__version__,

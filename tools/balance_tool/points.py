@@ -31,6 +31,14 @@ class Points:
         self.a, self.runner, self.budgets = a, runner, budgets
         self.per_document, self.pairs, self.say = per_document, pairs, say
         self.meas: dict[tuple, dict[str, Any]] = {}
+        self.replay: str | None = None  # --replay: the file every point comes from
+
+    def load(self, path: str, records: list[dict[str, Any]]) -> None:
+        """--replay: every measured point of an earlier run, by its key; nothing is timed."""
+        self.replay = path
+        for r in records:
+            k = (r["document"], r["tokens"], r["layer"], tuple(float(x) for x in r["scales"]))
+            self.meas[k] = r
 
     def key(self, doc: int, n: int, layer: int, scales: tuple) -> tuple:
         """A (document on a rank, layer)'s measurement key: the document only with top-p."""
@@ -38,6 +46,13 @@ class Points:
 
     def measure_key(self, k: tuple) -> dict[str, Any]:
         a, meas, per_document = self.a, self.meas, self.per_document
+        if k not in meas and self.replay:
+            doc, n, layer, scales = k
+            raise SystemExit(
+                f"balance_measure: --replay {self.replay} has no measurement of layer {layer} "
+                f"at {n} tokens" + (f" (document {doc})" if doc >= 0 else "") + " with head "
+                f"scales {list(scales)}: run it on the device instead"
+            )
         if k not in meas:
             doc, n, layer, scales = k
             hb = head_budgets(self.budgets[layer], scales, n, a.budget_context)

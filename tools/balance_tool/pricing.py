@@ -1,5 +1,6 @@
 # The cost model's side of tools/balance_measure.py: the pairs the predictor counts, the linear
-# FLOPs per token, and --fit-calibration's least-squares fit of pair_s, row_s and seq_s.
+# FLOPs per token, and --fit-calibration's least-squares fits of pair_s, row_s and seq_s, and of
+# the linear layers' linear_flops and linear_seq_s.
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ def fit_calibration(
     predictor's own count: the position model's allowed pairs, as the predictor will multiply
     them; the estimated plan's computed pairs are reported beside them) + row_s * N * heads +
     seq_s, least squares on the
-    relative error, non-negative (the best subset of the three terms). linear_flops: the
-    measured linear layers at the longest length (with --linear), else the file's."""
+    relative error, non-negative (the best subset of the three terms). linear_flops and
+    linear_seq_s: fitted on the measured linear layers (with --linear, fit_linear), else the
+    file's."""
     ns = sorted(set(lengths))
     c = min(a.fit_points, len(ns))
     pick = sorted({ns[round(j * (len(ns) - 1) / max(c - 1, 1))] for j in range(c)})
@@ -156,11 +158,25 @@ def fit_calibration(
     assert best is not None  # one term alone always fits with a non-negative coefficient
     coef = best[1]
     with open(a.calibration) as f:
-        flops = float(json.load(f).get("linear_flops", 0.0))
+        file_cal = json.load(f)
+    flops = float(file_cal.get("linear_flops", 0.0))
+    lin_seq = float(file_cal.get("linear_seq_s", 0.0))
+    lin_report: dict[str, Any] | None = None
     if a.linear and linear_s:
-        n = max(linear_s)
-        flops = linear_flops_per_token(a, layers) * n / linear_s[n]
-    cal = {"pair_s": coef[0], "row_s": coef[1], "seq_s": coef[2], "linear_flops": flops}
+        flops, lin_seq, lin_report = fit_linear(a, linear_s, layers)
+        say(
+            f"linear layers fitted on {lin_report['points']} lengths up to {lin_report['top']} "
+            f"tokens: {1e3 * lin_seq:.4g} ms per sequence + FLOPs at {flops:.4g} FLOP/s; error "
+            f"max {100 * lin_report['max_abs_rel_error']:.1f}% (FLOPs alone at the longest "
+            f"length's rate: {100 * lin_report['flops_only_max_abs_rel_error']:.1f}%)"
+        )
+    cal = {
+        "pair_s": coef[0],
+        "row_s": coef[1],
+        "seq_s": coef[2],
+        "linear_flops": flops,
+        "linear_seq_s": lin_seq,
+    }
     err = x @ coef / y - 1
     for p, e in zip(pts, err, strict=True):
         p["rel_error_fit"] = float(e)
@@ -175,4 +191,44 @@ def fit_calibration(
         f"{coef[2]:.4g} s, linear_flops {flops:.4g}; in-sample error max "
         f"{100 * float(np.abs(err).max()):.1f}%, mean {100 * float(np.abs(err).mean()):.1f}%"
     )
-    return cal, {"points": pts, "calibration": cal, "replaces": a.calibration}
+    return cal, {"points": pts, "calibration": cal, "replaces": a.calibration, "linear": lin_report}
+
+
+def fit_linear(
+    a: argparse.Namespace, linear_s: dict[int, float], layers: int
+) -> tuple[float, float, dict[str, Any]]:
+    """The linear layers' seconds at the workload's lengths up to --linear-chunk (timed, or
+    log-log between timed ones: linear_seconds) as c0 + c1 * N:
+    c0 the per-sequence constant (linear_seq_s: small matrix products run below the rate of
+    large ones), c1 the seconds per token, so linear_flops = FLOPs per token / c1; least
+    squares on the relative error, non-negative (c0 = 0 when the data say so). Also reports
+    the error of the FLOPs-only model at the longest timed length's rate (the earlier fit)."""
+    top = min(max(linear_s), a.linear_chunk)
+    ns = sorted(n for n in linear_s if n <= top)
+    y = np.array([linear_s[n] for n in ns])
+    x = np.array([[1.0, float(n)] for n in ns])
+    fpt = linear_flops_per_token(a, layers)
+    best: tuple[float, np.ndarray] | None = None
+    for cols in ([0, 1], [1]):
+        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(2)
+        full[cols] = coef
+        res = float(np.sum((x @ full / y - 1) ** 2))
+        if best is None or res < best[0]:
+            best = (res, full)
+    assert best is not None  # the per-token term alone always fits
+    c0, c1 = float(best[1][0]), float(best[1][1])
+    err = x @ best[1] / y - 1
+    ref = ns[-1]  # the longest length of the workload at or below the chunk
+    only = np.array([linear_s[ref] * n / ref for n in ns]) / y - 1
+    report = {
+        "points": len(ns),
+        "top": ref,
+        "linear_seq_s": c0,
+        "seconds_per_token": c1,
+        "max_abs_rel_error": float(np.abs(err).max()),
+        "flops_only_max_abs_rel_error": float(np.abs(only).max()),
+    }
+    return fpt / c1, c0, report

@@ -31,7 +31,9 @@ class Runner:
     """Builds inputs and times one layer's training-step attention on the chosen device."""
 
     def __init__(self, a: argparse.Namespace) -> None:
-        self.device = torch.device("cuda" if a.backend == "cuda" else "cpu")
+        # --replay times nothing; what it computes (mass curves) runs on the host
+        replay = getattr(a, "replay", None)
+        self.device = torch.device("cuda" if a.backend == "cuda" and not replay else "cpu")
         self.dtype = {
             "float32": torch.float32,
             "bfloat16": torch.bfloat16,
