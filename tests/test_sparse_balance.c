@@ -149,15 +149,17 @@ static void test_predict_definition(void **state) {
     mtrain_balance_calibration_t cal = {1e-9, 1e-7, 1e-4, 1e12, 0.25};
     mtrain_balance_model_t model = MTRAIN_BALANCE_MODEL_INIT;
     mtrain_balance_predictor_t *q = NULL;
-    assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
-                     MTRAIN_SUCCESS);
+    assert_int_equal(
+        mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
+        MTRAIN_SUCCESS);
     double g2 = 0;
     assert_int_equal(mtrain_balance_predict(q, N, lv, &g2), MTRAIN_SUCCESS);
     assert_true(fabs(g2 - (want + 0.25)) <= 1e-12 * want);
     mtrain_balance_predictor_destroy(q);
     model.hidden = 0; /* no linear layers: neither their FLOPs nor their constant */
-    assert_int_equal(mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
-                     MTRAIN_SUCCESS);
+    assert_int_equal(
+        mtrain_balance_predictor_create(b, scales, K, BASE, &pm, 128, &cal, &model, &q),
+        MTRAIN_SUCCESS);
     assert_int_equal(mtrain_balance_predict(q, N, lv, &g2), MTRAIN_SUCCESS);
     assert_true(fabs(g2 - (want - lin)) <= 1e-12 * want);
     mtrain_balance_predictor_destroy(q);

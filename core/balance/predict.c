@@ -26,8 +26,7 @@ mtrain_status_t mtrain_balance_calibration_read(const char *path,
                         jerr.text);
   mtrain_status_t st = MTRAIN_SUCCESS;
   /* the four required numbers, then the optional linear_seq_s (0 when absent) */
-  static const char *const numbers[] = {"pair_s", "row_s", "seq_s", "linear_flops",
-                                        "linear_seq_s"};
+  static const char *const numbers[] = {"pair_s", "row_s", "seq_s", "linear_flops", "linear_seq_s"};
   static const char *const notes[] = {"device",  "backend", "status",       "derivation",
                                       "anchors", "fit",     "measurements", "model"};
   double v[5] = {0, 0, 0, 0, 0};

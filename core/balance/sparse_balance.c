@@ -206,8 +206,8 @@ static mtrain_status_t batch_impl(const mtrain_balance_predictor_t *p, const int
     weight[i] = o->method == MTRAIN_BATCH_COST ? cost[i] : (double)lengths[i];
     if (out) { /* the parts of a split document's share: ring-carried, paid by every rank */
       ring[i] = p->cal.pair_s * pairs + p->cal.row_s * (double)lengths[i] * H;
-      once[i] = p->cal.seq_s * p->num_layers +
-                (p->linear_flop_per_token > 0 ? p->cal.linear_seq_s : 0.0);
+      once[i] =
+          p->cal.seq_s * p->num_layers + (p->linear_flop_per_token > 0 ? p->cal.linear_seq_s : 0.0);
     }
   }
   /* 2. batching; a split document's seconds on each of its ranks, and the
