@@ -33,6 +33,7 @@
  *      subset and compact rows bitwise, and (c)'s selection with a near tie
  *      meaning a decision within 2 rel of the row's scale;
  *  (g) MTRAIN_CUDA_BLOCK_SCORES with an unknown value is refused.
+ * MTRAIN_TEST_QUICK=1 runs the N 1000 cases only (the sanitizer runs).
  * Skipped (exit 77) without a CUDA device. Seeds are printed;
  * MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
@@ -61,6 +62,14 @@ static int have_gpu;
 static void require_gpu(void) {
   if (have_gpu) return;
   print_message("SKIPPED: no CUDA device is visible\n");
+  skip();
+}
+
+/* MTRAIN_TEST_QUICK=1 (the sanitizer runs): the N 1000 cases only. */
+static void require_full(int64_t N) {
+  const char *e = getenv("MTRAIN_TEST_QUICK");
+  if (N <= 1000 || !e || strcmp(e, "1") != 0) return;
+  print_message("SKIPPED: MTRAIN_TEST_QUICK=1 runs the N 1000 cases only\n");
   skip();
 }
 
@@ -505,6 +514,7 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
 
 static void run_case(size_t ci, int nc) {
   require_gpu();
+  require_full(cases[ci].N);
   setenv("MTRAIN_CUDA_BLOCK_SCORES", "fp64", 1);
   problem_t p;
   problem_make(&p, &cases[ci], ts_seed((nc ? 3150 : 3100) + ci), nc);
@@ -575,6 +585,7 @@ static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double *r
 
 static void run_case_mma(size_t ci, int nc) {
   require_gpu();
+  require_full(cases[ci].N);
   unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
   problem_t p;
   problem_make(&p, &cases[ci], ts_seed((nc ? 3250 : 3200) + ci), nc);
