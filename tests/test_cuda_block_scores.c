@@ -31,7 +31,9 @@
  *      rel from the case's largest s sum_x |q_x k_x| and |lse|), some entry
  *      not bitwise the fp64 path's (the tensor cores did score it), (b)'s
  *      subset and compact rows bitwise, and (c)'s selection with a near tie
- *      meaning a decision within 2 rel of the row's scale;
+ *      meaning a decision within 2 rel of the row's scale; fp32 keys (as the
+ *      distributed selection gathers them): exact copies of the keys score
+ *      bitwise as the keys, keys the dtype does not hold as the fp64 path;
  *  (g) MTRAIN_CUDA_BLOCK_SCORES with an unknown value is refused.
  * MTRAIN_TEST_QUICK=1 runs the N 1000 cases only (the sanitizer runs).
  * Skipped (exit 77) without a CUDA device. Seeds are printed;
@@ -583,6 +585,53 @@ static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double *r
   free(q), free(k), free(lse);
 }
 
+/* The cuda scores of method m with the keys given in fp32 (device k32). */
+static void scores_k32(const problem_t *p, mtrain_context_t *gpu, mtrain_block_method_t m,
+                       const void *k32, double *out) {
+  const size_t bytes = sizeof(double) * (size_t)(p->tri * p->c.Hq);
+  int64_t *ids = identity(p->nb);
+  mtrain_block_scores_args_t a = args_of(p, m, ids, 1);
+  a.k = k32;
+  a.k_dtype = MTRAIN_F32;
+  CHECK_OK(mtrain_be_memset_zero(gpu, p->dsc, bytes));
+  a.scores = p->dsc;
+  CHECK_OK(mtrain_be_block_scores(gpu, &a));
+  CHECK_OK(mtrain_be_copy_to_host(gpu, out, p->dsc, bytes));
+  free(ids);
+}
+
+/* fp32 keys (as the distributed selection gathers them): exact copies of the
+ * bf16 or fp16 keys score bitwise as those keys (tensor cores); with one key
+ * element that the dtype does not hold, bitwise as the fp64 kernels. */
+static void check_fp32_keys(const problem_t *p, mtrain_context_t *gpu, mtrain_block_method_t m,
+                            const double *got) {
+  const int64_t nk = p->c.N * p->c.Hkv * p->c.d, n = p->tri * p->c.Hq;
+  float *k = malloc(sizeof(float) * (size_t)nk);
+  double *a = malloc(sizeof(double) * (size_t)n), *b = malloc(sizeof(double) * (size_t)n);
+  assert_true(k && a && b);
+  CHECK_OK(mtrain_convert(p->k, p->c.dtype, k, MTRAIN_F32, nk));
+  void *dk = dev_copy(k, sizeof(float) * (size_t)nk);
+  scores_k32(p, gpu, m, dk, a);
+  if (memcmp(a, got, sizeof(double) * (size_t)n))
+    fail_msg("%s: fp32 copies of the keys do not score bitwise as the keys",
+             mtrain_block_method_name(m));
+  k[nk / 2] = nextafterf(k[nk / 2], INFINITY); /* not a bf16 or fp16 value */
+  mtrain_cuda_free(dk);
+  dk = dev_copy(k, sizeof(float) * (size_t)nk);
+  scores_k32(p, gpu, m, dk, a);
+  setenv("MTRAIN_CUDA_BLOCK_SCORES", "fp64", 1);
+  scores_k32(p, gpu, m, dk, b);
+  unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
+  if (memcmp(a, b, sizeof(double) * (size_t)n))
+    fail_msg("%s: fp32 keys beyond the q dtype are not scored by the fp64 kernels",
+             mtrain_block_method_name(m));
+  print_message("fp32 keys %s%s: exact copies bitwise the keys' scores, an inexact key bitwise "
+                "the fp64 kernels'\n",
+                mtrain_block_method_name(m), p->nc ? " (non-causal)" : "");
+  mtrain_cuda_free(dk);
+  free(k), free(a), free(b);
+}
+
 static void run_case_mma(size_t ci, int nc) {
   require_gpu();
   require_full(cases[ci].N);
@@ -624,6 +673,7 @@ static void run_case_mma(size_t ci, int nc) {
     unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
     assert_true(memcmp(exact, got[mi], sizeof(double) * (size_t)n) != 0);
     check_subset(&p, gpu, m, got[mi]);
+    check_fp32_keys(&p, gpu, m, got[mi]);
   }
   for (size_t si = 0; si < NSELS; si++) {
     const int mi = (int)sels[si].method;

@@ -3,7 +3,13 @@
  * non-causal) and the shapes they take; cuda_block_scores.cu chooses them
  * over the fp64 kernels (MTRAIN_CUDA_BLOCK_SCORES). The antidiag kernel
  * keeps its per-(strided row, key block) sums in device scratch: launches
- * of at most kScratch bytes of it, the blocks longest row first. */
+ * of at most kScratch bytes of it, the blocks longest row first. fp32 keys
+ * with bf16 or fp16 queries (the keys that the backend's distributed
+ * selection gathers from every rank, fp32 copies of the ranks' keys) are
+ * narrowed to the query dtype first; where one is not held exactly the gate
+ * word turns the tensor-core kernels off and the fp64 kernels on (launched
+ * after them by cuda_block_scores), so the scores of one call never mix the
+ * two, and a selection is the same bits at every world size. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -32,7 +38,7 @@ mtrain_status_t launch(cuda_state_t *s, K kernel, const char *who, const char *n
 
 template <int D, typename T>
 mtrain_status_t run(cuda_state_t *s, const mtrain_block_scores_args_t *a, bsm::mparams mp,
-                    const char *who) {
+                    int64_t chunk, const char *who) {
   const bsk::blk_params &p = mp.p;
   const bool nc = a->noncausal != 0;
   const int64_t items = (int64_t)p.Hq * p.num_q_blocks;
@@ -47,17 +53,19 @@ mtrain_status_t run(cuda_state_t *s, const mtrain_block_scores_args_t *a, bsm::m
         s, nc ? bsm::precise_mma_kernel<D, T, 2, true> : bsm::precise_mma_kernel<D, T, 2, false>,
         who, "precise_mma_kernel", mp, items, items, smem, &attr[0][1][nc]);
   }
-  const size_t per_item = sizeof(double) * (size_t)(p.G / p.S) * (size_t)p.nb;
-  int64_t chunk = (int64_t)(kScratch / per_item);
-  if (chunk < 1) chunk = 1;
-  if (chunk > items) chunk = items;
-  void *work = NULL;
-  mtrain_status_t st = cuda_scratch(s, per_item * (size_t)chunk, &work);
-  if (st) return st;
-  mp.E = (double *)work;
   return launch(
       s, nc ? bsm::antidiag_mma_kernel<D, T, true> : bsm::antidiag_mma_kernel<D, T, false>, who,
       "antidiag_mma_kernel", mp, items, chunk, bsm::antidiag_smem(p.G, D), &attr[1][0][nc]);
+}
+
+/* Queues narrow_keys_kernel: k32 into k as T, *flag set when inexact. */
+template <typename T>
+mtrain_status_t narrow(cuda_state_t *s, const float *k32, void *k, int64_t n, unsigned *flag) {
+  int64_t grid = (n + 255) / 256;
+  if (grid > 65536) grid = 65536;
+  bsm::narrow_keys_kernel<T>
+      <<<(unsigned)grid, 256, 0, (cudaStream_t)s->stream>>>(k32, (T *)k, n, flag);
+  return cuda_check_launch("narrow_keys_kernel");
 }
 
 } // namespace
@@ -66,27 +74,59 @@ extern "C" int cuda_block_scores_mma_supports(const cuda_state_t *s,
                                               const mtrain_block_scores_args_t *a) {
   if (s->cc_major < 8) return 0;
   if (a->method != MTRAIN_BLOCK_PRECISE && a->method != MTRAIN_BLOCK_ANTIDIAG) return 0;
-  if (a->q_dtype != a->k_dtype || (a->q_dtype != MTRAIN_BF16 && a->q_dtype != MTRAIN_F16)) return 0;
+  if (a->q_dtype != MTRAIN_BF16 && a->q_dtype != MTRAIN_F16) return 0;
+  if (a->k_dtype != a->q_dtype && a->k_dtype != MTRAIN_F32) return 0;
   if (a->head_dim != 64 && a->head_dim != 128) return 0;
   if ((uintptr_t)a->q % 16 || (uintptr_t)a->k % 16) return 0;
   const int G = a->granularity;
-  if (a->method == MTRAIN_BLOCK_PRECISE) return G == 64 || G == 128;
-  if (G % 64 || G > 256) return 0;
-  const int R = G / a->stride; /* strided columns per key block */
-  return R % 64 == 0 || 64 % R == 0;
+  int ok;
+  if (a->method == MTRAIN_BLOCK_PRECISE) {
+    ok = G == 64 || G == 128;
+  } else {
+    const int R = G / a->stride; /* strided columns per key block */
+    ok = G % 64 == 0 && G <= 256 && (R % 64 == 0 || 64 % R == 0);
+  }
+  return ok ? (a->k_dtype == MTRAIN_F32 ? 2 : 1) : 0;
 }
 
 extern "C" mtrain_status_t cuda_block_scores_mma(cuda_state_t *s,
                                                  const mtrain_block_scores_args_t *a,
-                                                 const int64_t *dev_blocks, const char *who) {
+                                                 const int64_t *dev_blocks, unsigned *gate,
+                                                 const char *who) {
   bsm::mparams mp;
   mp.p = bsk::params_of(a);
   mp.p.q_block_global = dev_blocks;
   mp.p.row_off = dev_blocks + a->num_q_blocks;
   mp.order = dev_blocks + 2 * (int64_t)a->num_q_blocks;
   mp.E = NULL;
-  const bool bf16 = a->q_dtype == MTRAIN_BF16;
+  mp.gate = NULL;
+  const bool bf16 = a->q_dtype == MTRAIN_BF16, narrowed = a->k_dtype == MTRAIN_F32;
+  const bsk::blk_params &p = mp.p;
+  /* scratch: the narrowed keys (fp32 keys), then the antidiag sums of each CTA */
+  const int64_t items = (int64_t)p.Hq * p.num_q_blocks, nk = p.N * p.Hkv * p.d;
+  const size_t pre = narrowed ? ((size_t)nk * 2 + 255) / 256 * 256 : 0;
+  const size_t per_item =
+      a->method == MTRAIN_BLOCK_ANTIDIAG ? sizeof(double) * (size_t)(p.G / p.S) * (size_t)p.nb : 0;
+  int64_t chunk = per_item ? (int64_t)(kScratch / per_item) : items;
+  if (chunk < 1) chunk = 1;
+  if (chunk > items) chunk = items;
+  if (pre + per_item * (size_t)chunk > 0) {
+    void *work = NULL;
+    mtrain_status_t st = cuda_scratch(s, pre + per_item * (size_t)chunk, &work);
+    if (st) return st;
+    if (narrowed) {
+      st = bf16 ? narrow<__nv_bfloat16>(s, (const float *)a->k, work, nk, gate)
+                : narrow<__half>(s, (const float *)a->k, work, nk, gate);
+      if (st) return st;
+      mp.p.k = work;
+      mp.p.k_dtype = a->q_dtype;
+      mp.gate = gate;
+    }
+    mp.E = (double *)((char *)work + pre);
+  }
   if (a->head_dim == 64)
-    return bf16 ? run<64, __nv_bfloat16>(s, a, mp, who) : run<64, __half>(s, a, mp, who);
-  return bf16 ? run<128, __nv_bfloat16>(s, a, mp, who) : run<128, __half>(s, a, mp, who);
+    return bf16 ? run<64, __nv_bfloat16>(s, a, mp, chunk, who)
+                : run<64, __half>(s, a, mp, chunk, who);
+  return bf16 ? run<128, __nv_bfloat16>(s, a, mp, chunk, who)
+              : run<128, __half>(s, a, mp, chunk, who);
 }

@@ -61,6 +61,8 @@ struct mparams {
   bsk::blk_params p;    /* geometry, inputs, outputs (device q_block_global, row_off) */
   const int64_t *order; /* device [num_q_blocks]: the local blocks, longest row first */
   double *E;            /* antidiag: per CTA [R][nb] doubles */
+  const unsigned *gate; /* device word or NULL: when it is not 0 every CTA exits (fp32 keys
+                           that the q dtype does not hold exactly: the fp64 kernels score) */
 };
 
 /* Shared-memory bytes of a launch. */
@@ -77,6 +79,7 @@ inline size_t antidiag_smem(int G, int D) {
 __device__ __forceinline__ bool item_of(const mparams &mp, int *h, int *lb, int64_t *gb,
                                         int *rows) {
   const bsk::blk_params &p = mp.p;
+  if (mp.gate && *mp.gate != 0) return false;
   const int64_t item = p.item0 + blockIdx.x;
   *h = (int)(item % p.Hq);
   *lb = (int)mp.order[item / p.Hq];
@@ -84,6 +87,23 @@ __device__ __forceinline__ bool item_of(const mparams &mp, int *h, int *lb, int6
   if (*gb >= p.nb) return false;
   *rows = block_rows_dev(p.q_tokens, p.G, *lb, *gb, p.N);
   return *rows > 0;
+}
+
+/* The keys narrowed from fp32 to the q dtype T (the cuda backend's gathered
+ * keys of several ranks are fp32 copies of bf16 or fp16 keys): *inexact
+ * becomes nonzero when some key is not a value of T (or NaN). */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    narrow_keys_kernel(const float *k32, T *k, int64_t n, unsigned *inexact) {
+  unsigned bad = 0;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const float x = k32[e];
+    const T y = from_float<T>(x);
+    k[e] = y;
+    bad |= ld(&y, 0) != x;
+  }
+  if (bad) atomicOr(inexact, 1u);
 }
 
 /* cp.async of `nrows` rows of D 16-bit elements into a swizzled tile at

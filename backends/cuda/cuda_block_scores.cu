@@ -117,7 +117,8 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
   st = path_from_env(&fp64);
   if (st) return st;
   if (a->num_q_blocks == 0) return MTRAIN_SUCCESS;
-  const bool mma = !fp64 && cuda_block_scores_mma_supports(s, a);
+  const int tc = fp64 ? 0 : cuda_block_scores_mma_supports(s, a);
+  const bool mma = tc != 0, gated = tc == 2; /* gated: fp32 keys, the fp64 kernels behind */
   blk_params p = bsk::params_of(a);
   const bool nc = a->noncausal != 0;
   const int64_t items = (int64_t)p.Hq * p.num_q_blocks;
@@ -125,9 +126,11 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
   void *dev = NULL;
   int slot = -1;
   /* the global blocks, the rows' offsets (the full square's or triangle's
-   * without scores_row) and (tensor cores) the local blocks longest row first */
-  const int nq = p.num_q_blocks, parts = mma ? 3 : 2;
-  int64_t *blocks = (int64_t *)malloc(sizeof(int64_t) * (size_t)parts * (size_t)nq);
+   * without scores_row) and (tensor cores) the local blocks longest row first and
+   * the gate word (0) */
+  const int nq = p.num_q_blocks;
+  const size_t words = (mma ? 3 : 2) * (size_t)nq + (mma ? 1 : 0);
+  int64_t *blocks = (int64_t *)malloc(sizeof(int64_t) * words);
   if (!blocks) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda block scores: out of memory");
   for (int lb = 0; lb < nq; lb++) {
     blocks[lb] = a->q_block_global[lb];
@@ -144,8 +147,9 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
     qsort(pairs, (size_t)nq, sizeof *pairs, longest_first);
     for (int x = 0; x < nq; x++) ord[x] = pairs[x].lb;
     free(pairs);
+    blocks[3 * nq] = 0;
   }
-  st = cuda_upload_small(s, blocks, sizeof(int64_t) * (size_t)parts * (size_t)nq, &dev, &slot);
+  st = cuda_upload_small(s, blocks, sizeof(int64_t) * words, &dev, &slot);
   free(blocks);
   if (st) return st;
   p.q_block_global = (const int64_t *)dev;
@@ -155,7 +159,12 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
            mtrain_block_method_name(a->method), nc ? ", non-causal" : "",
            mma ? ", tensor cores" : "", p.G, p.d);
   if (mma) {
-    st = cuda_block_scores_mma(s, a, (const int64_t *)dev, who);
+    unsigned *gate = (unsigned *)(p.q_block_global + 3 * nq);
+    st = cuda_block_scores_mma(s, a, p.q_block_global, gate, who);
+    p.gate = gate; /* the fp64 kernels below run where the gate is set */
+  }
+  if (st || (mma && !gated)) {
+    /* scored (or failed) */
   } else if (a->method == MTRAIN_BLOCK_PRECISE) {
     const size_t smem = sizeof(double) * (size_t)p.d;
     void (*precise)(blk_params) = nc ? bsk::precise_kernel<true> : bsk::precise_kernel<false>;

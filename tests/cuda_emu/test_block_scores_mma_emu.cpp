@@ -95,6 +95,7 @@ static int irand(int a, int b) { return a + (int)(R() % (uint64_t)(b - a + 1)); 
 static void emu_scores(const mtrain_block_scores_args_t *a, bool two_chunks) {
   bsm::mparams mp;
   mp.p = bsk::params_of(a);
+  mp.gate = nullptr;
   const int nq = mp.p.num_q_blocks;
   vector<int64_t> blocks(3 * (size_t)nq);
   vector<std::pair<int64_t, int>> ord;
