@@ -573,12 +573,13 @@ static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double *r
       }
     }
   }
-  const double u24 = ldexp(1.0, -24), u22 = ldexp(1.0, -22), u53 = ldexp(1.0, -53);
+  const double u24 = ldexp(1.0, -24), u22 = ldexp(1.0, -22), u21 = ldexp(1.0, -21),
+               u53 = ldexp(1.0, -53);
   if (m == MTRAIN_BLOCK_PRECISE) {
-    const double et = 1.01 * (c->d / 16.0 * u22 * M + (2 * M + 2 * L) * u24 + u22);
+    const double et = 1.01 * (c->d / 16.0 * u21 * M + (2 * M + 2 * L) * u24 + u22);
     *rel = et + (32.0 * (c->G / 64) + 5) * u24 + 1e-11;
   } else {
-    const double ex = 1.01 * (c->S * c->d / 16.0 * u22 * M + 8 * M * u24 + u22);
+    const double ex = 1.01 * (c->S * c->d / 16.0 * u21 * M + 8 * M * u24 + u22);
     *rel = 2 * (ex + 11 * u24) + (double)(p->nb + c->G / c->S + (N + c->S - 1) / c->S + 4) * u53;
   }
   *abs_ = (double)c->G * c->G * ldexp(1.0, -124);
