@@ -6,8 +6,9 @@
  * in fp32, fp32 partial sums per thread and key tile, then fixed-order sums
  * into fp64. Not cpu-ref's bits: within the tolerance derived in
  * tests/cuda_emu/test_block_scores_mma_emu.cpp (per entry, relative to the
- * entry itself). Shapes: head_dim 64 or 128; precise G 64 or 128, antidiag
- * G a multiple of 64 up to 256 with G/S dividing 64 or a multiple of 64.
+ * entry itself). Shapes: head_dim 64 or 128, G 64 or 128 (the antidiag
+ * kernel is written for G a multiple of 64 up to 256 with G/S dividing 64 or
+ * a multiple of 64, but only G 64 and 128 are tested and launched).
  *
  * Determinism: one CTA per (head, local query block); every value it writes
  * is formed from that block's rows and the keys, with additions in an order

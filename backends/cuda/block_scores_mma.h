@@ -10,12 +10,10 @@ extern "C" {
 #endif
 
 /* 1 when the tensor-core kernels score this call (precise or antidiag, q
- * bf16 or fp16 and k of the same dtype, head_dim 64 or 128, G 64 or 128
- * (precise) or a multiple of 64 up to 256 with G/S dividing 64 or a multiple
- * of it (antidiag), q and k 16-byte aligned, a device of compute capability
- * 8 or more); 2 when so but for fp32 keys: the kernels then score it if
- * every key is a value of the q dtype, the fp64 kernels otherwise (gate);
- * 0: the fp64 kernels score it. */
+ * bf16 or fp16 and k of the same dtype, head_dim 64 or 128, G 64 or 128,
+ * q and k 16-byte aligned, a device of compute capability 8 or more); 2 when so but for fp32 keys:
+ * the kernels then score it if every key is a value of the q dtype, the fp64 kernels otherwise
+ * (gate); 0: the fp64 kernels score it. */
 int cuda_block_scores_mma_supports(const cuda_state_t *s, const mtrain_block_scores_args_t *a);
 
 /* Queues the tensor-core kernels of a checked call with num_q_blocks > 0.
