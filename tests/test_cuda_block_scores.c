@@ -545,11 +545,9 @@ static void run_case(size_t ci, int nc) {
 /* ---- (f): the tensor-core path ---------------------------------------------------------------
  */
 
-/* The tolerance of the tensor-core scores per entry, |got - want| <= rel
- * want + abs: the derivation of test_block_scores_mma_emu.cpp, from M, the
- * largest s sum_x |q_x k_x| over the pairs the scores see, and L, the largest
- * |lse|. */
-static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double *rel, double *abs_) {
+/* M, the largest s sum_x |q_x k_x| over the pairs the scores see, and L, the
+ * largest |lse|: the inputs of the tensor-core path's tolerance. */
+static void mma_bounds(const problem_t *p, double *M_, double *L_) {
   const gcase_t *c = &p->c;
   const int64_t N = c->N, nq = N * c->Hq * c->d, nk = N * c->Hkv * c->d;
   float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk);
@@ -573,6 +571,16 @@ static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double *r
       }
     }
   }
+  *M_ = M, *L_ = L;
+  free(q), free(k), free(lse);
+}
+
+/* The tolerance of the tensor-core scores per entry, |got - want| <= rel
+ * want + abs: the derivation of test_block_scores_mma_emu.cpp. */
+static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double M, double L,
+                          double *rel, double *abs_) {
+  const gcase_t *c = &p->c;
+  const int64_t N = c->N;
   const double u24 = ldexp(1.0, -24), u22 = ldexp(1.0, -22), u21 = ldexp(1.0, -21),
                u53 = ldexp(1.0, -53);
   if (m == MTRAIN_BLOCK_PRECISE) {
@@ -583,7 +591,6 @@ static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double *r
     *rel = 2 * (ex + 11 * u24) + (double)(p->nb + c->G / c->S + (N + c->S - 1) / c->S + 4) * u53;
   }
   *abs_ = (double)c->G * c->G * ldexp(1.0, -124);
-  free(q), free(k), free(lse);
 }
 
 /* The cuda scores of method m with the keys given in fp32 (device k32). */
@@ -642,8 +649,9 @@ static void run_case_mma(size_t ci, int nc) {
   mtrain_context_t *ref = make_ctx("cpu-ref", p.c.G), *gpu = make_ctx("cuda", p.c.G);
   const int64_t n = p.tri * p.c.Hq;
   double *want[2], *got[2], rel[2];
-  double *exact = malloc(sizeof(double) * (size_t)n);
+  double *exact = malloc(sizeof(double) * (size_t)n), M, L;
   assert_non_null(exact);
+  mma_bounds(&p, &M, &L);
   for (int mi = 0; mi < 2; mi++) {
     const mtrain_block_method_t m = methods[mi];
     want[mi] = malloc(sizeof(double) * (size_t)n);
@@ -651,7 +659,7 @@ static void run_case_mma(size_t ci, int nc) {
     assert_true(want[mi] && got[mi]);
     both_scores(&p, ref, gpu, m, want[mi], got[mi]);
     double abs_;
-    mma_tolerance(&p, m, &rel[mi], &abs_);
+    mma_tolerance(&p, m, M, L, &rel[mi], &abs_);
     double worst = 0.0;
     int64_t at = -1;
     for (int64_t e = 0; e < n; e++) {
