@@ -3,8 +3,8 @@
 // in the emulator of cuda_emu.h (mma.sync, ldmatrix and cp.async emulated), against the cpu-ref
 // backend's block_scores slot (the fp64 oracle), launched as block_scores_mma.cu launches them.
 //
-// Random cases (seeds printed): N mostly not a multiple of G, G 64 and 128 (the precise
-// kernel's shapes; antidiag also takes 256), GQA, head dims 64 and 128, strides 1 .. 16, bf16
+// Random cases (seeds printed): N mostly not a multiple of G, G 64 and 128 (the shapes the backend
+// launches them for), GQA, head dims 64 and 128, strides 1 .. 16, bf16
 // and fp16 inputs, the LSE (of causal or bidirectional dense attention) in fp32 or fp64, causal
 // and non-causal, the query slots past N filled with NaN (never read). Per (case, causality,
 // method) three launches:
@@ -43,11 +43,11 @@
 //    2^-53 (cpu-ref's own P within (n + 2) u).
 //  - abs = G^2 2^-124: terms below 2^-126 that ex2.approx.ftz flushes (at most G^2 per entry).
 // The test prints, per launch, the largest |got - want| / (rel want + abs) (1 would fail).
-// Mutations tried (each made the test fail; see the report of the commit that added this file):
-// the causal mask dropped on the diagonal block (precise), the LSE of the next row, the last key
-// tile of a row skipped (precise), the causal diagonal of antidiag left to the GEMM, the edge
-// column of the non-causal antidiag always defined, E of a key block's second tile overwriting
-// the first (G/S = 128).
+// Mutations tried, each failing the default run (16 cases, seed 7) in the cases noted: the causal
+// mask dropped on the diagonal block (precise; 16), the LSE of the neighbouring row (16), the last
+// key dropped (16), the antidiagonal's causal diagonal left to the GEMM (11), the non-causal edge
+// column always defined (5), the second tile of a 128-column key block overwriting the first (2),
+// the terms t walked in reverse on the query side (11).
 // Usage: test_block_scores_mma_emu [cases [seed]] (defaults 16 and 7).
 #include <math.h>
 
