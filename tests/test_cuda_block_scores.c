@@ -23,6 +23,19 @@
  *      nb entries over every key, precise from the LSE of a bidirectional
  *      dense forward) of cases 0 and 3: (a), (b) and (c) as above, the
  *      selection with options.noncausal (forced blocks on both sides).
+ * (a)-(e) run the exact fp64 kernels (MTRAIN_CUDA_BLOCK_SCORES=fp64, set here).
+ *  (f) the default path: the tensor-core kernels (block_scores_mma.cuh) for
+ *      the bf16 and fp16 cases, precise and antidiag, causal and non-causal:
+ *      each entry within the tolerance derived in
+ *      tests/cuda_emu/test_block_scores_mma_emu.cpp (relative to the entry:
+ *      rel from the case's largest s sum_x |q_x k_x| and |lse|), some entry
+ *      not bitwise the fp64 path's (the tensor cores did score it), (b)'s
+ *      subset and compact rows bitwise, and (c)'s selection with a near tie
+ *      meaning a decision within 2 rel of the row's scale; fp32 keys (as the
+ *      distributed selection gathers them): exact copies of the keys score
+ *      bitwise as the keys, keys the dtype does not hold as the fp64 path;
+ *  (g) MTRAIN_CUDA_BLOCK_SCORES with an unknown value is refused.
+ * MTRAIN_TEST_QUICK=1 runs the N 1000 cases only (the sanitizer runs).
  * Skipped (exit 77) without a CUDA device. Seeds are printed;
  * MTRAIN_TEST_SEED overrides them. */
 #define _POSIX_C_SOURCE 200809L
@@ -51,6 +64,14 @@ static int have_gpu;
 static void require_gpu(void) {
   if (have_gpu) return;
   print_message("SKIPPED: no CUDA device is visible\n");
+  skip();
+}
+
+/* MTRAIN_TEST_QUICK=1 (the sanitizer runs): the N 1000 cases only. */
+static void require_full(int64_t N) {
+  const char *e = getenv("MTRAIN_TEST_QUICK");
+  if (N <= 1000 || !e || strcmp(e, "1") != 0) return;
+  print_message("SKIPPED: MTRAIN_TEST_QUICK=1 runs the N 1000 cases only\n");
   skip();
 }
 
@@ -426,8 +447,12 @@ static int row_equal(const mtrain_pattern_head_t *ph, const csr_t *c, int64_t qb
   return memcmp(ph->mask_idx + ph->mask_off[qb], c->idx + c->off[qb], sizeof(int32_t) * n) == 0;
 }
 
+/* tie: the largest decision margin (relative to the row's scale) at which
+ * the cuda selection may differ from cpu-ref's; rtol: the recall's tolerance
+ * in a head without such rows. */
 static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel_t *s,
-                            const double *ref_scores, const double *gpu_scores) {
+                            const double *ref_scores, const double *gpu_scores, double tie,
+                            double rtol) {
   const gcase_t *c = &p->c;
   mtrain_block_options_t o = MTRAIN_BLOCK_OPTIONS_INIT;
   o.method = s->method;
@@ -449,6 +474,7 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
   csr_t *from_ref = host_select(ref_scores, p->nb, c->Hq, &o, rec_ref);
   int64_t ties = 0, rows = 0;
   for (int32_t h = 0; h < c->Hq; h++) {
+    const int64_t ties0 = ties;
     const mtrain_pattern_head_t *ph = &pat->heads[h];
     assert_true(mtrain_pattern_head_is_block_mask(pat, h));
     for (int64_t qb = 0; qb < p->nb; qb++) {
@@ -460,7 +486,7 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
       if (row_equal(ph, &from_ref[h], qb)) continue;
       const double margin =
           row_margin(ref_scores + h * p->tri + row_at(p, qb), qb, row_len(p, qb), &o);
-      if (!(margin <= 1e-9))
+      if (!(margin <= tie))
         fail_msg("%s %s: head %d query block %lld selects other key blocks on cuda than on "
                  "cpu-ref, and the cpu-ref decision margin is %.3g (no near tie)",
                  mtrain_block_method_name(s->method),
@@ -469,7 +495,7 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
     }
     if (s->method != MTRAIN_BLOCK_MEANPOOL) {
       assert_true(recall[h] == rec_gpu[h]);
-      if (!(fabs(recall[h] - rec_ref[h]) <= 1e-9))
+      if (ties == ties0 && !(fabs(recall[h] - rec_ref[h]) <= rtol))
         fail_msg("%s: head %d recall %.17g on cuda, %.17g from the cpu-ref scores",
                  mtrain_block_method_name(s->method), h, recall[h], rec_ref[h]);
     }
@@ -490,6 +516,8 @@ static void check_selection(const problem_t *p, mtrain_context_t *gpu, const sel
 
 static void run_case(size_t ci, int nc) {
   require_gpu();
+  require_full(cases[ci].N);
+  setenv("MTRAIN_CUDA_BLOCK_SCORES", "fp64", 1);
   problem_t p;
   problem_make(&p, &cases[ci], ts_seed((nc ? 3150 : 3100) + ci), nc);
   mtrain_context_t *ref = make_ctx("cpu-ref", p.c.G), *gpu = make_ctx("cuda", p.c.G);
@@ -505,13 +533,173 @@ static void run_case(size_t ci, int nc) {
   }
   for (size_t si = 0; si < NSELS; si++) {
     const int mi = (int)sels[si].method;
-    check_selection(&p, gpu, &sels[si], want[mi], got[mi]);
+    check_selection(&p, gpu, &sels[si], want[mi], got[mi], 1e-9, 1e-9);
   }
   for (int mi = 0; mi < 3; mi++) free(want[mi]), free(got[mi]);
   mtrain_context_destroy(ref);
   mtrain_context_destroy(gpu);
   problem_free(&p);
+  unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
 }
+
+/* ---- (f): the tensor-core path ---------------------------------------------------------------
+ */
+
+/* M, the largest s sum_x |q_x k_x| over the pairs the scores see, and L, the
+ * largest |lse|: the inputs of the tensor-core path's tolerance. */
+static void mma_bounds(const problem_t *p, double *M_, double *L_) {
+  const gcase_t *c = &p->c;
+  const int64_t N = c->N, nq = N * c->Hq * c->d, nk = N * c->Hkv * c->d;
+  float *q = malloc(sizeof(float) * (size_t)nq), *k = malloc(sizeof(float) * (size_t)nk);
+  double *lse = malloc(sizeof(double) * (size_t)(N * c->Hq));
+  assert_true(q && k && lse);
+  CHECK_OK(mtrain_convert(p->q, c->dtype, q, MTRAIN_F32, nq));
+  CHECK_OK(mtrain_convert(p->k, c->dtype, k, MTRAIN_F32, nk));
+  CHECK_OK(mtrain_convert(p->lse, c->lse64 ? MTRAIN_F64 : MTRAIN_F32, lse, MTRAIN_F64, N * c->Hq));
+  const double s = 1.0 / sqrt((double)c->d);
+  double M = 0.0, L = 0.0;
+  for (int64_t e = 0; e < N * c->Hq; e++) L = fmax(L, fabs(lse[e]));
+  for (int32_t h = 0; h < c->Hq; h++) {
+    const int32_t hk = h / (c->Hq / c->Hkv);
+    for (int64_t i = 0; i < N; i++) {
+      const float *qi = q + (i * c->Hq + h) * c->d;
+      for (int64_t j = 0; j < (p->nc ? N : i + 1); j++) {
+        const float *kj = k + (j * c->Hkv + hk) * c->d;
+        double sa = 0.0;
+        for (int32_t x = 0; x < c->d; x++) sa += fabs((double)qi[x] * kj[x]);
+        M = fmax(M, s * sa);
+      }
+    }
+  }
+  *M_ = M, *L_ = L;
+  free(q), free(k), free(lse);
+}
+
+/* The tolerance of the tensor-core scores per entry, |got - want| <= rel
+ * want + abs: the derivation of test_block_scores_mma_emu.cpp. */
+static void mma_tolerance(const problem_t *p, mtrain_block_method_t m, double M, double L,
+                          double *rel, double *abs_) {
+  const gcase_t *c = &p->c;
+  const int64_t N = c->N;
+  const double u24 = ldexp(1.0, -24), u22 = ldexp(1.0, -22), u21 = ldexp(1.0, -21),
+               u53 = ldexp(1.0, -53);
+  if (m == MTRAIN_BLOCK_PRECISE) {
+    const double et = 1.01 * (c->d / 16.0 * u21 * M + (2 * M + 2 * L) * u24 + u22);
+    *rel = et + (32.0 * (c->G / 64) + 5) * u24 + 1e-11;
+  } else {
+    const double ex = 1.01 * (c->S * c->d / 16.0 * u21 * M + 8 * M * u24 + u22);
+    *rel = 2 * (ex + 11 * u24) + (double)(p->nb + c->G / c->S + (N + c->S - 1) / c->S + 4) * u53;
+  }
+  *abs_ = (double)c->G * c->G * ldexp(1.0, -124);
+}
+
+/* The cuda scores of method m with the keys given in fp32 (device k32). */
+static void scores_k32(const problem_t *p, mtrain_context_t *gpu, mtrain_block_method_t m,
+                       const void *k32, double *out) {
+  const size_t bytes = sizeof(double) * (size_t)(p->tri * p->c.Hq);
+  int64_t *ids = identity(p->nb);
+  mtrain_block_scores_args_t a = args_of(p, m, ids, 1);
+  a.k = k32;
+  a.k_dtype = MTRAIN_F32;
+  CHECK_OK(mtrain_be_memset_zero(gpu, p->dsc, bytes));
+  a.scores = p->dsc;
+  CHECK_OK(mtrain_be_block_scores(gpu, &a));
+  CHECK_OK(mtrain_be_copy_to_host(gpu, out, p->dsc, bytes));
+  free(ids);
+}
+
+/* fp32 keys (as the distributed selection gathers them): exact copies of the
+ * bf16 or fp16 keys score bitwise as those keys (tensor cores); with one key
+ * element that the dtype does not hold, bitwise as the fp64 kernels. */
+static void check_fp32_keys(const problem_t *p, mtrain_context_t *gpu, mtrain_block_method_t m,
+                            const double *got) {
+  const int64_t nk = p->c.N * p->c.Hkv * p->c.d, n = p->tri * p->c.Hq;
+  float *k = malloc(sizeof(float) * (size_t)nk);
+  double *a = malloc(sizeof(double) * (size_t)n), *b = malloc(sizeof(double) * (size_t)n);
+  assert_true(k && a && b);
+  CHECK_OK(mtrain_convert(p->k, p->c.dtype, k, MTRAIN_F32, nk));
+  void *dk = dev_copy(k, sizeof(float) * (size_t)nk);
+  scores_k32(p, gpu, m, dk, a);
+  if (memcmp(a, got, sizeof(double) * (size_t)n))
+    fail_msg("%s: fp32 copies of the keys do not score bitwise as the keys",
+             mtrain_block_method_name(m));
+  k[nk / 2] = nextafterf(k[nk / 2], INFINITY); /* not a bf16 or fp16 value */
+  mtrain_cuda_free(dk);
+  dk = dev_copy(k, sizeof(float) * (size_t)nk);
+  scores_k32(p, gpu, m, dk, a);
+  setenv("MTRAIN_CUDA_BLOCK_SCORES", "fp64", 1);
+  scores_k32(p, gpu, m, dk, b);
+  unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
+  if (memcmp(a, b, sizeof(double) * (size_t)n))
+    fail_msg("%s: fp32 keys beyond the q dtype are not scored by the fp64 kernels",
+             mtrain_block_method_name(m));
+  print_message("fp32 keys %s%s: exact copies bitwise the keys' scores, an inexact key bitwise "
+                "the fp64 kernels'\n",
+                mtrain_block_method_name(m), p->nc ? " (non-causal)" : "");
+  mtrain_cuda_free(dk);
+  free(k), free(a), free(b);
+}
+
+static void run_case_mma(size_t ci, int nc) {
+  require_gpu();
+  require_full(cases[ci].N);
+  unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
+  problem_t p;
+  problem_make(&p, &cases[ci], ts_seed((nc ? 3250 : 3200) + ci), nc);
+  mtrain_context_t *ref = make_ctx("cpu-ref", p.c.G), *gpu = make_ctx("cuda", p.c.G);
+  const int64_t n = p.tri * p.c.Hq;
+  double *want[2], *got[2], rel[2];
+  double *exact = malloc(sizeof(double) * (size_t)n), M, L;
+  assert_non_null(exact);
+  mma_bounds(&p, &M, &L);
+  for (int mi = 0; mi < 2; mi++) {
+    const mtrain_block_method_t m = methods[mi];
+    want[mi] = malloc(sizeof(double) * (size_t)n);
+    got[mi] = malloc(sizeof(double) * (size_t)n);
+    assert_true(want[mi] && got[mi]);
+    both_scores(&p, ref, gpu, m, want[mi], got[mi]);
+    double abs_;
+    mma_tolerance(&p, m, M, L, &rel[mi], &abs_);
+    double worst = 0.0;
+    int64_t at = -1;
+    for (int64_t e = 0; e < n; e++) {
+      const double r = fabs(got[mi][e] - want[mi][e]) / (rel[mi] * fabs(want[mi][e]) + abs_);
+      if (!(r <= worst)) worst = r, at = e;
+    }
+    print_message("tensor-core scores%s seed %llu N %lld G %d heads %d/%d d %d S %d %s lse %s %s: "
+                  "rel tol %.3g, largest error / tolerance %.3g\n",
+                  p.nc ? " (non-causal)" : "", (unsigned long long)p.seed, (long long)p.c.N, p.c.G,
+                  p.c.Hq, p.c.Hkv, p.c.d, p.c.S, mtrain_dtype_name(p.c.dtype),
+                  p.c.lse64 ? "fp64" : "fp32", mtrain_block_method_name(m), rel[mi], worst);
+    if (!(worst <= 1.0))
+      fail_msg("tensor-core %s%s scores, seed %llu: entry %lld is %.17g, cpu-ref %.17g (error "
+               "%.3g of the tolerance)",
+               mtrain_block_method_name(m), p.nc ? " non-causal" : "", (unsigned long long)p.seed,
+               (long long)at, got[mi][at], want[mi][at], worst);
+    /* the default did take the tensor cores: not the fp64 kernels' bits everywhere */
+    setenv("MTRAIN_CUDA_BLOCK_SCORES", "fp64", 1);
+    both_scores(&p, ref, gpu, m, want[mi], exact);
+    unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
+    assert_true(memcmp(exact, got[mi], sizeof(double) * (size_t)n) != 0);
+    check_subset(&p, gpu, m, got[mi]);
+    check_fp32_keys(&p, gpu, m, got[mi]);
+  }
+  for (size_t si = 0; si < NSELS; si++) {
+    const int mi = (int)sels[si].method;
+    if (mi < 2) check_selection(&p, gpu, &sels[si], want[mi], got[mi], 2 * rel[mi], 4 * rel[mi]);
+  }
+  for (int mi = 0; mi < 2; mi++) free(want[mi]), free(got[mi]);
+  free(exact);
+  mtrain_context_destroy(ref);
+  mtrain_context_destroy(gpu);
+  problem_free(&p);
+}
+
+static void test_mma_case1(void **state) { (void)state, run_case_mma(1, 0); }
+static void test_mma_case2(void **state) { (void)state, run_case_mma(2, 0); }
+static void test_mma_case3(void **state) { (void)state, run_case_mma(3, 0); }
+static void test_mma_noncausal_case1(void **state) { (void)state, run_case_mma(1, 1); }
+static void test_mma_noncausal_case3(void **state) { (void)state, run_case_mma(3, 1); }
 
 static void test_case0(void **state) { (void)state, run_case(0, 0); }
 static void test_case1(void **state) { (void)state, run_case(1, 0); }
@@ -554,6 +742,13 @@ static void test_refusals(void **state) {
   a.method = (mtrain_block_method_t)9;
   TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_INVALID_ARGUMENT,
                    "unknown method 9");
+  /* (g) */
+  a = args_of(&p, MTRAIN_BLOCK_PRECISE, ids, 1);
+  a.scores = p.dsc;
+  setenv("MTRAIN_CUDA_BLOCK_SCORES", "fast", 1);
+  TS_ASSERT_STATUS(mtrain_be_block_scores(gpu, &a), MTRAIN_ERR_INVALID_CONFIG,
+                   "MTRAIN_CUDA_BLOCK_SCORES='fast'");
+  unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
   free(ids);
   mtrain_context_destroy(gpu);
   problem_free(&p);
@@ -562,9 +757,17 @@ static void test_refusals(void **state) {
 int main(void) {
   have_gpu = mtrain_cuda_device_count() > 0;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_case0),           cmocka_unit_test(test_case1),
-      cmocka_unit_test(test_case2),           cmocka_unit_test(test_case3),
-      cmocka_unit_test(test_noncausal_case0), cmocka_unit_test(test_noncausal_case3),
+      cmocka_unit_test(test_case0),
+      cmocka_unit_test(test_case1),
+      cmocka_unit_test(test_case2),
+      cmocka_unit_test(test_case3),
+      cmocka_unit_test(test_noncausal_case0),
+      cmocka_unit_test(test_noncausal_case3),
+      cmocka_unit_test(test_mma_case1),
+      cmocka_unit_test(test_mma_case2),
+      cmocka_unit_test(test_mma_case3),
+      cmocka_unit_test(test_mma_noncausal_case1),
+      cmocka_unit_test(test_mma_noncausal_case3),
       cmocka_unit_test(test_refusals),
   };
   const int failed = cmocka_run_group_tests(tests, NULL, NULL);

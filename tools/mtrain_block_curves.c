@@ -14,8 +14,11 @@
  *          angle: a stand-in for training steps)
  *        mtrain-block-curves gpucost N [SEED]  seconds of each selection on the
  *          cuda backend (bf16 device tensors, 8 query and 2 kv heads, d 128,
- *          G 128) against the cuda dense forward
+ *          G 128) against the cuda dense forward, precise and antidiag scored
+ *          by the tensor-core kernels (the default) and by the exact fp64 ones
+ *          (MTRAIN_CUDA_BLOCK_SCORES=fp64, set between the rows)
  * Prints markdown tables on stdout. Exit 0 on success, 1 on failure. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -401,10 +404,17 @@ static int run_gpucost(int64_t N, uint64_t seed) {
     if (r > 0 && now_s() - t0 < t_dense) t_dense = now_s() - t0;
   }
   printf("structured inputs seed %llu, N %lld, heads %d/%d, d %d, G %d, cuda backend, bf16; dense "
-         "forward %.4f s (best of 3)\n\n| method | budget | density | selection s (best of 3) | "
-         "selection / dense forward |\n|---|---|---|---|---|\n",
+         "forward %.4f s (best of 3)\n\n| method | budget | scores | density | selection s (best "
+         "of 3) | selection / dense forward |\n|---|---|---|---|---|---|\n",
          (unsigned long long)seed, (long long)N, in.Hq, in.Hkv, in.d, in.G, t_dense);
-  for (int m = 0; m < 3; m++) {
+  const char *saved = getenv("MTRAIN_CUDA_BLOCK_SCORES");
+  char *keep = saved ? strdup(saved) : NULL;
+  for (int row = 0; row < 5; row++) { /* precise, antidiag on tensor cores, then fp64; meanpool */
+    const int m = row < 4 ? row % 2 : 2, exact = row == 2 || row == 3;
+    if (exact)
+      setenv("MTRAIN_CUDA_BLOCK_SCORES", "fp64", 1);
+    else
+      unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
     const mtrain_block_options_t o3[3] = {
         opts(MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
         opts(MTRAIN_BLOCK_ANTIDIAG, MTRAIN_BUDGET_TOP_P, 0, 0.9, 0),
@@ -419,14 +429,23 @@ static int run_gpucost(int64_t N, uint64_t seed) {
       TRY(mtrain_pattern_select_blocks(ctx, &tq, &tk, &tl, &o3[m], NULL, &p));
       if (r > 0 && now_s() - t0 < best) best = now_s() - t0;
     }
-    printf("| %s | %s | %.3f | %.4f | %.1fx |\n",
+    printf("| %s | %s | %s | %.3f | %.4f | %.1fx |\n",
            m == 0   ? "precise"
            : m == 1 ? "antidiag (S 8)"
                     : "meanpool",
-           m == 2 ? "top-k 4" : "top-p 0.90", density(p, &in), best, best / t_dense);
+           m == 2 ? "top-k 4" : "top-p 0.90",
+           m == 2  ? "fp64 (CUDA cores)"
+           : exact ? "fp64 (MTRAIN_CUDA_BLOCK_SCORES=fp64)"
+                   : "tensor cores",
+           density(p, &in), best, best / t_dense);
     fflush(stdout);
     mtrain_pattern_destroy(p);
   }
+  if (keep)
+    setenv("MTRAIN_CUDA_BLOCK_SCORES", keep, 1);
+  else
+    unsetenv("MTRAIN_CUDA_BLOCK_SCORES");
+  free(keep);
   mtrain_plan_destroy(plan);
   mtrain_pattern_destroy(dense);
   mtrain_context_destroy(ctx);

@@ -63,6 +63,8 @@ struct blk_params {
   const int64_t *row_off;        /* device [num_q_blocks]: each local block's row in a head */
   double *scores, *work;         /* work: kbar (meanpool) or strided logits (antidiag) */
   const float *kp;               /* interleaved keys: [Hkv][P][d][ceil(N/P)], P = G or S */
+  const unsigned *gate;          /* device word or NULL: when it reads 0 every CTA exits (the
+                                    tensor-core kernels scored the call, block_scores_mma.cu) */
 };
 
 /* The parameters of a call (host side), all but the device arrays
@@ -95,6 +97,7 @@ inline blk_params params_of(const mtrain_block_scores_args_t *a) {
   p.q_block_global = p.row_off = NULL;
   p.work = NULL;
   p.kp = NULL;
+  p.gate = NULL;
   return p;
 }
 
@@ -131,6 +134,7 @@ __global__ void __launch_bounds__(256)
 /* The (head, local query block) of CTA blockIdx.x; false for padding. */
 __device__ __forceinline__ bool item_of(const blk_params &p, int *h, int *lb, int64_t *gb,
                                         int *rows) {
+  if (p.gate && *p.gate == 0) return false;
   const int64_t item = p.item0 + blockIdx.x;
   *h = (int)(item / p.num_q_blocks);
   *lb = (int)(item % p.num_q_blocks);

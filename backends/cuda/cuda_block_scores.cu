@@ -3,13 +3,18 @@
  * block_scores_kernels.cuh (fp64, in cpu-ref's order of additions), causal
  * or, with args.noncausal, the non-causal scores of section 9.7 (the row of
  * query block gb then holds nb entries: h * nb * nb + gb * nb without
- * scores_row). */
+ * scores_row). Precise and antidiag scores of bf16 or fp16 inputs go to the
+ * tensor-core kernels (block_scores_mma.cu) where they take the shape;
+ * MTRAIN_CUDA_BLOCK_SCORES=fp64 (read at every call) keeps them on the exact
+ * fp64 kernels. */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backends/cuda/block_scores_kernels.cuh"
+#include "backends/cuda/block_scores_mma.h"
 #include "mtrain/mtrain_error.h"
 
 namespace {
@@ -64,6 +69,34 @@ mtrain_status_t check_args(const mtrain_block_scores_args_t *a) {
   return MTRAIN_SUCCESS;
 }
 
+/* MTRAIN_CUDA_BLOCK_SCORES: unset, empty or "mma" (the tensor-core kernels
+ * where they take the call, the default) or "fp64" (the exact kernels). */
+mtrain_status_t path_from_env(bool *fp64) {
+  const char *e = getenv("MTRAIN_CUDA_BLOCK_SCORES");
+  *fp64 = false;
+  if (!e || !*e || strcmp(e, "mma") == 0) return MTRAIN_SUCCESS;
+  if (strcmp(e, "fp64") == 0) {
+    *fp64 = true;
+    return MTRAIN_SUCCESS;
+  }
+  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                      "backend 'cuda': environment variable MTRAIN_CUDA_BLOCK_SCORES='%s': "
+                      "expected mma (the tensor-core block scores of bf16 and fp16 inputs, the "
+                      "default) or fp64 (the exact fp64 kernels)",
+                      e);
+}
+
+/* A local block and its global index, ordered longest row first. */
+struct block_order_t {
+  int64_t gb;
+  int lb;
+};
+int longest_first(const void *x, const void *y) {
+  const block_order_t *a = (const block_order_t *)x, *b = (const block_order_t *)y;
+  if (a->gb != b->gb) return a->gb > b->gb ? -1 : 1;
+  return a->lb < b->lb ? -1 : a->lb > b->lb;
+}
+
 /* Queues interleave_kernel into kp and points p->kp at it. */
 mtrain_status_t interleave(cuda_state_t *s, blk_params *p, int P, int64_t cols, float *kp) {
   const int64_t total = (int64_t)p->Hkv * P * p->d * cols;
@@ -80,30 +113,59 @@ extern "C" mtrain_status_t cuda_block_scores(void *state, const mtrain_block_sco
   cuda_state_t *s = (cuda_state_t *)state;
   mtrain_status_t st = check_args(a);
   if (st) return st;
+  bool fp64 = false;
+  st = path_from_env(&fp64);
+  if (st) return st;
   if (a->num_q_blocks == 0) return MTRAIN_SUCCESS;
+  const int tc = fp64 ? 0 : cuda_block_scores_mma_supports(s, a);
+  const bool mma = tc != 0, gated = tc == 2; /* gated: fp32 keys, the fp64 kernels behind */
   blk_params p = bsk::params_of(a);
   const bool nc = a->noncausal != 0;
   const int64_t items = (int64_t)p.Hq * p.num_q_blocks;
   cudaStream_t stream = (cudaStream_t)s->stream;
   void *dev = NULL;
   int slot = -1;
-  /* the global blocks and the rows' offsets (the full square's or triangle's without
-   * scores_row) */
-  int64_t *blocks = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)p.num_q_blocks);
+  /* the global blocks, the rows' offsets (the full square's or triangle's
+   * without scores_row) and (tensor cores) the local blocks longest row first and
+   * the gate word (0) */
+  const int nq = p.num_q_blocks;
+  const size_t words = (mma ? 3 : 2) * (size_t)nq + (mma ? 1 : 0);
+  int64_t *blocks = (int64_t *)malloc(sizeof(int64_t) * words);
   if (!blocks) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda block scores: out of memory");
-  for (int lb = 0; lb < p.num_q_blocks; lb++) {
+  for (int lb = 0; lb < nq; lb++) {
     blocks[lb] = a->q_block_global[lb];
-    blocks[p.num_q_blocks + lb] = bsk::row_offset(a, p.nb, lb);
+    blocks[nq + lb] = bsk::row_offset(a, p.nb, lb);
   }
-  st = cuda_upload_small(s, blocks, sizeof(int64_t) * 2 * (size_t)p.num_q_blocks, &dev, &slot);
+  if (mma) { /* by global block descending, then local block (the pairs in the third part) */
+    int64_t *ord = blocks + 2 * nq;
+    block_order_t *pairs = (block_order_t *)malloc(sizeof(block_order_t) * (size_t)nq);
+    if (!pairs) {
+      free(blocks);
+      return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "cuda block scores: out of memory");
+    }
+    for (int lb = 0; lb < nq; lb++) pairs[lb] = {blocks[lb], lb};
+    qsort(pairs, (size_t)nq, sizeof *pairs, longest_first);
+    for (int x = 0; x < nq; x++) ord[x] = pairs[x].lb;
+    free(pairs);
+    blocks[3 * nq] = 0;
+  }
+  st = cuda_upload_small(s, blocks, sizeof(int64_t) * words, &dev, &slot);
   free(blocks);
   if (st) return st;
   p.q_block_global = (const int64_t *)dev;
   p.row_off = p.q_block_global + p.num_q_blocks;
   char who[96];
-  snprintf(who, sizeof who, "block scores (%s%s, granularity %d, head_dim %d)",
-           mtrain_block_method_name(a->method), nc ? ", non-causal" : "", p.G, p.d);
-  if (a->method == MTRAIN_BLOCK_PRECISE) {
+  snprintf(who, sizeof who, "block scores (%s%s%s, granularity %d, head_dim %d)",
+           mtrain_block_method_name(a->method), nc ? ", non-causal" : "",
+           mma ? ", tensor cores" : "", p.G, p.d);
+  if (mma) {
+    unsigned *gate = (unsigned *)(p.q_block_global + 3 * nq);
+    st = cuda_block_scores_mma(s, a, p.q_block_global, gate, who);
+    p.gate = gate; /* the fp64 kernels below run where the gate is set */
+  }
+  if (st || (mma && !gated)) {
+    /* scored (or failed) */
+  } else if (a->method == MTRAIN_BLOCK_PRECISE) {
     const size_t smem = sizeof(double) * (size_t)p.d;
     void (*precise)(blk_params) = nc ? bsk::precise_kernel<true> : bsk::precise_kernel<false>;
     void *work = NULL;
