@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
  * (slots ascending along the list), and kv_split_reduce_kernel adds, per
  * split item, the sum of its parts taken in part order: the same bits every
  * run whichever CTA finishes first (deterministic mode). */
-constexpr int kSplitThreads = 256;
+constexpr int kSplitThreads = 512; /* the emulator runs at most 512 */
 
 /* The entries of run item u (kv_run_item). */
 __device__ __forceinline__ int kv_item_len(const cuda_step_t &st, int BN, unsigned u, int &e0) {

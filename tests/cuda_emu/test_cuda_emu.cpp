@@ -4,7 +4,10 @@
 // bf16 and fp16; causal, and non-causal with key blocks on both sides of the diagonal and no
 // mask but the sequence end): every forward tiling of variant 2 and variant 3's forward,
 // variant 2's deterministic and fused backward, and variant 3's with each of its two kernels
-// (kv0: wgmma_bwd_kernel, kv3: the warp-specialised wgmma_bwd_ws_kernel).
+// (kv0: wgmma_bwd_kernel, kv3: the warp-specialised wgmma_bwd_ws_kernel). Every key-major
+// backward runs as the dispatcher runs it: the long-item split's schedule kernel, the kernel over
+// the work list's parts, the reduce of the split items' parts (configurations 22-27: a sink
+// column, so that items split; the deterministic backward twice, compared bit for bit).
 // Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
 // configurations of kQuick with seed 7. bwd: one backward of the list `all` in run() (4, 5:
 // variant 3's first kernel, deterministic and fused; 6, 7: its warp-specialised kernel); a fwd
@@ -88,14 +91,21 @@ struct Err {
 };
 static Err compare(const float *x, const double *y, int64_t n) {
   Err e;
+  int64_t first_nan = -1; // a NaN error sticks (a NaN max_abs would let the next element reset it)
   for (int64_t i = 0; i < n; ++i) {
     if (std::isinf(y[i]) && x[i] == y[i]) continue;
     double d = std::fabs((double)x[i] - y[i]);
-    if (!(d <= e.max_abs)) {
+    if (std::isnan(d)) {
+      if (first_nan < 0) first_nan = i;
+    } else if (!(d <= e.max_abs)) {
       e.max_abs = d;
       e.worst = i;
     }
     if (std::isfinite(y[i])) e.ref_max = std::max(e.ref_max, std::fabs(y[i]));
+  }
+  if (first_nan >= 0) {
+    e.max_abs = NAN;
+    e.worst = first_nan;
   }
   return e;
 }
@@ -730,8 +740,9 @@ int main(int argc, char **argv) {
   /* the default run (about 220 s on one core): single-rank and ring-like steps, G 64 and 128
    * (128-row tiles, two consumer warpgroups), d 64 and 128, bf16 and fp16, bars in 64-bar
    * pairs and tiles of random size, counting data, N = 1; non-causal steps (16: single-rank,
-   * G 64, d 64; 18: ring-like, counting data, d 128) */
-  static const int kQuick[] = {0, 2, 5, 6, 7, 8, 14, 16, 18};
+   * G 64, d 64; 18: ring-like, counting data, d 128); the long-item split with a sink column
+   * (22: C 2, G 64, d 64; 25: non-causal, C 1, d 128; 26: ring-like, counting data, G 128) */
+  static const int kQuick[] = {0, 2, 5, 6, 7, 8, 14, 16, 18, 22, 25, 26};
   int only = argc > 1 ? atoi(argv[1]) : -2;
   uint64_t seed = argc > 2 ? strtoull(argv[2], 0, 10) : 7;
   if (argc > 3) only_kind = atoi(argv[3]);
