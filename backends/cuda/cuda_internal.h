@@ -14,7 +14,11 @@
  *    masked: the plan puts bars before the diagonal);
  *  - dK/dV of the runs are key-major: one item per (kv head hk, local key
  *    block kb) walks the (h, qb) entries that list kb, h in hk's group, in a
- *    fixed order, and adds to dk_acc/dv_acc rows it alone owns;
+ *    fixed order, and adds to dk_acc/dv_acc rows it alone owns; variants 2
+ *    and 3 cut an item of many entries (a "sink" key block listed by every
+ *    query block) into parts of consecutive entries that write scratch
+ *    rows, added into the item's rows in part order afterwards (cuda_step_t
+ *    kv_work; CUDA_KERNELS.md "Long key-major items split");
  *  - dK/dV of the bars: one item per (head h, tile of CUDA_BAR_TILE bars of
  *    h) walks the (qb, lo, hi) entries of query blocks whose segments meet
  *    the tile and WRITES the tile's rows of a per-step scratch
