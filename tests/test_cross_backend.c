@@ -118,6 +118,11 @@ static const xb_case_t cases[] = {
     {MTRAIN_F16, 64, 16, 2, 1, 0, 256, TS_PATTERN_DENSE, 1.0, 0.0, 0x3506},
     {MTRAIN_F16, 128, 16, 2, 250, 0, 128, TS_PATTERN_BLOCK_MASK, 3.0, 0.0, 0x3507},
     {MTRAIN_F32, 128, 16, 2, 700, 0, 256, TS_PATTERN_RANDOM_SPARSE, 1.0, 0.0, 0x3601},
+    /* block masks with a sink column (key block 0 in every query block): the
+     * CUDA backward of variants 2 and 3 splits the sink's key-major items
+     * (at least C = 8 entries a part; the sink's items here hold 144 and 120) */
+    {MTRAIN_BF16, 128, 16, 2, 1100, 0, 64, TS_PATTERN_SINK_MASK, 1.0, 0.0, 0x3801},
+    {MTRAIN_F16, 64, 8, 1, 1900, 0, 128, TS_PATTERN_SINK_MASK, 1.0, 0.0, 0x3802},
     /* non-causal block masks (blocks above the diagonal, no causal mask):
      * fp32 (variant 0), bf16 and fp16 at d 64 and 128, G 64, 128 and 256, N
      * not a multiple of G, GQA, a packed batch, N = 1 */

@@ -285,10 +285,12 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
   const bool bars = (int)blockIdx.x < st.num_bar_tiles;
   {
     QWalk2 qw;
-    int hk, nk;
+    int hk, nk, slot;
     int64_t row0;
-    if (!kv_item_begin(st, BN, qw, hk, nk, row0)) return;
-    if (tid == 0) ring.start(st, qw, row0, hk, nk, bars);
+    if (!kv_item_begin(st, BN, qw, hk, nk, row0, slot)) return;
+    /* a part of a split item writes the scratch rows of its slot */
+    if (tid == 0)
+      ring.start(st, qw, slot >= 0 ? (int64_t)slot * BN : row0, hk, nk, bars, slot >= 0);
     __syncthreads();
     /* K and V rows of the item: the bars (bar_list[b0 + i]) or a run tile */
     if (ring.d[0].h >= 0) {
@@ -300,7 +302,8 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
       load_rows_n<D, NT, BN>(s0 + TBK, v + (int64_t)hk * D, kv_stride, rows, tid);
     }
   }
-  if (ring.d[0].h < 0 && !bars) return; /* no query tile sees this key tile */
+  /* no query tile sees this key tile (bar items and parts write zeros) */
+  if (ring.d[0].h < 0 && !bars && !ring.part) return;
 
   /* warp tiles: phase 1 (S, dP) rows qw0 + 16i, keys cw0 + 8n; phase 2 (dK,
    * dV) keys kw0 + 16i, d columns dw0 + 8n; phase 3 (dQ) rows qw0 + 16i, d
@@ -551,10 +554,11 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
     }
   }
 
-  /* epilogue: scale * dK and dV of the warp's keys; bar items WRITE their
-   * scratch rows (zeros where nothing contributed), run items add into the
-   * dk_acc/dv_acc rows they own */
+  /* epilogue: scale * dK and dV of the warp's keys; bar items and parts of
+   * split items WRITE their scratch rows (zeros where nothing contributed),
+   * run items add into the dk_acc/dv_acc rows they own */
   const float sc = st.scale;
+  const bool add = !bars && !ring.part;
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -566,11 +570,148 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
 #pragma unroll
         for (int n = 0; n < DH / 8; ++n) {
           const int c = dw0 + n * 8 + 2 * t4;
-          store_pair(dkr + c, sc * dk[i][n][2 * hh], sc * dk[i][n][2 * hh + 1], !bars);
-          store_pair(dvr + c, dv[i][n][2 * hh], dv[i][n][2 * hh + 1], !bars);
+          store_pair(dkr + c, sc * dk[i][n][2 * hh], sc * dk[i][n][2 * hh + 1], add);
+          store_pair(dvr + c, dv[i][n][2 * hh], dv[i][n][2 * hh + 1], add);
         }
       }
     }
+}
+
+/* ---- the long-item split of the key-major backward ----
+ *
+ * Block-sparse patterns list a "sink" key block in every query block: its
+ * run items walk group x (query blocks) entries where the others walk a
+ * handful, and the whole launch waits on them. kv_split_schedule_kernel
+ * (one CTA, queued before the key-major launch; it reads kv_off on the
+ * device, so that a plan built on the device needs no read-back) cuts every
+ * run item of more than C entries into ceil(len / C) parts of consecutive
+ * entries, C = max(C_MIN, ceil(W / (2 SMs))), W = tiles per block x the
+ * step's entries (the run items' total work). Why C is bounded below by
+ * W / (2 SMs): a split item has len > C, so its extra parts number
+ * ceil(len / C) - 1 < len / C, and over all items fewer than W / C <= 2 SMs;
+ * the host sizes the grid without reading anything back (bar tiles + run
+ * items + 2 SMs + 1, CTAs past the parts exit at once), and the parts of
+ * split items, at most ceil(len / C) <= 2 len / C each, need at most 2 W / C
+ * <= 4 SMs scratch slots of BN rows (the scratch bound). C_MIN keeps a part
+ * long enough to pay for its K/V loads and its scratch rows.
+ * The work list keeps the run items' grid order (parts of one item next to
+ * each other, entry ranges ascending); an unsplit item keeps slot -1 and
+ * adds into dk_acc/dv_acc as before; a part WRITES its rows to its slot
+ * (slots ascending along the list), and kv_split_reduce_kernel adds, per
+ * split item, the sum of its parts taken in part order: the same bits every
+ * run whichever CTA finishes first (deterministic mode). */
+constexpr int kSplitThreads = 512; /* the emulator runs at most 512 */
+
+/* The entries of run item u (kv_run_item). */
+__device__ __forceinline__ int kv_item_len(const cuda_step_t &st, int BN, unsigned u, int &e0) {
+  int hk, kb, kt, x;
+  kv_run_item(st, BN, u, hk, kb, kt, x);
+  e0 = st.kv_off[x];
+  return st.kv_off[x + 1] - e0;
+}
+
+/* One CTA of kSplitThreads threads, 3 kSplitThreads int32 of dynamic shared
+ * memory: the work list of a launch of BN-key items into `work` (header
+ * CUDA_KV_WORK_HEADER int32: parts, slots, C, split items; then per part
+ * (run item, e0, e1, slot)). Thread t takes a contiguous range of run items;
+ * one exclusive scan of the threads' part and slot counts orders the list. */
+__global__ void __launch_bounds__(kSplitThreads)
+    kv_split_schedule_kernel(const cuda_step_t st, int BN, int cmin, int num_sms,
+                             int32_t *__restrict__ work) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  int *s_parts = reinterpret_cast<int *>(smem), *s_slots = s_parts + kSplitThreads;
+  int *s_split = s_slots + kSplitThreads;
+  const int tid = threadIdx.x;
+  const int tpb = st.G / BN;
+  const int n = st.num_k_blocks * tpb * st.Hkv;
+  const int nx = st.Hkv * st.num_k_blocks;
+  const int64_t W = (int64_t)tpb * (st.kv_off[nx] - st.kv_off[0]);
+  const int64_t c2 = (W + 2 * (int64_t)num_sms - 1) / (2 * (int64_t)num_sms);
+  const int C = (int)(c2 > cmin ? c2 : (int64_t)cmin);
+  const int per = (n + kSplitThreads - 1) / kSplitThreads;
+  const int a = min(n, tid * per), b = min(n, a + per);
+  int np = 0, ns = 0, nsplit = 0;
+  for (int u = a; u < b; ++u) {
+    int e0;
+    const int len = kv_item_len(st, BN, (unsigned)u, e0);
+    if (len > C) {
+      const int k = (len + C - 1) / C;
+      np += k;
+      ns += k;
+      ++nsplit;
+    } else {
+      ++np;
+    }
+  }
+  s_parts[tid] = np;
+  s_slots[tid] = ns;
+  s_split[tid] = nsplit;
+  __syncthreads();
+  if (tid == 0) {
+    int p = 0, q = 0, r = 0;
+    for (int t = 0; t < kSplitThreads; ++t) {
+      const int x = s_parts[t], y = s_slots[t];
+      s_parts[t] = p;
+      s_slots[t] = q;
+      p += x;
+      q += y;
+      r += s_split[t];
+    }
+    work[0] = p;
+    work[1] = q;
+    work[2] = C;
+    work[3] = r;
+  }
+  __syncthreads();
+  int p = s_parts[tid], sl = s_slots[tid];
+  for (int u = a; u < b; ++u) {
+    int e0;
+    const int len = kv_item_len(st, BN, (unsigned)u, e0);
+    const int k = len > C ? (len + C - 1) / C : 1;
+    for (int j = 0; j < k; ++j, ++p) {
+      int32_t *w = work + CUDA_KV_WORK_HEADER + 4 * (size_t)p;
+      w[0] = u;
+      w[1] = e0 + j * C;
+      w[2] = k > 1 ? min(e0 + (j + 1) * C, e0 + len) : e0 + len;
+      w[3] = k > 1 ? sl++ : -1;
+    }
+  }
+}
+
+/* One CTA per work-list entry (the launch's bound; CTAs past the parts
+ * exit): the CTA of a split item's first part adds into the item's dk_acc
+ * / dv_acc rows, element by element, the sum of its parts' rows taken in
+ * part order (p0 + p1 + ...: a fixed order, so the same bits every run). */
+__global__ void __launch_bounds__(kSplitThreads)
+    kv_split_reduce_kernel(const cuda_step_t st, int BN, float *__restrict__ dk_acc,
+                           float *__restrict__ dv_acc) {
+  const int32_t *wl = st.kv_work;
+  const int P = wl[0], w = blockIdx.x;
+  if (w >= P) return;
+  const int32_t *e = wl + CUDA_KV_WORK_HEADER + 4 * (size_t)w;
+  if (e[3] < 0) return;               /* not split */
+  if (w > 0 && e[-4] == e[0]) return; /* not the item's first part */
+  int hk, kb, kt, x;
+  kv_run_item(st, BN, (unsigned)e[0], hk, kb, kt, x);
+  const int nc = block_rows_dev(st.k_tokens, st.G, kb, st.k_block_global[kb], st.seq_len);
+  const int nk = min(BN, nc - kt * BN);
+  if (nk <= 0) return; /* the kernel wrote nothing either */
+  int m = 1;
+  while (w + m < P && e[4 * m] == e[0]) ++m;
+  const int D = st.d;
+  const int64_t row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
+  for (int i = threadIdx.x; i < nk * D; i += kSplitThreads) {
+    const int r = i / D, c = i - r * D;
+    float sk = 0.f, sv = 0.f;
+    for (int j = 0; j < m; ++j) {
+      const int64_t src = ((int64_t)e[4 * j + 3] * BN + r) * D + c;
+      sk += st.kv_dk_part[src];
+      sv += st.kv_dv_part[src];
+    }
+    const int64_t dst = ((row0 + r) * st.Hkv + hk) * D + c;
+    dk_acc[dst] += sk;
+    dv_acc[dst] += sv;
+  }
 }
 
 /* ---- host side ---- */
@@ -591,8 +732,8 @@ static mtrain_status_t launch_kv(cuda_state_t *s, const cuda_step_t *st,
   static cuda_smem_attr_t attr;
   /* one launch: the bar items, then the run key tiles */
   return launch_kv_kernel(s, mma2_bwd_kv_kernel<D, T, NW, FUSED>, "variant 2",
-                          FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel",
-                          cuda_kv_items(st, S::BN), S::NT, S::kSmem, &attr, st, a, dk_bar, dv_bar);
+                          FUSED ? "mma2_bwd_kv_kernel (fused dQ)" : "mma2_bwd_kv_kernel", S::BN,
+                          S::NT, S::kSmem, &attr, st, a, dk_bar, dv_bar);
 }
 
 template <int D, typename T>
@@ -637,4 +778,55 @@ extern "C" mtrain_status_t cuda_mma2_bwd_dq(cuda_state_t *s, const cuda_step_t *
                 : mma2::launch_dq_nw<64, __half>(s, st, a, c);
   return bf16 ? mma2::launch_dq_nw<128, __nv_bfloat16>(s, st, a, c)
               : mma2::launch_dq_nw<128, __half>(s, st, a, c);
+}
+
+/* The long-item split (see kv_split_schedule_kernel). Scratch (one buffer,
+ * cuda_kv_split_scratch): the work list (header + 4 int32 per part, parts
+ * <= run items + 2 SMs + 1), then the parts' dK and dV rows, 4 SMs slots
+ * of bn rows each (at most 2 W / C <= 4 SMs slots; never more than the
+ * parts). */
+static int64_t kv_split_max_parts(const cuda_state_t *s, const cuda_step_t *st, int bn) {
+  return (int64_t)st->num_k_blocks * (st->G / bn) * st->Hkv + 2 * (int64_t)s->num_sms + 1;
+}
+
+extern "C" mtrain_status_t cuda_kv_split_begin(cuda_state_t *s, cuda_step_t *st, int bn,
+                                               int64_t *blocks) {
+  const int64_t items = (int64_t)st->num_k_blocks * (st->G / bn) * st->Hkv;
+  if (items <= 0 || !st->kv_off || s->num_sms <= 0) return MTRAIN_SUCCESS;
+  const int64_t max_parts = kv_split_max_parts(s, st, bn);
+  int64_t max_slots = 4 * (int64_t)s->num_sms;
+  if (max_slots > max_parts) max_slots = max_parts;
+  const size_t work_bytes =
+      ((size_t)(CUDA_KV_WORK_HEADER + 4 * max_parts) * sizeof(int32_t) + 255) / 256 * 256;
+  const size_t part_floats = (size_t)max_slots * (size_t)bn * (size_t)st->d;
+  void *buf = NULL;
+  mtrain_status_t rc = cuda_kv_split_scratch(s, work_bytes + 2 * part_floats * sizeof(float), &buf);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  int32_t *work = (int32_t *)buf;
+  st->kv_work = work;
+  st->kv_dk_part = (float *)((char *)buf + work_bytes);
+  st->kv_dv_part = st->kv_dk_part + part_floats;
+  const int smem = 3 * mma2::kSplitThreads * (int)sizeof(int);
+  rc = cuda_prepare_launch(s, (const void *)mma2::kv_split_schedule_kernel, "backward",
+                           "kv_split_schedule_kernel", 1, 1, (size_t)smem, NULL);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  mma2::kv_split_schedule_kernel<<<1, mma2::kSplitThreads, smem, (cudaStream_t)s->stream>>>(
+      *st, bn, s->kv_split_min, s->num_sms, work);
+  rc = cuda_check_launch("kv_split_schedule_kernel");
+  if (rc != MTRAIN_SUCCESS) return rc;
+  *blocks = st->num_bar_tiles + max_parts;
+  return MTRAIN_SUCCESS;
+}
+
+extern "C" mtrain_status_t cuda_kv_split_end(cuda_state_t *s, const cuda_step_t *st, int bn,
+                                             float *dk_acc, float *dv_acc) {
+  if (!st->kv_work) return MTRAIN_SUCCESS;
+  const int64_t max_parts = kv_split_max_parts(s, st, bn);
+  mtrain_status_t rc =
+      cuda_prepare_launch(s, (const void *)mma2::kv_split_reduce_kernel, "backward",
+                          "kv_split_reduce_kernel", max_parts, 1, 0, NULL);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  mma2::kv_split_reduce_kernel<<<(unsigned)max_parts, mma2::kSplitThreads, 0,
+                                 (cudaStream_t)s->stream>>>(*st, bn, dk_acc, dv_acc);
+  return cuda_check_launch("kv_split_reduce_kernel");
 }

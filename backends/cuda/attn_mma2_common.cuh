@@ -498,16 +498,37 @@ struct QWalk2 {
   }
 };
 
+/* Run item u of a key-major launch of BN-key items (u in [0, number of run
+ * items), in the grid's order: key tile ktg = u / Hkv of the step, the kv
+ * heads of one key tile together): kv head hk, local key block kb,
+ * key tile kt of the block, and x, the item's (hk, kb) index into kv_off. */
+__device__ __forceinline__ void kv_run_item(const cuda_step_t &st, int BN, unsigned u, int &hk,
+                                            int &kb, int &kt, int &x) {
+  const int tpb = st.G / BN;
+  const int ktg = (int)(u / (unsigned)st.Hkv);
+  hk = (int)(u % (unsigned)st.Hkv);
+  kb = ktg / tpb;
+  kt = ktg - kb * tpb;
+  x = hk * st.num_k_blocks + kb;
+}
+
 /* The key-major item of CTA blockIdx.x with BN keys (64 or 128; the
  * cuda_kv_items grid): bar items first (block indices [0, num_bar_tiles):
  * one bar tile, or with BN = 128 a pair of them), then the run key tiles
- * (kv head, key tile of BN keys).
+ * (kv head, key tile of BN keys): one CTA per run item over its whole
+ * kv_off range, or with a work list (st.kv_work, the long-item split) one
+ * CTA per part: part w = blockIdx.x - num_bar_tiles walks the entries [e0,
+ * e1) of its run item; the grid is a bound, CTAs past the parts exit.
  * Sets the query walk qw, the kv head hk, the item's keys nk and row0 (runs:
- * first local key row; bars: first bar scratch row). False: the CTA has
- * nothing to do (the second tile of a bar pair, or a key tile past the
- * block's rows). Uniform over the CTA. */
+ * first local key row; bars: first bar scratch row), and slot: the part's
+ * scratch slot when its item is split (its rows are WRITTEN to
+ * st.kv_dk_part / kv_dv_part rows slot * BN.., and kv_split_reduce_kernel
+ * adds them), else -1. False: the CTA has nothing to do (the second tile of
+ * a bar pair, a key tile past the block's rows, or no part). Uniform over
+ * the CTA. */
 __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWalk2 &qw, int &hk,
-                                              int &nk, int64_t &row0) {
+                                              int &nk, int64_t &row0, int &slot) {
+  slot = -1;
   const bool bars = (int)blockIdx.x < st.num_bar_tiles;
   qw.bars = bars;
   qw.qt = qw.qt_end = 0;
@@ -533,11 +554,22 @@ __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWa
     qw.e_end = st.bt_off[pair ? t + 2 : t + 1];
     qw.e_mid = pair ? st.bt_off[t + 1] : qw.e_end;
   } else {
-    const int tpb = st.G / BN;
-    const unsigned item = blockIdx.x - (unsigned)st.num_bar_tiles;
-    const int ktg = (int)(item / (unsigned)st.Hkv);
-    hk = (int)(item % (unsigned)st.Hkv);
-    const int kb = ktg / tpb, kt = ktg - kb * tpb;
+    unsigned item = blockIdx.x - (unsigned)st.num_bar_tiles;
+    int e0 = 0, e1 = 0;
+    if (st.kv_work) {
+      if (item >= (unsigned)st.kv_work[0]) return false; /* past the parts */
+      const int32_t *w = st.kv_work + CUDA_KV_WORK_HEADER + 4 * (size_t)item;
+      item = (unsigned)w[0];
+      e0 = w[1];
+      e1 = w[2];
+      slot = w[3];
+    }
+    int kb, kt, x;
+    kv_run_item(st, BN, item, hk, kb, kt, x);
+    if (!st.kv_work) {
+      e0 = st.kv_off[x];
+      e1 = st.kv_off[x + 1];
+    }
     const int64_t gk = st.k_block_global[kb];
     /* non-causal: -1, no query block's index, so no diagonal (QWalk2::next) */
     qw.gk = st.causal ? gk : -1;
@@ -547,9 +579,8 @@ __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWa
     qw.nk = nk;
     qw.kpos = kt * BN;
     row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
-    const int x = hk * st.num_k_blocks + kb;
-    qw.e = st.kv_off[x] - 1;
-    qw.e_end = st.kv_off[x + 1];
+    qw.e = e0 - 1;
+    qw.e_end = e1;
     qw.e_mid = qw.e_end;
   }
   return true;
@@ -564,13 +595,15 @@ struct QRing {
   /* 16-byte granules of their own, as in TileRing: a widened load of one
    * group never covers bytes that thread 0 writes meanwhile */
   alignas(16) QTile2 d[3];
-  alignas(16) int64_t krow0; /* runs: first local key row; bars: first scratch row */
-  int hk, nk, bars;
+  /* runs: first local key row; bars: first scratch row; parts of a split
+   * item: first part scratch row (slot * BN) */
+  alignas(16) int64_t krow0;
+  int hk, nk, bars, part;
 
   /* thread 0: the walk of an item (kv_item_begin), its first two query
    * tiles, and the item's output rows */
   __device__ __forceinline__ void start(const cuda_step_t &st, const QWalk2 &qw, int64_t row0,
-                                        int hk_, int nk_, bool bars_) {
+                                        int hk_, int nk_, bool bars_, bool part_) {
     w = qw;
     produce(st, 0);
     produce(st, 1);
@@ -578,6 +611,7 @@ struct QRing {
     hk = hk_;
     nk = nk_;
     bars = bars_;
+    part = part_;
   }
 
   /* thread 0: the next query tile into d[slot] */
@@ -613,16 +647,20 @@ __device__ __forceinline__ void kv_item_rows(int64_t (&rows)[LoadShape<NT, BN>::
 }
 
 /* The dK and dV output rows of key kr of a key-major item (bars: a bar
- * item; krow0: its first scratch row, or a run item's first local key row;
- * hk: the kv head): a bar item's scratch rows (written), a run item's
- * dk_acc / dv_acc rows (added). */
-__device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, bool bars, int64_t krow0, int hk,
-                                            int kr, int D, float *dk_acc, float *dv_acc,
-                                            float *dk_bar, float *dv_bar, float *&dkr,
-                                            float *&dvr) {
+ * item; part: a part of a split run item; krow0: the first scratch row of
+ * either, or a run item's first local key row; hk: the kv head): a bar
+ * item's scratch rows or a part's (written), a run item's dk_acc / dv_acc
+ * rows (added). */
+__device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, bool bars, bool part,
+                                            int64_t krow0, int hk, int kr, int D, float *dk_acc,
+                                            float *dv_acc, float *dk_bar, float *dv_bar,
+                                            float *&dkr, float *&dvr) {
   if (bars) {
     dkr = dk_bar + (krow0 + kr) * D;
     dvr = dv_bar + (krow0 + kr) * D;
+  } else if (part) {
+    dkr = st.kv_dk_part + (krow0 + kr) * D;
+    dvr = st.kv_dv_part + (krow0 + kr) * D;
   } else {
     dkr = dk_acc + ((krow0 + kr) * st.Hkv + hk) * D;
     dvr = dv_acc + ((krow0 + kr) * st.Hkv + hk) * D;
@@ -633,7 +671,8 @@ __device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, bool bars, in
 __device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, const QRing &r, int kr, int D,
                                             float *dk_acc, float *dv_acc, float *dk_bar,
                                             float *dv_bar, float *&dkr, float *&dvr) {
-  kv_out_rows(st, r.bars != 0, r.krow0, r.hk, kr, D, dk_acc, dv_acc, dk_bar, dv_bar, dkr, dvr);
+  kv_out_rows(st, r.bars != 0, r.part != 0, r.krow0, r.hk, kr, D, dk_acc, dv_acc, dk_bar, dv_bar,
+              dkr, dvr);
 }
 
 /* Writes (bar scratch) or adds (owned accumulator rows) two floats. */
@@ -703,25 +742,33 @@ launch_dq_kernel(cuda_state_t *s,
 }
 
 /* Key-major backward kernels: (step, q, k, v, dout, lse, delta, dq_acc,
- * dk_acc, dv_acc, dk_bar, dv_bar). */
+ * dk_acc, dv_acc, dk_bar, dv_bar), of bn-key items: the long-item split's
+ * schedule kernel first (cuda_kv_split_begin: the grid becomes a bound of
+ * the parts), the kernel, then the reduce of the split items' parts
+ * (cuda_kv_split_end). */
 template <typename T>
 inline mtrain_status_t launch_kv_kernel(cuda_state_t *s,
                                         void (*kern)(cuda_step_t, const T *, const T *, const T *,
                                                      const T *, const float *, const float *,
                                                      float *, float *, float *, float *, float *),
-                                        const char *who, const char *name, int64_t blocks,
-                                        int threads, int smem, cuda_smem_attr_t *attr,
-                                        const cuda_step_t *st, const mtrain_bwd_step_args_t *a,
-                                        float *dk_bar, float *dv_bar) {
+                                        const char *who, const char *name, int bn, int threads,
+                                        int smem, cuda_smem_attr_t *attr, const cuda_step_t *st,
+                                        const mtrain_bwd_step_args_t *a, float *dk_bar,
+                                        float *dv_bar) {
+  int64_t blocks = cuda_kv_items(st, bn);
   if (blocks <= 0) return MTRAIN_SUCCESS;
-  mtrain_status_t rc =
-      cuda_prepare_launch(s, (const void *)kern, who, name, blocks, 1, (size_t)smem, attr);
+  cuda_step_t sk = *st;
+  mtrain_status_t rc = cuda_kv_split_begin(s, &sk, bn, &blocks);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  rc = cuda_prepare_launch(s, (const void *)kern, who, name, blocks, 1, (size_t)smem, attr);
   if (rc != MTRAIN_SUCCESS) return rc;
   kern<<<(unsigned)blocks, threads, smem, (cudaStream_t)s->stream>>>(
-      *st, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
+      sk, (const T *)a->q, (const T *)a->k, (const T *)a->v, (const T *)a->dout,
       (const float *)a->lse_acc, (const float *)a->delta_acc, (float *)a->dq_acc,
       (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
-  return cuda_check_launch(name);
+  rc = cuda_check_launch(name);
+  if (rc != MTRAIN_SUCCESS) return rc;
+  return cuda_kv_split_end(s, &sk, bn, (float *)a->dk_acc, (float *)a->dv_acc);
 }
 
 } /* namespace mma2 */

@@ -228,26 +228,26 @@ __device__ __forceinline__ void dq_red(const float (&acc)[NACC], float *dq_acc,
 }
 
 /* The epilogue: scale * dK and dV of the thread's keys kr0, kr0 + 8 of the
- * item (bars, krow0, hk: kv_out_rows; nk valid keys): bar items WRITE their
- * scratch rows (zeros where nothing contributed), run items add into the
- * dk_acc / dv_acc rows they own. */
+ * item (bars, part, krow0, hk: kv_out_rows; nk valid keys): bar items and
+ * parts of split items WRITE their scratch rows (zeros where nothing
+ * contributed), run items add into the dk_acc / dv_acc rows they own. */
 template <int D>
-__device__ __forceinline__ void store_dkdv(const float (&dk)[D / 2], const float (&dv)[D / 2],
-                                           const cuda_step_t &st, bool bars, int64_t krow0, int hk,
-                                           int nk, int kr0, int t4, float *dk_acc, float *dv_acc,
-                                           float *dk_bar, float *dv_bar) {
+__device__ __forceinline__ void
+store_dkdv(const float (&dk)[D / 2], const float (&dv)[D / 2], const cuda_step_t &st, bool bars,
+           bool part, int64_t krow0, int hk, int nk, int kr0, int t4, float *dk_acc, float *dv_acc,
+           float *dk_bar, float *dv_bar) {
   const float sc = st.scale;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int kr = kr0 + 8 * hh;
     if (kr < nk) {
       float *dkr, *dvr;
-      kv_out_rows(st, bars, krow0, hk, kr, D, dk_acc, dv_acc, dk_bar, dv_bar, dkr, dvr);
+      kv_out_rows(st, bars, part, krow0, hk, kr, D, dk_acc, dv_acc, dk_bar, dv_bar, dkr, dvr);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const int c = n * 8 + 2 * t4;
-        store_pair(dkr + c, sc * dk[4 * n + 2 * hh], sc * dk[4 * n + 2 * hh + 1], !bars);
-        store_pair(dvr + c, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1], !bars);
+        store_pair(dkr + c, sc * dk[4 * n + 2 * hh], sc * dk[4 * n + 2 * hh + 1], !bars && !part);
+        store_pair(dvr + c, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1], !bars && !part);
       }
     }
   }
@@ -293,10 +293,12 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const bool bars = (int)blockIdx.x < st.num_bar_tiles;
   {
     QWalk2 qw;
-    int hk, nk;
+    int hk, nk, slot;
     int64_t row0;
-    if (!kv_item_begin(st, BN, qw, hk, nk, row0)) return;
-    if (tid == 0) ring.start(st, qw, row0, hk, nk, bars);
+    if (!kv_item_begin(st, BN, qw, hk, nk, row0, slot)) return;
+    /* a part of a split item writes the scratch rows of its slot */
+    if (tid == 0)
+      ring.start(st, qw, slot >= 0 ? (int64_t)slot * BN : row0, hk, nk, bars, slot >= 0);
     __syncthreads();
     if (ring.d[0].h >= 0) {
       const int64_t kv_stride = (int64_t)st.Hkv * D;
@@ -306,7 +308,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       load_rows_panel<D, NC, BN>(sV, v + (int64_t)hk * D, kv_stride, rows, tid);
     }
   }
-  if (ring.d[0].h < 0 && !bars) return; /* no query tile sees these keys */
+  /* no query tile sees these keys (bar items and parts write zeros) */
+  if (ring.d[0].h < 0 && !bars && !ring.part) return;
 
   /* dk[4n + e], dv[4n + e]: key kw0 + wr + g + 8 (e >> 1), d column 8n +
    * 2 t4 + (e & 1) */
@@ -491,10 +494,11 @@ __global__ void __launch_bounds__(128 * NWG, 1)
     }
   }
 
-  /* epilogue: scale * dK and dV of the warpgroup's keys; bar items WRITE
-   * their scratch rows (zeros where nothing contributed), run items add
-   * into the dk_acc/dv_acc rows they own */
+  /* epilogue: scale * dK and dV of the warpgroup's keys; bar items and
+   * parts of split items WRITE their scratch rows (zeros where nothing
+   * contributed), run items add into the dk_acc/dv_acc rows they own */
   const float sc = st.scale;
+  const bool add = !bars && !ring.part;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int kr = kw0 + wr + g + 8 * hh;
@@ -504,8 +508,8 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         const int c = n * 8 + 2 * t4;
-        store_pair(dkr + c, sc * dk[4 * n + 2 * hh], sc * dk[4 * n + 2 * hh + 1], !bars);
-        store_pair(dvr + c, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1], !bars);
+        store_pair(dkr + c, sc * dk[4 * n + 2 * hh], sc * dk[4 * n + 2 * hh + 1], add);
+        store_pair(dvr + c, dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1], add);
       }
     }
   }
@@ -542,8 +546,8 @@ template <int NST> struct WsCtl {
   QWalk2 w;
   alignas(16) QTile2 tile[NST];
   uint64_t full[NST], empty[NST];
-  int64_t krow0; /* runs: first local key row; bars: first scratch row */
-  int hk, nk, bars;
+  int64_t krow0; /* runs: first local key row; bars, parts: first scratch row */
+  int hk, nk, bars, part;
 };
 
 /* The CTA of wgmma_bwd_ws_kernel<D, ., NWG, .>: NWG consumer warpgroups
@@ -663,18 +667,21 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
    * finds the walk's first tile */
   const bool bars = (int)blockIdx.x < st.num_bar_tiles;
   QWalk2 qw;
-  int hk, nk;
+  int hk, nk, slot;
   int64_t row0;
-  if (!kv_item_begin(st, BN, qw, hk, nk, row0)) return;
+  if (!kv_item_begin(st, BN, qw, hk, nk, row0, slot)) return;
+  const bool part = slot >= 0; /* a part of a split item: writes its slot's rows */
+  const int64_t orow0 = part ? (int64_t)slot * BN : row0;
   if (tid == 0) {
     for (int x = 0; x < NST; ++x) {
       mbar_init(full0 + 8 * x, NP);
       mbar_init(empty0 + 8 * x, NC);
     }
-    ctl.krow0 = row0;
+    ctl.krow0 = orow0;
     ctl.hk = hk;
     ctl.nk = nk;
     ctl.bars = bars;
+    ctl.part = part;
     QWalk2 w = qw;
     QTile2 t0{};
     if (!w.next(st, t0)) t0.h = -1;
@@ -683,14 +690,16 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
   }
   __syncthreads();
   if (ctl.tile[0].h < 0) {
-    /* no query tile sees these keys: a bar item writes zero scratch rows */
-    if (bars && tid < NC) {
+    /* no query tile sees these keys: a bar item or a part writes zero
+     * scratch rows */
+    if ((bars || part) && tid < NC) {
       const int lane = tid & 31, warp = tid >> 5;
       float z[D / 2];
 #pragma unroll
       for (int x = 0; x < D / 2; ++x) z[x] = 0.f;
-      store_dkdv<D>(z, z, st, true, row0, hk, nk, 64 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2),
-                    lane & 3, dk_acc, dv_acc, dk_bar, dv_bar);
+      store_dkdv<D>(z, z, st, bars, part, orow0, hk, nk,
+                    64 * (warp >> 2) + 16 * (warp & 3) + (lane >> 2), lane & 3, dk_acc, dv_acc,
+                    dk_bar, dv_bar);
     }
     return;
   }
@@ -941,8 +950,8 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
     }
   }
 
-  store_dkdv<D>(dk, dv, st, ctl.bars != 0, ctl.krow0, ctl.hk, ctl.nk, kw0 + wr + g, t4, dk_acc,
-                dv_acc, dk_bar, dv_bar);
+  store_dkdv<D>(dk, dv, st, ctl.bars != 0, ctl.part != 0, ctl.krow0, ctl.hk, ctl.nk, kw0 + wr + g,
+                t4, dk_acc, dv_acc, dk_bar, dv_bar);
 #endif
 }
 
@@ -955,9 +964,8 @@ static mtrain_status_t launch_bwd(cuda_state_t *s, const cuda_step_t *st,
   static cuda_smem_attr_t attr;
   /* one launch: the bar items, then the run key tiles */
   return mma2::launch_kv_kernel(s, wgmma_bwd_kernel<D, T, NWG, FUSED>, "variant 3",
-                                FUSED ? "wgmma_bwd_kernel (fused dQ)" : "wgmma_bwd_kernel",
-                                cuda_kv_items(st, S::BN), S::NC, S::kSmem, &attr, st, a, dk_bar,
-                                dv_bar);
+                                FUSED ? "wgmma_bwd_kernel (fused dQ)" : "wgmma_bwd_kernel", S::BN,
+                                S::NC, S::kSmem, &attr, st, a, dk_bar, dv_bar);
 }
 
 template <int D, typename T, int NWG, bool FUSED>
@@ -968,8 +976,7 @@ static mtrain_status_t launch_bwd_ws(cuda_state_t *s, const cuda_step_t *st,
   static cuda_smem_attr_t attr;
   return mma2::launch_kv_kernel(s, wgmma_bwd_ws_kernel<D, T, NWG, FUSED>, "variant 3",
                                 FUSED ? "wgmma_bwd_ws_kernel (fused dQ)" : "wgmma_bwd_ws_kernel",
-                                cuda_kv_items(st, S::BN), S::NT, S::kSmem, &attr, st, a, dk_bar,
-                                dv_bar);
+                                S::BN, S::NT, S::kSmem, &attr, st, a, dk_bar, dv_bar);
 }
 
 /* The dK/dV (and fused dQ) kernel of the context's choice

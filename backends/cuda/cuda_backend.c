@@ -7,6 +7,7 @@
  * step metadata upload in cuda_step.c. Every CUDA error is mapped to a
  * status here (cuda_check). */
 #include <cuda_runtime.h>
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,6 +103,7 @@ static void cuda_fini(void *state) {
   cuda_deferred_free(s);
   if (s->switch_event) cudaEventDestroy((cudaEvent_t)s->switch_event);
   if (s->scratch) cudaFree(s->scratch);
+  if (s->kv_split) cudaFree(s->kv_split);
   for (int i = 0; i < s->num_timers; i++)
     if (s->timers[i]) cudaEventDestroy((cudaEvent_t)s->timers[i]);
   free(s->timers);
@@ -140,6 +142,7 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   MTRAIN_TRY(parse_variant_env(&s->variant));
   MTRAIN_TRY(cuda_mma2_config_from_env(&s->mma2_config));
   MTRAIN_TRY(cuda_wgmma_bwd_kernel_from_env(&s->wgmma_bwd));
+  MTRAIN_TRY(cuda_kv_split_min_from_env(&s->kv_split_min));
   s->last_variant = -1;
   s->deterministic = config->deterministic;
   MTRAIN_TRY(cuda_check(cudaGetDevice(&s->device), "cudaGetDevice"));
@@ -248,20 +251,53 @@ static mtrain_status_t cuda_synchronize(void *state) {
   return cuda_check(cudaStreamSynchronize(stream_of(state)), "cudaStreamSynchronize");
 }
 
-mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out) {
-  if (bytes > s->scratch_cap) {
-    if (s->scratch) {
+/* Grows the scratch buffer *buf (capacity *cap) to at least `bytes`: the old
+ * one is freed once the queued work that may read it is done. */
+static mtrain_status_t scratch_grow(cuda_state_t *s, void **buf, size_t *cap, size_t bytes) {
+  if (bytes > *cap) {
+    if (*buf) {
       cudaStreamSynchronize(stream_of(s));
-      cudaFree(s->scratch);
-      s->scratch = NULL;
-      s->scratch_cap = 0;
+      cudaFree(*buf);
+      *buf = NULL;
+      *cap = 0;
     }
-    mtrain_status_t st = cuda_alloc(s, bytes, &s->scratch);
+    mtrain_status_t st = cuda_alloc(s, bytes, buf);
     if (st) return st;
-    s->scratch_cap = bytes;
+    *cap = bytes;
   }
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out) {
+  mtrain_status_t st = scratch_grow(s, &s->scratch, &s->scratch_cap, bytes);
+  if (st) return st;
   *out = s->scratch;
   return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t cuda_kv_split_scratch(cuda_state_t *s, size_t bytes, void **out) {
+  mtrain_status_t st = scratch_grow(s, &s->kv_split, &s->kv_split_cap, bytes);
+  if (st) return st;
+  *out = s->kv_split;
+  return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t cuda_kv_split_min_from_env(int *out) {
+  const char *e = getenv("MTRAIN_CUDA_KV_SPLIT_CHUNK");
+  *out = CUDA_KV_SPLIT_MIN;
+  if (!e || !*e) return MTRAIN_SUCCESS;
+  char *end = NULL;
+  errno = 0;
+  const long v = strtol(e, &end, 10);
+  if (errno == 0 && end && *end == '\0' && v > 0 && v <= INT32_MAX) {
+    *out = (int)v;
+    return MTRAIN_SUCCESS;
+  }
+  return mtrain_error(MTRAIN_ERR_INVALID_CONFIG,
+                      "backend 'cuda': environment variable MTRAIN_CUDA_KV_SPLIT_CHUNK='%s': "
+                      "expected a positive integer (the least entries of a part of a split "
+                      "key-major backward item; default %d)",
+                      e, CUDA_KV_SPLIT_MIN);
 }
 
 /* Device memory check of a caller pointer (host memory would crash a kernel). */

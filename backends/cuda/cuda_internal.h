@@ -14,7 +14,11 @@
  *    masked: the plan puts bars before the diagonal);
  *  - dK/dV of the runs are key-major: one item per (kv head hk, local key
  *    block kb) walks the (h, qb) entries that list kb, h in hk's group, in a
- *    fixed order, and adds to dk_acc/dv_acc rows it alone owns;
+ *    fixed order, and adds to dk_acc/dv_acc rows it alone owns; variants 2
+ *    and 3 cut an item of many entries (a "sink" key block listed by every
+ *    query block) into parts of consecutive entries that write scratch
+ *    rows, added into the item's rows in part order afterwards (cuda_step_t
+ *    kv_work; CUDA_KERNELS.md "Long key-major items split");
  *  - dK/dV of the bars: one item per (head h, tile of CUDA_BAR_TILE bars of
  *    h) walks the (qb, lo, hi) entries of query blocks whose segments meet
  *    the tile and WRITES the tile's rows of a per-step scratch
@@ -77,7 +81,22 @@ typedef struct cuda_step {
   int32_t num_bar_tiles;
   int32_t total_bars;        /* sum over heads of num_bars (scratch rows) */
   int32_t max_runs_per_item; /* informational */
+  /* backward of variants 2 and 3 only (NULL otherwise: one CTA per run item
+   * over its whole kv_off range): the work list of the long-item split
+   * (kv_split_schedule_kernel, attn_mma2_common.cuh), written on the device
+   * before the key-major launch: [0] parts, [1] scratch slots, [2] chunk C,
+   * [3] split items, then per part (run item, e0, e1, slot) */
+  const int32_t *kv_work;
+  float *kv_dk_part, *kv_dv_part; /* [slots * BN, d] fp32: the split parts' rows */
 } cuda_step_t;
+
+/* The long-item split of the key-major backward (variants 2 and 3; see
+ * CUDA_KERNELS.md "Long key-major items split"): a run item of more than C
+ * entries is walked by ceil(len / C) CTAs, C = max(C_MIN, ceil(W / (2 SMs))),
+ * W = tiles per block x the step's entries. C_MIN is CUDA_KV_SPLIT_MIN
+ * unless MTRAIN_CUDA_KV_SPLIT_CHUNK says otherwise (cuda_state_t.kv_split_min). */
+#define CUDA_KV_SPLIT_MIN 8
+#define CUDA_KV_WORK_HEADER 4 /* int32 header of the work list */
 
 /* Host staging of step metadata: pinned host + device buffers in a ring of
  * slots (CUDA_STAGE_SLOTS at first, up to CUDA_STAGE_SLOTS_MAX), each guarded
@@ -124,6 +143,9 @@ typedef struct cuda_state {
   int deferred_next;                 /* the record to use next (the oldest) */
   void *scratch;                     /* device scratch for bar dK/dV (2 * total_bars * d floats) */
   size_t scratch_cap;
+  int kv_split_min; /* C_MIN of the long-item split (MTRAIN_CUDA_KV_SPLIT_CHUNK) */
+  void *kv_split;   /* device scratch of the split: work list, then the parts' rows */
+  size_t kv_split_cap;
   void **timers; /* cudaEvent_t slots of timer_mark, created on demand */
   int num_timers;
 } cuda_state_t;
@@ -234,6 +256,12 @@ mtrain_status_t cuda_block_scores(void *state, const mtrain_block_scores_args_t 
 
 /* Device scratch of at least `bytes` (grown on demand, kept). */
 mtrain_status_t cuda_scratch(cuda_state_t *s, size_t bytes, void **out);
+/* The same for the long-item split's work list and part rows (a buffer of
+ * its own: the bar scratch handed to the kernels stays valid). */
+mtrain_status_t cuda_kv_split_scratch(cuda_state_t *s, size_t bytes, void **out);
+/* C_MIN from MTRAIN_CUDA_KV_SPLIT_CHUNK (unset: CUDA_KV_SPLIT_MIN); an error
+ * unless a positive integer. */
+mtrain_status_t cuda_kv_split_min_from_env(int *out);
 /* Staging of small host arrays to device (uses a stage slot). */
 mtrain_status_t cuda_upload_small(cuda_state_t *s, const void *host, size_t bytes, void **dev,
                                   int *slot);

@@ -112,6 +112,8 @@ const char *ts_pattern_kind_name(ts_pattern_kind_t kind) {
     return "qwen-budgets";
   case TS_PATTERN_NONCAUSAL:
     return "non-causal";
+  case TS_PATTERN_SINK_MASK:
+    return "sink-mask";
   }
   return "?";
 }
@@ -256,6 +258,22 @@ mtrain_pattern_t *ts_make_pattern(ts_pattern_kind_t kind, int64_t seq_len, int32
       for (int64_t qb = 0; qb < nb; qb++)
         for (int64_t kb = 0; kb < nb; kb++)
           mask[qb * nb + kb] = kb <= qb && ts_rng_uniform(&rng) < density;
+      assert_int_equal(mtrain_pattern_set_block_mask(p, h, mask), MTRAIN_SUCCESS);
+    }
+    free(mask);
+    return p;
+  }
+  case TS_PATTERN_SINK_MASK: {
+    /* per head a density in [0, 0.3), key block 0 in every query block: the
+     * long key-major items that the CUDA backward splits */
+    assert_int_equal(mtrain_pattern_create(seq_len, num_heads, granularity, &p), MTRAIN_SUCCESS);
+    uint8_t *mask = calloc((size_t)(nb * nb), 1);
+    assert_non_null(mask);
+    for (int32_t h = 0; h < num_heads; h++) {
+      double density = 0.3 * ts_rng_uniform(&rng);
+      for (int64_t qb = 0; qb < nb; qb++)
+        for (int64_t kb = 0; kb < nb; kb++)
+          mask[qb * nb + kb] = kb <= qb && (kb == 0 || ts_rng_uniform(&rng) < density);
       assert_int_equal(mtrain_pattern_set_block_mask(p, h, mask), MTRAIN_SUCCESS);
     }
     free(mask);

@@ -64,6 +64,7 @@ typedef enum ts_pattern_kind {
   TS_PATTERN_BUDGETS,       /* from a real budget file (see ts_pattern_from_budgets) */
   TS_PATTERN_NONCAUSAL,     /* random non-causal block mask (mtrain_pattern_create_noncausal):
                                blocks on both sides of the diagonal */
+  TS_PATTERN_SINK_MASK,     /* random block mask with key block 0 (a "sink") in every row */
 } ts_pattern_kind_t;
 
 const char *ts_pattern_kind_name(ts_pattern_kind_t kind);
