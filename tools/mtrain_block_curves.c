@@ -1,9 +1,11 @@
 /* mtrain_block_curves.c: the measurements of docs/PATTERNS.md for the block
  * selections (SPEC.md section 9). Not installed.
  *
- * usage: mtrain-block-curves recall [SEED]   recall against density of every
- *          method and of vertical-slash on structured inputs (N 2048, 4 query
- *          and 2 kv heads, d 64, G 64), fp64 recall (mtrain_cpu_pattern_recall)
+ * usage: mtrain-block-curves recall [SEED] [--png FILE]   recall against
+ *          density of every method and of vertical-slash on structured inputs
+ *          (N 2048, 4 query and 2 kv heads, d 64, G 64), fp64 recall
+ *          (mtrain_cpu_pattern_recall); --png also draws the curves (builds
+ *          with libpng)
  *        mtrain-block-curves cost N [SEED]    seconds of each selection against
  *          the cpu forward of the pattern it selects (8 query heads, 2 kv, d 128,
  *          G 128), fp32, this machine's threads
@@ -30,6 +32,10 @@
 #include "mtrain/mtrain_cpu.h"
 #include "mtrain/mtrain_cuda.h"
 #include "mtrain/mtrain_inputs.h"
+
+#ifdef MTRAIN_HAVE_PNG
+#include "curves_png.h"
+#endif
 
 static double now_s(void) {
   struct timespec ts;
@@ -158,13 +164,30 @@ static mtrain_block_options_t opts(mtrain_block_method_t m, mtrain_budget_kind_t
   return o;
 }
 
+#ifdef MTRAIN_HAVE_PNG
+static curves_t curves; /* recall's points, by series, for --png */
+#endif
+
+/* One table row; with series (the curve it belongs to) also a point of --png's chart. */
 static void row(const char *method, const char *budget, const mtrain_pattern_t *p,
-                const inputs_t *in) {
-  printf("| %s | %s | %.3f | %.4f |\n", method, budget, density(p, in), recall(p, in));
+                const inputs_t *in, const char *series) {
+  const double dens = density(p, in), rec = recall(p, in);
+  printf("| %s | %s | %.3f | %.4f |\n", method, budget, dens, rec);
   fflush(stdout);
+#ifdef MTRAIN_HAVE_PNG
+  if (series) curves_add(&curves, series, dens, rec);
+#else
+  (void)series;
+#endif
 }
 
-static int run_recall(uint64_t seed) {
+static int run_recall(uint64_t seed, const char *png) {
+#ifndef MTRAIN_HAVE_PNG
+  if (png) {
+    fprintf(stderr, "mtrain-block-curves: --png %s: this build has no libpng\n", png);
+    return 1;
+  }
+#endif
   inputs_t in = {.N = 2048, .Hq = 4, .Hkv = 2, .d = 64, .G = 64};
   make_inputs(&in, seed, 1);
   mtrain_context_t *ctx = context(in.G);
@@ -184,7 +207,7 @@ static int run_recall(uint64_t seed) {
           opts(m ? MTRAIN_BLOCK_ANTIDIAG : MTRAIN_BLOCK_PRECISE, MTRAIN_BUDGET_TOP_P, 0, ps[i], 0);
       mtrain_pattern_t *p = select_blocks(ctx, &in, &o, NULL);
       snprintf(b, sizeof b, "top-p %.2f", ps[i]);
-      row(m ? "antidiag (S 8)" : "precise", b, p, &in);
+      row(m ? "antidiag (S 8)" : "precise", b, p, &in, m ? "antidiag top-p" : "precise top-p");
       mtrain_pattern_destroy(p);
     }
   for (int m = 0; m < 4; m++)
@@ -195,7 +218,9 @@ static int run_recall(uint64_t seed) {
       mtrain_block_options_t o = opts(meth, MTRAIN_BUDGET_TOP_K, ks[i], 0.0, m == 1);
       mtrain_pattern_t *p = select_blocks(ctx, &in, &o, NULL);
       snprintf(b, sizeof b, "top-k %d%s", ks[i], m == 1 ? " head-adaptive" : "");
-      row(m == 3 ? "meanpool" : m == 2 ? "antidiag (S 8)" : "precise", b, p, &in);
+      static const char *const series[] = {"precise top-k", "precise top-k adapt.",
+                                           "antidiag top-k", "meanpool top-k"};
+      row(m == 3 ? "meanpool" : m == 2 ? "antidiag (S 8)" : "precise", b, p, &in, series[m]);
       mtrain_pattern_destroy(p);
     }
   static const int64_t vs[][2] = {{32, 32},   {64, 64},   {64, 128},
@@ -203,10 +228,25 @@ static int run_recall(uint64_t seed) {
   for (size_t i = 0; i < sizeof vs / sizeof vs[0]; i++) {
     mtrain_pattern_t *p = select_vs(ctx, &in, vs[i][0], vs[i][1], NULL);
     snprintf(b, sizeof b, "v %lld, s %lld", (long long)vs[i][0], (long long)vs[i][1]);
-    row("vertical-slash (top-k)", b, p, &in);
+    row("vertical-slash (top-k)", b, p, &in, "vertical-slash");
     mtrain_pattern_destroy(p);
   }
   mtrain_context_destroy(ctx);
+#ifdef MTRAIN_HAVE_PNG
+  if (png) {
+    char title[128], err[256];
+    snprintf(title, sizeof title, "recall against density, structured inputs (seed %llu), N %lld",
+             (unsigned long long)seed, (long long)in.N);
+    curves.title = title;
+    curves.x_label = "density (computed pairs / causal pairs)";
+    curves.y_label = "recall (attention mass kept)";
+    if (curves_write_png(&curves, png, err, sizeof err)) {
+      fprintf(stderr, "mtrain-block-curves: %s\n", err);
+      return 1;
+    }
+    fprintf(stderr, "mtrain-block-curves: wrote %s\n", png);
+  }
+#endif
   return 0;
 }
 
@@ -457,15 +497,32 @@ static int run_gpucost(int64_t N, uint64_t seed) {
 }
 
 int main(int argc, char **argv) {
-  if (argc >= 2 && strcmp(argv[1], "recall") == 0)
-    return run_recall(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
+  if (argc >= 2 && strcmp(argv[1], "recall") == 0) {
+    uint64_t seed = 2024;
+    const char *png = NULL;
+    for (int i = 2; i < argc; i++) {
+      if (strcmp(argv[i], "--png") == 0 && i + 1 < argc) {
+        png = argv[++i];
+      } else {
+        char *end = NULL;
+        seed = strtoull(argv[i], &end, 10);
+        if (end == argv[i] || *end) {
+          fprintf(stderr, "%s recall: '%s' is neither a seed nor --png FILE\n", argv[0], argv[i]);
+          return 1;
+        }
+      }
+    }
+    return run_recall(seed, png);
+  }
   if (argc >= 3 && strcmp(argv[1], "cost") == 0)
     return run_cost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
   if (argc >= 2 && strcmp(argv[1], "cache") == 0)
     return run_cache(argc >= 3 ? strtoull(argv[2], NULL, 10) : 2024);
   if (argc >= 3 && strcmp(argv[1], "gpucost") == 0)
     return run_gpucost(strtoll(argv[2], NULL, 10), argc >= 4 ? strtoull(argv[3], NULL, 10) : 2024);
-  fprintf(stderr, "usage: %s recall [SEED] | cost N [SEED] | cache [SEED] | gpucost N [SEED]\n",
+  fprintf(stderr,
+          "usage: %s recall [SEED] [--png FILE] | cost N [SEED] | cache [SEED] | gpucost N "
+          "[SEED]\n",
           argv[0]);
   return 1;
 }
