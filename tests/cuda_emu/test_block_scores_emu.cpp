@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda_emu.h"
+#include "lse_reference.h"
 
 // the fp64 intrinsics the kernels use (device-only in the CUDA headers): correctly rounded, no
 // contraction (separate operations; x86-64 without -mfma has no fused multiply-add anyway)
@@ -168,22 +169,9 @@ static int run_case(int index, uint64_t seed, mtrain_context_t *ref_ctx[3]) {
         if (i >= N) continue;
         memcpy(qp.data() + esz * (size_t)(s * c.Hq * c.d),
                qs.data() + esz * (size_t)(i * c.Hq * c.d), esz * (size_t)(c.Hq * c.d));
-        for (int h = 0; h < c.Hq; h++) {
-          const int hk = h / (c.Hq / c.Hkv);
-          const int64_t jend = nc ? N : i + 1;
-          vector<double> lg((size_t)jend);
-          double m = -INFINITY, z = 0.0;
-          for (int64_t j = 0; j < jend; j++) {
-            double dot = 0.0;
-            for (int x = 0; x < c.d; x++)
-              dot += (double)q[(size_t)((i * c.Hq + h) * c.d + x)] *
-                     k[(size_t)((j * c.Hkv + hk) * c.d + x)];
-            lg[j] = scale * dot;
-            m = std::max(m, lg[j]);
-          }
-          for (int64_t j = 0; j < jend; j++) z += exp(lg[j] - m);
-          lse64[(size_t)(s * c.Hq + h)] = m + log(z);
-        }
+        for (int h = 0; h < c.Hq; h++)
+          lse64[(size_t)(s * c.Hq + h)] =
+              lse_reference(q.data(), k.data(), N, c.Hq, c.Hkv, c.d, scale, i, h, nc);
       }
     vector<char> lse(mtrain_dtype_size(c.lse_dt) * lse64.size());
     CHECK(mtrain_convert(lse64.data(), MTRAIN_F64, lse.data(), c.lse_dt, (int64_t)lse64.size()));

@@ -55,6 +55,7 @@ def _say_setup(
     lengths: list[int],
     nl: int,
     say: Callable[[str], None],
+    device: str,
 ) -> None:
     say(
         f"balance_measure: {source}: {len(lengths)} documents, {sum(full)} tokens; scale 1/"
@@ -62,9 +63,7 @@ def _say_setup(
         f"{len(set(lengths))} distinct"
     )
     say(
-        f"device {a.backend} ("
-        + (_replayed_device(a) if a.replay else _device_name(a.backend))
-        + f"), {a.dtype}, {a.heads}:{a.kv_heads} heads, "
+        f"device {a.backend} (" + device + f"), {a.dtype}, {a.heads}:{a.kv_heads} heads, "
         f"d {a.head_dim}, layers {a.layers} measured of {nl} (the rest extrapolated: x "
         f"{nl / len(a.layers):.3g}), budgets {a.budgets}"
         + (f" counts / {a.scale}" if a.scale_budgets and a.scale > 1 else "")
@@ -126,22 +125,21 @@ def _measure(
     return value, grid_report
 
 
-def _replayed_device(a: argparse.Namespace) -> str:
-    with open(a.replay) as f:
-        return f"{json.load(f).get('device')} (replayed from {a.replay})"
+def _replayed_device(a: argparse.Namespace, replayed: dict[str, Any]) -> str:
+    return f"{replayed.get('device')} (replayed from {a.replay})"
 
 
 def _replay(
     a: argparse.Namespace,
     ap: argparse.ArgumentParser,
+    r: dict[str, Any],
     lengths: list[int],
     points: Points,
     say: Callable[[str], None],
 ) -> dict[int, float]:
-    """--replay: the earlier run's measurements and linear layers, after checking that it
-    measured the same thing (workload, shape, dtype, layers, linear layers, repetitions)."""
-    with open(a.replay) as f:
-        r = json.load(f)
+    """--replay: the earlier run's measurements and linear layers (r, its --json), after
+    checking that it measured the same thing (workload, shape, dtype, layers, linear layers,
+    grid)."""
     if r.get("tool") != "balance_measure":
         ap.error(f"--replay {a.replay}: not a balance_measure --json file")
     checks = {
@@ -195,7 +193,12 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     tmp = tempfile.TemporaryDirectory(prefix="balance_measure_")
     budget_file = os.path.join(tmp.name, "budgets.json")
     write_budgets(budgets, budget_file)
-    _say_setup(a, source, full, lengths, nl, say)
+    replayed: dict[str, Any] = {}
+    if a.replay:  # read once: its device names this run, its measurements stand in below
+        with open(a.replay) as f:
+            replayed = json.load(f)
+    device = _replayed_device(a, replayed) if a.replay else _device_name(a.backend)
+    _say_setup(a, source, full, lengths, nl, say, device)
     row_pairs = None
     if a.spread == "measured":
         t0 = time.perf_counter()
@@ -208,7 +211,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     pairs = PairCounter(a, budget_file, row_pairs)
     points = Points(a, runner, budgets, per_document, pairs, say)
     if a.replay:
-        linear_s = _replay(a, ap, lengths, points, say)
+        linear_s = _replay(a, ap, replayed, lengths, points, say)
     else:
         linear_s = linear_seconds(a, runner, lengths, nl, say) if a.linear else {}
     calibration: Any = a.calibration
@@ -234,7 +237,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         "tool": "balance_measure",
         "replay": a.replay,
         "argv": list(argv) if argv is not None else sys.argv[1:],
-        "device": _replayed_device(a) if a.replay else _device_name(a.backend),
+        "device": device,
         "backend": a.backend,
         "dtype": a.dtype,
         "torch": torch.__version__,

@@ -100,6 +100,30 @@ def predictor_pairs(
         pc.close()
 
 
+def _cols(mask: int, n: int) -> list[int]:
+    """The columns of a subset mask of n terms."""
+    return [t for t in range(n) if mask >> t & 1]
+
+
+def _nonneg_relative_lstsq(x: np.ndarray, y: np.ndarray, subsets: list[list[int]]) -> np.ndarray:
+    """Coefficients c >= 0 of y ~ x @ c by least squares on the relative error (x @ c / y - 1),
+    the best of the given column subsets whose unconstrained fit is non-negative (the others'
+    coefficients 0). Give at least one single-column subset: its coefficient is positive for
+    positive data, so some subset always fits."""
+    best: tuple[float, np.ndarray] | None = None
+    for cols in subsets:
+        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(x.shape[1])
+        full[cols] = coef
+        res = float(np.sum((x @ full / y - 1) ** 2))
+        if best is None or res < best[0]:
+            best = (res, full)
+    assert best is not None  # a single positive column always fits
+    return best[1]
+
+
 def fit_calibration(
     a: argparse.Namespace,
     lengths: list[int],
@@ -144,19 +168,7 @@ def fit_calibration(
                 }
             )
     x, y = np.asarray(rows), np.asarray(ys)
-    best: tuple[float, np.ndarray] | None = None
-    for mask in range(1, 8):  # every non-empty subset of the three terms
-        cols = [t for t in range(3) if mask >> t & 1]
-        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
-        if (coef < 0).any():
-            continue
-        full = np.zeros(3)
-        full[cols] = coef
-        res = float(np.sum((x @ full / y - 1) ** 2))
-        if best is None or res < best[0]:
-            best = (res, full)
-    assert best is not None  # one term alone always fits with a non-negative coefficient
-    coef = best[1]
+    coef = _nonneg_relative_lstsq(x, y, [_cols(m, 3) for m in range(1, 8)])  # every subset
     with open(a.calibration) as f:
         file_cal = json.load(f)
     flops = float(file_cal.get("linear_flops", 0.0))
@@ -208,19 +220,9 @@ def fit_linear(
     y = np.array([linear_s[n] for n in ns])
     x = np.array([[1.0, float(n)] for n in ns])
     fpt = linear_flops_per_token(a, layers)
-    best: tuple[float, np.ndarray] | None = None
-    for cols in ([0, 1], [1]):
-        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
-        if (coef < 0).any():
-            continue
-        full = np.zeros(2)
-        full[cols] = coef
-        res = float(np.sum((x @ full / y - 1) ** 2))
-        if best is None or res < best[0]:
-            best = (res, full)
-    assert best is not None  # the per-token term alone always fits
-    c0, c1 = float(best[1][0]), float(best[1][1])
-    err = x @ best[1] / y - 1
+    coef = _nonneg_relative_lstsq(x, y, [[0, 1], [1]])
+    c0, c1 = float(coef[0]), float(coef[1])
+    err = x @ coef / y - 1
     ref = ns[-1]  # the longest length of the workload at or below the chunk
     only = np.array([linear_s[ref] * n / ref for n in ns]) / y - 1
     report = {
