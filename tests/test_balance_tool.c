@@ -230,11 +230,58 @@ static void test_usage_errors(void **state) {
   free(out);
 }
 
+/* mtrain-balance batch --row-pairs: every head priced by the measured table, interpolated in
+ * log N (2000 tokens lie halfway from 1000 to 4000: 4.5 pairs per row at the base level; 3000
+ * at log 3 / log 4), summed by the tool as the library does; a table that does not fit the
+ * budgets and a table with --spread are refused. */
+static void test_batch_row_pairs(void **state) {
+  (void)state;
+  const char *b = tmp_path("rp_budgets.json"), *t = tmp_path("rp_table.json");
+  const char *l = tmp_path("rp_lengths.txt"), *c = tmp_path("rp_cal.json");
+  write_text(b, budgets_text);
+  write_text(t, "{\"format\": \"mtrain-row-pairs-1\", \"levels\": [0.25, 0.5, 0.75, 1, 1.5, "
+                "2], \"granularity\": 128, \"heads\": 2, \"num_layers\": 2, \"lengths\": "
+                "[1000, 4000], \"layers_done\": {\"0\": [[[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, "
+                "6]], [[2, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]], \"1\": [[[1, 2, 3, 4, 5, 6], [1, "
+                "2, 3, 4, 5, 6]], [[2, 3, 4, 5, 6, 7], [2, 3, 4, 5, 6, 7]]]}}");
+  write_text(l, "2000\n3000\n");
+  write_text(c, "{\"pair_s\": 1e-9, \"row_s\": 0, \"seq_s\": 0, \"linear_flops\": 1e12}");
+  char args[2048];
+  snprintf(args, sizeof args,
+           "batch --budgets '%s' --calibration '%s' --lengths '%s' --world 1 --hidden 0 "
+           "--row-pairs '%s' --json",
+           b, c, l, t);
+  json_t *root = run_json(args);
+  const double got = json_number_value(json_array_get(
+      json_object_get(json_object_get(json_object_get(root, "methods"), "tokens"), "rank_seconds"),
+      0));
+  const double t2000 = log(2.0) / log(4.0), t3000 = log(3.0) / log(4.0);
+  const double pairs = 4 * (floor((4 + t2000) * 2000 + 0.5) + floor((4 + t3000) * 3000 + 0.5));
+  assert_true(fabs(got - 1e-9 * pairs) <= 1e-12 * got);
+  json_decref(root);
+  char *out = NULL;
+  snprintf(args, sizeof args,
+           "batch --budgets '%s' --calibration '%s' --lengths '%s' --world 1 --row-pairs '%s' "
+           "--levels 0.5,1,2",
+           b, c, l, t);
+  assert_int_equal(run_tool(args, 1, &out), 1);
+  assert_non_null(strstr(out, "\"levels\" must list the predictor's 3 levels"));
+  free(out);
+  snprintf(args, sizeof args,
+           "batch --budgets '%s' --calibration '%s' --lengths '%s' --world 1 --row-pairs '%s' "
+           "--spread local",
+           b, c, l, t);
+  assert_int_equal(run_tool(args, 1, &out), 2);
+  assert_non_null(strstr(out, "--spread do not apply"));
+  free(out);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_json_matches_library),
       cmocka_unit_test(test_pattern_input_and_png),
       cmocka_unit_test(test_usage_errors),
+      cmocka_unit_test(test_batch_row_pairs),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

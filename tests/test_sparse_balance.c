@@ -250,6 +250,85 @@ static void test_measured_row_pairs(void **state) {
   mtrain_balance_predictor_destroy(p);
 }
 
+/* Measured pricing on a length grid: at a measured length a head is charged exactly its
+ * value there, between two lengths the value linear in log N, outside the nearest end's;
+ * one length is set_row_pairs; bad grids are refused naming the problem. */
+static void test_measured_row_pairs_grid(void **state) {
+  (void)state;
+  mtrain_balance_predictor_t *p = make_predictor(budgets_text, 0);
+  enum { L = 3, H = 4 };
+  const int64_t lengths[L] = {1000, 4000, 16000};
+  double rp[L * H * K];
+  for (int i = 0; i < L; i++)
+    for (int h = 0; h < H; h++)
+      for (int k = 0; k < K; k++) rp[(i * H + h) * K + k] = 7.0 * (i + 1) * (h + 1) + k + 0.5;
+  const int64_t bad_len[L] = {1000, 1000, 16000};
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs_grid(p, L, bad_len, rp),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "lengths[1] = 1000");
+  const int64_t zero_len[L] = {0, 4000, 16000};
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs_grid(p, L, zero_len, rp),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "lengths[0] = 0");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs_grid(p, L, NULL, rp),
+                   MTRAIN_ERR_NULL_POINTER, "lengths is NULL");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs_grid(p, 0, lengths, rp),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "0 row-pair lengths");
+  double bad[L * H * K];
+  memcpy(bad, rp, sizeof bad);
+  bad[(2 * H + 1) * K + 2] = -3;
+  TS_ASSERT_STATUS(mtrain_balance_predictor_set_row_pairs_grid(p, L, lengths, bad),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "row_pairs[length 2, head 1, level 2] = -3");
+  assert_int_equal(mtrain_balance_predictor_set_row_pairs_grid(p, L, lengths, rp), MTRAIN_SUCCESS);
+  for (int h = 0; h < H; h++)
+    for (int k = 0; k < K; k++) {
+      const double *at = &rp[h * K + k];
+      const size_t stride = (size_t)H * K;
+      int64_t x;
+      /* on the grid, below it and above it */
+      for (int i = 0; i < L; i++) {
+        assert_int_equal(mtrain_balance_head_pairs(p, lengths[i], h, k, &x), MTRAIN_SUCCESS);
+        assert_true((double)x == floor(at[i * stride] * (double)lengths[i] + 0.5));
+      }
+      assert_int_equal(mtrain_balance_head_pairs(p, 600, h, k, &x), MTRAIN_SUCCESS);
+      assert_true((double)x == floor(at[0] * 600.0 + 0.5));
+      assert_int_equal(mtrain_balance_head_pairs(p, 50000, h, k, &x), MTRAIN_SUCCESS);
+      assert_true((double)x == floor(at[2 * stride] * 50000.0 + 0.5));
+      /* 2000 lies halfway from 1000 to 4000 in log N (log 2 / log 4), 8000 from 4000 to 16000 */
+      assert_int_equal(mtrain_balance_head_pairs(p, 2000, h, k, &x), MTRAIN_SUCCESS);
+      const double mid = at[0] + 0.5 * (at[stride] - at[0]);
+      assert_true((double)x == floor(mid * 2000.0 + 0.5));
+      assert_int_equal(mtrain_balance_head_pairs(p, 8000, h, k, &x), MTRAIN_SUCCESS);
+      const double mid2 = at[stride] + 0.5 * (at[2 * stride] - at[stride]);
+      assert_true((double)x == floor(mid2 * 8000.0 + 0.5));
+    }
+  /* capped at dense: 10 tokens have 55 causal pairs, far below 7.5 pairs per row x 10 = 75 */
+  int64_t small;
+  assert_int_equal(mtrain_balance_head_pairs(p, 10, 0, 0, &small), MTRAIN_SUCCESS);
+  assert_int_equal(small, 55);
+  /* predict sums the same counts */
+  double got = 0, zero = 0;
+  assert_int_equal(mtrain_balance_predict(p, 2000, NULL, &got), MTRAIN_SUCCESS);
+  mtrain_balance_predictor_t *q = make_predictor(budgets_text, 0);
+  double one[H * K];
+  for (int i = 0; i < H * K; i++) one[i] = 1e-300; /* pairs ~ 0 -> 1 each: the fixed part */
+  assert_int_equal(mtrain_balance_predictor_set_row_pairs(q, one), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_balance_predict(q, 2000, NULL, &zero), MTRAIN_SUCCESS);
+  double pairs = 0;
+  for (int h = 0; h < H; h++) {
+    int64_t x;
+    assert_int_equal(mtrain_balance_head_pairs(p, 2000, h, BASE, &x), MTRAIN_SUCCESS);
+    pairs += (double)x - 1.0;
+  }
+  assert_true(fabs((got - zero) - 1e-9 * pairs) <= 1e-12 * got);
+  /* one length without lengths equals set_row_pairs */
+  assert_int_equal(mtrain_balance_predictor_set_row_pairs_grid(q, 1, NULL, rp), MTRAIN_SUCCESS);
+  int64_t a, b;
+  assert_int_equal(mtrain_balance_head_pairs(q, 123456, 2, 1, &a), MTRAIN_SUCCESS);
+  assert_int_equal(mtrain_balance_head_pairs(p, 600, 2, 1, &b), MTRAIN_SUCCESS);
+  assert_true((double)a == floor(rp[2 * K + 1] * 123456.0 + 0.5));
+  mtrain_balance_predictor_destroy(q);
+  mtrain_balance_predictor_destroy(p);
+}
+
 /* ---- batching ---------------------------------------------------------------------- */
 
 static double max_load(const double *w, const int32_t *rank_of, int n, int R) {
@@ -578,6 +657,59 @@ static const char *write_tmp(const char *name, const char *text) {
   return path;
 }
 
+/* The measured-pricing table file: read into the predictor (the counts follow its values),
+ * and every mismatch or gap refused naming it. */
+static void table_text(char *out, size_t size, const char *format, const char *levels,
+                       const char *layer1) {
+  snprintf(out, size,
+           "{\"format\": \"%s\", \"levels\": %s, \"granularity\": 128, \"heads\": 2, "
+           "\"num_layers\": 2, \"lengths\": [1000, 4000], \"layers_done\": {\"0\": "
+           "[[[1, 2, 3, 4], [5, 6, 7, 8]], [[11, 12, 13, 14], [15, 16, 17, 18]]]%s}}",
+           format, levels, layer1);
+}
+
+static void test_row_pairs_file(void **state) {
+  (void)state;
+  mtrain_balance_predictor_t *p = make_predictor(budgets_text, 0);
+  const char *good_levels = "[0.25, 0.5, 1.0, 2.0]";
+  const char *layer1 =
+      ", \"1\": [[[21, 22, 23, 24], [25, 26, 27, 28]], [[31, 32, 33, 34], [35, 36, 37, 38]]]";
+  char text[1024];
+  table_text(text, sizeof text, "mtrain-row-pairs-1", good_levels, layer1);
+  assert_int_equal(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_ok.json", text)),
+                   MTRAIN_SUCCESS);
+  int64_t x;
+  assert_int_equal(mtrain_balance_head_pairs(p, 1000, 3, 1, &x), MTRAIN_SUCCESS);
+  assert_int_equal(x, 26 * 1000); /* layer 1, head 1, level 1 at the first length */
+  assert_int_equal(mtrain_balance_head_pairs(p, 4000, 1, 3, &x), MTRAIN_SUCCESS);
+  assert_int_equal(x, 18 * 4000); /* layer 0, head 1, level 3 at the second */
+  table_text(text, sizeof text, "other", good_levels, layer1);
+  TS_ASSERT_STATUS(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_f.json", text)),
+                   MTRAIN_ERR_FORMAT, "\"format\" must be");
+  table_text(text, sizeof text, "mtrain-row-pairs-1", "[0.25, 0.5, 1.0, 3.0]", layer1);
+  TS_ASSERT_STATUS(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_l.json", text)),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "level 3 is 3");
+  table_text(text, sizeof text, "mtrain-row-pairs-1", good_levels, "");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_m.json", text)),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "layer 1 was not measured");
+  table_text(text, sizeof text, "mtrain-row-pairs-1", good_levels,
+             ", \"1\": [[[21, 22, 23, 24], [25, 26, 27, 28]], [[31, 32, 33, 34], [35, 36, "
+             "\"x\", 38]]]");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_v.json", text)),
+                   MTRAIN_ERR_FORMAT, "layer 1, length 1, head 1, level 2 is not a number");
+  table_text(text, sizeof text, "mtrain-row-pairs-1", good_levels,
+             ", \"1\": [[[21, 22, 23, 24], [25, 26, 27, 28]], [[31, 32, 33, 34], [35, 36, "
+             "0, 38]]]");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_z.json", text)),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "row_pairs[length 1, head 3, level 2] = 0");
+  TS_ASSERT_STATUS(mtrain_balance_predictor_read_row_pairs(p, write_tmp("rp_j.json", "{")),
+                   MTRAIN_ERR_FORMAT, "line");
+  /* after the refusals the first table still prices */
+  assert_int_equal(mtrain_balance_head_pairs(p, 1000, 3, 1, &x), MTRAIN_SUCCESS);
+  assert_int_equal(x, 26 * 1000);
+  mtrain_balance_predictor_destroy(p);
+}
+
 static void test_calibration_file(void **state) {
   (void)state;
   mtrain_balance_calibration_t c;
@@ -681,6 +813,8 @@ int main(void) {
       cmocka_unit_test(test_pairs_real_budgets),
       cmocka_unit_test(test_predict_definition),
       cmocka_unit_test(test_measured_row_pairs),
+      cmocka_unit_test(test_measured_row_pairs_grid),
+      cmocka_unit_test(test_row_pairs_file),
       cmocka_unit_test(test_assign_against_optimum),
       cmocka_unit_test(test_assign_equals_full_scan),
       cmocka_unit_test(test_assign_micro_and_sorted),

@@ -69,6 +69,9 @@ static const char usage[] =
     "  --budget-context C    scale budget counts by N / C per sequence (default 0: as given)\n"
     "  --spread even|local   the position model's placement of the verticals and slashes\n"
     "                        beyond the sinks and the window (default even)\n"
+    "  --row-pairs FILE      price every head by a measured table on a length grid\n"
+    "                        (tools/balance_row_pairs.py; interpolated in log N) instead\n"
+    "                        of the position model; budgets as given (no --budget-context)\n"
     "  --profile-len N       tokens of the structured inputs the heads' mass curves are\n"
     "                        computed on (default 2048)\n"
     "  --profile-context C   the budgets are scaled by N / C for the profile (default 131072)\n"
@@ -80,7 +83,7 @@ static const char usage[] =
     "  --help                this text\n";
 
 typedef struct bopts {
-  const char *budgets, *calibration, *lengths, *png;
+  const char *budgets, *calibration, *lengths, *png, *row_pairs;
   int long_tail, json;
   double long_prob, levels[16], lo_scale, hi_scale, target, split_above, ring_overhead;
   int64_t tokens_per_rank, budget_context, profile_len, profile_context;
@@ -127,6 +130,7 @@ static int parse(int argc, char **argv, bopts_t *o) {
                                         {"target", required_argument, 0, 'g'},
                                         {"budget-context", required_argument, 0, 'C'},
                                         {"spread", required_argument, 0, 'S'},
+                                        {"row-pairs", required_argument, 0, 'R'},
                                         {"profile-len", required_argument, 0, 'P'},
                                         {"profile-context", required_argument, 0, 'Q'},
                                         {"hidden", required_argument, 0, 'H'},
@@ -228,6 +232,9 @@ static int parse(int argc, char **argv, bopts_t *o) {
       else
         bad = bad_value("spread", optarg);
       break;
+    case 'R':
+      o->row_pairs = optarg;
+      break;
     case 'P':
       bad = get_i64("profile-len", optarg, 256, &o->profile_len);
       break;
@@ -284,6 +291,13 @@ static int parse(int argc, char **argv, bopts_t *o) {
   }
   if (o->max_split > o->world) {
     fprintf(stderr, "%s: --max-split %d exceeds --world %d\n", prog, o->max_split, o->world);
+    return 1;
+  }
+  if (o->row_pairs && (o->budget_context || o->spread != MTRAIN_SPREAD_EVEN)) {
+    fprintf(stderr,
+            "%s: --row-pairs prices the budgets as given by its measured table: "
+            "--budget-context and --spread do not apply\n",
+            prog);
     return 1;
   }
   if (!o->budgets || !o->calibration || !o->lengths == !o->long_tail) {
@@ -544,6 +558,9 @@ int balance_batch_main(int argc, char **argv) {
   if (tool_failed(prog, "predictor",
                   mtrain_balance_predictor_create(b, o.levels, o.nlevels, base, &pm, 128, &cal,
                                                   &o.model, &pred)))
+    goto done;
+  if (o.row_pairs &&
+      tool_failed(prog, o.row_pairs, mtrain_balance_predictor_read_row_pairs(pred, o.row_pairs)))
     goto done;
   const int32_t H = mtrain_balance_predictor_num_heads(pred), R = o.world;
   const double t0 = tool_now();

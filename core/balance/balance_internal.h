@@ -45,9 +45,13 @@ struct mtrain_balance_predictor {
   mtrain_position_model_t model; /* spread forced to even */
   mtrain_balance_calibration_t cal;
   double linear_flop_per_token;
-  /* [num_heads * num_levels] measured pairs per query row (set_row_pairs), or
-   * NULL: the position model counts. When set, every head is its own combo. */
+  /* [num_row_lengths * num_heads * num_levels] measured pairs per query row
+   * (set_row_pairs, set_row_pairs_grid) at the lengths row_lengths
+   * (increasing; NULL with one length: the same at every N), or NULL: the
+   * position model counts. When set, every head is its own combo. */
   double *row_pairs;
+  int64_t *row_lengths;
+  int32_t num_row_lengths;
 };
 
 /** Pairs of every (combo, level) at length N: out[combo * num_levels + level]. */

@@ -161,25 +161,79 @@ cleanup:
   return st;
 }
 
-mtrain_status_t mtrain_balance_predictor_set_row_pairs(mtrain_balance_predictor_t *p,
-                                                       const double *row_pairs) {
+mtrain_status_t mtrain_balance_predictor_set_row_pairs_grid(mtrain_balance_predictor_t *p,
+                                                            int32_t num_lengths,
+                                                            const int64_t *lengths,
+                                                            const double *row_pairs) {
   MTRAIN_CHECK_NOT_NULL(p);
   MTRAIN_CHECK_NOT_NULL(row_pairs);
-  const int32_t H = p->num_heads, K = p->num_levels;
-  for (int32_t i = 0; i < H * K; i++)
-    if (!(row_pairs[i] > 0) || !isfinite(row_pairs[i]))
+  if (num_lengths < 1 || num_lengths > 64)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "balance predictor: %d row-pair lengths; must be in [1, 64]", num_lengths);
+  if (num_lengths > 1 && !lengths)
+    return mtrain_error(MTRAIN_ERR_NULL_POINTER,
+                        "balance predictor: row-pair lengths is NULL with %d lengths", num_lengths);
+  for (int32_t i = 0; lengths && i < num_lengths; i++)
+    if (lengths[i] < 1 || (i > 0 && lengths[i] <= lengths[i - 1]))
       return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
-                          "balance predictor: row_pairs[head %d, level %d] = %g: pairs per query "
-                          "row must be finite and > 0",
-                          i / K, i % K, row_pairs[i]);
-  double *copy = malloc((size_t)H * (size_t)K * sizeof *copy);
-  if (!copy) return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "balance predictor: out of memory");
-  memcpy(copy, row_pairs, (size_t)H * (size_t)K * sizeof *copy);
+                          "balance predictor: row-pair lengths[%d] = %lld: lengths must be >= 1 "
+                          "and strictly increasing",
+                          i, (long long)lengths[i]);
+  const int32_t H = p->num_heads, K = p->num_levels;
+  const size_t n = (size_t)num_lengths * (size_t)H * (size_t)K;
+  for (size_t i = 0; i < n; i++)
+    if (!(row_pairs[i] > 0) || !isfinite(row_pairs[i])) {
+      const size_t at = i % ((size_t)H * (size_t)K);
+      if (num_lengths == 1)
+        return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                            "balance predictor: row_pairs[head %d, level %d] = %g: pairs per "
+                            "query row must be finite and > 0",
+                            (int)(at / (size_t)K), (int)(at % (size_t)K), row_pairs[i]);
+      return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                          "balance predictor: row_pairs[length %d, head %d, level %d] = %g: pairs "
+                          "per query row must be finite and > 0",
+                          (int)(i / ((size_t)H * (size_t)K)), (int)(at / (size_t)K),
+                          (int)(at % (size_t)K), row_pairs[i]);
+    }
+  double *copy = malloc(n * sizeof *copy);
+  int64_t *lcopy = lengths ? malloc((size_t)num_lengths * sizeof *lcopy) : NULL;
+  if (!copy || (lengths && !lcopy)) {
+    free(copy);
+    free(lcopy);
+    return mtrain_error(MTRAIN_ERR_OUT_OF_MEMORY, "balance predictor: out of memory");
+  }
+  memcpy(copy, row_pairs, n * sizeof *copy);
+  if (lcopy) memcpy(lcopy, lengths, (size_t)num_lengths * sizeof *lcopy);
   free(p->row_pairs);
+  free(p->row_lengths);
   p->row_pairs = copy;
+  p->row_lengths = lcopy;
+  p->num_row_lengths = num_lengths;
   p->num_combos = H; /* measured heads differ: each its own combo */
   for (int32_t h = 0; h < H; h++) p->combo[h] = h;
   return MTRAIN_SUCCESS;
+}
+
+mtrain_status_t mtrain_balance_predictor_set_row_pairs(mtrain_balance_predictor_t *p,
+                                                       const double *row_pairs) {
+  return mtrain_balance_predictor_set_row_pairs_grid(p, 1, NULL, row_pairs);
+}
+
+/* Pairs per query row of entry i (head * num_levels + level) at length N:
+ * the measured value, or between two measured lengths linear in log N, the
+ * nearest end's value outside them. */
+static double row_pairs_at(const mtrain_balance_predictor_t *p, int32_t i, int64_t N) {
+  const size_t stride = (size_t)p->num_heads * (size_t)p->num_levels;
+  const int32_t L = p->num_row_lengths;
+  const int64_t *len = p->row_lengths;
+  if (L == 1 || N <= len[0]) return p->row_pairs[i];
+  if (N >= len[L - 1]) return p->row_pairs[(size_t)(L - 1) * stride + (size_t)i];
+  int32_t j = 0;
+  while (len[j + 1] < N) j++;
+  const double a = p->row_pairs[(size_t)j * stride + (size_t)i];
+  const double b = p->row_pairs[(size_t)(j + 1) * stride + (size_t)i];
+  const double t = log((double)N / (double)len[j]) / log((double)len[j + 1] / (double)len[j]);
+  return a + (b - a) * t;
 }
 
 /* A measured head's pairs at length N: its pairs per query row times N, at
@@ -193,6 +247,7 @@ static int64_t measured_pairs(double row_pairs, int64_t N) {
 void mtrain_balance_predictor_destroy(mtrain_balance_predictor_t *p) {
   if (!p) return;
   free(p->row_pairs);
+  free(p->row_lengths);
   free(p->combo);
   free(p->combo_counts);
   free(p->scales);
@@ -218,7 +273,7 @@ mtrain_status_t mtrain_predictor_pair_table(const mtrain_balance_predictor_t *p,
                                             mtrain_pm_scratch_t *scratch, int64_t *out) {
   if (p->row_pairs) {
     for (int32_t i = 0; i < p->num_combos * p->num_levels; i++)
-      out[i] = measured_pairs(p->row_pairs[i], N);
+      out[i] = measured_pairs(row_pairs_at(p, i, N), N);
     return MTRAIN_SUCCESS;
   }
   for (int32_t c = 0; c < p->num_combos; c++) {
@@ -252,7 +307,7 @@ mtrain_status_t mtrain_balance_head_pairs(const mtrain_balance_predictor_t *p, i
                         "balance head pairs: head %d (of %d), level %d (of %d), seq_len %lld", head,
                         p->num_heads, level, p->num_levels, (long long)seq_len);
   if (p->row_pairs) {
-    *out = measured_pairs(p->row_pairs[head * p->num_levels + level], seq_len);
+    *out = measured_pairs(row_pairs_at(p, head * p->num_levels + level, seq_len), seq_len);
     return MTRAIN_SUCCESS;
   }
   mtrain_pm_scratch_t sc;

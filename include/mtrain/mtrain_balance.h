@@ -276,6 +276,32 @@ MTRAIN_API void mtrain_balance_predictor_destroy(mtrain_balance_predictor_t *pre
  *  against its concurrent use. */
 MTRAIN_API mtrain_status_t mtrain_balance_predictor_set_row_pairs(
     mtrain_balance_predictor_t *predictor, const double *row_pairs);
+/** Measured pricing on a length grid: row_pairs[(i * heads + head) *
+ *  num_levels + level] is the pairs per query row of the head's estimated
+ *  pattern at that level on a measured sequence of lengths[i] tokens
+ *  (num_lengths in [1, 64], lengths >= 1 and strictly increasing; lengths may
+ *  be NULL when num_lengths is 1, which is mtrain_balance_predictor_set_row_pairs).
+ *  At length N the pairs per row are interpolated linearly in log N between
+ *  the two measured lengths around N, and taken from the nearest end outside
+ *  them; a sequence is then charged min(N (N + 1) / 2, round(pairs per row *
+ *  N)) pairs, at least 1. Why a grid: a budget of fixed counts computes more
+ *  pairs per row at longer lengths (its slashes spread over more block
+ *  diagonals), measured on an H200 (docs/BALANCE.md, "Pricing on a length
+ *  grid"). Every value finite and > 0 (else MTRAIN_ERR_INVALID_ARGUMENT naming
+ *  it). The arrays are copied; the same threading rule as set_row_pairs. */
+MTRAIN_API mtrain_status_t mtrain_balance_predictor_set_row_pairs_grid(
+    mtrain_balance_predictor_t *predictor, int32_t num_lengths, const int64_t *lengths,
+    const double *row_pairs);
+/** Reads a measured-pricing table (format "mtrain-row-pairs-1", written by
+ *  tools/balance_row_pairs.py: "levels", "granularity", "heads" per layer,
+ *  "num_layers", "lengths" and "layers_done" {"layer": [length][head][level]})
+ *  and applies it with mtrain_balance_predictor_set_row_pairs_grid. Refuses
+ *  (MTRAIN_ERR_INVALID_ARGUMENT or MTRAIN_ERR_FORMAT, naming the file and the
+ *  entry) a table whose levels, granularity, layers or heads differ from the
+ *  predictor's, a layer not measured, and any bad value. Same threading rule
+ *  as set_row_pairs. */
+MTRAIN_API mtrain_status_t
+mtrain_balance_predictor_read_row_pairs(mtrain_balance_predictor_t *predictor, const char *path);
 /** Heads over all layers of the budgets (index = heads of earlier layers + head). */
 MTRAIN_API int32_t mtrain_balance_predictor_num_heads(const mtrain_balance_predictor_t *predictor);
 MTRAIN_API int32_t mtrain_balance_predictor_num_levels(const mtrain_balance_predictor_t *predictor);

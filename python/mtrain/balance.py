@@ -146,6 +146,10 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_balance_predictor_destroy": (None, (_P,)),
     "mtrain_balance_predictor_num_heads": (ctypes.c_int32, (_P,)),
     "mtrain_balance_predictor_set_row_pairs": (ctypes.c_int, (_P, ctypes.POINTER(ctypes.c_double))),
+    "mtrain_balance_predictor_set_row_pairs_grid": (
+        ctypes.c_int,
+        (_P, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)),
+    ),
     "mtrain_balance_batch": (
         ctypes.c_int,
         (
@@ -301,6 +305,7 @@ def balance_batch(
     num_sinks: int = 30,
     window: int = 100,
     row_pairs: Any = None,
+    row_pairs_lengths: Sequence[int] | None = None,
 ) -> BalanceResult:
     """Deals a global batch's sequences to ``world`` ranks and tunes sparsity.
 
@@ -340,6 +345,12 @@ def balance_batch(
             sequence's length; heads over all layers, layer-major), to price
             the heads by them instead of the position model: a sequence of N
             tokens costs min(N (N + 1) / 2, round(row_pairs * N)) pairs.
+        row_pairs_lengths: with row_pairs of shape [len(row_pairs_lengths),
+            heads, len(levels)], the lengths (increasing) at which each row
+            was measured: at N the pairs per row are interpolated linearly in
+            log N between the two measured lengths around N (the nearest
+            end's outside them), then charged as above (docs/BALANCE.md,
+            "Pricing on a length grid").
 
     Returns:
         BalanceResult. Raises MtrainError naming the bad input.
@@ -394,15 +405,32 @@ def balance_batch(
         heads = dll.mtrain_balance_predictor_num_heads(pred)
         if row_pairs is not None:
             rp = np.ascontiguousarray(np.asarray(row_pairs, dtype=np.float64))
-            if rp.shape != (heads, len(scales)):
-                raise _bad(
-                    f"balance_batch: row_pairs has shape {rp.shape}, expected "
-                    f"({heads}, {len(scales)}) (heads over all layers x levels)"
+            if row_pairs_lengths is None:
+                if rp.shape != (heads, len(scales)):
+                    raise _bad(
+                        f"balance_batch: row_pairs has shape {rp.shape}, expected "
+                        f"({heads}, {len(scales)}) (heads over all layers x levels)"
+                    )
+                _lib.check(
+                    dll.mtrain_balance_predictor_set_row_pairs(pred, rp.ctypes.data_as(_DP)),
+                    "balance_batch",
                 )
-            _lib.check(
-                dll.mtrain_balance_predictor_set_row_pairs(pred, rp.ctypes.data_as(_DP)),
-                "balance_batch",
-            )
+            else:
+                rl = np.ascontiguousarray(np.asarray(row_pairs_lengths, dtype=np.int64).reshape(-1))
+                if rp.shape != (rl.size, heads, len(scales)):
+                    raise _bad(
+                        f"balance_batch: row_pairs has shape {rp.shape}, expected "
+                        f"({rl.size}, {heads}, {len(scales)}) (row_pairs_lengths x heads over "
+                        "all layers x levels)"
+                    )
+                _lib.check(
+                    dll.mtrain_balance_predictor_set_row_pairs_grid(
+                        pred, int(rl.size), rl.ctypes.data_as(_I64P), rp.ctypes.data_as(_DP)
+                    ),
+                    "balance_batch",
+                )
+        elif row_pairs_lengths is not None:
+            raise _bad("balance_batch: row_pairs_lengths without row_pairs")
         mass_arr = None
         if mass is not None:
             mass_arr = np.ascontiguousarray(np.asarray(mass, dtype=np.float64))

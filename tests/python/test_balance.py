@@ -92,6 +92,41 @@ def test_measured_row_pairs(budgets):
         balance_batch([100], 1, budgets, CAL, tune=False, row_pairs=-np.ones((HEADS, k)))
 
 
+def test_measured_row_pairs_grid(budgets):
+    """row_pairs on a length grid: at a measured length a sequence costs that length's pairs, in
+    between the value interpolated linearly in log N; shapes and lengths are checked."""
+    k = len(DEFAULT_LEVELS)
+    base = DEFAULT_LEVELS.index(1.0)
+    lens = [2000, 8000, 32000]
+    rp = np.array(
+        [[[3.0 * (i + 1) * (h + 1) + j for j in range(k)] for h in range(HEADS)] for i in range(3)]
+    )
+
+    def seconds(n: int, per_row: np.ndarray) -> float:
+        pairs = sum(
+            min(n * (n + 1) // 2, int(np.floor(per_row[h] * n + 0.5))) for h in range(HEADS)
+        )
+        return CAL["pair_s"] * pairs + CAL["row_s"] * n * HEADS
+
+    for n, per_row in (
+        (8000, rp[1, :, base]),
+        (4000, rp[0, :, base] + 0.5 * (rp[1, :, base] - rp[0, :, base])),
+        (1000, rp[0, :, base]),
+        (100000, rp[2, :, base]),
+    ):
+        got = balance_batch(
+            [n], 1, budgets, CAL, tune=False, row_pairs=rp, row_pairs_lengths=lens,
+            model={"hidden": 0},
+        )  # fmt: skip
+        assert np.isclose(got.rank_seconds_before[0], seconds(n, per_row), rtol=1e-12), n
+    with pytest.raises(MtrainError, match=r"row_pairs has shape \(3, 4, 6\), expected \(2, 4, 6\)"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs=rp, row_pairs_lengths=[1, 2])
+    with pytest.raises(MtrainError, match="strictly increasing"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs=rp, row_pairs_lengths=[5, 5, 9])
+    with pytest.raises(MtrainError, match="row_pairs_lengths without row_pairs"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs_lengths=[5])
+
+
 def test_mass_curve(budgets):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((512, 2, 32)).astype(np.float32)

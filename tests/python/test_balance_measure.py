@@ -205,6 +205,65 @@ def test_measured_pricing(tmp_path: pathlib.Path) -> None:
         bm.run([*argv, "--budget-context", "4096"], log=_quiet)
 
 
+def test_row_pairs_table_on_a_length_grid(tmp_path: pathlib.Path) -> None:
+    """tools/balance_row_pairs.py measures every head's pairs per row at every level and length
+    (resumable, settings checked); --row-pairs prices by that table interpolated in log N: the
+    predictions are balance_batch's with row_pairs_lengths, every measured call's predicted
+    pairs follow the interpolation, and incomplete or mismatched tables are refused."""
+    spec = importlib.util.spec_from_file_location("brp", ROOT / "tools/balance_row_pairs.py")
+    assert spec is not None and spec.loader is not None
+    brp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(brp)
+    table = str(tmp_path / "rp.json")
+    small = ["--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--granularity", "64"]
+    brp.main(
+        ["--budgets", TOPK, "--out", table, "--lengths", "128,320,640", "--layers", "0-3", *small]
+    )
+    lf = _lengths(tmp_path, [640, 384, 256, 200, 128])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "2"]
+    argv += ["--methods", "cost,cost+tuned", "--layers", "0", "--reps", "1", "--warmup", "0"]
+    argv += ["--row-pairs", table, "--granularity", "64", *SMALL]
+    with pytest.raises(SystemExit):  # layers 4..35 missing
+        bm.run(argv, log=_quiet)
+    brp.main(["--budgets", TOPK, "--out", table, "--lengths", "128,320,640", *small])  # resumes
+    with pytest.raises(SystemExit):  # another grid in the same file
+        brp.main(["--budgets", TOPK, "--out", table, "--lengths", "128,640", *small])
+    r = bm.run(argv, log=_quiet)
+    assert r["pricing"].startswith("measured pairs per query row on a length grid")
+    assert r["row_pairs_lengths"] == [128, 320, 640]
+    rp, lens = bm.load_row_pairs(table, 36, 2, mtrain.balance.DEFAULT_LEVELS, 64)
+    assert rp.shape == (3, 36 * 2, 6) and lens == [128, 320, 640]
+    assert (rp > 0).all() and (np.diff(rp, axis=2) >= 0).all()
+    layers = bm.read_budgets(TOPK)
+    derived = tmp_path / "derived.json"
+    bm.write_budgets(bm.derive_budgets(layers, 2, 1), str(derived))
+    want = mtrain.balance_batch(
+        r["lengths"], 2, derived, CAL, method="cost", tune=False, model={"hidden": 0},
+        granularity=64, row_pairs=rp, row_pairs_lengths=lens,
+    ).rank_seconds_before  # fmt: skip
+    np.testing.assert_allclose(r["methods"]["cost"]["predicted_s"], want, rtol=1e-12)
+    checked = 0
+    for m in r["measurements"]:
+        n, layer = m["tokens"], m["layer"]
+        if tuple(m["scales"]) != (1.0, 1.0):
+            continue
+        i = int(np.searchsorted(lens, n, side="right")) - 1
+        i = min(max(i, 0), len(lens) - 2)
+        t = min(max(math.log(n / lens[i]) / math.log(lens[i + 1] / lens[i]), 0.0), 1.0)
+        per_row = (
+            rp[i, layer * 2 : layer * 2 + 2, 3] * (1 - t)
+            + rp[i + 1, layer * 2 : layer * 2 + 2, 3] * t
+        )
+        want_pairs = sum(min(n * (n + 1) // 2, int(np.floor(x * n + 0.5))) for x in per_row)
+        assert abs(m["predicted_pairs"] - want_pairs) <= 2, m  # rounding of the blend
+        checked += 1
+    assert checked >= 4
+    with pytest.raises(SystemExit):  # the table prices full-size budgets
+        bm.run([*argv, "--budget-context", "4096"], log=_quiet)
+    with pytest.raises(SystemExit):
+        bm.run([*argv, "--levels", "0.5,1,2"], log=_quiet)
+
+
 def test_grid_and_validate_exact_with_synthetic_clock(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -86,6 +86,7 @@ def assign(
         budget_context=a.budget_context,
         spread="even" if a.spread == "measured" else a.spread,
         row_pairs=row_pairs,
+        row_pairs_lengths=getattr(a, "row_pairs_lengths", None),
         granularity=a.granularity,
         model=model,
         split_above=a.split_above if split else 0.0,

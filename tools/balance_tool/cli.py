@@ -75,6 +75,13 @@ def parser() -> argparse.ArgumentParser:
         "measured: every head's pairs per query row from its estimated pattern at each level on "
         "structured inputs of the longest (scaled) length (balance_batch row_pairs; even)",
     )
+    w.add_argument(
+        "--row-pairs",
+        metavar="FILE",
+        help="price by a measured table on a length grid (tools/balance_row_pairs.py): every "
+        "head's pairs per query row at every level, interpolated in log N between the table's "
+        "lengths (balance_batch row_pairs_lengths); replaces --spread",
+    )
     w.add_argument("--granularity", type=int, default=128, help="block size G (128)")
     w.add_argument("--profile-len", type=int, default=2048, help="mass curves' tokens (2048)")
     w.add_argument(
@@ -232,6 +239,17 @@ def check_args(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
             "--spread measured prices budgets of fixed counts (pairs per query row); "
             "--budget-context scales them with the length"
         )
+    if a.row_pairs:
+        if a.spread != "even":
+            ap.error(f"--row-pairs prices by its table: --spread {a.spread} does not apply")
+        if a.budget_context or (a.scale_budgets and a.scale > 1):
+            ap.error(
+                "--row-pairs holds the budgets as given at full size: --budget-context and "
+                "--scale-budgets change them"
+            )
+        if not os.path.isfile(a.row_pairs):
+            ap.error(f"--row-pairs {a.row_pairs}: no such file")
+    a.row_pairs_lengths = None
     if a.profile_context is None:
         a.profile_context = 131072 // a.scale if a.scale_budgets else 131072
     for path in (a.budgets, a.calibration, a.lengths):

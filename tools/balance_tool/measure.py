@@ -29,6 +29,7 @@ from .report import (
     print_tables,
     repetition_spread,
 )
+from .row_pairs import load as load_row_pairs
 from .runner import Runner, linear_seconds
 from .validate import validate
 from .workload import long_tail, read_lengths, scale_length
@@ -200,7 +201,18 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     device = _replayed_device(a, replayed) if a.replay else _device_name(a.backend)
     _say_setup(a, source, full, lengths, nl, say, device)
     row_pairs = None
-    if a.spread == "measured":
+    if a.row_pairs:
+        try:
+            row_pairs, a.row_pairs_lengths = load_row_pairs(
+                a.row_pairs, nl, a.heads, a.levels, a.granularity
+            )
+        except ValueError as e:
+            ap.error(f"--row-pairs {e}")
+        say(
+            f"pricing: measured pairs per query row of {a.row_pairs} at {a.row_pairs_lengths} "
+            f"tokens, interpolated in log N ({row_pairs.min():.1f}..{row_pairs.max():.1f})"
+        )
+    elif a.spread == "measured":
         t0 = time.perf_counter()
         row_pairs = measured_row_pairs(a, budgets, max(lengths), runner)
         say(
@@ -265,8 +277,15 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         "linear_s": {str(n): s for n, s in linear_s.items()},
         "calibration": calibration,
         "calibration_fit": fit_report,
-        "pricing": "measured pairs per query row" if row_pairs is not None else a.spread,
-        "row_pairs": row_pairs.tolist() if row_pairs is not None else None,
+        "pricing": (
+            f"measured pairs per query row on a length grid ({a.row_pairs})"
+            if a.row_pairs
+            else "measured pairs per query row"
+            if row_pairs is not None
+            else a.spread
+        ),
+        "row_pairs": row_pairs.tolist() if row_pairs is not None and not a.row_pairs else None,
+        "row_pairs_lengths": a.row_pairs_lengths,
         "methods": out_methods,
         "per_document_spread": spread,
         "validation": validation,

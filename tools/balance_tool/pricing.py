@@ -23,7 +23,8 @@ def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
 
 class PairCounter:
     """The pairs the cost predictor counts (mtrain_balance_head_pairs: the position model's
-    pairs for a head at a level, or the measured ones with --spread measured) for one call: a
+    pairs for a head at a level, or the measured ones with --spread measured or --row-pairs)
+    for one call: a
     length, a layer and its heads' scales."""
 
     def __init__(self, a: argparse.Namespace, budget_file: str, row_pairs: Any = None) -> None:
@@ -65,7 +66,17 @@ class PairCounter:
             )
         finally:
             L.lib().budgets_destroy(handle)
-        if row_pairs is not None:  # --spread measured: the predictor's pricing, as balance_batch
+        grid = getattr(a, "row_pairs_lengths", None)
+        if row_pairs is not None and grid is not None:  # --row-pairs FILE: a length grid
+            rp = np.ascontiguousarray(np.asarray(row_pairs, dtype=np.float64))
+            rl = np.ascontiguousarray(np.asarray(grid, dtype=np.int64))
+            L.check(
+                self.dll.mtrain_balance_predictor_set_row_pairs_grid(
+                    self.pred, len(rl), rl.ctypes.data_as(B._I64P), rp.ctypes.data_as(B._DP)
+                ),
+                "predictor",
+            )
+        elif row_pairs is not None:  # --spread measured: the predictor's pricing, as balance_batch
             rp = np.ascontiguousarray(np.asarray(row_pairs, dtype=np.float64))
             L.check(
                 self.dll.mtrain_balance_predictor_set_row_pairs(
