@@ -34,6 +34,8 @@
 # Exit status: 0 when every run wrote its JSON, 1 when one did not (its log says why), 2 when
 # the preflight failed.
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 2
 
 out=${1:-runs/balance-measure}
 PY=${PYTHON:-python3}
@@ -63,16 +65,7 @@ mkdir -p "$out"
 if [ "$BACKEND" = cuda ]; then
   SCALE=${SCALE:-1}
   shape=(--heads 16 --kv-heads 2 --head-dim 128 --dtype bfloat16 --linear)
-  if [ -z "${MTRAIN_LIBRARY:-}" ]; then
-    if [ ! -f build-cuda/libmtrain.so ]; then
-      echo "building: scripts/device_cuda.sh build (log $out/build.log)"
-      t0=$SECONDS
-      timeout 300 bash scripts/device_cuda.sh build >"$out/build.log" 2>&1 ||
-        echo "build failed or timed out after $((SECONDS - t0)) s: $out/build.log"
-      echo "build: $((SECONDS - t0)) s"
-    fi
-    export MTRAIN_LIBRARY=build-cuda/libmtrain.so
-  fi
+  dev_ensure_library "$out"
 else
   SCALE=${SCALE:-64}
   shape=(--heads 4 --kv-heads 1 --head-dim 64 --scale-budgets --threads 1 --clock process)
@@ -125,25 +118,16 @@ for name in $RUNS; do
     failed=1
     continue ;;
   esac
-  left=$((t_end - $(date +%s)))
-  if [ "$left" -lt "$MIN_S" ]; then
-    echo "$name: not started, $left s left of CALL_S=$CALL_S"
+  if ! dev_run_limit "$name"; then
     failed=1
     continue
   fi
-  to=$((left < RUN_S ? left : RUN_S))
-  rm -f "$out/$name.json"
-  t0=$SECONDS
   echo "$name: $PY tools/balance_measure.py ${common[*]} ${args[*]} --json $out/$name.json"
-  timeout -k 10 "$to" "$PY" tools/balance_measure.py "${common[@]}" "${args[@]}" \
-    --json "$out/$name.json" >"$out/$name.log" 2>&1
-  rc=$?
-  if [ -f "$out/$name.json" ]; then
-    echo "$name: done in $((SECONDS - t0)) s"
+  if dev_timed_run "$name" "$PY" tools/balance_measure.py "${common[@]}" "${args[@]}" \
+    --json "$out/$name.json"; then
     done_runs+=("$name")
   else
-    failed=1
-    echo "$name: failed or timed out (exit status $rc, limit $to s); the end of $out/$name.log:"
+    echo "$name: failed or timed out (exit status $run_rc, limit $to s); the end of $out/$name.log:"
     tail -8 "$out/$name.log" | sed 's/^/    /'
   fi
 done

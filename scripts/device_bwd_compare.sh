@@ -14,33 +14,32 @@
 #     call. STAGES selects a subset of "build tests sanitize bench".
 # Logs to $OUT (default build-cuda/device-out): compare.log and the JSON files.
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$root/build-cuda/device-out}
 mkdir -p "$OUT"
-export OUT PATH=$PATH:/usr/local/cuda/bin
-deps=/tmp/deps/usr/lib/x86_64-linux-gnu
-export CMAKE_LIBRARY_PATH=$deps/openblas-pthread
-export LD_LIBRARY_PATH=$deps/openblas-pthread:$deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export OUT
+dev_deps_openblas # the OpenBLAS that device_cuda.sh unpacks from .device/debs
 stages=${STAGES:-build tests sanitize bench}
-want() { [[ " $stages " == *" $1 "* ]]; }
 build=$root/build-cuda
 log=$OUT/compare.log
 : > "$log"
 say() { echo "==== $* ($(date +%H:%M:%S))" | tee -a "$log"; }
-if want build; then
+if dev_want build; then
   say build
   bash "$root/scripts/device_cuda.sh" build >> "$log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 fi
 rc=0
-if want tests; then
+if dev_want tests; then
   say tests
   (cd "$build" && ctest -R "cross_backend_cuda_v3|cuda_device_plan|cuda_wgmma_layout" \
     --output-on-failure --timeout 1500) >> "$log" 2>&1 || rc=1
   grep -E "Test +#|tests passed" "$log" | tail -8
 fi
-if want sanitize; then
+if dev_want sanitize; then
   say sanitize
-  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  cs=$(dev_sanitizer)
   for tool in racecheck memcheck; do
     for det in 1 0; do
       echo "== $tool, variant 3, MTRAIN_DETERMINISTIC=$det" >> "$log"
@@ -50,7 +49,7 @@ if want sanitize; then
     done
   done
 fi
-if want bench; then
+if dev_want bench; then
   say bench
   bench() { # d heads bwd det tag
     MTRAIN_CUDA_WGMMA_BWD=$3 MTRAIN_DETERMINISTIC=$4 "$build/tools/mtrain-bench-cuda" \

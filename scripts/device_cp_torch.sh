@@ -29,11 +29,13 @@
 # minutes on 4 H100s. Exit status 0 when every step passed. OMP_NUM_THREADS: the host's cores
 # over W, at most 16, unless set (torchrun's own default is 1 thread per rank).
 set -u
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-build-cuda/device-out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:/tmp/deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+dev_no_nvls
+dev_deps_ld_path # what device_cuda.sh unpacked from .device/debs
 export MTRAIN_LIBRARY=${MTRAIN_LIBRARY:-$PWD/build-cuda/libmtrain.so}
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
 export MTRAIN_COMM_TIMEOUT=${MTRAIN_COMM_TIMEOUT:-120}

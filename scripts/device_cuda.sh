@@ -46,12 +46,14 @@
 # A stage that needs the build builds first when build-cuda/ has no build.
 # Dependencies missing on the machine (jansson, cmocka, ...) are taken from
 # the .deb files in .device/debs when that folder exists (unpacked with
-# dpkg -x into /tmp/deps). Logs go to $OUT (default build-cuda/device-out), one
+# dpkg -x into /tmp/deps: dev_unpack_debs of scripts/device_lib.sh). Logs go to $OUT (default build-cuda/device-out), one
 # or two files per stage run plus summary.txt (the default six stages: 8 files):
 # build.log test.log sanitize.log run.log bench.log bench.json peers.log
 # nccl.log ringbench.log ringbench.txt ringbench2.log ringbench2.json; a short
 # summary table is printed last. The exit status is 0 when every stage run passed.
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$root/build-cuda
 OUT=${OUT:-$build/device-out}
@@ -59,7 +61,7 @@ mkdir -p "$OUT"
 work=$build/device-work # the bench's pattern and dumps (kept between calls)
 arch=${MTRAIN_CUDA_ARCH:-90a}
 bench_seq=${MTRAIN_BENCH_SEQ:-32768}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+dev_mpi_root
 export PATH=$PATH:/usr/local/cuda/bin
 
 stages=("$@")
@@ -82,24 +84,8 @@ note() { summary+=("$1|$2|$3|$4"); [ "$2" = ok ] || failed=1; }
 join() { local out="" x; for x in "$@"; do out+="${out:+; }$x"; done; echo "$out"; }
 say() { echo "== device_cuda.sh: $* ($(date +%H:%M:%S))"; }
 
-# ---- dependencies from .device/debs ------------------------------------------
-if [ -d "$root/.device/debs" ]; then
-  deps=/tmp/deps
-  mkdir -p "$deps"
-  for deb in "$root"/.device/debs/*.deb; do
-    [ -e "$deb" ] && dpkg -x "$deb" "$deps"
-  done
-  # their pkg-config files name the prefix /usr: point them at the copy
-  find "$deps" -name '*.pc' -exec sed -i -e 's|=/usr|='"$deps"'/usr|g' \
-    -e 's|-I/usr|-I'"$deps"'/usr|g' -e 's|-L/usr|-L'"$deps"'/usr|g' {} +
-  multi=$deps/usr/lib/x86_64-linux-gnu
-  export PKG_CONFIG_PATH=$multi/pkgconfig:$deps/usr/lib/pkgconfig:$deps/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-  export CMAKE_PREFIX_PATH=$deps/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
-  export LD_LIBRARY_PATH=$multi:$deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export LIBRARY_PATH=$multi:$deps/usr/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
-  export CPATH=$deps/usr/include${CPATH:+:$CPATH}
-  export PATH=$PATH:$deps/usr/bin
-fi
+# ---- dependencies from .device/debs (unpacked into /tmp/deps) ---------------------
+dev_unpack_debs "$root"
 
 # The real budget files (tests and the run stage), in the repository: data/budgets.
 data=""
@@ -164,7 +150,7 @@ stage_sanitize() {
   say "compute-sanitizer (memcheck, racecheck) on the quick cross-backend cases -> $log"
   ensure_build || { note sanitize FAILED 0 "no build"; return 1; }
   local cs
-  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  cs=$(dev_sanitizer)
   if [ ! -x "$cs" ]; then
     note sanitize FAILED 0 "compute-sanitizer not found"
     return 1
@@ -292,7 +278,7 @@ stage_nccl() {
   local t0=$SECONDS log=$OUT/nccl.log res=() bad=0
   say "NCCL ring tests and mtrain-run on $(nvidia-smi -L | wc -l) GPUs -> $log"
   ensure_build || { note nccl FAILED 0 "no build"; return 1; }
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  dev_no_nvls
   # the 4-rank fault tests need 4 GPUs: left out below that (a skip fails this stage)
   local skip=()
   [ "$(nvidia-smi -L | wc -l)" -lt 4 ] && skip=(-E nccl_fault_w4)
@@ -327,7 +313,7 @@ stage_ringbench() {
   local t0=$SECONDS log=$OUT/ringbench.log bad=0
   say "ring benchmark on 2 GPUs -> $log"
   ensure_build || { note ringbench FAILED 0 "no build"; return 1; }
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  dev_no_nvls
   : > "$log"
   local budgets=$data/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json
   printf '%-8s %-6s %-22s %9s %10s %10s %9s %9s\n' tokens layer mode sparsity fwd_s bwd_s \
@@ -384,7 +370,7 @@ stage_ringbench2() {
     note ringbench2 FAILED 0 "no budget files (data/budgets)"
     return 1
   fi
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  dev_no_nvls
   # the lists may be given with spaces (as for the ringbench stage) or commas
   local seqs=${MTRAIN_RING_SEQS:-131072,524288,1048576} layers=${MTRAIN_RING_LAYERS:-3,15,31}
   seqs=${seqs// /,}

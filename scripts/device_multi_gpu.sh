@@ -16,11 +16,13 @@
 #     512K: the same tokens per GPU) for the scaling.
 # Each step has its own timeout; logs in $OUT (mg-*.log), a summary printed.
 set -u
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 OUT=${OUT:-build-cuda/device-out}
 export OUT
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+dev_no_nvls
+dev_mpi_root
 timeout 120 bash scripts/device_cuda.sh build > /dev/null 2>&1
 echo "build rc $?"
 B=build-cuda/tools

@@ -17,44 +17,29 @@
 #     the plan built on the GPU and on the host, dense ours and cuDNN.
 # Logs and JSON go to $OUT (default build-cuda/device-out); a summary last.
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$root/build-cuda/device-out}
 mkdir -p "$OUT"
 layers=${1:-3,15,31}
-export OUT PATH=$PATH:/usr/local/cuda/bin
-# OpenBLAS from .device/debs lives under openblas-pthread (no alternatives ran)
-export CMAKE_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu/openblas-pthread
-deps=/tmp/deps/usr/lib/x86_64-linux-gnu # device_cuda.sh unpacks .device/debs there
-export LD_LIBRARY_PATH=$deps/openblas-pthread:$deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export OUT
+dev_deps_openblas # the OpenBLAS that device_cuda.sh unpacks from .device/debs
 stages=${STAGES:-build tests sanitize pytest bench} # a subset: STAGES="tests sanitize"
-want() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
-log=$OUT/check.log # every step's output, one after the other
+log=$OUT/check.log # every step's output, one after the other (dev_step)
 : > "$log"
-step() { # name, command...
-  local name=$1 t0=$SECONDS
-  shift
-  echo "==== $name ($(date +%H:%M:%S)): $*" >> "$log"
-  "$@" > "$OUT/.step" 2>&1
-  local rc=$?
-  cat "$OUT/.step" >> "$log"
-  summary+=("$name: rc $rc, $((SECONDS - t0)) s")
-  echo "== $name: rc $rc ($((SECONDS - t0)) s)"
-  tail -4 "$OUT/.step"
-  rm -f "$OUT/.step"
-  return $rc
-}
-if want build && ! step build bash "$root/scripts/device_cuda.sh" build; then
+if dev_want build && ! dev_step build bash "$root/scripts/device_cuda.sh" build; then
   tail -40 "$OUT/build.log"
   exit 1
 fi
 build=$root/build-cuda
-want tests && step tests bash -c "cd $build && ctest -R 'cuda_device_plan|cuda_select|cuda_async|cross_backend_cuda_v3_det1' --output-on-failure --timeout 900"
-cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-want sanitize && step sanitize bash -c "MTRAIN_TEST_QUICK=1 $cs --tool memcheck --error-exitcode 99 $build/tests/test_cuda_device_plan && MTRAIN_TEST_QUICK=1 $cs --tool racecheck --error-exitcode 99 $build/tests/test_cuda_device_plan"
+dev_want tests && dev_step tests bash -c "cd $build && ctest -R 'cuda_device_plan|cuda_select|cuda_async|cross_backend_cuda_v3_det1' --output-on-failure --timeout 900"
+cs=$(dev_sanitizer)
+dev_want sanitize && dev_step sanitize bash -c "MTRAIN_TEST_QUICK=1 $cs --tool memcheck --error-exitcode 99 $build/tests/test_cuda_device_plan && MTRAIN_TEST_QUICK=1 $cs --tool racecheck --error-exitcode 99 $build/tests/test_cuda_device_plan"
 PYTEST_K="device_plan or does_not_wait or estimate or attention_against_reference"
 export MTRAIN_LIBRARY=$build/libmtrain.so PYTHONPATH=$root/python PYTHONUNBUFFERED=1
-want pytest && step pytest bash -c "cd $root && python3 -m pytest -q -p no:cacheprovider -s tests/python/test_cuda.py -k '$PYTEST_K'"
-want bench && step bench python3 "$root/tools/bench_model.py" --layers "$layers" --reps 2 --warmup 1 --dense-above none --steps --json "$OUT/bench_model_steps.json"
+dev_want pytest && dev_step pytest bash -c "cd $root && python3 -m pytest -q -p no:cacheprovider -s tests/python/test_cuda.py -k '$PYTEST_K'"
+dev_want bench && dev_step bench python3 "$root/tools/bench_model.py" --layers "$layers" --reps 2 --warmup 1 --dense-above none --steps --json "$OUT/bench_model_steps.json"
 printf '%s\n' "${summary[@]}" | tee -a "$log"
 grep -A8 "^NVIDIA\|^H200\|dense per layer" "$log" | tail -10

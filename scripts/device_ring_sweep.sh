@@ -8,6 +8,8 @@
 # These are the commands of the call of 2026-11-22 (then run from a copy of
 # the tree in .device/src, with the same stage timeouts).
 set -u
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 OUT=${OUT:-build-cuda/device-out}
 export OUT
 mkdir -p "$OUT"
@@ -23,7 +25,7 @@ MTRAIN_RING_SEQS=1048576 MTRAIN_RING_LAYERS=15,31 MTRAIN_RING_DENSE_MAX=2000000 
   timeout 150 bash $S ringbench2 2>&1 | sed -n '/^mtrain-bench: backend/,/^(s:/p'
 mv "$OUT/ringbench2.log" "$OUT/rb1m.log"
 mv "$OUT/ringbench2.json" "$OUT/rb1m.json"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+dev_no_nvls
 timeout 75 torchrun --nproc_per_node 2 tools/bench_ring_torch_peer.py --seq-len 524288 --reps 3 \
   --warmup 1 --no-check > "$OUT/torch512.log" 2>&1
 echo "torch rc $?"

@@ -42,6 +42,8 @@
 #   python -m examples.train.report runs/gpu/*-16384.json runs/gpu-cp2/*-16384.json \
 #     --out-dir runs/cmp        # the same runs side by side; the W-GPU ones labelled (cpW)
 set -euo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh"
 
 phase=${1:?usage: device_train.sh PHASE OUT_DIR}
 out=${2:?usage: device_train.sh PHASE OUT_DIR}
@@ -72,8 +74,7 @@ FROM_DIR=${FROM_DIR:-$out}
 # how a run is launched: one process, or torchrun with one rank per GPU
 launch=("$PY" -m examples.train)
 if [ "$CP_WORLD" -gt 1 ]; then
-  # no NVLink multicast
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  dev_no_nvls
   launch=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$CP_WORLD"
     -m examples.train --cp-layout "$CP_LAYOUT")
 fi

@@ -23,6 +23,8 @@
 # Exit status: 0 when every run wrote its results, 1 when one did not (its log says why), 2 when
 # the preflight failed (no GPU, fewer GPUs than DP_WORLD).
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 2
 
 out=${1:-runs/train-balance}
 PY=${PYTHON:-python3}
@@ -40,17 +42,11 @@ t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=python:.${PYTHONPATH:+:$PYTHONPATH}
-# no NVLink multicast
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+dev_no_nvls
 mkdir -p "$out"
 
-if [ -z "${MTRAIN_LIBRARY:-}" ] && [ "$DEVICE" = cuda ]; then
-  if [ ! -f build-cuda/libmtrain.so ]; then
-    echo "no MTRAIN_LIBRARY and no build-cuda/libmtrain.so: building (scripts/device_cuda.sh build)"
-    timeout 300 bash scripts/device_cuda.sh build >"$out/build.log" 2>&1 ||
-      echo "build failed or timed out: $out/build.log"
-  fi
-  export MTRAIN_LIBRARY=build-cuda/libmtrain.so
+if [ "$DEVICE" = cuda ]; then
+  dev_ensure_library "$out"
 fi
 
 # preflight: the GPUs and the library; the world size
@@ -120,26 +116,15 @@ for arm in $ARMS; do
     if [ "$bal" = cost+fit ]; then
       balance=(--balance cost --balance-fit "${FIT_EVERY:-10}")
     fi
-    left=$((t_end - $(date +%s)))
-    if [ "$left" -lt "$MIN_S" ]; then
-      echo "$name: not started, $left s left of CALL_S=$CALL_S"
+    if ! dev_run_limit "$name"; then
       failed=1
       continue
     fi
-    to=$((left < RUN_S ? left : RUN_S))
-    rm -f "$out/$name.json"
-    t0=$SECONDS
-    # timeout signals the whole process group: torchrun and its ranks
-    timeout -k 10 "$to" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" \
-      -m examples.train "${common[@]}" --arm "$arm" "${balance[@]}" --out "$out/$name.json" \
-      >"$out/$name.log" 2>&1
-    rc=$?
-    if [ -f "$out/$name.json" ]; then
-      echo "$name: done in $((SECONDS - t0)) s"
+    if dev_timed_run "$name" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" \
+      -m examples.train "${common[@]}" --arm "$arm" "${balance[@]}" --out "$out/$name.json"; then
       names+=("$out/$name.json")
     else
-      failed=1
-      echo "$name: failed or timed out (exit status $rc, limit $to s); the end of $out/$name.log:"
+      echo "$name: failed or timed out (exit status $run_rc, limit $to s); the end of $out/$name.log:"
       grep -E 'Error|error:|MTRAIN_ERR|exitcode' "$out/$name.log" | head -8 | sed 's/^/    /'
       tail -8 "$out/$name.log" | sed 's/^/    /'
     fi

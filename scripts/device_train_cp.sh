@@ -17,6 +17,8 @@
 # which and why), 2 when the preflight failed (no GPU, fewer GPUs than CP_WORLD, a library
 # without the NCCL communicator).
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 2
 
 out=${1:-runs/train-cp}
 PY=${PYTHON:-python3}
@@ -34,18 +36,12 @@ t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
-# no NVLink multicast
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+dev_no_nvls
 export MTRAIN_COMM_TIMEOUT=${MTRAIN_COMM_TIMEOUT:-60}         # a stalled ring fails in 60 s
 mkdir -p "$out"
 
-if [ -z "${MTRAIN_LIBRARY:-}" ] && [ "$DEVICE" = cuda ]; then
-  if [ ! -f build-cuda/libmtrain.so ]; then
-    echo "no MTRAIN_LIBRARY and no build-cuda/libmtrain.so: building (scripts/device_cuda.sh build)"
-    timeout 300 bash scripts/device_cuda.sh build >"$out/build.log" 2>&1 ||
-      echo "build failed or timed out: $out/build.log"
-  fi
-  export MTRAIN_LIBRARY=build-cuda/libmtrain.so
+if [ "$DEVICE" = cuda ]; then
+  dev_ensure_library "$out"
 fi
 
 # preflight: the GPUs, the library, its NCCL communicator; the world size
@@ -96,33 +92,21 @@ fi
 failed=0
 # one NAME RANKS ARM: one run, 1 rank (one process) or RANKS ranks under torchrun
 one() {
-  local name=$1 ranks=$2 arm=$3 left
-  left=$((t_end - $(date +%s)))
-  if [ "$left" -lt "$MIN_S" ]; then
-    echo "$name: not started, $left s left of CALL_S=$CALL_S"
+  local name=$1 ranks=$2 arm=$3 to run_rc
+  if ! dev_run_limit "$name"; then
     failed=1
     return
   fi
-  local to=$((left < RUN_S ? left : RUN_S))
   local cmd=("$PY" -m examples.train)
   if [ "$ranks" -gt 1 ]; then
     cmd=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$ranks"
       -m examples.train --cp-layout "$CP_LAYOUT")
   fi
-  rm -f "$out/$name.json"
-  local t0=$SECONDS
-  # timeout signals the whole process group: torchrun and its ranks
-  timeout -k 10 "$to" "${cmd[@]}" "${common[@]}" --arm "$arm" --out "$out/$name.json" \
-    >"$out/$name.log" 2>&1
-  local rc=$?
-  if [ -f "$out/$name.json" ]; then
-    echo "$name: done in $((SECONDS - t0)) s"
-  else
-    failed=1
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+  if ! dev_timed_run "$name" "${cmd[@]}" "${common[@]}" --arm "$arm" --out "$out/$name.json"; then
+    if [ "$run_rc" -eq 124 ] || [ "$run_rc" -eq 137 ]; then
       echo "$name: timed out after $to s (RUN_S=$RUN_S); the end of $out/$name.log:"
     else
-      echo "$name: failed (exit status $rc); the end of $out/$name.log:"
+      echo "$name: failed (exit status $run_rc); the end of $out/$name.log:"
     fi
     # the ranks' own errors first (torchrun's traceback comes last in the log), then the end
     grep -E 'Error|error:|MTRAIN_ERR|exitcode' "$out/$name.log" | grep -v 'SignalException' |

@@ -18,6 +18,8 @@
 # and --dense-recheck; with DENSE_ABOVE set those arms' runs are named ARM+fallback).
 # Exit status: 0 when every run wrote its results, 1 when one did not (its log says why).
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 
 out=${1:-runs/train-speed}
 PY=${PYTHON:-python3}
@@ -35,13 +37,8 @@ t_end=$(($(date +%s) + CALL_S))
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH=python${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
-if [ -z "${MTRAIN_LIBRARY:-}" ] && [ "$DEVICE" = cuda ]; then
-  if [ ! -f build-cuda/libmtrain.so ]; then
-    echo "no MTRAIN_LIBRARY and no build-cuda/libmtrain.so: building (scripts/device_cuda.sh build)"
-    timeout 300 bash scripts/device_cuda.sh build >"$out/build.log" 2>&1 ||
-      echo "build failed or timed out: $out/build.log"
-  fi
-  export MTRAIN_LIBRARY=build-cuda/libmtrain.so
+if [ "$DEVICE" = cuda ]; then
+  dev_ensure_library "$out"
 fi
 extra=()
 [ "$DEVICE" = cpu ] && extra=(--threads 1)
@@ -62,25 +59,15 @@ for size in $SIZES; do
         fi
         ;;
       esac
-      left=$((t_end - $(date +%s)))
-      if [ "$left" -lt "$MIN_S" ]; then
-        echo "$name: not started, $left s left of CALL_S=$CALL_S"
+      if ! dev_run_limit "$name"; then
         failed=1
         continue
       fi
-      to=$((left < RUN_S ? left : RUN_S))
-      rm -f "$out/$name.json"
-      t0=$SECONDS
-      timeout -k 10 "$to" "$PY" -m examples.train --size "$size" --arm "$arm" --task mix \
+      if ! dev_timed_run "$name" "$PY" -m examples.train --size "$size" --arm "$arm" --task mix \
         --seq-len "$n" --batch "$b" --steps "$STEPS" --probe-every "${PROBE_EVERY:-5}" \
-        --eval-seqs 1 --eval-batch 1 --device "$DEVICE" "${extra[@]}" "${fallback[@]}" --out "$out/$name.json" \
-        >"$out/$name.log" 2>&1
-      rc=$?
-      if [ -f "$out/$name.json" ]; then
-        echo "$name: done in $((SECONDS - t0)) s"
-      else
-        failed=1
-        echo "$name: no results (exit status $rc; timeout $to s); the end of $out/$name.log:"
+        --eval-seqs 1 --eval-batch 1 --device "$DEVICE" "${extra[@]}" "${fallback[@]}" \
+        --out "$out/$name.json"; then
+        echo "$name: no results (exit status $run_rc; timeout $to s); the end of $out/$name.log:"
         tail -5 "$out/$name.log" | sed 's/^/    /'
       fi
     done

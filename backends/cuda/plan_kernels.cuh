@@ -44,6 +44,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "backends/cuda/block_scan.cuh"
 #include "backends/cuda/cuda_plan_build.h"
 
 #ifdef MTRAIN_CUDA_EMU
@@ -452,25 +453,6 @@ __device__ __forceinline__ int32_t count_lt(const int32_t *a, int32_t n, int64_t
   return lo;
 }
 
-/* Exclusive prefix sum over the CTA of one value per thread; *total gets the
- * sum. Every thread must call it; buf: kThreads entries of shared memory,
- * free again on return. */
-__device__ __forceinline__ long long block_scan(long long v, long long *buf, long long *total) {
-  const int t = (int)threadIdx.x;
-  buf[t] = v;
-  __syncthreads();
-  for (int off = 1; off < kThreads; off <<= 1) {
-    const long long x = t >= off ? buf[t - off] : 0;
-    __syncthreads();
-    buf[t] += x;
-    __syncthreads();
-  }
-  const long long incl = buf[t];
-  *total = buf[kThreads - 1];
-  __syncthreads();
-  return incl - v;
-}
-
 /* The sum (min: the minimum) of one value per thread, for every thread. */
 __device__ __forceinline__ long long block_reduce(long long v, long long *buf, bool min_op) {
   const int t = (int)threadIdx.x;
@@ -505,7 +487,7 @@ __device__ __forceinline__ long long block_prefix(int64_t n, long long *buf, Val
       sum += v[e];
     }
     long long total;
-    long long ex = carry + block_scan(sum, buf, &total);
+    long long ex = carry + bscan::block_scan<kThreads>(sum, buf, &total);
 #pragma unroll
     for (int e = 0; e < kPer; e++) {
       if (i0 + e >= n) break;

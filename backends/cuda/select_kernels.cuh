@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "backends/cuda/block_scan.cuh"
+
 #ifdef MTRAIN_CUDA_EMU
 #define SEL_SMEM(name) unsigned char *name = emu::smem_base()
 #else
@@ -86,25 +88,6 @@ __device__ __forceinline__ unsigned long long key_of(const double *s, int64_t i,
   return (unsigned long long)b ^ 0x8000000000000000ULL;
 }
 
-/* Exclusive prefix sum over the CTA of one 64-bit value per thread (two
- * 32-bit counts packed: they add independently while each stays below
- * 2^32); *total gets the sum. Every thread must call it. */
-__device__ __forceinline__ long long block_scan(long long v, long long *buf, long long *total) {
-  const int t = threadIdx.x;
-  buf[t] = v;
-  __syncthreads();
-  for (int off = 1; off < kThreads; off <<= 1) {
-    const long long x = t >= off ? buf[t - off] : 0;
-    __syncthreads();
-    buf[t] += x;
-    __syncthreads();
-  }
-  const long long incl = buf[t];
-  *total = buf[kThreads - 1];
-  __syncthreads();
-  return incl - v;
-}
-
 /* The m-th largest key (1 <= m <= n) among s[0..n) with the forced prefix nf,
  * and in *ties how many of the keys equal to it rank among the m best (the
  * lowest indices of them win). */
@@ -159,8 +142,11 @@ __device__ void write_best(const double *s, int64_t n, int64_t nf, unsigned long
       gt += k > T;
       eq += k == T;
     }
+    /* the two 32-bit counts packed in one value: they add independently
+     * while each stays below 2^32 */
     long long total;
-    const long long ex = block_scan((long long)gt | ((long long)eq << 32), scan, &total);
+    const long long ex =
+        bscan::block_scan<kThreads>((long long)gt | ((long long)eq << 32), scan, &total);
     const int64_t gt_before = ex & 0xffffffffLL, eq_before = ex >> 32;
     int64_t pos = base_out + gt_before + (eq_before < ties_left ? eq_before : ties_left);
     int64_t tie_rank = eq_before;
@@ -197,7 +183,8 @@ __device__ int64_t compact_flagged(T *a, const F *flag, int64_t n, long long *sc
       if (i < n && flag[i]) v[keep++] = a[i];
     }
     long long total;
-    const long long ex = block_scan(keep, scan, &total); /* (its barriers order reads/writes) */
+    /* (its barriers order the reads and writes) */
+    const long long ex = bscan::block_scan<kThreads>(keep, scan, &total);
     for (int e = 0; e < keep; e++) a[base + ex + e] = v[e];
     base += total;
     __syncthreads();
