@@ -15,6 +15,8 @@
 #             every document measured on its own inputs (sparsity heterogeneity alone).
 #   measured  the tuned run priced by the measured pairs (--spread measured) with the methods
 #             tokens, cost and cost+tuned, at TUNED_LAYERS.
+#   grid      the long-tail mix priced by the measured table on a length grid ROW_PAIRS
+#             (--row-pairs; tools/balance_row_pairs.py), methods GRID_METHODS at LAYERS.
 # Then the summary lines of every run that finished (from its log).
 #
 #   bash scripts/device_balance_measure.sh [OUT_DIR]     (default runs/balance-measure)
@@ -30,7 +32,8 @@
 # call's budget, build included: 560; a run is not started with less than MIN_S = 30 left),
 # PYTHON (python3), FIT (0; 1: the longtail run fits pair_s, row_s, seq_s and linear_flops on its
 # own untuned calls first, --fit-calibration, and balances with the fitted table; the table is in
-# its JSON under calibration_fit).
+# its JSON under calibration_fit; also for the grid run), ROW_PAIRS
+# (data/calibration/qwen2.5-3b-row-pairs.json), GRID_METHODS (tokens,cost,cost+tuned).
 # Exit status: 0 when every run wrote its JSON, 1 when one did not (its log says why), 2 when
 # the preflight failed.
 set -uo pipefail
@@ -56,6 +59,8 @@ CALL_S=${CALL_S:-560}
 MIN_S=${MIN_S:-30}
 RUNS=${RUNS:-longtail}
 FIT=${FIT:-0}
+ROW_PAIRS=${ROW_PAIRS:-data/calibration/qwen2.5-3b-row-pairs.json}
+GRID_METHODS=${GRID_METHODS:-tokens,cost,cost+tuned}
 t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
@@ -113,8 +118,12 @@ for name in $RUNS; do
   measured)
     args=("${static[@]}" --methods tokens,cost,cost+tuned --layers "$TUNED_LAYERS" --grid "$GRID"
       --spread measured) ;;
+  grid)
+    args=("${static[@]}" --methods "$GRID_METHODS" --layers "$LAYERS" --grid "$GRID"
+      --row-pairs "$ROW_PAIRS")
+    [ "$FIT" = 1 ] && args+=(--fit-calibration) ;;
   *)
-    echo "unknown run $name (RUNS: longtail tuned topp measured)"
+    echo "unknown run $name (RUNS: longtail tuned topp measured grid)"
     failed=1
     continue ;;
   esac
