@@ -227,15 +227,16 @@ struct QItem {
   int64_t gq;
 };
 
-/* The query-major item of CTA blockIdx.x for query tiles of BM rows (the
- * cuda_q_items grid): the heaviest (last) query tiles first, the heads of
- * one tile adjacent (a GQA group shares K/V in L2). False when the tile
- * holds no valid row (padding only). Uniform over the CTA. */
-template <int BM> __device__ __forceinline__ bool q_item_begin(const cuda_step_t &st, QItem &it) {
+/* Query-major item `index` for query tiles of BM rows (index < cuda_q_items):
+ * the heaviest (last) query tiles first, the heads of one tile adjacent (a
+ * GQA group shares K/V in L2). False when the tile holds no valid row
+ * (padding only). */
+template <int BM>
+__device__ __forceinline__ bool q_item_at(const cuda_step_t &st, unsigned index, QItem &it) {
   const int tpb = st.G / BM;
   const int nqt = st.num_q_blocks * tpb;
-  const int qtile = nqt - 1 - (int)(blockIdx.x / (unsigned)st.Hq);
-  const int h = (int)(blockIdx.x % (unsigned)st.Hq);
+  const int qtile = nqt - 1 - (int)(index / (unsigned)st.Hq);
+  const int h = (int)(index % (unsigned)st.Hq);
   const int qb = qtile / tpb, qt = qtile - qb * tpb;
   const int64_t gq = st.q_block_global[qb];
   const int nr = block_rows_dev(st.q_tokens, st.G, qb, gq, st.seq_len);
@@ -246,6 +247,12 @@ template <int BM> __device__ __forceinline__ bool q_item_begin(const cuda_step_t
   it.rows = rows;
   it.gq = gq;
   return rows > 0;
+}
+
+/* The query-major item of CTA blockIdx.x (the cuda_q_items grid, one CTA
+ * per item). Uniform over the CTA. */
+template <int BM> __device__ __forceinline__ bool q_item_begin(const cuda_step_t &st, QItem &it) {
+  return q_item_at<BM>(st, blockIdx.x, it);
 }
 
 /* One 64-key tile of a query item: kind 1 = consecutive key rows of a run

@@ -20,8 +20,18 @@ extern "C" {
  * device (compute capability 9.0); else 0 and *why (static). */
 int cuda_wgmma_supports(const cuda_state_t *s, mtrain_dtype_t dtype, int32_t d, int32_t G,
                         const char **why);
+/* The forward step on wgmma (attn_wgmma_fwd.cu), with the kernel of the
+ * context's choice (cuda_state_t::wgmma_fwd_persistent). */
 mtrain_status_t cuda_wgmma_fwd(cuda_state_t *s, const cuda_step_t *st,
                                const mtrain_fwd_step_args_t *a);
+/* The forward kernel of variant 3 that a context runs, read once when the
+ * context is created (kept in cuda_state_t::wgmma_fwd_persistent): the
+ * environment variable MTRAIN_CUDA_WGMMA_FWD_PERSISTENT, "1" for the
+ * persistent kernel (wgmma_fwd_persistent_kernel: min(items, SMs x CTAs per
+ * SM) CTAs that loop over the query items), "0" for one CTA per item
+ * (wgmma_fwd_kernel); unset or empty: wg::kFwdPersistentDefault
+ * (attn_wgmma_fwd.cu). Any other value: MTRAIN_ERR_INVALID_CONFIG. */
+mtrain_status_t cuda_wgmma_fwd_persistent_from_env(int *on);
 /* The backward step on wgmma (attn_wgmma_bwd.cu): non-deterministic contexts
  * run one fused kernel (dQ by fp32 reductions, order-dependent in the last
  * bits); deterministic ones run variant 2's dQ kernel and the dK/dV kernel

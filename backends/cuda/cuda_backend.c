@@ -142,6 +142,7 @@ static mtrain_status_t cuda_init(const mtrain_config_t *config, void **state) {
   MTRAIN_TRY(parse_variant_env(&s->variant));
   MTRAIN_TRY(cuda_mma2_config_from_env(&s->mma2_config));
   MTRAIN_TRY(cuda_wgmma_bwd_kernel_from_env(&s->wgmma_bwd));
+  MTRAIN_TRY(cuda_wgmma_fwd_persistent_from_env(&s->wgmma_fwd_persistent));
   MTRAIN_TRY(cuda_kv_split_min_from_env(&s->kv_split_min));
   s->last_variant = -1;
   s->deterministic = config->deterministic;

@@ -125,8 +125,10 @@ typedef struct cuda_state {
   int variant;      /* mtrain_cuda_variant_t requested */
   int last_variant; /* the variant the last step ran */
   int deterministic;
-  int mma2_config; /* variant 2's tile configuration (MTRAIN_CUDA_MMA2_CONFIG) */
-  int wgmma_bwd;   /* variant 3's backward kernel: 1 or 2 (MTRAIN_CUDA_WGMMA_BWD) */
+  int mma2_config;          /* variant 2's tile configuration (MTRAIN_CUDA_MMA2_CONFIG) */
+  int wgmma_bwd;            /* variant 3's backward kernel: 1 or 2 (MTRAIN_CUDA_WGMMA_BWD) */
+  int wgmma_fwd_persistent; /* variant 3's forward kernel: 1 persistent, 0 one CTA per item
+                               (MTRAIN_CUDA_WGMMA_FWD_PERSISTENT) */
   /* read once from the device at init: */
   int num_sms;
   int cc_major, cc_minor; /* compute capability of the device */

@@ -59,7 +59,8 @@ def main():
         if n == 0:
             sys.exit(f"cut_ptx.py: no shared-memory declaration in {f}")
         write(f, s)
-    for f in ('cuda_device.cuh', 'cuda_internal.h', 'attn_mma2.h', 'attn_wgmma.h'):
+    for f in ('cuda_device.cuh', 'cuda_internal.h', 'attn_mma2.h', 'attn_wgmma.h',
+              'attn_wgmma_fwd_common.cuh'):
         write(f, read(f))
 
 

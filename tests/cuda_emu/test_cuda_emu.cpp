@@ -69,7 +69,17 @@ struct Cfg {
   // (the sink column, the diagonal block and the one before it, nothing else); cmin: the
   // split's C_MIN (0: CUDA_KV_SPLIT_MIN); sms: the SM count the schedule assumes (0: 132)
   int sink = 0, cmin = 0, sms = 0;
+  // the SM count of variant 3's persistent forward (0: kFwdSms): its grid is min(items, SMs x
+  // CTAs per SM), small so that every CTA loops over several items
+  int fwd_sms = 0;
 };
+
+// The emulated SM count of the persistent forward's grid (Cfg::fwd_sms), and whether it runs:
+// MTRAIN_CUDA_WGMMA_FWD_PERSISTENT unset, empty or 1: variant 3's forward runs with both kernels
+// (wgmma_fwd_kernel, one CTA per item, and wgmma_fwd_persistent_kernel), their outputs compared
+// bit for bit; 0: the one-item kernel alone.
+static const int kFwdSms = 3;
+static int fwd_persistent = 1;
 
 template <typename T> static uint16_t to16(float f);
 template <> uint16_t to16<__nv_bfloat16>(float f) {
@@ -108,6 +118,31 @@ static Err compare(const float *x, const double *y, int64_t n) {
     e.worst = first_nan;
   }
   return e;
+}
+
+// The persistent forward's items (query tiles of BM rows, cuda_q_items order) by their key
+// tiles (the walk that the kernel's producer runs), and what CTA 0 of a grid of `grid` takes.
+template <int BM> static void print_fwd_items(const cuda_step_t &st, int grid) {
+  const int items = (int)cuda_q_items(&st, BM);
+  int hist[4] = {0, 0, 0, 0}, pad = 0; // 0, 1, 2-3, 4+ tiles; padding-only tiles
+  std::string cta0;
+  for (int it = 0; it < items; ++it) {
+    mma2::QItem item;
+    if (!mma2::q_item_at<BM>(st, (unsigned)it, item)) {
+      ++pad;
+      continue;
+    }
+    mma2::KeyWalk2 w;
+    w.init(st, item.h, item.qb, item.gq, item.qt * BM, item.rows);
+    mma2::KTile2 t;
+    int n = 0;
+    while (w.next(st, t)) ++n;
+    ++hist[n == 0 ? 0 : n == 1 ? 1 : n < 4 ? 2 : 3];
+    if (it % grid == 0 && cta0.size() < 60) cta0 += " " + std::to_string(n);
+  }
+  printf("    persistent BM %d: %d CTAs over %d items (key tiles 0: %d, 1: %d, 2-3: %d, 4+: %d; "
+         "padding %d); CTA 0's items' tiles:%s\n",
+         BM, grid, items, hist[0], hist[1], hist[2], hist[3], pad, cta0.c_str());
 }
 
 template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
@@ -420,29 +455,54 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
     }
     for (int nwg = 1; nwg <= 2; ++nwg) { /* variant 3: 1 or 2 consumer warpgroups */
       if (nwg == 2 && G % 128 != 0) continue;
-      vector<float> o2 = o, l2 = lse;
-      float *op = o2.data(), *lp = l2.data();
-      int items = 0, smem = 0, nt = 0;
-      std::function<void()> fn;
-      if (nwg == 1) {
-        using S = wg::FwdShape<D, 1>;
-        items = (int)cuda_q_items(&st, S::BM);
-        smem = S::kSmem;
-        nt = S::NT;
-        fn = [&]() { wg::wgmma_fwd_kernel<D, T, 1>(st, qp, kp, vp, op, lp); };
-      } else {
-        using S = wg::FwdShape<D, 2>;
-        items = (int)cuda_q_items(&st, S::BM);
-        smem = S::kSmem;
-        nt = S::NT;
-        fn = [&]() { wg::wgmma_fwd_kernel<D, T, 2>(st, qp, kp, vp, op, lp); };
+      vector<float> o1, l1; // the one-item kernel's output
+      for (int persistent = 0; persistent <= fwd_persistent; ++persistent) {
+        vector<float> o2 = o, l2 = lse;
+        float *op = o2.data(), *lp = l2.data();
+        int items = 0, grid = 0, smem = 0, nt = 0, regs = 0;
+        std::function<void()> fn;
+        const int sms = c.fwd_sms > 0 ? c.fwd_sms : kFwdSms;
+#define V3_FWD(NWG)                                                                                \
+  if (nwg == NWG && !persistent) {                                                                 \
+    using S = wg::FwdShape<D, NWG>;                                                                \
+    items = grid = (int)cuda_q_items(&st, S::BM);                                                  \
+    smem = S::kSmem;                                                                               \
+    nt = S::NT;                                                                                    \
+    fn = [&]() { wg::wgmma_fwd_kernel<D, T, NWG>(st, qp, kp, vp, op, lp); };                       \
+  } else if (nwg == NWG) {                                                                         \
+    using S = wg::FwdShape<D, NWG, 2>;                                                             \
+    using PR = wg::PersistRegs<D, NWG>;                                                            \
+    items = (int)cuda_q_items(&st, S::BM);                                                         \
+    grid = std::min(items, sms * PR::kMinBlocks);                                                  \
+    smem = S::kSmem;                                                                               \
+    nt = S::NT;                                                                                    \
+    regs = PR::kMoveRegs ? 65536 / (S::NT * PR::kMinBlocks) : 0;                                   \
+    fn = [&]() { wg::wgmma_fwd_persistent_kernel<D, T, NWG>(st, qp, kp, vp, op, lp); };            \
+    print_fwd_items<S::BM>(st, grid);                                                              \
+  }
+        V3_FWD(1)
+        V3_FWD(2)
+#undef V3_FWD
+        emu::set_launch_regs(regs);
+        emu::launch(grid, smem, fn, true, nt);
+        emu::set_launch_regs(0);
+        const char *kn = persistent ? "pers" : "";
+        char nm[32];
+        snprintf(nm, sizeof nm, "O v3 wg%d%s", nwg, kn);
+        report(nm, compare(o2.data(), o64.data(), no), tol);
+        snprintf(nm, sizeof nm, "LSE v3 wg%d%s", nwg, kn);
+        report(nm, compare(l2.data(), lse64.data(), nl), cnt ? 1e-5 : 1e-4);
+        if (!persistent) {
+          o1 = o2;
+          l1 = l2;
+          continue;
+        }
+        const bool same =
+            memcmp(o1.data(), o2.data(), no * 4) == 0 && memcmp(l1.data(), l2.data(), nl * 4) == 0;
+        printf("    v3 wg%d persistent (%d CTAs, %d items) vs one CTA per item: %s\n", nwg, grid,
+               items, same ? "bitwise equal" : "DIFFER  <<<<< FAIL");
+        if (!same) ok = false;
       }
-      emu::launch(items, smem, fn, true, nt);
-      char nm[32];
-      snprintf(nm, sizeof nm, "O v3 wg%d", nwg);
-      report(nm, compare(o2.data(), o64.data(), no), tol);
-      snprintf(nm, sizeof nm, "LSE v3 wg%d", nwg);
-      report(nm, compare(l2.data(), lse64.data(), nl), cnt ? 1e-5 : 1e-4);
     }
   }
   // ---------------- backward ----------------
@@ -735,8 +795,25 @@ int main(int argc, char **argv) {
        2, 0},
       {"sink G64 d128 bf16 4:2 unsplit", 64, 128, true, 4, 2, 500, 0, 0.3, 0, 0, 0, 1.0, 0, 1,
        1000000, 0},
+      // short items for the persistent forward (fwd_sms last): sparse ring-like steps, so that
+      // many query tiles have no key tile or one (a bar tile, a short last block), and each CTA
+      // of the small grid loops over items of 0, 1 and more tiles
+      {"short G64 d64 fp16 8:2 ring 2 SMs", 64, 64, false, 8, 2, 900, 1, 0.05, 40, 0, 1, 1.0, 0, 0,
+       0, 0, 2},
+      {"short G128 d128 bf16 4:1 ring 3 SMs", 128, 128, true, 4, 1, 1100, 1, 0.1, 30, 0, 1, 1.0, 0,
+       0, 0, 0, 3},
   };
   setvbuf(stdout, NULL, _IOLBF, 0);
+  if (const char *e = getenv("MTRAIN_CUDA_WGMMA_FWD_PERSISTENT")) {
+    if (*e && strcmp(e, "0") != 0 && strcmp(e, "1") != 0) {
+      fprintf(stderr, "MTRAIN_CUDA_WGMMA_FWD_PERSISTENT='%s': expected 0 or 1\n", e);
+      return 2;
+    }
+    fwd_persistent = strcmp(e, "0") != 0;
+  }
+  printf("variant 3's forward: %s\n",
+         fwd_persistent ? "one CTA per item and persistent, compared bit for bit"
+                        : "one CTA per item (MTRAIN_CUDA_WGMMA_FWD_PERSISTENT=0)");
   /* the default run (about 220 s on one core): single-rank and ring-like steps, G 64 and 128
    * (128-row tiles, two consumer warpgroups), d 64 and 128, bf16 and fp16, bars in 64-bar
    * pairs and tiles of random size, counting data, N = 1; non-causal steps (16: single-rank,
