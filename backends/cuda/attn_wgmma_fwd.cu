@@ -149,19 +149,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
 #endif
 }
 
-/* CTAs that loop over the query items: CTA b takes items b, b + gridDim.x,
- * b + 2 gridDim.x, ... of the cuda_q_items order (heaviest first), skipping
- * padding-only tiles, and computes each as wgmma_fwd_kernel does
- * (fwd_consume_item). The stage ring's slots run on across items: slot n of
- * the CTA's life sits in stage n % NST; an item takes one slot per key tile,
- * then one for its marker (kind 0: no copies, published at once; the
- * consumers release it like a tile). The producer loads each item's Q into
- * query buffer j % 2 (j: the CTA's item count) with the copies of the item's
- * first tile, and signals qfull[j % 2] when it publishes that tile (an item
- * without tiles: at once, no copies: its Q is never used); the consumers
- * read Q into registers and arrive on qempty[j % 2], which the producer
- * waits for before it loads item j + 2's Q into that buffer. Phases:
- * full/empty by slot (n / NST), qfull/qempty by item (j / 2). */
+/* The persistent kernel's register budget. */
 template <int D, int NWG> struct PersistRegs {
   /* CTAs per SM that the persistent kernel is compiled for: two at d 64 with
    * one consumer warpgroup (as many as wgmma_fwd_kernel's 126 registers let
@@ -176,6 +164,21 @@ template <int D, int NWG> struct PersistRegs {
                 "setmaxnreg counts");
 };
 
+/* CTAs that loop over the query items: CTA b takes items b, b + gridDim.x,
+ * b + 2 gridDim.x, ... of the cuda_q_items order (heaviest first), skipping
+ * padding-only tiles, and computes each as wgmma_fwd_kernel does
+ * (fwd_consume_item). The stage ring's slots run on across items: slot n of
+ * the CTA's life sits in stage n % NST; an item takes one slot per key tile,
+ * then one for its marker (kind 0: no copies, published at once; the
+ * consumers release it like a tile). The producer walks the items: item j
+ * (j: the CTA's item count) gets query buffer j % 2 once the consumers have
+ * arrived on qempty[j % 2] for item j - 2; the producer writes the item's
+ * index to qitem[j % 2], loads its Q with the copies of the item's first
+ * tile and arrives on qfull[j % 2] when it publishes that tile (an item
+ * without tiles: at once, no copies: its Q is never used). The consumers
+ * wait on qfull[j % 2], read the index (-1: no more items, the producer's
+ * last signal) and Q's fragments, arrive on qempty[j % 2], and compute the
+ * item. Phases: full/empty by slot (n / NST), qfull/qempty by item (j / 2). */
 template <int D, typename T, int NWG>
 __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::kMinBlocks))
     wgmma_fwd_persistent_kernel(const cuda_step_t st, const T *__restrict__ q,
