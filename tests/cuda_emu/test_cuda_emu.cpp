@@ -2,7 +2,9 @@
 // cuda_emu.h, sources cut by cut_ptx.py) against the fp64 cpu-ref oracle of libmtrain, on random
 // attention steps (single-rank and ring-like, bars anywhere, padded tokens, GQA, d 64 and 128,
 // bf16 and fp16; causal, and non-causal with key blocks on both sides of the diagonal and no
-// mask but the sequence end): every forward tiling of variant 2 and variant 3's forward,
+// mask but the sequence end): every forward tiling of variant 2 and variant 3's forward (its
+// one-item kernel and its persistent kernel, on a grid of a few emulated SMs so that every CTA
+// loops over items, compared bit for bit; configurations 28-29: items of 0, 1 and few tiles),
 // variant 2's deterministic and fused backward, and variant 3's with each of its two kernels
 // (kv0: wgmma_bwd_kernel, kv3: the warp-specialised wgmma_bwd_ws_kernel). Every key-major
 // backward runs as the dispatcher runs it: the long-item split's schedule kernel, the kernel over
@@ -11,7 +13,8 @@
 // Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
 // configurations of kQuick with seed 7. bwd: one backward of the list `all` in run() (4, 5:
 // variant 3's first kernel, deterministic and fused; 6, 7: its warp-specialised kernel); a fwd
-// kind that no forward has (e.g. 9) runs variant 3's forward only.
+// kind that no forward has (e.g. 9) runs variant 3's forward only (with a bwd that no backward
+// has, e.g. `9 99`, variant 3's forward alone).
 #include "backends/cuda/attn_mma2_bwd.cu"
 #include "backends/cuda/attn_mma2_fwd.cu"
 #include "backends/cuda/attn_wgmma_bwd.cu"
