@@ -164,9 +164,10 @@ template <int D, int NWG> struct PersistRegs {
                 "setmaxnreg counts");
 };
 
-/* CTAs that loop over the query items: CTA b takes items b, b + gridDim.x,
- * b + 2 gridDim.x, ... of the cuda_q_items order (heaviest first), skipping
- * padding-only tiles, and computes each as wgmma_fwd_kernel does
+/* CTAs that loop over the query items: CTA b takes one item of each wave of
+ * gridDim.x consecutive items of the cuda_q_items order (heaviest first;
+ * persistent_item), skipping padding-only tiles, and computes each as
+ * wgmma_fwd_kernel does
  * (fwd_consume_item). The stage ring's slots run on across items: slot n of
  * the CTA's life sits in stage n % NST; an item takes one slot per key tile,
  * then one for its marker (kind 0: no copies, published at once; the
@@ -245,9 +246,10 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
     };
     int n = 0; /* the next slot */
     int j = 0; /* the CTA's items so far */
-    for (unsigned it = blockIdx.x; it < items; it += gridDim.x) {
+    for (unsigned wave = 0; wave * gridDim.x < items; ++wave) {
+      const unsigned it = persistent_item(wave, blockIdx.x, gridDim.x);
       mma2::QItem item;
-      if (!mma2::q_item_at<BM>(st, it, item)) continue;
+      if (it >= items || !mma2::q_item_at<BM>(st, it, item)) continue;
       const int hk = item.h / st.group;
       const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
       KeyWalk2 w;

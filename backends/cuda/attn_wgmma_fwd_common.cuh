@@ -118,6 +118,16 @@ producer_load_tile(const cuda_step_t &st, const KTile2 &t, const KeyWalk2 &w, in
   mma2::load_rows_panel<D, kProducers, kKT>(sk + TBK, vbase, kv_stride, rows, p);
 }
 
+/* The item that CTA b of a persistent grid of `grid` CTAs takes from wave w
+ * (items w grid .. w grid + grid - 1 of the cuda_q_items order): b in even
+ * waves, grid - 1 - b in odd ones, so that over two waves every CTA gets
+ * about the same work when the items' lengths fall along the order (a
+ * causal step's query tiles), where the plain stride b, b + grid, ... would
+ * give CTA 0 the longest item of every wave. */
+__device__ __forceinline__ unsigned persistent_item(unsigned w, unsigned b, unsigned grid) {
+  return w * grid + ((w & 1u) ? grid - 1u - b : b);
+}
+
 /* Issues S += Q K^T for a 64-key tile: NKS wgmma k-slices, Q's A
  * fragments from registers, K read K-major from the panel tile at sK. At
  * d = 64 each k-slice is two m64n32k16 (keys 0-31, 32-63), so that S and

@@ -141,7 +141,9 @@ template <int BM> static void print_fwd_items(const cuda_step_t &st, int grid) {
     int n = 0;
     while (w.next(st, t)) ++n;
     ++hist[n == 0 ? 0 : n == 1 ? 1 : n < 4 ? 2 : 3];
-    if (it % grid == 0 && cta0.size() < 60) cta0 += " " + std::to_string(n);
+    if (wg::persistent_item((unsigned)(it / grid), 0, (unsigned)grid) == (unsigned)it &&
+        cta0.size() < 60)
+      cta0 += " " + std::to_string(n);
   }
   printf("    persistent BM %d: %d CTAs over %d items (key tiles 0: %d, 1: %d, 2-3: %d, 4+: %d; "
          "padding %d); CTA 0's items' tiles:%s\n",
