@@ -15,33 +15,32 @@
 #     with each kernel. STAGES selects a subset of "build tests sanitize bench".
 # Logs to $OUT (default build-cuda/device-out): fwd_compare.log and the JSON files.
 set -uo pipefail
+# shellcheck source=scripts/device_lib.sh
+. "$(dirname "$0")/device_lib.sh" || exit 1
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$root/build-cuda/device-out}
 mkdir -p "$OUT"
-export OUT PATH=$PATH:/usr/local/cuda/bin
-deps=/tmp/deps/usr/lib/x86_64-linux-gnu
-export CMAKE_LIBRARY_PATH=$deps/openblas-pthread
-export LD_LIBRARY_PATH=$deps/openblas-pthread:$deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export OUT
+dev_deps_openblas # the OpenBLAS that device_cuda.sh unpacks from .device/debs
 stages=${STAGES:-build tests sanitize bench}
-want() { [[ " $stages " == *" $1 "* ]]; }
 build=$root/build-cuda
 log=$OUT/fwd_compare.log
 : > "$log"
 say() { echo "==== $* ($(date +%H:%M:%S))" | tee -a "$log"; }
-if want build; then
+if dev_want build; then
   say build
   bash "$root/scripts/device_cuda.sh" build >> "$log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 fi
 rc=0
-if want tests; then
+if dev_want tests; then
   say tests
   (cd "$build" && ctest -R "cuda_fwd_persistent|cross_backend_cuda_v3|cuda_wgmma_layout" \
     --output-on-failure --timeout 1500) >> "$log" 2>&1 || rc=1
   grep -E "Test +#|tests passed" "$log" | tail -8
 fi
-if want sanitize; then
+if dev_want sanitize; then
   say sanitize
-  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  cs=$(dev_sanitizer)
   for tool in racecheck memcheck; do
     echo "== $tool, variant 3, persistent forward" >> "$log"
     MTRAIN_CUDA_WGMMA_FWD_PERSISTENT=1 MTRAIN_DETERMINISTIC=1 MTRAIN_TEST_QUICK=1 "$cs" \
@@ -54,7 +53,7 @@ if want sanitize; then
     >> "$log" 2>&1 || rc=1
   grep -E "RACECHECK SUMMARY" "$log" | tail -1
 fi
-if want bench; then
+if dev_want bench; then
   say bench
   blocks() { # persistent d round
     echo "== bench_block_kernels, MTRAIN_CUDA_WGMMA_FWD_PERSISTENT=$1, d $2, round $3" >> "$log"
