@@ -33,7 +33,8 @@
 # PYTHON (python3), FIT (0; 1: the longtail run fits pair_s, row_s, seq_s and linear_flops on its
 # own untuned calls first, --fit-calibration, and balances with the fitted table; the table is in
 # its JSON under calibration_fit; also for the grid run), ROW_PAIRS
-# (data/calibration/qwen2.5-3b-row-pairs.json), GRID_METHODS (tokens,cost,cost+tuned).
+# (data/calibration/qwen2.5-3b-row-pairs.json), GRID_METHODS (tokens,cost,cost+tuned), TARGET
+# (the grid run's tuner target in predicted seconds; 0: the mean rank time).
 # Exit status: 0 when every run wrote its JSON, 1 when one did not (its log says why), 2 when
 # the preflight failed.
 set -uo pipefail
@@ -61,6 +62,7 @@ RUNS=${RUNS:-longtail}
 FIT=${FIT:-0}
 ROW_PAIRS=${ROW_PAIRS:-data/calibration/qwen2.5-3b-row-pairs.json}
 GRID_METHODS=${GRID_METHODS:-tokens,cost,cost+tuned}
+TARGET=${TARGET:-0}
 t_end=$(($(date +%s) + CALL_S))
 
 cd "$(dirname "$0")/.." || exit 2
@@ -120,7 +122,7 @@ for name in $RUNS; do
       --spread measured) ;;
   grid)
     args=("${static[@]}" --methods "$GRID_METHODS" --layers "$LAYERS" --grid "$GRID"
-      --row-pairs "$ROW_PAIRS")
+      --row-pairs "$ROW_PAIRS" --target "$TARGET")
     [ "$FIT" = 1 ] && args+=(--fit-calibration) ;;
   *)
     echo "unknown run $name (RUNS: longtail tuned topp measured grid)"

@@ -171,6 +171,26 @@ def test_predictions_are_balance_batch(tmp_path: pathlib.Path) -> None:
     ]
 
 
+def test_tuner_target(tmp_path: pathlib.Path) -> None:
+    """--target S reaches the tuner as its step target in predicted seconds (the report's
+    target_s; the default is the mean rank time), the tuned ranks are never predicted longer
+    than untuned, and a negative or infinite target is refused."""
+    lf = _lengths(tmp_path, [640, 384, 256, 256, 128, 512])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "2"]
+    argv += ["--methods", "cost,cost+tuned", "--layers", "0", "--reps", "1", "--warmup", "0"]
+    argv += [*SMALL, "--granularity", "64"]
+    base = bm.run(argv, log=_quiet)
+    mean = float(np.mean(base["methods"]["cost"]["predicted_s"]))
+    assert base["methods"]["cost+tuned"]["report"]["target_s"] == pytest.approx(mean, rel=1e-9)
+    r = bm.run([*argv, "--target", str(0.9 * mean)], log=_quiet)
+    tuned = r["methods"]["cost+tuned"]
+    assert tuned["report"]["target_s"] == pytest.approx(0.9 * mean, rel=1e-12)
+    assert max(tuned["predicted_s"]) <= max(r["methods"]["cost"]["predicted_s"]) * (1 + 1e-12)
+    for bad in ("-1", "inf"):
+        with pytest.raises(SystemExit):
+            bm.run([*argv, "--target", bad], log=_quiet)
+
+
 def test_measured_pricing(tmp_path: pathlib.Path) -> None:
     """--spread measured: every head's pairs per query row at every level, measured on the
     longest length, nondecreasing in the level (top-k selections nest) and at most a causal

@@ -83,6 +83,7 @@ def assign(
         mass=mass if tuned else None,
         levels=a.levels,
         bounds=a.bounds,
+        target_s=getattr(a, "target", 0.0) or None,
         budget_context=a.budget_context,
         spread="even" if a.spread == "measured" else a.spread,
         row_pairs=row_pairs,

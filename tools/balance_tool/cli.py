@@ -66,6 +66,13 @@ def parser() -> argparse.ArgumentParser:
         help="tuning's budget scales (0.25,0.5,0.75,1,1.5,2)",
     )
     w.add_argument("--bounds", help="LO,HI: the scales the tuner may choose (default all)")
+    w.add_argument(
+        "--target",
+        type=float,
+        default=0.0,
+        help="the tuner's step target in predicted seconds (0: the mean rank time, the default): "
+        "below the balanced mean, the tuned methods trade recall for a shorter step",
+    )
     w.add_argument("--budget-context", type=int, default=0, help="scale budgets by N / C (0)")
     w.add_argument(
         "--spread",
@@ -224,6 +231,8 @@ def check_args(a: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error("--equal N needs N >= 1 and --count C >= 1")
     if a.equal is None and a.count:
         ap.error("--count goes with --equal")
+    if not a.target >= 0 or a.target == float("inf"):
+        ap.error(f"--target {a.target} must be finite and >= 0 (0: the mean rank time)")
     if a.tokens_per_rank < 1 or not 0 <= a.long_prob <= 1:
         ap.error("--tokens-per-rank must be >= 1 and --long-prob in [0, 1]")
     try:
