@@ -146,6 +146,7 @@ _PROTOTYPES: dict[str, tuple[Any, tuple[Any, ...]]] = {
     "mtrain_balance_predictor_destroy": (None, (_P,)),
     "mtrain_balance_predictor_num_heads": (ctypes.c_int32, (_P,)),
     "mtrain_balance_predictor_set_row_pairs": (ctypes.c_int, (_P, ctypes.POINTER(ctypes.c_double))),
+    "mtrain_balance_predictor_read_row_pairs": (ctypes.c_int, (_P, ctypes.c_char_p)),
     "mtrain_balance_predictor_set_row_pairs_grid": (
         ctypes.c_int,
         (_P, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)),
@@ -306,6 +307,7 @@ def balance_batch(
     window: int = 100,
     row_pairs: Any = None,
     row_pairs_lengths: Sequence[int] | None = None,
+    row_pairs_file: str | os.PathLike[str] | None = None,
 ) -> BalanceResult:
     """Deals a global batch's sequences to ``world`` ranks and tunes sparsity.
 
@@ -351,6 +353,10 @@ def balance_batch(
             log N between the two measured lengths around N (the nearest
             end's outside them), then charged as above (docs/BALANCE.md,
             "Pricing on a length grid").
+        row_pairs_file: a measured table on a length grid (format
+            "mtrain-row-pairs-1", written by tools/balance_row_pairs.py, e.g.
+            data/calibration/qwen2.5-3b-row-pairs.json) instead of row_pairs:
+            its levels, granularity, layers and heads must be this call's.
 
     Returns:
         BalanceResult. Raises MtrainError naming the bad input.
@@ -431,6 +437,13 @@ def balance_batch(
                 )
         elif row_pairs_lengths is not None:
             raise _bad("balance_batch: row_pairs_lengths without row_pairs")
+        if row_pairs_file is not None:
+            if row_pairs is not None:
+                raise _bad("balance_batch: give row_pairs or row_pairs_file, not both")
+            _lib.check(
+                dll.mtrain_balance_predictor_read_row_pairs(pred, os.fsencode(row_pairs_file)),
+                "balance_batch",
+            )
         mass_arr = None
         if mass is not None:
             mass_arr = np.ascontiguousarray(np.asarray(mass, dtype=np.float64))

@@ -127,6 +127,43 @@ def test_measured_row_pairs_grid(budgets):
         balance_batch([100], 1, budgets, CAL, tune=False, row_pairs_lengths=[5])
 
 
+def test_row_pairs_file(budgets, tmp_path):
+    """row_pairs_file reads a table on a length grid (as tools/balance_row_pairs.py writes it)
+    and prices exactly as the same values given as row_pairs with row_pairs_lengths; a table
+    that does not fit the budgets is refused naming the file."""
+    k = len(DEFAULT_LEVELS)
+    lens = [2000, 8000, 32000]
+    rp = np.array(
+        [[[2.0 * (i + 1) * (h + 1) + j for j in range(k)] for h in range(HEADS)] for i in range(3)]
+    )
+    table = {
+        "format": "mtrain-row-pairs-1",
+        "levels": list(DEFAULT_LEVELS),
+        "granularity": 128,
+        "heads": 2,
+        "num_layers": 2,
+        "lengths": lens,
+        "layers_done": {
+            str(layer): rp[:, 2 * layer : 2 * layer + 2, :].tolist() for layer in (0, 1)
+        },
+    }
+    path = tmp_path / "rp.json"
+    path.write_text(json.dumps(table))
+    lengths = long_tail(40, 9)
+    a = balance_batch(lengths, 3, budgets, CAL, mass=fake_mass(), row_pairs_file=path)
+    b = balance_batch(
+        lengths, 3, budgets, CAL, mass=fake_mass(), row_pairs=rp, row_pairs_lengths=lens
+    )
+    np.testing.assert_array_equal(a.rank_seconds_after, b.rank_seconds_after)
+    np.testing.assert_array_equal(a.rank_of, b.rank_of)
+    table["heads"] = 4
+    path.write_text(json.dumps(table))
+    with pytest.raises(MtrainError, match=r"rp\.json: 2 layers of 4 heads"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs_file=path)
+    with pytest.raises(MtrainError, match="not both"):
+        balance_batch([100], 1, budgets, CAL, tune=False, row_pairs=rp[0], row_pairs_file=path)
+
+
 def test_mass_curve(budgets):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((512, 2, 32)).astype(np.float32)
