@@ -36,7 +36,6 @@ from balance_tool.pricing import (  # noqa: E402
     predictor_pairs,
 )
 from balance_tool.report import _device_name, _stats  # noqa: E402
-from balance_tool.row_pairs import load as load_row_pairs  # noqa: E402
 from balance_tool.runner import Runner, StructuredOptions, doc_seed, linear_seconds  # noqa: E402
 from balance_tool.validate import validate  # noqa: E402
 from balance_tool.workload import long_tail, read_lengths, scale_length  # noqa: E402
@@ -59,7 +58,6 @@ __all__ = [
     "head_budgets",
     "linear_flops_per_token",
     "linear_seconds",
-    "load_row_pairs",
     "long_tail",
     "main",
     "mass_curves",

@@ -7,6 +7,7 @@ timing), the top-p per-document mode, and the errors of bad options."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import pathlib
 import types
@@ -251,15 +252,17 @@ def test_row_pairs_table_on_a_length_grid(tmp_path: pathlib.Path) -> None:
     r = bm.run(argv, log=_quiet)
     assert r["pricing"].startswith("measured pairs per query row on a length grid")
     assert r["row_pairs_lengths"] == [128, 320, 640]
-    rp, lens = bm.load_row_pairs(table, 36, 2, mtrain.balance.DEFAULT_LEVELS, 64)
-    assert rp.shape == (3, 36 * 2, 6) and lens == [128, 320, 640]
+    with open(table) as f:  # [layers][lengths][heads][levels] -> [lengths, layers x heads, levels]
+        done = json.load(f)["layers_done"]
+    lens = [128, 320, 640]
+    rp = np.array([done[str(x)] for x in range(36)]).transpose(1, 0, 2, 3).reshape(3, 72, 6)
     assert (rp > 0).all() and (np.diff(rp, axis=2) >= 0).all()
     layers = bm.read_budgets(TOPK)
     derived = tmp_path / "derived.json"
     bm.write_budgets(bm.derive_budgets(layers, 2, 1), str(derived))
     want = mtrain.balance_batch(
         r["lengths"], 2, derived, CAL, method="cost", tune=False, model={"hidden": 0},
-        granularity=64, row_pairs=rp, row_pairs_lengths=lens,
+        granularity=64, row_pairs_file=table,
     ).rank_seconds_before  # fmt: skip
     np.testing.assert_allclose(r["methods"]["cost"]["predicted_s"], want, rtol=1e-12)
     checked = 0

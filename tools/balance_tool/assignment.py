@@ -10,7 +10,8 @@ import numpy as np
 
 import mtrain
 
-from .budgets import base_scale, head_budgets
+from .budgets import base_scale
+from .row_pairs import measure_layer
 from .runner import Runner
 
 
@@ -36,18 +37,15 @@ def measured_row_pairs(
 ) -> np.ndarray:
     """--spread measured: [layers x heads, levels] pairs per query row of every head's estimated
     pattern at every level's budgets, on structured inputs of n tokens (seed 1000 + layer, as the
-    mass curves), for mtrain.balance_batch(row_pairs=)."""
-    out = np.zeros((len(budgets) * a.heads, len(a.levels)))
-    for layer, row in enumerate(budgets):
-        q, k, _, _ = runner.inputs(n, 1000 + layer, vary=False, keep=False)
-        for j, scale in enumerate(a.levels):
-            plan = mtrain.estimate_pattern(
-                q, k, head_budgets(row, [scale] * a.heads, n, 0), granularity=a.granularity
-            )
-            pattern = plan.patterns[0]
-            for h in range(a.heads):
-                out[layer * a.heads + h, j] = pattern.count_pairs(h) / n
-    return out
+    mass curves), for mtrain.balance_batch(row_pairs=): the length-grid table's measurement
+    (row_pairs.measure_layer) at the one length n."""
+    return np.concatenate(
+        [
+            measure_layer(row, layer, [n], a.levels, a.granularity, runner)[0]
+            for layer, row in enumerate(budgets)
+        ],
+        axis=0,
+    )
 
 
 def assign(
@@ -87,7 +85,7 @@ def assign(
         budget_context=a.budget_context,
         spread="even" if a.spread == "measured" else a.spread,
         row_pairs=row_pairs,
-        row_pairs_lengths=getattr(a, "row_pairs_lengths", None),
+        row_pairs_file=getattr(a, "row_pairs", None),
         granularity=a.granularity,
         model=model,
         split_above=a.split_above if split else 0.0,

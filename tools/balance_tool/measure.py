@@ -29,7 +29,6 @@ from .report import (
     print_tables,
     repetition_spread,
 )
-from .row_pairs import load as load_row_pairs
 from .runner import Runner, linear_seconds
 from .validate import validate
 from .workload import long_tail, read_lengths, scale_length
@@ -202,15 +201,15 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     _say_setup(a, source, full, lengths, nl, say, device)
     row_pairs = None
     if a.row_pairs:
-        try:
-            row_pairs, a.row_pairs_lengths = load_row_pairs(
-                a.row_pairs, nl, a.heads, a.levels, a.granularity
-            )
-        except ValueError as e:
-            ap.error(f"--row-pairs {e}")
+        try:  # the library reads and checks the table (levels, granularity, layers, heads)
+            PairCounter(a, budget_file).close()
+        except mtrain.MtrainError as e:
+            ap.error(f"--row-pairs: {e}")
+        with open(a.row_pairs) as f:
+            a.row_pairs_lengths = json.load(f)["lengths"]
         say(
             f"pricing: measured pairs per query row of {a.row_pairs} at {a.row_pairs_lengths} "
-            f"tokens, interpolated in log N ({row_pairs.min():.1f}..{row_pairs.max():.1f})"
+            "tokens, interpolated in log N"
         )
     elif a.spread == "measured":
         t0 = time.perf_counter()
@@ -284,7 +283,7 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
             if row_pairs is not None
             else a.spread
         ),
-        "row_pairs": row_pairs.tolist() if row_pairs is not None and not a.row_pairs else None,
+        "row_pairs": row_pairs.tolist() if row_pairs is not None else None,
         "row_pairs_lengths": a.row_pairs_lengths,
         "methods": out_methods,
         "per_document_spread": spread,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,14 +67,10 @@ class PairCounter:
             )
         finally:
             L.lib().budgets_destroy(handle)
-        grid = getattr(a, "row_pairs_lengths", None)
-        if row_pairs is not None and grid is not None:  # --row-pairs FILE: a length grid
-            rp = np.ascontiguousarray(np.asarray(row_pairs, dtype=np.float64))
-            rl = np.ascontiguousarray(np.asarray(grid, dtype=np.int64))
+        table = getattr(a, "row_pairs", None)
+        if table:  # --row-pairs FILE: a length grid, read and checked by the library
             L.check(
-                self.dll.mtrain_balance_predictor_set_row_pairs_grid(
-                    self.pred, len(rl), rl.ctypes.data_as(B._I64P), rp.ctypes.data_as(B._DP)
-                ),
+                self.dll.mtrain_balance_predictor_read_row_pairs(self.pred, os.fsencode(table)),
                 "predictor",
             )
         elif row_pairs is not None:  # --spread measured: the predictor's pricing, as balance_batch

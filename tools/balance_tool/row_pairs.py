@@ -1,11 +1,11 @@
 # Measured pricing on a length grid (docs/BALANCE.md, "Pricing on a length grid"): every head's
 # pairs per query row of its estimated pattern at every budget level and at several lengths, on
-# structured inputs; the table file tools/balance_row_pairs.py writes and balance_measure.py
-# --row-pairs reads (mtrain.balance_batch row_pairs= with row_pairs_lengths=).
+# structured inputs; the table file tools/balance_row_pairs.py writes and the library reads
+# (mtrain_balance_predictor_read_row_pairs: balance_measure.py --row-pairs, balance_batch
+# row_pairs_file=).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,32 +74,3 @@ def measure(
             f"{time.perf_counter() - t1:.1f} s (total {time.perf_counter() - t0:.1f} s)"
         )
     return table
-
-
-def load(
-    path: str, num_layers: int, heads: int, levels: Sequence[float], granularity: int
-) -> tuple[np.ndarray, list[int]]:
-    """A complete table as balance_batch takes it: ([lengths, num_layers * heads, levels],
-    lengths). Refuses (ValueError naming it) another format, levels, granularity or head count,
-    and a table missing a layer."""
-    with open(path) as f:
-        t = json.load(f)
-    if t.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {t.get('format')!r}, expected {FORMAT!r}")
-    if [float(x) for x in t["levels"]] != [float(x) for x in levels]:
-        raise ValueError(f"{path}: levels {t['levels']}, this run's are {list(levels)}")
-    if int(t["granularity"]) != granularity:
-        raise ValueError(f"{path}: granularity {t['granularity']}, this run's is {granularity}")
-    if int(t["heads"]) != heads:
-        raise ValueError(f"{path}: {t['heads']} heads per layer, this run has {heads}")
-    missing = [x for x in range(num_layers) if str(x) not in t["layers_done"]]
-    if missing:
-        raise ValueError(f"{path}: layers {missing[:8]} not measured (resume the measurement)")
-    lengths = [int(n) for n in t["lengths"]]
-    arr = np.array([t["layers_done"][str(x)] for x in range(num_layers)], dtype=np.float64)
-    if arr.shape != (num_layers, len(lengths), heads, len(levels)):
-        raise ValueError(f"{path}: table shape {arr.shape} does not match its header")
-    # [layers, lengths, heads, levels] -> [lengths, layers * heads, levels]
-    return np.ascontiguousarray(
-        arr.transpose(1, 0, 2, 3).reshape(len(lengths), -1, len(levels))
-    ), lengths
