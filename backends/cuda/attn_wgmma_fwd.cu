@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   const int64_t kv_stride = (int64_t)st.Hkv * D;
   const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
 
+  using R = FwdRegs<D, NWG, 1>;
   if (tid >= NC) {
+    if constexpr (R::kMoveRegs) setmaxnreg_dec<R::kProducerRegs>();
     const int p = tid - NC; /* producer thread */
     /* ---- producer warpgroup: walks the key tiles (every thread alike), loads
      * tile n into stage n % NST once the consumers released it, publishes
@@ -134,6 +136,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
 
   /* ---- consumer warpgroups: Q's A fragments (the consumers load the tile),
    * then the item's key tiles and epilogue ---- */
+  if constexpr (R::kMoveRegs) setmaxnreg_inc<R::kConsumerRegs>();
   {
     const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
     int64_t rows[LoadShape<NC, BM>::kRows];
@@ -145,24 +148,15 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   named_barrier(1, NC);
   uint32_t qf[NKS][4];
   load_q_fragments<D>(qf, sQ);
-  fwd_consume_item<D, T, NWG, false>(st, item, qf, ctl, sKV, full0, empty0, 0, o_acc, lse_acc);
+  fwd_consume_item<D, T, NWG, false, R::kPipelined>(st, item, qf, ctl, sKV, full0, empty0, 0, o_acc,
+                                                    lse_acc);
 #endif
 }
 
-/* The persistent kernel's register budget. */
-template <int D, int NWG> struct PersistRegs {
-  /* CTAs per SM that the persistent kernel is compiled for: two at d 64 with
-   * one consumer warpgroup (as many as wgmma_fwd_kernel's 126 registers let
-   * an SM hold), else one */
-  static constexpr int kMinBlocks = D == 64 && NWG == 1 ? 2 : 1;
-  /* with two, 128 registers a thread at launch, of which the producer
-   * warpgroup gives 32 to the consumers (setmaxnreg; at 128 each, ptxas
-   * spilled 8 bytes) */
-  static constexpr bool kMoveRegs = kMinBlocks == 2;
-  static constexpr int kProducerRegs = 96, kConsumerRegs = 160;
-  static_assert(!kMoveRegs || kProducerRegs + kConsumerRegs == 2 * 65536 / (256 * kMinBlocks),
-                "setmaxnreg counts");
-};
+/* The persistent kernel's registers: compiled for two CTAs per SM at d 64
+ * with one consumer warpgroup (as many as wgmma_fwd_kernel's 126 registers
+ * let an SM hold), else one. */
+template <int D, int NWG> using PersistRegs = FwdRegs<D, NWG, D == 64 && NWG == 1 ? 2 : 1>;
 
 /* CTAs that loop over the query items: CTA b takes one item of each wave of
  * gridDim.x consecutive items of the cuda_q_items order (heaviest first;
@@ -333,7 +327,8 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
     mma2::q_item_at<BM>(st, (unsigned)it, item);
     load_q_fragments<D>(qf, sQ0 + (uint32_t)(qbuf * TBQ));
     mbar_arrive(qempty0 + 8 * qbuf); /* this thread's reads of the buffer are done */
-    n = fwd_consume_item<D, T, NWG, true>(st, item, qf, ctl, sKV, full0, empty0, n, o_acc, lse_acc);
+    n = fwd_consume_item<D, T, NWG, true, PersistRegs<D, NWG>::kPipelined>(
+        st, item, qf, ctl, sKV, full0, empty0, n, o_acc, lse_acc);
   }
 #endif
 }

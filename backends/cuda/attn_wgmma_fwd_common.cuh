@@ -60,6 +60,38 @@ template <int D, int NWG, int NQ = 1> struct FwdShape {
   static_assert(mma2::fits_sm90(kSmem, NWG == 1 && D == 64 ? 2 : 1), "shared memory per SM");
 };
 
+/* The registers of a forward kernel compiled for kMinBlocks CTAs per SM of
+ * FwdShape<D, NWG>'s threads, and the consumer loop they allow:
+ *  - d 64 with one consumer warpgroup at two CTAs per SM (the persistent
+ *    kernel): 128 registers a thread at launch, of which the producer
+ *    warpgroup gives 32 to the consumers (at 128 each, ptxas spilled 8
+ *    bytes);
+ *  - d 128 with two consumer warpgroups: 168 at launch (384 threads), the
+ *    producer keeps kProducerRegs and the consumers get the rest, so that
+ *    their software-pipelined loop (two S fragments beside O and Q) fits
+ *    without spills; at 168 each it does not (ptxas serializes the wgmma,
+ *    C7512);
+ *  - else every thread keeps its launch count (d 64 with two warpgroups:
+ *    126 of 168 used; one warpgroup at one CTA per SM: 255).
+ * kPipelined: the consumers run the software-pipelined loop of
+ * fwd_consume_item (every case but d 128 with two warpgroups and no
+ * registers moved, which no kernel compiles). */
+template <int D, int NWG, int MIN_BLOCKS> struct FwdRegs {
+  static constexpr int kMinBlocks = MIN_BLOCKS;
+  static constexpr int NT = 128 * NWG + kProducers;
+  static constexpr bool kMoveRegs = kMinBlocks == 2 || (D == 128 && NWG == 2);
+  static constexpr int kLaunchRegs = (65536 / (NT * kMinBlocks)) & ~7;
+  static constexpr int kProducerRegs = kMinBlocks == 2 ? 96 : 56;
+  static constexpr int kConsumerRegs =
+      kMoveRegs ? ((NT * kLaunchRegs - kProducers * kProducerRegs) / (128 * NWG)) & ~7
+                : kLaunchRegs;
+  static constexpr bool kPipelined = D == 64 || NWG == 1 || kMoveRegs;
+  static_assert(!kMoveRegs || (kConsumerRegs > kLaunchRegs && kConsumerRegs <= 256 &&
+                               NT * kLaunchRegs >= kProducers * kProducerRegs +
+                                                       128 * NWG * kConsumerRegs),
+                "setmaxnreg counts");
+};
+
 /* The control block: slot n of the stage ring (a key tile, or the marker
  * that ends an item's walk: kind == 0) sits in stage n % kFwdStages; the
  * producer publishes its descriptor in tile[] and completes full[] (one
@@ -171,13 +203,14 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[D / 16][4], uint
  * barrier, after any product that read its stage has completed), which the
  * persistent kernel's producer waits for before it reuses the stage; the
  * one-item kernel never reuses it.
- *  - at d 64 the loop is software-pipelined inside the warpgroup: S of tile
- *    n + 1 is issued before P V of tile n, and its softmax runs while P V is
- *    on the tensor cores (the producer publishes each tile as soon as it has
- *    landed, so that looking one tile ahead does not wait);
- *  - at d 128 with two consumer warpgroups the second S fragment does not
- *    fit the registers, and the loop takes one tile at a time. */
-template <int D, typename T, int NWG, bool RELEASE_MARKER>
+ *  - PIPELINED (FwdRegs::kPipelined): the loop is software-pipelined inside
+ *    the warpgroup: S of tile n + 1 is issued before P V of tile n, and its
+ *    softmax runs while P V is on the tensor cores (the producer publishes
+ *    each tile as soon as it has landed, so that looking one tile ahead does
+ *    not wait);
+ *  - else (d 128 with two consumer warpgroups at 168 registers a thread:
+ *    the second S fragment does not fit) one tile at a time. */
+template <int D, typename T, int NWG, bool RELEASE_MARKER, bool PIPELINED>
 __device__ __forceinline__ int
 fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t (&qf)[D / 16][4],
                  const FwdCtl &ctl, uint32_t sKV, uint32_t full0, uint32_t empty0, int n0,
@@ -185,10 +218,9 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
   using S = FwdShape<D, NWG>;
   constexpr int TBK = S::TBK, NST = S::kStages, BM = S::BM;
   constexpr int NO = D / 2; /* O accumulators per thread (64 rows x D per warpgroup) */
-  /* the software pipeline of the consumer loop (below) at d 64; at d 128
-   * with two consumer warpgroups its second S fragment does not fit the 168
-   * registers a thread has (ptxas serializes the wgmma, C7512) */
-  constexpr bool kPipelined = D == 64;
+  /* the software pipeline of the consumer loop (below), where the
+   * consumers' registers allow it (FwdRegs::kPipelined) */
+  constexpr bool kPipelined = PIPELINED;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
   const int g = lane >> 2, t4 = lane & 3;

@@ -473,6 +473,8 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
     items = grid = (int)cuda_q_items(&st, S::BM);                                                  \
     smem = S::kSmem;                                                                               \
     nt = S::NT;                                                                                    \
+    using R1 = wg::FwdRegs<D, NWG, 1>;                                                             \
+    regs = R1::kMoveRegs ? R1::kLaunchRegs : 0;                                                    \
     fn = [&]() { wg::wgmma_fwd_kernel<D, T, NWG>(st, qp, kp, vp, op, lp); };                       \
   } else if (nwg == NWG) {                                                                         \
     using S = wg::FwdShape<D, NWG, 2>;                                                             \
@@ -481,7 +483,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
     grid = std::min(items, sms * PR::kMinBlocks);                                                  \
     smem = S::kSmem;                                                                               \
     nt = S::NT;                                                                                    \
-    regs = PR::kMoveRegs ? 65536 / (S::NT * PR::kMinBlocks) : 0;                                   \
+    regs = PR::kMoveRegs ? PR::kLaunchRegs : 0;                                                    \
     fn = [&]() { wg::wgmma_fwd_persistent_kernel<D, T, NWG>(st, qp, kp, vp, op, lp); };            \
     print_fwd_items<S::BM>(st, grid);                                                              \
   }
