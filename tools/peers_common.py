@@ -1,3 +1,4 @@
+# ruff: noqa: N818  (CannotRun: a reason to print, not an error)
 """peers_common.py: what the peers of tools/bench_cuda_peers.py share (issue 21).
 
 - CannotRun: a peer that cannot run here; its message is the one line the bench prints and the
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class CannotRun(Exception):

@@ -1,3 +1,4 @@
+# ruff: noqa: N806, E501  (N, G, H, R: the names of docs/SPEC.md; tables of arguments)
 """peers_cudnn.py: cuDNN's attention through the nvidia-cudnn-frontend Python graph API (issue 21).
 
 - dense(): the graph API's SDPA, causal (diagonal_band_right_bound=0, top-left alignment), GQA
@@ -20,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from peers_common import CannotRun, module_version, reason
 
 TILE = 128
@@ -105,10 +105,10 @@ class Graphs:
             self._tensor_stride(self.q_shape)
         )
         if stats:
-            shape = self.q_shape[:3] + (1,)
-            st.set_uid(4).set_output(True).set_data_type(c.data_type.FLOAT).set_dim(list(shape)).set_stride(
-                self._tensor_stride(shape)
-            )
+            shape = (*self.q_shape[:3], 1)
+            st.set_uid(4).set_output(True).set_data_type(c.data_type.FLOAT).set_dim(
+                list(shape)
+            ).set_stride(self._tensor_stride(shape))
         return self._build(g)
 
     def backward(self) -> Any:
@@ -120,13 +120,15 @@ class Graphs:
         k = self._tensor(g, 1, self.k_shape, bf)
         v = self._tensor(g, 2, self.k_shape, bf)
         o = self._tensor(g, 3, self.q_shape, bf)
-        st = self._tensor(g, 4, self.q_shape[:3] + (1,), c.data_type.FLOAT)
+        st = self._tensor(g, 4, (*self.q_shape[:3], 1), c.data_type.FLOAT)
         do = self._tensor(g, 6, self.q_shape, bf)
         dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=st,
                                      attn_scale=self.scale, diagonal_band_right_bound=0,
                                      diagonal_alignment=c.diagonal_alignment.TOP_LEFT)  # fmt: skip
         for t, uid, shape in ((dq, 7, self.q_shape), (dk, 8, self.k_shape), (dv, 9, self.k_shape)):
-            t.set_uid(uid).set_output(True).set_dim(list(shape)).set_stride(self._tensor_stride(shape))
+            t.set_uid(uid).set_output(True).set_dim(list(shape)).set_stride(
+                self._tensor_stride(shape)
+            )
         return self._build(g)
 
     @staticmethod
@@ -158,30 +160,54 @@ def dense(cudnn: Any, sets: list[dict]) -> tuple[Any, Any]:
         print(f"  cudnn-fe dense: backward graph refused: {reason(e)}", flush=True)
         return fwd, None
     q0 = s0["q"]
-    stats = [torch.empty(q0.shape[:3] + (1,), dtype=torch.float32, device=q0.device) for _ in sets]
-    grads = [(torch.empty_like(s["q"]), torch.empty_like(s["k"]), torch.empty_like(s["v"])) for s in sets]
+    stats = [torch.empty((*q0.shape[:3], 1), dtype=torch.float32, device=q0.device) for _ in sets]
+    grads = [
+        (torch.empty_like(s["q"]), torch.empty_like(s["k"]), torch.empty_like(s["v"])) for s in sets
+    ]
 
     def fwd_bwd(i: int) -> None:
         s, j = sets[i % 2], i % 2
         gr.run(tg, {0: s["q"], 1: s["k"], 2: s["v"], 3: outs[j], 4: stats[j]})
         dq, dk, dv = grads[j]
-        gr.run(bg, {0: s["q"], 1: s["k"], 2: s["v"], 3: outs[j], 4: stats[j], 6: s["dout"], 7: dq, 8: dk, 9: dv})
+        gr.run(
+            bg,
+            {
+                0: s["q"],
+                1: s["k"],
+                2: s["v"],
+                3: outs[j],
+                4: stats[j],
+                6: s["dout"],
+                7: dq,
+                8: dk,
+                9: dv,
+            },
+        )
 
     return fwd, fwd_bwd
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """fp32 causal attention restricted to the block mask [H, nb, nb] (tiles of 128)."""
     n = q.shape[2]
     group = q.shape[1] // k.shape[1]
     i = torch.arange(n, device=q.device)
     allowed = mask[:, i[:, None] // TILE, i[None, :] // TILE] & (i[None, :] <= i[:, None])
-    s = torch.einsum("bhid,bhjd->bhij", q.float(), k.float().repeat_interleave(group, 1)) * q.shape[-1] ** -0.5
+    s = (
+        torch.einsum("bhid,bhjd->bhij", q.float(), k.float().repeat_interleave(group, 1))
+        * q.shape[-1] ** -0.5
+    )
     s = s.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("bhij,bhjd->bhid", torch.softmax(s, -1), v.float().repeat_interleave(group, 1))
+    return torch.einsum(
+        "bhij,bhjd->bhid", torch.softmax(s, -1), v.float().repeat_interleave(group, 1)
+    )
 
 
-def check_block_mask(cudnn: Any, mask_small: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[bool, str]:
+def check_block_mask(
+    cudnn: Any, mask_small: torch.Tensor, heads: int, kv_heads: int, d: int
+) -> tuple[bool, str]:
     """(lsb_first, note): which bit order makes the block-masked forward equal the masked
     reference on a small case (N = 128 * mask_small.shape[1]); CannotRun when neither does."""
     n = TILE * mask_small.shape[1]

@@ -1,3 +1,4 @@
+# ruff: noqa: N803, N806, E501  (N, G, H, R: the names of docs/SPEC.md; tables of arguments)
 """peers_minference.py: the MTraining/MInference authors' vertical-slash kernel as a peer (issue 21).
 
 The `minference` package (PyPI 0.1.6.0; only a source distribution, carried as
@@ -36,7 +37,6 @@ import types
 from typing import Any
 
 import torch
-
 from peers_common import CannotRun, reason
 
 BLOCK = 64  # block_size_M = block_size_N = 64: the only size its index kernel takes
@@ -65,7 +65,11 @@ def exact_indexes(pattern: Any) -> tuple[torch.Tensor, ...]:
     offs: list[list[list[int]]] = []
     cols: list[list[list[int]]] = []
     for h in range(H):
-        vpos = torch.nonzero(vert[h]).flatten() if not bool(is_bm[h]) else torch.zeros(0, dtype=torch.long)
+        vpos = (
+            torch.nonzero(vert[h]).flatten()
+            if not bool(is_bm[h])
+            else torch.zeros(0, dtype=torch.long)
+        )
         vblk = vpos // G
         ho, hc = [], []
         for m in range(R):
@@ -82,7 +86,7 @@ def exact_indexes(pattern: Any) -> tuple[torch.Tensor, ...]:
 
 def _pack(rows: list[list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
     H, R = len(rows), len(rows[0])
-    width = max(1, max(len(r) for hr in rows for r in hr))
+    width = max(1, *(len(r) for hr in rows for r in hr))
     count = torch.zeros(1, H, R, dtype=torch.int32)
     idx = torch.zeros(1, H, R, width, dtype=torch.int32)
     for h, hr in enumerate(rows):
@@ -118,7 +122,7 @@ def api_indexes(pattern: Any) -> tuple[torch.Tensor, torch.Tensor]:
         ss.append([x for x in s if 0 <= x < N])
 
     def pad(rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
+        width = max(1, *(len(r) for r in rows))
         return torch.tensor([r + [N] * (width - len(r)) for r in rows], dtype=torch.int32)[None]
 
     return pad(vs), pad(ss)
@@ -156,7 +160,9 @@ def index_pairs(bc: Any, bo: Any, cc: Any, ci: Any, N: int) -> tuple[int, bool]:
 
 
 def find_sdist(folder: str) -> str:
-    names = sorted(f for f in os.listdir(folder) if f.startswith("minference-") and f.endswith(".tar.gz"))
+    names = sorted(
+        f for f in os.listdir(folder) if f.startswith("minference-") and f.endswith(".tar.gz")
+    )
     if not names:
         raise CannotRun(f"no minference-*.tar.gz in {folder} (pip download minference)")
     return os.path.join(folder, names[-1])
@@ -180,14 +186,19 @@ def load(sdist: str, workdir: str) -> tuple[Any, str]:
     try:
         ext = load_ext(
             name="minference_cuda",
-            sources=[os.path.join(src, "csrc", "kernels.cpp"), os.path.join(src, "csrc", "vertical_slash_index.cu")],
+            sources=[
+                os.path.join(src, "csrc", "kernels.cpp"),
+                os.path.join(src, "csrc", "vertical_slash_index.cu"),
+            ],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=["-O3", "-std=c++17"],
             build_directory=build,
             verbose=False,
         )
     except Exception as e:
-        raise CannotRun(f"building minference.cuda from {os.path.basename(sdist)} failed: {reason(e)}") from e
+        raise CannotRun(
+            f"building minference.cuda from {os.path.basename(sdist)} failed: {reason(e)}"
+        ) from e
     sys.modules["minference.cuda"] = ext
     sys.path.insert(0, src)
     how = "package imported"
@@ -195,7 +206,9 @@ def load(sdist: str, workdir: str) -> tuple[Any, str]:
         importlib.import_module("minference")
         mod = importlib.import_module("minference.ops.pit_sparse_flash_attention_v2")
     except Exception as e:
-        for name in [n for n in sys.modules if n.startswith("minference") and n != "minference.cuda"]:
+        for name in [
+            n for n in sys.modules if n.startswith("minference") and n != "minference.cuda"
+        ]:
             del sys.modules[name]
         for name, sub in (("minference", "minference"), ("minference.ops", "minference/ops")):
             pkg = types.ModuleType(name)
@@ -206,7 +219,11 @@ def load(sdist: str, workdir: str) -> tuple[Any, str]:
         except Exception as e2:
             raise CannotRun(f"importing minference's ops module failed: {reason(e2)}") from e2
         how = f"its ops module loaded alone (import minference failed: {reason(e)})"
-    path = "Triton kernel" if getattr(mod, "sparse_attn_func", None) is None else "sgl/vllm sparse_attn_func"
+    path = (
+        "Triton kernel"
+        if getattr(mod, "sparse_attn_func", None) is None
+        else "sgl/vllm sparse_attn_func"
+    )
     return mod, f"{top}, {how}, {path}"
 
 
@@ -215,12 +232,16 @@ def exact_peer(mod: Any, pattern: Any, device: Any) -> tuple[Any, int, str]:
     bc, bo, cc, ci = exact_indexes(pattern)
     pairs, causal = index_pairs(bc, bo, cc, ci, pattern.N)
     if not causal:
-        raise CannotRun("a column index lies at or after its row block (the kernel would not mask it)")
+        raise CannotRun(
+            "a column index lies at or after its row block (the kernel would not mask it)"
+        )
     bc, bo, cc, ci = (x.to(device) for x in (bc, bo, cc, ci))
     seqlens = torch.tensor([pattern.N], dtype=torch.int32, device=device)
 
     def attn(q: Any, k: Any, v: Any) -> Any:
-        return mod._triton_mixed_sparse_attention(q, k, v, seqlens, bc, bo, cc, ci, q.shape[-1] ** -0.5, BLOCK, BLOCK)
+        return mod._triton_mixed_sparse_attention(
+            q, k, v, seqlens, bc, bo, cc, ci, q.shape[-1] ** -0.5, BLOCK, BLOCK
+        )
 
     return attn, pairs, "its Triton kernel on our exact tiles"
 
@@ -240,3 +261,17 @@ def api_peer(mod: Any, pattern: Any, device: Any) -> tuple[Any, int]:
         return mod.vertical_slash_sparse_attention(q, k, v, v_idx, s_idx)
 
     return attn, pairs
+
+
+if (
+    __name__ == "__main__"
+):  # the device script's build step: python3 tools/peers_minference.py WHEELS WORKDIR
+    import time
+
+    t0 = time.time()
+    try:
+        _, note = load(find_sdist(sys.argv[1]), os.path.join(sys.argv[2], "minference"))
+        print(f"minference ready in {time.time() - t0:.0f} s: {note}")
+    except Exception as e:
+        print(f"minference: cannot run: {reason(e)} ({time.time() - t0:.0f} s)")
+        sys.exit(1)

@@ -1,3 +1,4 @@
+# ruff: noqa: N803, N806, E501  (N, G, H, R: the names of docs/SPEC.md; tables of arguments)
 """peers_run.py: the peers of issue 21 inside tools/bench_cuda_peers.py, each in its own
 try/except and time limit, each either timed or reported in one line as "cannot run: <why>":
 
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
-
-import torch
+from collections.abc import Callable
+from typing import Any
 
 import peers_common as pc
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,7 +31,9 @@ class Ctx:
     """What the peers need from bench_cuda_peers.main(): its arguments, the device, the input
     sets, the Pattern class, median_ms, and add(...) / skip(...) for the table's rows."""
 
-    def __init__(self, args: Any, device: Any, sets: Any, bench: Any, add: Callable, skip: Callable) -> None:
+    def __init__(
+        self, args: Any, device: Any, sets: Any, bench: Any, add: Callable, skip: Callable
+    ) -> None:
         self.args, self.device, self.sets, self.bench = args, device, sets, bench
         self.add, self.skip = add, skip
         self.dry = args.dry_run
@@ -50,7 +53,10 @@ class Ctx:
 
 def repeated(sets: list[dict], group: int) -> list[dict]:
     """The sets with k and v repeated to Hq heads (for kernels without GQA), outside timing."""
-    return [{**s, "k": s["k"].repeat_interleave(group, 1), "v": s["v"].repeat_interleave(group, 1)} for s in sets]
+    return [
+        {**s, "k": s["k"].repeat_interleave(group, 1), "v": s["v"].repeat_interleave(group, 1)}
+        for s in sets
+    ]
 
 
 def fwd_only(attn: Callable, sets: list[dict]) -> Callable:
@@ -83,7 +89,9 @@ def minference_peers(c: Ctx, doc: dict, vs: Any) -> None:
             pm.api_indexes(vs)
             c.skip("minference", "vertical-slash", "dry run: not timed (indexes checked)")
             return
-        mod, note = pm.load(pm.find_sdist(c.args.wheels_dir), os.path.join(c.args.work_dir, "minference"))
+        mod, note = pm.load(
+            pm.find_sdist(c.args.wheels_dir), os.path.join(c.args.work_dir, "minference")
+        )
         print(f"  minference: {note}", flush=True)
         attn, n, how = pm.exact_peer(mod, vs, c.device)
         sets = repeated(c.sets, c.args.heads // c.args.kv_heads)
@@ -95,7 +103,9 @@ def minference_peers(c: Ctx, doc: dict, vs: Any) -> None:
         return
 
     def api() -> None:
-        mod, _ = pm.load(pm.find_sdist(c.args.wheels_dir), os.path.join(c.args.work_dir, "minference"))
+        mod, _ = pm.load(
+            pm.find_sdist(c.args.wheels_dir), os.path.join(c.args.work_dir, "minference")
+        )
         attn, computed = pm.api_peer(mod, vs, c.device)
         print(f"  minference-api vertical-slash: computes {computed} pairs, ours {pairs} "
               f"(+{100.0 * (computed - pairs) / pairs:.1f}%: 64-token slash tiles)", flush=True)  # fmt: skip
@@ -166,14 +176,19 @@ def block_peers(c: Ctx, peers: set, N: int) -> None:
 
         p = mtrain.block_mask_pattern(mask, N, G)
         n = sum(p.count_pairs(h) for h in range(p.num_heads))
-        print(f"  mtrain {label}: pairs mtrain {n}, mask {pairs} -> {'ok' if n == pairs else 'MISMATCH'}", flush=True)
+        print(
+            f"  mtrain {label}: pairs mtrain {n}, mask {pairs} -> {'ok' if n == pairs else 'MISMATCH'}",
+            flush=True,
+        )
         if n != pairs:
             c.ok = False
             raise pc.CannotRun(f"mtrain's pattern has {n} pairs, the mask {pairs}")
         if c.dry:
             c.skip("mtrain op", label, "dry run: not timed")
             return
-        nsets = [{k: v[0].transpose(0, 1).contiguous() for k, v in s.items()} for s in c.sets]  # [N, h, d]
+        nsets = [
+            {k: v[0].transpose(0, 1).contiguous() for k, v in s.items()} for s in c.sets
+        ]  # [N, h, d]
 
         def attn(q: Any, k: Any, v: Any) -> Any:
             return mtrain.attention(q, k, v, pattern=p)
@@ -200,16 +215,29 @@ def block_peers(c: Ctx, peers: set, N: int) -> None:
 
             packed = peers_cudnn.pack_block_mask(mask)
             if G != peers_cudnn.TILE:
-                raise pc.CannotRun(f"cuDNN's block mask has {peers_cudnn.TILE}-token tiles, the mask {G}")
+                raise pc.CannotRun(
+                    f"cuDNN's block mask has {peers_cudnn.TILE}-token tiles, the mask {G}"
+                )
             cudnn, note = peers_cudnn.load()
             if c.dry:
-                c.skip("cudnn-fe", label, f"dry run: not timed ({note}; mask {tuple(packed.shape)} uint8)")
+                c.skip(
+                    "cudnn-fe",
+                    label,
+                    f"dry run: not timed ({note}; mask {tuple(packed.shape)} uint8)",
+                )
                 return
             lsb, how = peers_cudnn.check_block_mask(cudnn, mask[:, :8, :8], c.args.heads, c.args.kv_heads,
                                                     c.args.head_dim)  # fmt: skip
             print(f"  cudnn-fe {label}: {how}", flush=True)
             fwd = peers_cudnn.block_mask_fwd(cudnn, c.sets, mask, lsb)
-            c.add("cudnn-fe", label, pairs, c.timed(fwd), None, "(forward only: block-masked backward needs cuDNN 9.27)")
+            c.add(
+                "cudnn-fe",
+                label,
+                pairs,
+                c.timed(fwd),
+                None,
+                "(forward only: block-masked backward needs cuDNN 9.27)",
+            )
 
         c.guarded("cudnn-fe", label, cudnn_block)
     if "flashinfer" in peers:
