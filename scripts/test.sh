@@ -36,7 +36,7 @@ venv="$root/build/venv"
 "$venv/bin/python" -c "import torch, transformers, pytest, ruff" 2>/dev/null ||
   "$venv/bin/python" -m pip install -q torch transformers pytest ruff
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" -C cmake.define.MTRAIN_WITH_CUDA=OFF
-lint=(python tests/python examples tools/cp_check.py tools/bench_cp_torch.py tools/cp_launch.py tools/balance_measure.py tools/balance_tool)
+lint=(python tests/python examples tools/cp_check.py tools/bench_cp_torch.py tools/cp_launch.py tools/balance_measure.py tools/balance_tool tools/peers_common.py tools/peers_cudnn.py tools/peers_minference.py tools/peers_run.py)
 (cd "$root" && "$venv/bin/ruff" check "${lint[@]}" && "$venv/bin/ruff" format --check "${lint[@]}")
 # from the repository root, `import mtrain` finds the installed package (the
 # sources are under python/); pytest's exit status 5 (no test collected) fails

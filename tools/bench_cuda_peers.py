@@ -32,6 +32,12 @@ mask does not select exactly mtrain's pairs.
 
 Prints one table last: peer, pattern, fwd ms, fwd TFLOP/s, fwd+bwd ms,
 TFLOP/s, with mtrain's rows from --ours (mtrain-bench-cuda --json).
+
+The strongest peers of issue 21 (tools/peers_run.py and the modules it names): the MInference
+authors' vertical-slash kernel (minference), cuDNN through nvidia-cudnn-frontend (cudnn-fe:
+dense, and a block mask with --block-keep), flash-attn, FlashInfer; a peer that cannot run is
+one line "cannot run: <why>" and a row of the table. --dry-run checks the index conversions,
+pair counts and imports without timing (on the CPU too).
 """
 import argparse
 import json
@@ -43,6 +49,12 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers_common  # noqa: E402
+import peers_run  # noqa: E402
+
+ALL_PEERS = "sdpa-flash,sdpa-cudnn,flex,minference,cudnn-fe,flash-attn,flashinfer"
 
 
 def parse_args():
@@ -57,7 +69,18 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex",
-                   help="comma-separated subset of sdpa-flash, sdpa-cudnn, flex")
+                   help=f"comma-separated subset of {ALL_PEERS}")
+    p.add_argument("--block-keep", type=int, default=0,
+                   help="also time bench_block_kernels' random block mask keeping this many key "
+                        "blocks per query block (0: not)")
+    p.add_argument("--wheels-dir", default=os.path.join(os.path.dirname(__file__), "..", ".whl"),
+                   help="where minference's source distribution is (minference-*.tar.gz)")
+    p.add_argument("--work-dir", default="/tmp/mtrain-peers",
+                   help="where minference's extension is built (kept between runs)")
+    p.add_argument("--peer-limit", type=float, default=240.0,
+                   help="seconds allowed to each peer (build and timing); past it: cannot run")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no timing: check the index conversions, pair counts and imports")
     p.add_argument("--dump-dir", help="mtrain-bench-cuda --dump-dir: run the independent check")
     p.add_argument("--ours", help="mtrain-bench-cuda --json output: mtrain's rows in the table")
     p.add_argument("--json", help="write the results as JSON to this file")
@@ -373,8 +396,8 @@ def main():
             print("\n".join(lines), flush=True)
     if args.check_only:
         return 0 if ok else 3
-    if device.type != "cuda":
-        print("timing needs --device cuda", file=sys.stderr)
+    if device.type != "cuda" and not args.dry_run:
+        print("timing needs --device cuda (or --dry-run)", file=sys.stderr)
         return 2
 
     doc = None
@@ -396,40 +419,61 @@ def main():
     rows = []
 
     def add(peer, pattern, pairs, fwd_ms, fb_ms, note=""):
+        """A timed row; fb_ms None: the peer has no backward."""
         flops = 4.0 * d * pairs
         rows.append({"peer": peer, "pattern": pattern, "pairs": pairs, "forward_ms": fwd_ms,
                      "forward_tflops": flops / (fwd_ms * 1e-3) * 1e-12,
                      "forward_backward_ms": fb_ms,
-                     "forward_backward_tflops": 3.5 * flops / (fb_ms * 1e-3) * 1e-12, "note": note})
+                     "forward_backward_tflops": (3.5 * flops / (fb_ms * 1e-3) * 1e-12
+                                                 if fb_ms else None), "note": note})
         r = rows[-1]
+        fb = (f"forward+backward {fb_ms:.3f} ms ({r['forward_backward_tflops']:.1f} TFLOP/s)"
+              if fb_ms else "no backward")
         print(f"  {peer} {pattern}: forward {fwd_ms:.3f} ms ({r['forward_tflops']:.1f} TFLOP/s), "
-              f"forward+backward {fb_ms:.3f} ms ({r['forward_backward_tflops']:.1f} TFLOP/s) {note}",
-              flush=True)
+              f"{fb} {note}", flush=True)
+
+    def skip(peer, pattern, why):
+        """A peer that cannot run (or, with --dry-run, is not timed): one line, one row."""
+        rows.append({"peer": peer, "pattern": pattern, "cannot_run": why})
+        print(f"  {peer} {pattern}: cannot run: {why}", flush=True)
 
     print(f"== peers: N={N} Hq={H} Hkv={args.kv_heads} d={d} bf16 causal, median of {args.reps} "
-          f"after {args.warmup} warm-up, CUDA events", flush=True)
+          f"after {args.warmup} warm-up, CUDA events{' (DRY RUN: nothing timed)' if args.dry_run else ''}",
+          flush=True)
+    vs = Pattern(doc, device) if doc else None
+    if vs is not None and vs.H != H:
+        print(f"the pattern has {vs.H} heads, --heads is {H}", file=sys.stderr)
+        return 2
     for name, backend in (("sdpa-flash", "FLASH_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION")):
         if name not in peers:
             continue
+        if args.dry_run:
+            skip(name, "dense", "dry run: not timed")
+            continue
         try:
-            attn, state = sdpa(backend, args)
-            fwd_ms, fb_ms = time_peer(attn, sets, args)
+            with peers_common.time_limit(args.peer_limit, name):
+                attn, state = sdpa(backend, args)
+                fwd_ms, fb_ms = time_peer(attn, sets, args)
             add(name, "dense", dense_pairs, fwd_ms, fb_ms,
                 "" if state["gqa"] else "(k/v repeated to Hq heads)")
-        except (RuntimeError, AttributeError) as e:
-            print(f"  {name}: not available here: {str(e).splitlines()[0]}", flush=True)
+        except Exception as e:
+            skip(name, "dense", peers_common.reason(e))
     if "flex" in peers:
-        dense_p = Pattern.dense(N, H, G, device)
-        fwd_ms, fb_ms = time_peer(flex(to_block_mask(dense_p, causal_mod)), sets, args)
-        add("flex", "dense", dense_pairs, fwd_ms, fb_ms)
-        if doc:
-            vs = Pattern(doc, device)
-            if vs.H != H:
-                print(f"the pattern has {vs.H} heads, --heads is {H}", file=sys.stderr)
-                return 2
-            pairs = vs.pairs()
-            fwd_ms, fb_ms = time_peer(flex(to_block_mask(vs, vs.mask_mod())), sets, args)
-            add("flex", "vertical-slash", pairs, fwd_ms, fb_ms)
+        todo = [("dense", dense_pairs, lambda: to_block_mask(Pattern.dense(N, H, G, device), causal_mod))]
+        if vs is not None:
+            todo.append(("vertical-slash", vs.pairs(), lambda: to_block_mask(vs, vs.mask_mod())))
+        for pattern, pairs, make in todo:
+            if args.dry_run:
+                skip("flex", pattern, "dry run: not timed")
+                continue
+            try:
+                with peers_common.time_limit(args.peer_limit, "flex " + pattern):
+                    fwd_ms, fb_ms = time_peer(flex(make()), sets, args)
+                add("flex", pattern, pairs, fwd_ms, fb_ms)
+            except Exception as e:
+                skip("flex", pattern, peers_common.reason(e))
+    ctx = peers_run.Ctx(args, device, sets, sys.modules[__name__], add, skip)
+    ok &= peers_run.run(ctx, peers, doc, vs, N, dense_pairs)
 
     ours = None
     if args.ours and os.path.exists(args.ours):
@@ -439,11 +483,13 @@ def main():
                 continue
             pattern = r["pattern"]
             if pattern == "vertical-slash" and doc:
-                mine = [x for x in rows if x["peer"] == "flex" and x["pattern"] == pattern]
-                if mine and mine[0]["pairs"] != r["computed_pairs"]:
-                    print(f"pair counts differ: flex mask {mine[0]['pairs']}, mtrain "
-                          f"{r['computed_pairs']}", file=sys.stderr)
-                    ok = False
+                mine = [x for x in rows if x["peer"] in ("flex", "minference") and x["pattern"] == pattern
+                        and "pairs" in x]
+                for m in mine:
+                    if m["pairs"] != r["computed_pairs"]:
+                        print(f"pair counts differ: {m['peer']} {m['pairs']}, mtrain "
+                              f"{r['computed_pairs']}", file=sys.stderr)
+                        ok = False
             rows.append({"peer": f"mtrain v{r['variant']}", "pattern": pattern,
                          "pairs": r["computed_pairs"], "forward_ms": r["forward_ms"],
                          "forward_tflops": r["forward_tflops"],
@@ -452,26 +498,34 @@ def main():
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(device),
+            json.dump({"torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        "seq_len": N, "heads": H, "kv_heads": args.kv_heads, "head_dim": d,
                        "reps": args.reps, "warmup": args.warmup, "rows": rows}, f, indent=2)
     print("== peers table (effective TFLOP/s: forward 4*d*pairs, forward+backward 3.5x)")
     print(f"{'peer':12s} {'pattern':15s} {'density':>8s} {'fwd ms':>9s} {'fwd TFLOP/s':>12s} "
           f"{'fwd+bwd ms':>11s} {'TFLOP/s':>8s}")
     for r in rows:
+        if "cannot_run" in r:
+            print(f"{r['peer']:12s} {r['pattern']:15s} cannot run: {r['cannot_run']}")
+            continue
+        fb = (f"{r['forward_backward_ms']:11.3f} {r['forward_backward_tflops']:8.1f}"
+              if r["forward_backward_ms"] else f"{'n/a':>11s} {'n/a':>8s}")
         print(f"{r['peer']:12s} {r['pattern']:15s} {100.0 * r['pairs'] / dense_pairs:7.2f}% "
-              f"{r['forward_ms']:9.3f} {r['forward_tflops']:12.1f} {r['forward_backward_ms']:11.3f} "
-              f"{r['forward_backward_tflops']:8.1f}")
+              f"{r['forward_ms']:9.3f} {r['forward_tflops']:12.1f} {fb} {r['note']}".rstrip())
     # mtrain against the peer of the same pattern (time ratios; > 1: mtrain is faster)
     for r in rows:
         if not r["peer"].startswith("mtrain"):
             continue
-        for peer in ("flex", "sdpa-flash"):
-            p = [x for x in rows if x["peer"] == peer and x["pattern"] == r["pattern"]]
+        for peer in ("flex", "sdpa-flash", "sdpa-cudnn", "cudnn-fe", "flash-attn", "minference",
+                     "minference-api"):
+            p = [x for x in rows if x["peer"] == peer and x["pattern"] == r["pattern"]
+                 and "cannot_run" not in x]
             if p:
+                fb = (f"{p[0]['forward_backward_ms'] / r['forward_backward_ms']:.2f}"
+                      if p[0]["forward_backward_ms"] and r["forward_backward_ms"] else "n/a")
                 print(f"{r['peer']} {r['pattern']}: {peer} time / mtrain time = forward "
-                      f"{p[0]['forward_ms'] / r['forward_ms']:.2f}, forward+backward "
-                      f"{p[0]['forward_backward_ms'] / r['forward_backward_ms']:.2f}")
+                      f"{p[0]['forward_ms'] / r['forward_ms']:.2f}, forward+backward {fb}")
     if not ok:
         print("the independent check or the pair count FAILED (see above)")
     return 0 if ok else 3
