@@ -148,8 +148,10 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   named_barrier(1, NC);
   uint32_t qf[NKS][4];
   load_q_fragments<D>(qf, sQ);
-  fwd_consume_item<D, T, NWG, false, R::kPipelined>(st, item, qf, ctl, sKV, full0, empty0, 0, o_acc,
-                                                    lse_acc);
+  if constexpr (R::kPingPong) fwd_pingpong_start();
+  fwd_consume_item<D, T, NWG, false, R::kPipelined, R::kPingPong>(st, item, qf, ctl, sKV, full0,
+                                                                  empty0, 0, o_acc, lse_acc);
+  if constexpr (R::kPingPong) fwd_pingpong_end();
 #endif
 }
 
@@ -314,6 +316,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
    * the item's key tiles and epilogue ---- */
   if constexpr (PersistRegs<D, NWG>::kMoveRegs)
     setmaxnreg_inc<PersistRegs<D, NWG>::kConsumerRegs>();
+  if constexpr (PersistRegs<D, NWG>::kPingPong) fwd_pingpong_start();
   uint32_t qf[NKS][4];
   int n = 0; /* the item's first slot */
   int j = 0; /* the CTA's items so far */
@@ -327,9 +330,11 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
     mma2::q_item_at<BM>(st, (unsigned)it, item);
     load_q_fragments<D>(qf, sQ0 + (uint32_t)(qbuf * TBQ));
     mbar_arrive(qempty0 + 8 * qbuf); /* this thread's reads of the buffer are done */
-    n = fwd_consume_item<D, T, NWG, true, PersistRegs<D, NWG>::kPipelined>(
-        st, item, qf, ctl, sKV, full0, empty0, n, o_acc, lse_acc);
+    n = fwd_consume_item<D, T, NWG, true, PersistRegs<D, NWG>::kPipelined,
+                         PersistRegs<D, NWG>::kPingPong>(st, item, qf, ctl, sKV, full0, empty0, n,
+                                                         o_acc, lse_acc);
   }
+  if constexpr (PersistRegs<D, NWG>::kPingPong) fwd_pingpong_end();
 #endif
 }
 

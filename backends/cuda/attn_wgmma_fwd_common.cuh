@@ -86,11 +86,36 @@ template <int D, int NWG, int MIN_BLOCKS> struct FwdRegs {
       kMoveRegs ? ((NT * kLaunchRegs - kProducers * kProducerRegs) / (128 * NWG)) & ~7
                 : kLaunchRegs;
   static constexpr bool kPipelined = D == 64 || NWG == 1 || kMoveRegs;
+  /* the two consumer warpgroups take turns at issuing their products
+   * (fwd_pingpong_start, fwd_consume_item, fwd_pingpong_end) */
+  static constexpr bool kPingPong = kPipelined && NWG == 2;
   static_assert(!kMoveRegs || (kConsumerRegs > kLaunchRegs && kConsumerRegs <= 256 &&
                                NT * kLaunchRegs >= kProducers * kProducerRegs +
                                                        128 * NWG * kConsumerRegs),
                 "setmaxnreg counts");
 };
+
+/* Ping-pong of two consumer warpgroups (FA3's recipe): in every iteration of
+ * the pipelined loop a warpgroup waits for its turn (named barrier
+ * kBarTurn0 + its index), issues its two products, and hands the turn to
+ * the other (bar.arrive on the other's barrier), so that one warpgroup's
+ * softmax runs while the other's products hold the tensor cores, instead
+ * of both issuing at once and both waiting on their exponentials. Every
+ * iteration is one turn of each warpgroup: both run the same tiles (every
+ * item's tiles, masked where their rows do not reach them). Warpgroup 0
+ * goes first: warpgroup 1 arrives once on warpgroup 0's barrier before its
+ * first item (fwd_pingpong_start), and warpgroup 0 takes that last turn
+ * after its last item (fwd_pingpong_end), so that no arrival is left
+ * pending when the CTA ends. Each barrier then holds at most one pending
+ * arrival: the other warpgroup's next arrival on it follows this
+ * warpgroup's wait. */
+constexpr int kBarTurn0 = 2; /* 2 and 3 (0: __syncthreads, 1: the consumers' Q) */
+__device__ __forceinline__ void fwd_pingpong_start() {
+  if ((threadIdx.x >> 7) == 1) named_barrier_arrive(kBarTurn0, 256);
+}
+__device__ __forceinline__ void fwd_pingpong_end() {
+  if ((threadIdx.x >> 7) == 0) named_barrier(kBarTurn0, 256);
+}
 
 /* The control block: slot n of the stage ring (a key tile, or the marker
  * that ends an item's walk: kind == 0) sits in stage n % kFwdStages; the
@@ -209,8 +234,10 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[D / 16][4], uint
  *    each tile as soon as it has landed, so that looking one tile ahead does
  *    not wait);
  *  - else (d 128 with two consumer warpgroups at 168 registers a thread:
- *    the second S fragment does not fit) one tile at a time. */
-template <int D, typename T, int NWG, bool RELEASE_MARKER, bool PIPELINED>
+ *    the second S fragment does not fit) one tile at a time;
+ *  - PINGPONG (FwdRegs::kPingPong): the pipelined loop's products issued in
+ *    turns of the two warpgroups (fwd_pingpong_start above). */
+template <int D, typename T, int NWG, bool RELEASE_MARKER, bool PIPELINED, bool PINGPONG>
 __device__ __forceinline__ int
 fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t (&qf)[D / 16][4],
                  const FwdCtl &ctl, uint32_t sKV, uint32_t full0, uint32_t empty0, int n0,
@@ -349,11 +376,13 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
       KTile2 t1;
       const bool have1 = next_tile(n + 1, t1);
       zero_s(s);
+      if constexpr (PINGPONG) named_barrier(kBarTurn0 + (warp >> 2), 256); /* our turn */
       wgmma_fence();
       qk_product<D, T>(s, qf, stage_k(n + 1)); /* S_{n+1} */
       wgmma_commit();
       wgmma_regs_by_rows64<D, T>(o, pa, stage_k(n) + TBK); /* O += P_n V_n */
       wgmma_commit();
+      if constexpr (PINGPONG) named_barrier_arrive(kBarTurn0 + 1 - (warp >> 2), 256); /* theirs */
       wgmma_wait<1>(); /* S_{n+1} done */
 #pragma unroll
       for (int x = 0; x < 32; ++x) reg_fence(s[x]);

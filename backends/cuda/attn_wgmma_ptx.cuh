@@ -189,6 +189,13 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+/* The calling threads' arrival on barrier `id` of `count` threads, without
+ * waiting for it (bar.arrive: the threads that wait are the others'
+ * named_barrier). */
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 /* setmaxnreg (sm_90a): the executing warpgroup's per-thread register limit
  * becomes N (a multiple of 8 in [24, 256]); dec returns registers to the
  * CTA's pool, inc takes them from it (blocking until the pool has them).

@@ -40,6 +40,7 @@ void mbar_init(uint32_t bar, int count);
 void mbar_arrive(uint32_t bar);
 bool mbar_try_wait(uint32_t bar, uint32_t parity);
 void named_barrier(int id, int count);
+void named_barrier_arrive(int id, int count);
 void setmaxnreg(int n, bool inc);
 void set_launch_regs(int n);
 void wgmma(float *d, const uint32_t *a, uint64_t desc, int N, int tnsp, bool bf16);

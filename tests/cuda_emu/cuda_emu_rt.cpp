@@ -439,6 +439,16 @@ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   return false;
 }
 void named_barrier(int id, int count) { barrier_wait(named_bars[id], count); }
+/* bar.arrive: counts the calling thread's arrival, does not wait (the
+ * barrier's phase completes when its count is reached, by arrivals and
+ * waits together) */
+void named_barrier_arrive(int id, int count) {
+  Barrier &b = named_bars[id];
+  if (++b.count == count) {
+    b.count = 0;
+    b.gen++;
+  }
+}
 void cp_async(uint32_t dst, const void *src, int bytes, bool valid) {
   if (dst % bytes || dst + bytes > g_smem_size)
     fail("cp.async dst %u (%d bytes, smem %u)", dst, bytes, g_smem_size);
@@ -538,6 +548,10 @@ void launch(int grid, int smem_bytes, std::function<void()> k, bool shuffle_bloc
         for (auto &w : wgrps)
           if (!w.open.empty() || !w.groups.empty())
             fail("wgmma products still pending (not waited for) when the block ends");
+        for (int i = 0; i < 16; ++i)
+          if (named_bars[i].count != 0)
+            fail("named barrier %d: %d arrivals pending when the block ends", i,
+                 named_bars[i].count);
         break;
       }
       if (run.empty()) {

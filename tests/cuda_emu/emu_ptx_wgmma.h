@@ -38,5 +38,8 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   return emu::mbar_try_wait(bar, parity);
 }
 __device__ __forceinline__ void named_barrier(int id, int count) { emu::named_barrier(id, count); }
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  emu::named_barrier_arrive(id, count);
+}
 template <int N> __device__ __forceinline__ void setmaxnreg_inc() { emu::setmaxnreg(N, true); }
 template <int N> __device__ __forceinline__ void setmaxnreg_dec() { emu::setmaxnreg(N, false); }
