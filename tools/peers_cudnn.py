@@ -190,7 +190,9 @@ def dense(cudnn: Any, sets: list[dict]) -> tuple[Any, Any]:
 def reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """fp32 causal attention restricted to the block mask [H, nb, nb] (tiles of 128)."""
+    """fp32 causal attention restricted to the block mask [H, nb, nb] (tiles of 128; moved to
+    q's device: bench_block_kernels.random_mask builds it on the CPU)."""
+    mask = mask.to(q.device)
     n = q.shape[2]
     group = q.shape[1] // k.shape[1]
     i = torch.arange(n, device=q.device)
@@ -206,13 +208,16 @@ def reference(
 
 
 def check_block_mask(
-    cudnn: Any, mask_small: torch.Tensor, heads: int, kv_heads: int, d: int
+    cudnn: Any, mask_small: torch.Tensor, heads: int, kv_heads: int, d: int, device: str = "cuda"
 ) -> tuple[bool, str]:
     """(lsb_first, note): which bit order makes the block-masked forward equal the masked
-    reference on a small case (N = 128 * mask_small.shape[1]); CannotRun when neither does."""
+    reference on a small case (N = 128 * mask_small.shape[1]); CannotRun when neither does.
+    The mask may be on the CPU (bench_block_kernels.random_mask): it is moved to the GPU, as
+    the packed mask the graph reads must be."""
     n = TILE * mask_small.shape[1]
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = (torch.randn(1, h, n, d, generator=g, device="cuda").to(torch.bfloat16)
+    mask_small = mask_small.to(device)
+    g = torch.Generator(device=device).manual_seed(5)
+    q, k, v = (torch.randn(1, h, n, d, generator=g, device=device).to(torch.bfloat16)
                for h in (heads, kv_heads, kv_heads))  # fmt: skip
     ref = reference(q, k, v, mask_small)
     errs = []
@@ -222,7 +227,8 @@ def check_block_mask(
         fg = gr.forward(stats=False, block_mask=bm)
         o = torch.empty_like(q)
         gr.run(fg, {0: q, 1: k, 2: v, 3: o, 5: bm})
-        torch.cuda.synchronize()
+        if o.is_cuda:
+            torch.cuda.synchronize()
         err = (o.float() - ref).abs().max().item()
         errs.append(err)
         if err <= 2e-2:

@@ -158,6 +158,41 @@ def test_cudnn_block_mask_packing() -> None:
     assert msb[0, 0, 1].tolist() == [128, 64]
 
 
+class FakeGraphs:
+    """peers_cudnn.Graphs without cuDNN: run() unpacks the block mask in one bit order and
+    writes the masked reference, after checking every tensor is on q's device (the run of
+    2026-11-29 failed there: random_mask's mask on the CPU, the indices on the GPU)."""
+
+    lsb_first = True
+
+    def __init__(self, cudnn, q, k) -> None:
+        self.device = q.device
+
+    def forward(self, stats, block_mask=None):
+        return block_mask
+
+    def run(self, g, pack) -> None:
+        assert all(t.device == self.device for t in pack.values())
+        packed = pack[5][0]
+        shifts = torch.arange(8, device=packed.device)
+        if not self.lsb_first:
+            shifts = 7 - shifts
+        bits = (packed.int()[..., None] >> shifts) & 1
+        mask = bits.flatten(-2)[..., : packed.shape[1]].bool()
+        pack[3].copy_(peers_cudnn.reference(pack[0], pack[1], pack[2], mask))
+
+
+@pytest.mark.parametrize("lsb_first", [True, False])
+def test_cudnn_check_block_mask_finds_the_bit_order(monkeypatch, lsb_first: bool) -> None:
+    mask = torch.zeros(4, 4, 4, dtype=torch.bool)
+    mask[:, torch.arange(4), torch.arange(4)] = True
+    mask[0, 3, 1] = mask[1, 2, 0] = mask[3, 3, 0] = True
+    monkeypatch.setattr(FakeGraphs, "lsb_first", lsb_first)
+    monkeypatch.setattr(peers_cudnn, "Graphs", FakeGraphs)
+    lsb, note = peers_cudnn.check_block_mask(None, mask, 4, 2, 32, device="cpu")
+    assert lsb == lsb_first and ("LSB" if lsb_first else "MSB") in note
+
+
 def test_cannot_run_reason_is_one_line() -> None:
     try:
         raise ImportError("No module named 'cudnn'\nsecond line")
