@@ -137,8 +137,11 @@ def test_table_shape_and_rank_sums(tmp_path: pathlib.Path) -> None:
                 for d in docs:
                     per_layer = [step[(d["tokens"], layer, (1.0, 1.0))] for layer in (0, 31)]
                     assert d["seconds"] == pytest.approx(18 * sum(per_layer) / d["ranks"])
-            err = m["predicted_s"][rank] / m["measured_s"][rank] - 1
+            # the errors: of the proxy (what is measured, priced), and of all layers
+            err = m["proxy_s"][rank] / m["measured_s"][rank] - 1
             assert m["rel_error"][rank] == pytest.approx(err)
+            err = m["predicted_s"][rank] / m["measured_s"][rank] - 1
+            assert m["all_layers_rel_error"][rank] == pytest.approx(err)
         seen = sorted(d["document"] for docs in m["rank_documents"] for d in docs)
         assert set(seen) == set(range(7))
         assert m["measured"]["max"] == max(m["measured_s"])
@@ -285,6 +288,95 @@ def test_row_pairs_table_on_a_length_grid(tmp_path: pathlib.Path) -> None:
         bm.run([*argv, "--budget-context", "4096"], log=_quiet)
     with pytest.raises(SystemExit):
         bm.run([*argv, "--levels", "0.5,1,2"], log=_quiet)
+
+
+def test_proxy_prices_the_measured_layers_at_their_tuned_levels(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proxy prediction is the predictor's seconds of what is measured: the measured layers
+    at each document's head scales on its rank, times the extrapolation factor, plus the linear
+    layers. With every layer measured it is mtrain.balance_batch's prediction; with layers 0 and
+    5 of 36 it is 18 x their prices (by hand, from the predictor's pair count), which differs
+    from the all-layers prediction where the tuner moved other layers' heads than these."""
+    _synthetic(monkeypatch)
+
+    def linear(self: bm.Runner, n: int, shapes: list, reps: int, warmup: int) -> float:
+        return 1e-3 + 1e-6 * n * len(shapes)
+
+    monkeypatch.setattr(bm.Runner, "linear", linear)
+    cal = tmp_path / "cal.json"
+    cal.write_text(
+        '{"device": "test", "pair_s": 2e-8, "row_s": 1e-6, "seq_s": 1e-4, "linear_flops": 9e9, '
+        '"linear_seq_s": 1e-3}'
+    )
+    # at 1/16 with budgets / 16 (as a full-size run's density), the levels change the pairs
+    lf = _lengths(tmp_path, [16 * n for n in (2048, 1280, 768, 512, 512, 256, 1024, 1536)])
+    argv = ["--budgets", TOPK, "--calibration", str(cal), "--lengths", lf, "--world", "3"]
+    argv += ["--methods", "cost,cost+tuned", "--reps", "1", "--warmup", "0", "--granularity"]
+    argv += [
+        "64",
+        "--scale",
+        "16",
+        "--scale-budgets",
+        "--linear",
+        "--hidden",
+        "32",
+        "--intermediate",
+        "64",
+        "--vocab",
+        "100",
+        *SMALL,
+    ]
+    base = bm.run([*argv, "--layers", "0"], log=_quiet)
+    argv += ["--target", str(0.8 * float(np.mean(base["methods"]["cost"]["predicted_s"])))]
+    every = bm.run([*argv, "--layers", "0-35"], log=_quiet)
+    for m in every["methods"].values():  # all layers measured: the proxy is the prediction
+        np.testing.assert_allclose(m["proxy_s"], m["predicted_s"], rtol=1e-9)
+    r = bm.run([*argv, "--layers", "0,5"], log=_quiet)
+    tuned = r["methods"]["cost+tuned"]
+    assert tuned["predicted_s"] == every["methods"]["cost+tuned"]["predicted_s"]
+    scales = np.asarray(tuned["head_scales"]).reshape(3, 36, 2)
+    measured_layers = scales[:, [0, 5]].reshape(3, -1)
+    others = np.delete(scales, [0, 5], axis=1).reshape(3, -1)
+    assert (measured_layers.mean(axis=1) != others.mean(axis=1)).any(), "a case where they differ"
+    derived = tmp_path / "derived.json"
+    bm.write_budgets(bm.derive_budgets(bm.read_budgets(TOPK), 2, 16), str(derived))
+    opts = types.SimpleNamespace(
+        levels=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0], spread="even", budget_context=0,
+        granularity=64, heads=2, row_pairs=None,
+    )  # fmt: skip
+    counter = bm.PairCounter(opts, str(derived))
+    a = types.SimpleNamespace(
+        hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=100
+    )
+    fpt = bm.linear_flops_per_token(a, 36)
+    try:
+        for name, m in r["methods"].items():
+            for rank in range(3):
+                lv = scales[rank] if name == "cost+tuned" else np.ones((36, 2))
+                want = sum(
+                    18
+                    * sum(
+                        2e-8 * counter.count(d["tokens"], layer, tuple(lv[layer]))
+                        + 1e-6 * d["tokens"] * 2
+                        + 1e-4
+                        for layer in (0, 5)
+                    )
+                    + fpt * d["tokens"] / 9e9
+                    + 1e-3
+                    for d in m["rank_documents"][rank]
+                )
+                assert m["proxy_s"][rank] == pytest.approx(want, rel=1e-9), (name, rank)
+                err = m["proxy_s"][rank] / m["measured_s"][rank] - 1
+                assert m["rel_error"][rank] == pytest.approx(err)
+    finally:
+        counter.close()
+    # the tuner's levels differ between the measured and the other layers: so do the predictions
+    gap = np.abs(np.asarray(tuned["proxy_s"]) / np.asarray(tuned["predicted_s"]) - 1)
+    assert gap.max() > 1e-3
+    assert tuned["proxy_step_ratio_vs_tokens"] == pytest.approx(
+        max(r["methods"]["tokens"]["proxy_s"]) / max(tuned["proxy_s"])
+    )
 
 
 def test_grid_and_validate_exact_with_synthetic_clock(

@@ -20,7 +20,7 @@ from .assignment import Scales, assign, mass_curves, measured_row_pairs
 from .budgets import derive_budgets, read_budgets, write_budgets
 from .cli import check_args, parser
 from .points import Points, interpolate, plan
-from .pricing import PairCounter, fit_calibration
+from .pricing import PairCounter, ProxyPrices, fit_calibration
 from .ranks import rank_times
 from .report import (
     _device_name,
@@ -236,7 +236,10 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
     value, grid_report = _measure(a, points, results, lengths, scales_of, say)
     noise = repetition_spread(a, points.meas, say)
     factor = nl / len(a.layers)
-    out_methods = rank_times(a, results, lengths, value, points.key, scales_of, factor, linear_s)
+    prices = ProxyPrices(a, calibration, pairs, nl)
+    out_methods = rank_times(
+        a, results, lengths, value, points.key, scales_of, factor, linear_s, prices
+    )
     add_stats(out_methods)
     print_tables(a, out_methods, factor, grid_report, say)
     spread = per_document_spread(a, points.meas, say) if per_document else None
@@ -290,6 +293,9 @@ def run(argv: Sequence[str] | None = None, log: Callable[[str], None] | None = N
         "validation": validation,
         "notes": [
             "predicted: mtrain.balance_batch with the calibration, all layers",
+            f"proxy: the predictor's seconds of layers {a.layers} times {factor:.6g} (+ the "
+            "linear layers) at each document's head scales on its rank: what is measured",
+            "rel_error, shape_error: proxy / measured; all_layers_*: predicted / measured",
             f"measured: layers {a.layers} timed, times {factor:.6g} for the other layers",
             "split documents: measured time / k per rank; the ring's overhead is not measured",
             "linear layers "

@@ -242,3 +242,39 @@ def fit_linear(
         "flops_only_max_abs_rel_error": float(np.abs(only).max()),
     }
     return fpt / c1, c0, report
+
+
+class ProxyPrices:
+    """The predictor's seconds of what the tool measures (the proxy prediction): one layer's call
+    of a document (pair_s * its heads' pairs at their scales + row_s * N * heads + seq_s, the
+    pairs counted as the predictor counts them) and a document's linear layers (FLOPs at
+    linear_flops + linear_seq_s, with --linear). Summed over the measured layers x the
+    extrapolation factor, it is what mtrain.balance_batch predicts for the measured proxy; over
+    every layer, its own prediction."""
+
+    def __init__(
+        self,
+        a: argparse.Namespace,
+        calibration: str | os.PathLike[str] | dict[str, float],
+        pairs: PairCounter,
+        layers: int,
+    ) -> None:
+        from mtrain import balance as B
+
+        self.cal = B._calibration(calibration)  # a file or the fitted table, read as balance_batch
+        self.pairs, self.heads = pairs, a.heads
+        self.flops_per_token = linear_flops_per_token(a, layers) if a.linear else 0.0
+        self._calls: dict[tuple[int, int, tuple[float, ...]], float] = {}
+
+    def call(self, n: int, layer: int, scales: Sequence[float]) -> float:
+        k = (n, layer, tuple(scales))
+        if k not in self._calls:
+            c = self.cal
+            pairs = self.pairs.count(n, layer, scales)
+            self._calls[k] = c.pair_s * pairs + c.row_s * n * self.heads + c.seq_s
+        return self._calls[k]
+
+    def linear(self, n: int) -> float:
+        if not self.flops_per_token:
+            return 0.0
+        return self.flops_per_token * n / self.cal.linear_flops + self.cal.linear_seq_s

@@ -35,7 +35,11 @@ Method (every figure is on one device, ranks run one after another):
      timed at the lengths up to --linear-chunk and in proportion to the tokens above it.
      A rank's time = its split phase replayed in the solver's order (a split document costs
      each of its k ranks its time / k; the ring's overhead is NOT measured) + its whole
-     documents.
+     documents. The proxy prediction prices exactly that with the predictor (the measured
+     layers at each document's head scales on its rank, times layers / measured layers, plus
+     the linear layers): the errors are proxy / measured - 1, like for like when a tuner moved
+     other layers' budgets than the measured ones; mtrain.balance_batch's all-layers
+     prediction and its error are printed beside them.
   6. --validate K runs K ranks' whole workloads (the last method's, measured layers) for real,
      document after document on fresh inputs with one synchronisation at the end, and compares
      the wall time with the sum of the per-length medians (additivity).
