@@ -93,12 +93,12 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
     w.init(st, h, qb, gq, qt * BM, rows_here);
     /* tile x's descriptor into the control block, then this thread's
      * arrival on full (release: its copies, and thread 0's descriptor) */
-    auto publish = [&](int x, const KTile2 &d) {
+    auto publish = [&](int x, const StageTiles &d) {
       if (p == 0) ctl.tile[x % NST] = d;
       mbar_arrive(full0 + 8 * (x % NST));
     };
-    KTile2 prev2, prev1; /* tiles n - 2 and n - 1, loaded, not yet published */
-    prev2.kind = prev1.kind = 0;
+    StageTiles prev2, prev1; /* stages n - 2 and n - 1, loaded, not yet published */
+    prev2.h[0].kind = prev1.h[0].kind = 0;
     for (int n = 0;; ++n) {
       /* tile n - 2 first, before the wait for a free stage: it is published
        * as soon as it has landed, so the consumers, which look one tile ahead,
@@ -108,22 +108,22 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
         fence_proxy_async(); /* ... visible to wgmma's reads */
         publish(n - 2, prev2);
       }
-      KTile2 t;
-      const bool have = w.next(st, t);
+      StageTiles t;
+      const bool have = next_stage<D>(st, w, t);
       const int sn = n % NST;
       if (n >= NST)
         while (!mbar_try_wait(empty0 + 8 * sn, (uint32_t)((n / NST - 1) & 1))) {
         }
       if (have)
-        producer_load_tile<D, T>(st, t, w, p, sKV + (uint32_t)(sn * 2 * TBK), kbase, vbase,
+        producer_load_stage<D, T>(st, t, w, p, sKV + (uint32_t)(sn * 2 * TBK), kbase, vbase,
                                  kv_stride);
       cp_async_commit();
       if (!have) {
         cp_async_wait<0>();  /* every tile has landed (this thread's copies) */
         fence_proxy_async(); /* ... visible to wgmma's reads */
         if (n >= 1) publish(n - 1, prev1);
-        KTile2 end;
-        end.kind = 0;
+        StageTiles end;
+        end.h[0].kind = end.h[1].kind = 0;
         publish(n, end);
         break;
       }
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
 /* The persistent kernel's registers: compiled for two CTAs per SM at d 64
  * with one consumer warpgroup (as many as wgmma_fwd_kernel's 126 registers
  * let an SM hold), else one. */
-template <int D, int NWG> using PersistRegs = FwdRegs<D, NWG, D == 64 && NWG == 1 ? 2 : 1>;
+template <int D, int NWG> using PersistRegs = FwdRegs<D, NWG, 1>;
 
 /* CTAs that loop over the query items: CTA b takes one item of each wave of
  * gridDim.x consecutive items of the cuda_q_items order (heaviest first;
@@ -217,19 +217,19 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
     const int64_t kv_stride = (int64_t)st.Hkv * D;
     /* slot x's descriptor into the control block, then this thread's
      * arrival on full (release: its copies, and thread 0's descriptor) */
-    auto publish = [&](int x, const KTile2 &d) {
+    auto publish = [&](int x, const StageTiles &d) {
       if (p == 0) ctl.tile[x % NST] = d;
       mbar_arrive(full0 + 8 * (x % NST));
     };
     /* slots n - 2 and n - 1: the tile loaded there, not yet published (kind
      * 0: nothing left to publish, a marker is published at once), and the
      * query buffer whose copies are in the slot's cp.async group (-1: none) */
-    KTile2 prev2, prev1;
-    prev2.kind = prev1.kind = 0;
+    StageTiles prev2, prev1;
+    prev2.h[0].kind = prev1.h[0].kind = 0;
     int qbuf2 = -1, qbuf1 = -1;
     /* slot x (its copies landed): the tile's descriptor, and Q's readiness */
-    auto publish_landed = [&](int x, const KTile2 &d, int qbuf) {
-      if (d.kind != 0) publish(x, d);
+    auto publish_landed = [&](int x, const StageTiles &d, int qbuf) {
+      if (d.h[0].kind != 0) publish(x, d);
       if (qbuf >= 0) mbar_arrive(qfull0 + 8 * qbuf);
     };
     /* query buffer j % 2, once the consumers have read item j - 2's Q */
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
       const T *kbase = k + (int64_t)hk * D, *vbase = v + (int64_t)hk * D;
       KeyWalk2 w;
       w.init(st, item.h, item.qb, item.gq, item.qt * BM, item.rows);
-      KTile2 t;
-      bool have = w.next(st, t);
+      StageTiles t;
+      bool have = next_stage<D>(st, w, t);
       const int qbuf = claim_qbuf(j);
       if (p == 0) ctl.qitem[qbuf] = (int)it;
       int qsig = -1; /* the buffer signalled with the item's first tile */
@@ -275,13 +275,13 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
           fence_proxy_async(); /* ... visible to wgmma's reads */
           publish_landed(n - 2, prev2, qbuf2);
         }
-        if (!first) have = w.next(st, t);
+        if (!first) have = next_stage<D>(st, w, t);
         const int sn = n % NST;
         if (n >= NST)
           while (!mbar_try_wait(empty0 + 8 * sn, (uint32_t)((n / NST - 1) & 1))) {
           }
         if (have)
-          producer_load_tile<D, T>(st, t, w, p, sKV + (uint32_t)(sn * 2 * TBK), kbase, vbase,
+          producer_load_stage<D, T>(st, t, w, p, sKV + (uint32_t)(sn * 2 * TBK), kbase, vbase,
                                    kv_stride);
         cp_async_commit(); /* one group per slot (a marker's is empty) */
         prev2 = prev1;
@@ -290,8 +290,8 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
           prev1 = t;
           qbuf1 = first ? qsig : -1;
         } else {
-          KTile2 end;
-          end.kind = 0;
+          StageTiles end;
+          end.h[0].kind = end.h[1].kind = 0;
           publish(n, end); /* the item's marker: nothing to land */
           prev1 = end;
           qbuf1 = -1;

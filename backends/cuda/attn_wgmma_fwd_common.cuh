@@ -37,6 +37,19 @@ constexpr int kProducers = 128;
  * the consumers read a fourth. */
 constexpr int kFwdStages = 4;
 
+/* Walk tiles (64 keys each, KeyWalk2) per stage: two at d 64, so that a
+ * stage holds 128 keys and S = Q K^T is one m64n128k16 product per k-slice
+ * (a stage of the same 32 KB as d 128's 64-key one); one at d 128. */
+template <int D> constexpr int kStageHalves = D == 64 ? 2 : 1;
+template <int D> constexpr int kStageKeys = kKT * kStageHalves<D>;
+
+/* The walk tiles of one stage: h[0], then h[1] at d 64 (kind 0: the walk
+ * ended after h[0]; its rows are loaded as zeros and masked). A stage
+ * whose h[0] has kind 0 is an item's marker. */
+struct StageTiles {
+  KTile2 h[2];
+};
+
 /* The forward CTA: NWG consumer warpgroups (64 query rows each) and one
  * producer warpgroup. Shared memory: kStages stages of (K, V) panel tiles
  * (stage x: K at 2 * TBK * x, V at + TBK); NQ query tiles (the layout of
@@ -44,20 +57,22 @@ constexpr int kFwdStages = 4;
  * kernel, whose producer loads the next item's Q while the consumers work
  * on the current one); the control block (FwdCtl). 1024 bytes of slack
  * align the base to the 128-byte swizzle's 1024-byte period. */
+constexpr int kFwdCtlBytes = 512; /* the control block's room (FwdCtl) */
+
 template <int D, int NWG, int NQ = 1> struct FwdShape {
   static constexpr int NC = 128 * NWG;  /* consumer threads */
   static constexpr int NP = kProducers; /* producer threads */
   static constexpr int NT = NC + NP;
   static constexpr int BM = 64 * NWG;
-  static constexpr int TBK = kKT * D * 2;
+  static constexpr int TBK = kStageKeys<D> * D * 2; /* K (or V) bytes of a stage */
   static constexpr int TBQ = BM * D * 2;
   static constexpr int kStages = kFwdStages;
   static constexpr int kQOff = kStages * 2 * TBK;
   static constexpr int kCtlOff = kQOff + NQ * TBQ;
-  static constexpr int kSmem = kCtlOff + 256 + 1024;
+  static constexpr int kSmem = kCtlOff + kFwdCtlBytes + 1024;
   static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
   static_assert(TBQ % 16 == 0, "query tiles keep the 16-byte alignment of ldmatrix");
-  static_assert(mma2::fits_sm90(kSmem, NWG == 1 && D == 64 ? 2 : 1), "shared memory per SM");
+  static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
 };
 
 /* The registers of a forward kernel compiled for kMinBlocks CTAs per SM of
@@ -66,22 +81,22 @@ template <int D, int NWG, int NQ = 1> struct FwdShape {
  *    kernel): 128 registers a thread at launch, of which the producer
  *    warpgroup gives 32 to the consumers (at 128 each, ptxas spilled 8
  *    bytes);
- *  - d 128 with two consumer warpgroups: 168 at launch (384 threads), the
- *    producer keeps kProducerRegs and the consumers get the rest, so that
- *    their software-pipelined loop (two S fragments beside O and Q) fits
- *    without spills; at 168 each it does not (ptxas serializes the wgmma,
- *    C7512);
- *  - else every thread keeps its launch count (d 64 with two warpgroups:
- *    126 of 168 used; one warpgroup at one CTA per SM: 255).
+ *  - two consumer warpgroups: 168 at launch (384 threads), the producer
+ *    keeps kProducerRegs and the consumers get the rest, so that their
+ *    software-pipelined loop (two S fragments beside O and Q; at d 64 a
+ *    128-key S) fits without spills; at 168 each d 128's does not (ptxas
+ *    serializes the wgmma, C7512);
+ *  - else every thread keeps its launch count (one warpgroup at one CTA
+ *    per SM: 255).
  * kPipelined: the consumers run the software-pipelined loop of
  * fwd_consume_item (every case but d 128 with two warpgroups and no
  * registers moved, which no kernel compiles). */
 template <int D, int NWG, int MIN_BLOCKS> struct FwdRegs {
   static constexpr int kMinBlocks = MIN_BLOCKS;
   static constexpr int NT = 128 * NWG + kProducers;
-  static constexpr bool kMoveRegs = kMinBlocks == 2 || (D == 128 && NWG == 2);
+  static constexpr bool kMoveRegs = kMinBlocks == 2 || NWG == 2;
   static constexpr int kLaunchRegs = (65536 / (NT * kMinBlocks)) & ~7;
-  static constexpr int kProducerRegs = kMinBlocks == 2 ? 96 : 56;
+  static constexpr int kProducerRegs = kMinBlocks == 2 ? 96 : 64;
   static constexpr int kConsumerRegs =
       kMoveRegs ? ((NT * kLaunchRegs - kProducers * kProducerRegs) / (128 * NWG)) & ~7
                 : kLaunchRegs;
@@ -129,12 +144,12 @@ __device__ __forceinline__ void fwd_pingpong_end() {
  * index of the item whose Q the buffer holds (written by the producer
  * before its qfull arrival; -1: the CTA has no more items). */
 struct FwdCtl {
-  KTile2 tile[kFwdStages];
+  StageTiles tile[kFwdStages];
   uint64_t full[kFwdStages], empty[kFwdStages];
   uint64_t qfull[2], qempty[2];
   int qitem[2]; /* the item whose Q is in buffer b (-1: no more items) */
 };
-static_assert(sizeof(FwdCtl) <= 256, "control block");
+static_assert(sizeof(FwdCtl) <= kFwdCtlBytes, "control block");
 
 /* Rows per producer thread of a 64-key tile: producer thread p handles
  * chunk p % 8 of tile rows p / 8 + (NP / 8) r (r < kPRows). */
@@ -163,17 +178,44 @@ __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile
   }
 }
 
-/* Issues the producer thread's copies of tile t's K and V rows into the
- * stage at sk (K at sk, V at sk + TBK), in the panel layout. */
+/* The next stage of the walk: h[0] and, at d 64, h[1] (kind 0 when the
+ * walk ends after h[0]). False at the walk's end (h[0].kind = 0: the
+ * item's marker). */
+template <int D>
+__device__ __forceinline__ bool next_stage(const cuda_step_t &st, KeyWalk2 &w, StageTiles &t) {
+  t.h[1].kind = 0;
+  if (!w.next(st, t.h[0])) {
+    t.h[0].kind = 0;
+    return false;
+  }
+  if constexpr (kStageHalves<D> == 2)
+    if (!w.next(st, t.h[1])) t.h[1].kind = 0;
+  return true;
+}
+
+/* Issues the producer thread's copies of stage t's K and V rows into the
+ * stage at sk (K at sk, V at sk + TBK), in the panel layout: half h's 64
+ * rows at rows 64 h of the stage's panels (d 64: one panel of 128 rows),
+ * an absent half (kind 0) as zeros. */
 template <int D, typename T>
 __device__ __forceinline__ void
-producer_load_tile(const cuda_step_t &st, const KTile2 &t, const KeyWalk2 &w, int p, uint32_t sk,
-                   const T *kbase, const T *vbase, int64_t kv_stride) {
-  constexpr int TBK = kKT * D * 2;
-  int64_t rows[kPRows];
-  producer_rows(st, t, w, p, rows);
-  mma2::load_rows_panel<D, kProducers, kKT>(sk, kbase, kv_stride, rows, p);
-  mma2::load_rows_panel<D, kProducers, kKT>(sk + TBK, vbase, kv_stride, rows, p);
+producer_load_stage(const cuda_step_t &st, const StageTiles &t, const KeyWalk2 &w, int p,
+                    uint32_t sk, const T *kbase, const T *vbase, int64_t kv_stride) {
+  constexpr int TBK = kStageKeys<D> * D * 2;
+  static_assert(kStageHalves<D> == 1 || D == 64, "two halves in one panel: d 64");
+#pragma unroll
+  for (int h = 0; h < kStageHalves<D>; ++h) {
+    int64_t rows[kPRows];
+    if (t.h[h].kind != 0) {
+      producer_rows(st, t.h[h], w, p, rows);
+    } else {
+#pragma unroll
+      for (int r = 0; r < kPRows; ++r) rows[r] = -1;
+    }
+    const uint32_t off = (uint32_t)(h * kKT * 128);
+    mma2::load_rows_panel<D, kProducers, kKT>(sk + off, kbase, kv_stride, rows, p);
+    mma2::load_rows_panel<D, kProducers, kKT>(sk + TBK + off, vbase, kv_stride, rows, p);
+  }
 }
 
 /* The item that CTA b of a persistent grid of `grid` CTAs takes from wave w
@@ -186,27 +228,24 @@ __device__ __forceinline__ unsigned persistent_item(unsigned w, unsigned b, unsi
   return w * grid + ((w & 1u) ? grid - 1u - b : b);
 }
 
-/* Issues S += Q K^T for a 64-key tile: NKS wgmma k-slices, Q's A
- * fragments from registers, K read K-major from the panel tile at sK. At
- * d = 64 each k-slice is two m64n32k16 (keys 0-31, 32-63), so that S and
- * O = P V (m64n64k16 there) are never products of the same shape: with
- * both m64n64k16, the H200 computed the second and later key tiles wrong
- * (deterministically; one tile was right), which a one-tile test with the
- * same instructions does not show; the cause was not found. */
+/* Issues S += Q K^T for a stage (64 keys at d 128, 128 at d 64): NKS
+ * wgmma k-slices, Q's A fragments from registers, K read K-major from the
+ * panel tile at sK. At d 64 S is m64n128k16 and O = P V m64n64k16, never
+ * products of the same shape: with both m64n64k16 (64-key stages), the
+ * H200 computed the second and later key tiles wrong (deterministically;
+ * one tile was right), which a one-tile test with the same instructions
+ * does not show; the cause was not found (64-key stages at d 64 computed S
+ * as two m64n32k16 per k-slice). */
 template <int D, typename T>
-__device__ __forceinline__ void qk_product(float (&s)[32], const uint32_t (&qf)[D / 16][4],
-                                           uint32_t sK) {
+__device__ __forceinline__ void qk_product(float (&s)[32 * kStageHalves<D>],
+                                           const uint32_t (&qf)[D / 16][4], uint32_t sK) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t kaddr = sK + (uint32_t)((kk >> 2) * kKT * 128 + (kk & 3) * 32);
-    if constexpr (D == 128) {
+    if constexpr (D == 128)
       wgmma_m64n64k16<T, 0>(s, qf[kk], sw128_desc(kaddr, 16, 1024));
-    } else {
-      float(&lo)[16] = *reinterpret_cast<float(*)[16]>(&s[0]);
-      float(&hi)[16] = *reinterpret_cast<float(*)[16]>(&s[16]);
-      wgmma_m64n32k16<T, 0>(lo, qf[kk], sw128_desc(kaddr, 16, 1024));
-      wgmma_m64n32k16<T, 0>(hi, qf[kk], sw128_desc(kaddr + 32 * 128, 16, 1024));
-    }
+    else /* the stage's 128 keys: one panel of 128 rows */
+      wgmma_m64n128k16<T, 0>(s, qf[kk], sw128_desc(kaddr, 16, 1024));
   }
 }
 
@@ -246,6 +285,8 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
   using S = FwdShape<D, NWG>;
   constexpr int TBK = S::TBK, NST = S::kStages, BM = S::BM;
   constexpr int NO = D / 2; /* O accumulators per thread (64 rows x D per warpgroup) */
+  constexpr int H = kStageHalves<D>; /* walk tiles per stage */
+  constexpr int NS = 32 * H;         /* S accumulators per thread (64 rows x the stage's keys) */
   /* the software pipeline of the consumer loop (below), where the
    * consumers' registers allow it (FwdRegs::kPipelined) */
   constexpr bool kPipelined = PIPELINED;
@@ -267,17 +308,24 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float sl2 = st.scale * kLog2e;
 
-  /* The tile's masked scores to probabilities in place (log2 domain, scale
-   * folded in); the running max and sums move on, alpha[hh] is the factor
-   * that O's row hh still needs. Returns whether a max of the warp changed. */
-  auto softmax = [&](float(&s)[32], const KTile2 &t, float(&alpha)[2]) -> bool {
+  /* The stage's masked scores to probabilities in place (log2 domain,
+   * scale folded in); the running max and sums move on, alpha[hh] is the
+   * factor that O's row hh still needs. Returns whether a max of the warp
+   * changed. Half hf of the stage (scores s[32 hf ..], keys 64 hf ..) is
+   * masked by its walk tile t.h[hf] (kind 0: every key). */
+  auto softmax = [&](float(&s)[NS], const StageTiles &st2, float(&alpha)[2]) -> bool {
     /* masked scores -inf (raw scores; the scale is applied below) */
-    if (t.nvalid < kKT || (t.causal && t.off + kKT - 1 > wr0)) {
 #pragma unroll
-      for (int x = 0; x < 32; ++x) {
-        const int col = (x >> 2) * 8 + 2 * t4 + (x & 1);
-        const int row = wr0 + g + (((x >> 1) & 1) << 3);
-        if (col >= t.nvalid || (t.causal && col + t.off > row)) s[x] = -INFINITY;
+    for (int hf = 0; hf < H; ++hf) {
+      const KTile2 &t = st2.h[hf];
+      const int nvalid = t.kind != 0 ? t.nvalid : 0;
+      if (nvalid < kKT || (t.causal && t.off + kKT - 1 > wr0)) {
+#pragma unroll
+        for (int x = 0; x < 32; ++x) {
+          const int col = (x >> 2) * 8 + 2 * t4 + (x & 1);
+          const int row = wr0 + g + (((x >> 1) & 1) << 3);
+          if (col >= nvalid || (t.causal && col + t.off > row)) s[32 * hf + x] = -INFINITY;
+        }
       }
     }
     /* online softmax, row hh: s[4n + 2hh], s[4n + 2hh + 1] */
@@ -286,7 +334,8 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
     for (int hh = 0; hh < 2; ++hh) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hh], s[4 * c + 2 * hh + 1]));
+      for (int c = 0; c < 8 * H; ++c)
+        mx = fmaxf(mx, fmaxf(s[4 * c + 2 * hh], s[4 * c + 2 * hh + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float mnew = fmaxf(m[hh], mx * sl2);
@@ -296,7 +345,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
       m[hh] = mnew;
       float sum = 0.f;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
+      for (int c = 0; c < 8 * H; ++c) {
         s[4 * c + 2 * hh] = fast_exp2(fmaf(s[4 * c + 2 * hh], sl2, -mu));
         s[4 * c + 2 * hh + 1] = fast_exp2(fmaf(s[4 * c + 2 * hh + 1], sl2, -mu));
         sum += s[4 * c + 2 * hh] + s[4 * c + 2 * hh + 1];
@@ -317,36 +366,43 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
   };
   /* P's A fragment of k-slice j (keys 16j .. 16j + 15) packed from the C
    * fragments of key columns 16j.. and 16j + 8.. */
-  uint32_t pa[4][4];
-  auto pack_p = [&](const float(&s)[32]) {
+  uint32_t pa[4 * H][4];
+  auto pack_p = [&](const float(&s)[NS]) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < 4 * H; ++j) {
       pa[j][0] = pack2<T>(s[8 * j], s[8 * j + 1]);
       pa[j][1] = pack2<T>(s[8 * j + 2], s[8 * j + 3]);
       pa[j][2] = pack2<T>(s[8 * j + 4], s[8 * j + 5]);
       pa[j][3] = pack2<T>(s[8 * j + 6], s[8 * j + 7]);
     }
   };
-  /* waits for the item's tile n (slot n0 + n); false at the item's marker */
-  auto next_tile = [&](int n, KTile2 &t) -> bool {
+  /* waits for the item's stage n (slot n0 + n); false at the item's marker */
+  auto next_tile = [&](int n, StageTiles &t) -> bool {
     const int sn = (n0 + n) % NST;
     while (!mbar_try_wait(full0 + 8 * sn, (uint32_t)(((n0 + n) / NST) & 1))) {
     }
     t = ctl.tile[sn];
-    return t.kind != 0;
+    return t.h[0].kind != 0;
+  };
+  /* O += P V over the stage at sk: each half's 64 keys (rows 64 h of V) */
+  auto pv_product = [&](uint32_t sk) {
+#pragma unroll
+    for (int hf = 0; hf < H; ++hf)
+      wgmma_regs_by_rows64<D, T>(o, *reinterpret_cast<const uint32_t(*)[4][4]>(&pa[4 * hf]),
+                                 sk + TBK + (uint32_t)(hf * kKT * 128));
   };
   auto stage_k = [&](int n) { return sKV + (uint32_t)(((n0 + n) % NST) * 2 * TBK); };
   auto release = [&](int n) { mbar_arrive(empty0 + 8 * ((n0 + n) % NST)); };
-  auto zero_s = [&](float(&s)[32]) {
+  auto zero_s = [&](float(&s)[NS]) {
 #pragma unroll
-    for (int x = 0; x < 32; ++x) {
+    for (int x = 0; x < NS; ++x) {
       s[x] = 0.f;
       reg_fence(s[x]); /* zeroed before the fence: zeroing sunk past it makes
                           ptxas serialize every wgmma of the kernel */
     }
   };
 
-  float s[32];
+  float s[NS];
   float alpha[2];
   int marker; /* the item's marker: its tile index */
   if constexpr (kPipelined) {
@@ -359,7 +415,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
      * them, C7520): tiles that none of the warpgroup's rows reach are masked
      * to P = 0, and at the walk's marker S reads a stale stage and is
      * dropped. */
-    KTile2 t;
+    StageTiles t;
     bool have = next_tile(0, t);
     zero_s(s);
     wgmma_fence();
@@ -367,33 +423,33 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
-    for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+    for (int x = 0; x < NS; ++x) reg_fence(s[x]);
     if (have) {
       softmax(s, t, alpha); /* O is zero: nothing to rescale */
       pack_p(s);
     }
     marker = 0;
     for (int n = 0; have; ++n) {
-      KTile2 t1;
+      StageTiles t1;
       const bool have1 = next_tile(n + 1, t1);
       zero_s(s);
       if constexpr (PINGPONG) named_barrier(kBarTurn0 + (warp >> 2), 256); /* our turn */
       wgmma_fence();
       qk_product<D, T>(s, qf, stage_k(n + 1)); /* S_{n+1} */
       wgmma_commit();
-      wgmma_regs_by_rows64<D, T>(o, pa, stage_k(n) + TBK); /* O += P_n V_n */
+      pv_product(stage_k(n)); /* O += P_n V_n */
       wgmma_commit();
       if constexpr (PINGPONG) named_barrier_arrive(kBarTurn0 + 1 - (warp >> 2), 256); /* theirs */
       wgmma_wait<1>(); /* S_{n+1} done */
 #pragma unroll
-      for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+      for (int x = 0; x < NS; ++x) reg_fence(s[x]);
       bool changed = false;
       if (have1) changed = softmax(s, t1, alpha);
       wgmma_wait<0>(); /* P_n V_n done */
 #pragma unroll
       for (int x = 0; x < NO; ++x) reg_fence(o[x]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4 * H; ++j)
 #pragma unroll
         for (int r = 0; r < 4; ++r) reg_fence_u(pa[j][r]);
       release(n); /* this thread's reads of stage n are done */
@@ -405,16 +461,19 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
       marker = n + 1;
     }
   } else {
-    /* one tile at a time: S, softmax, P V, each product waited for */
+    /* one tile at a time: S, softmax, P V, each product waited for (64-key
+     * stages only) */
+    static_assert(H == 1, "the one-tile loop takes 64-key stages");
     for (int n = 0;; ++n) {
-      KTile2 t;
+      StageTiles t;
       if (!next_tile(n, t)) {
         marker = n;
         break;
       }
       /* the warpgroup's 64 rows all padding, or all before the tile's keys
        * (uniform over the warpgroup, as wgmma requires) */
-      const bool skip = wgr0 >= rows_here || (t.causal && t.off > wgr0 + 63);
+      const bool skip =
+          wgr0 >= rows_here || (t.h[0].causal && t.h[0].off > wgr0 + 63);
       if (!skip) {
         zero_s(s);
         wgmma_fence();
@@ -422,11 +481,11 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
-        for (int x = 0; x < 32; ++x) reg_fence(s[x]);
+        for (int x = 0; x < NS; ++x) reg_fence(s[x]);
         if (softmax(s, t, alpha)) rescale(alpha);
         pack_p(s);
         wgmma_fence();
-        wgmma_regs_by_rows64<D, T>(o, pa, stage_k(n) + TBK); /* O += P V */
+        pv_product(stage_k(n)); /* O += P V */
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll
