@@ -81,9 +81,12 @@ fi
 
 # The settings the CPU study supports (docs/TRAINING.md, "Learnability study on the CPU").
 SIZE=${SIZE:-mini}
-task=(--task mix --num-keys 32 --num-values 32 --num-filler 256 --mqar-pairs 4
-  --mqar-queries 24 --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4
-  --seed 0 --data-seed 1)
+# MQAR_PAIRS, MQAR_QUERIES (default 4, 24) and MQAR_DISTINCT (1: every query a distinct key,
+# which needs MQAR_QUERIES <= MQAR_PAIRS; docs/TRAINING.md, "The tasks") set the MQAR half.
+task=(--task mix --num-keys 32 --num-values 32 --num-filler 256
+  --mqar-pairs "${MQAR_PAIRS:-4}" --mqar-queries "${MQAR_QUERIES:-24}"
+  --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4 --seed 0 --data-seed 1)
+[ "${MQAR_DISTINCT:-0}" = 1 ] && task+=(--mqar-distinct 1)
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
 # 1500: on an H100 passkey was at 1.000 from step 1250 of a 1500-step schedule (2026-11-27;
