@@ -6,15 +6,17 @@
  *    consumer warpgroups of 4 warps, each owning 64 query rows (NWG = 2
  *    when G is a multiple of 128, else 1), and one producer warpgroup;
  *  - the producer walks the item's key tiles (runs, then bars 64 at a
- *    time) and copies each tile's K and V rows with cp.async into one of
- *    four stages, in the 128-byte-swizzle panel layout that wgmma reads
+ *    time) and copies each stage's K and V rows (one walk tile at d 128,
+ *    two at d 64: 128 keys) with cp.async into one of four stages, in the 128-byte-swizzle panel layout that wgmma reads
  *    through descriptors; mbarriers hand stages over (full: copies landed
  *    and the tile's descriptor published; empty: every consumer done), so
  *    the two warpgroups run at their own pace, without CTA barriers;
  *  - Q stays in registers as A fragments (loaded once per item with
- *    ldmatrix); per key tile S = Q K^T is 8 (d 128) or 8 half-width (d 64)
- *    wgmma reading K K-major, O += P V is 4 wgmma m64n{d}k16 with P from
- *    registers and V read N-major (attn_wgmma_fwd_common.cuh, shared by
+ *    ldmatrix); per stage S = Q K^T is 8 wgmma m64n64k16 (d 128) or 4
+ *    m64n128k16 (d 64) reading K K-major, O += P V is 4 wgmma m64n{d}k16
+ *    per 64 keys with P from registers and V read N-major; the consumer
+ *    loop is software-pipelined, and at d 128 the two consumer warpgroups
+ *    issue their products in turns (attn_wgmma_fwd_common.cuh, shared by
  *    the two kernels below);
  *  - the masks, the online softmax in the log2 domain, the skipped O
  *    rescale and the epilogue's merge into o_acc / lse_acc are variant 2's.
@@ -155,9 +157,8 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
 #endif
 }
 
-/* The persistent kernel's registers: compiled for two CTAs per SM at d 64
- * with one consumer warpgroup (as many as wgmma_fwd_kernel's 126 registers
- * let an SM hold), else one. */
+/* The persistent kernel's registers: compiled for one CTA per SM (two Q
+ * buffers and four 32 KB stages leave no room for a second). */
 template <int D, int NWG> using PersistRegs = FwdRegs<D, NWG, 1>;
 
 /* CTAs that loop over the query items: CTA b takes one item of each wave of

@@ -77,8 +77,9 @@ template <int D, int NWG, int NQ = 1> struct FwdShape {
 
 /* The registers of a forward kernel compiled for kMinBlocks CTAs per SM of
  * FwdShape<D, NWG>'s threads, and the consumer loop they allow:
- *  - d 64 with one consumer warpgroup at two CTAs per SM (the persistent
- *    kernel): 128 registers a thread at launch, of which the producer
+ *  - one consumer warpgroup at two CTAs per SM (no kernel since the
+ *    128-key stages at d 64; the persistent kernel at d 64 was compiled so
+ *    before): 128 registers a thread at launch, of which the producer
  *    warpgroup gives 32 to the consumers (at 128 each, ptxas spilled 8
  *    bytes);
  *  - two consumer warpgroups: 168 at launch (384 threads), the producer
