@@ -7,10 +7,11 @@
  *    when G is a multiple of 128, else 1), and one producer warpgroup;
  *  - the producer walks the item's key tiles (runs, then bars 64 at a
  *    time) and copies each stage's K and V rows (one walk tile at d 128,
- *    two at d 64: 128 keys) with cp.async into one of four stages, in the 128-byte-swizzle panel layout that wgmma reads
- *    through descriptors; mbarriers hand stages over (full: copies landed
- *    and the tile's descriptor published; empty: every consumer done), so
- *    the two warpgroups run at their own pace, without CTA barriers;
+ *    two at d 64: 128 keys) with cp.async into one of four stages, in
+ *    the 128-byte-swizzle panel layout that wgmma reads through
+ *    descriptors; mbarriers hand stages over (full: copies landed and the
+ *    tile's descriptor published; empty: every consumer done), so the two
+ *    warpgroups run at their own pace, without CTA barriers;
  *  - Q stays in registers as A fragments (loaded once per item with
  *    ldmatrix); per stage S = Q K^T is 8 wgmma m64n64k16 (d 128) or 4
  *    m64n128k16 (d 64) reading K K-major, O += P V is 4 wgmma m64n{d}k16
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
         }
       if (have)
         producer_load_stage<D, T>(st, t, w, p, sKV + (uint32_t)(sn * 2 * TBK), kbase, vbase,
-                                 kv_stride);
+                                  kv_stride);
       cp_async_commit();
       if (!have) {
         cp_async_wait<0>();  /* every tile has landed (this thread's copies) */
@@ -283,7 +284,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
           }
         if (have)
           producer_load_stage<D, T>(st, t, w, p, sKV + (uint32_t)(sn * 2 * TBK), kbase, vbase,
-                                   kv_stride);
+                                    kv_stride);
         cp_async_commit(); /* one group per slot (a marker's is empty) */
         prev2 = prev1;
         qbuf2 = qbuf1;

@@ -41,7 +41,7 @@ constexpr int kFwdStages = 4;
  * stage holds 128 keys and S = Q K^T is one m64n128k16 product per k-slice
  * (a stage of the same 32 KB as d 128's 64-key one); one at d 128. */
 template <int D> constexpr int kStageHalves = D == 64 ? 2 : 1;
-template <int D> constexpr int kStageKeys = kKT * kStageHalves<D>;
+template <int D> constexpr int kStageKeys = kStageHalves<D> * kKT;
 
 /* The walk tiles of one stage: h[0], then h[1] at d 64 (kind 0: the walk
  * ended after h[0]; its rows are loaded as zeros and masked). A stage
@@ -106,9 +106,9 @@ template <int D, int NWG, int MIN_BLOCKS> struct FwdRegs {
    * (fwd_pingpong_start, fwd_consume_item, fwd_pingpong_end): at d 128;
    * at d 64 it measured 1.0-1.3% slower on an H200 (CUDA_KERNELS.md) */
   static constexpr bool kPingPong = kPipelined && NWG == 2 && D == 128;
-  static_assert(!kMoveRegs || (kConsumerRegs > kLaunchRegs && kConsumerRegs <= 256 &&
-                               NT * kLaunchRegs >= kProducers * kProducerRegs +
-                                                       128 * NWG * kConsumerRegs),
+  static_assert(!kMoveRegs ||
+                    (kConsumerRegs > kLaunchRegs && kConsumerRegs <= 256 &&
+                     NT * kLaunchRegs >= kProducers * kProducerRegs + 128 * NWG * kConsumerRegs),
                 "setmaxnreg counts");
 };
 
@@ -285,7 +285,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
                  float *__restrict__ o_acc, float *__restrict__ lse_acc) {
   using S = FwdShape<D, NWG>;
   constexpr int TBK = S::TBK, NST = S::kStages, BM = S::BM;
-  constexpr int NO = D / 2; /* O accumulators per thread (64 rows x D per warpgroup) */
+  constexpr int NO = D / 2;          /* O accumulators per thread (64 rows x D per warpgroup) */
   constexpr int H = kStageHalves<D>; /* walk tiles per stage */
   constexpr int NS = 32 * H;         /* S accumulators per thread (64 rows x the stage's keys) */
   /* the software pipeline of the consumer loop (below), where the
@@ -315,7 +315,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
    * changed. Half hf of the stage (scores s[32 hf ..], keys 64 hf ..) is
    * masked by its walk tile t.h[hf] (kind 0: every key). */
   auto softmax = [&](float(&s)[NS], const StageTiles &st2, float(&alpha)[2]) -> bool {
-    /* masked scores -inf (raw scores; the scale is applied below) */
+  /* masked scores -inf (raw scores; the scale is applied below) */
 #pragma unroll
     for (int hf = 0; hf < H; ++hf) {
       const KTile2 &t = st2.h[hf];
@@ -473,8 +473,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t 
       }
       /* the warpgroup's 64 rows all padding, or all before the tile's keys
        * (uniform over the warpgroup, as wgmma requires) */
-      const bool skip =
-          wgr0 >= rows_here || (t.h[0].causal && t.h[0].off > wgr0 + 63);
+      const bool skip = wgr0 >= rows_here || (t.h[0].causal && t.h[0].off > wgr0 + 63);
       if (!skip) {
         zero_s(s);
         wgmma_fence();
