@@ -41,7 +41,7 @@ constexpr int kFwdStages = 4;
  * stage holds 128 keys and S = Q K^T is one m64n128k16 product per k-slice
  * (a stage of the same 32 KB as d 128's 64-key one); one at d 128. */
 template <int D> constexpr int kStageHalves = D == 64 ? 2 : 1;
-template <int D> constexpr int kStageKeys = kStageHalves<D> * kKT;
+template <int D> constexpr int kStageKeys = D == 64 ? 2 * kKT : kKT; /* kStageHalves x kKT */
 
 /* The walk tiles of one stage: h[0], then h[1] at d 64 (kind 0: the walk
  * ended after h[0]; its rows are loaded as zeros and masked). A stage
