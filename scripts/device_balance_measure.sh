@@ -32,7 +32,8 @@
 # call's budget, build included: 560; a run is not started with less than MIN_S = 30 left),
 # PYTHON (python3), FIT (0; 1: the longtail run fits pair_s, row_s, seq_s and linear_flops on its
 # own untuned calls first, --fit-calibration, and balances with the fitted table; the table is in
-# its JSON under calibration_fit; also for the grid run), ROW_PAIRS
+# its JSON under calibration_fit; also for the grid run), FIT_OBJECTIVE (relative; the fit's
+# --fit-objective: relative, log, seconds or share), ROW_PAIRS
 # (data/calibration/qwen2.5-3b-row-pairs.json), GRID_METHODS (tokens,cost,cost+tuned), TARGET
 # (the grid run's tuner target in predicted seconds; 0: the mean rank time).
 # Exit status: 0 when every run wrote its JSON, 1 when one did not (its log says why), 2 when
@@ -60,6 +61,7 @@ CALL_S=${CALL_S:-560}
 MIN_S=${MIN_S:-30}
 RUNS=${RUNS:-longtail}
 FIT=${FIT:-0}
+FIT_OBJECTIVE=${FIT_OBJECTIVE:-relative}
 ROW_PAIRS=${ROW_PAIRS:-data/calibration/qwen2.5-3b-row-pairs.json}
 GRID_METHODS=${GRID_METHODS:-tokens,cost,cost+tuned}
 TARGET=${TARGET:-0}
@@ -111,7 +113,7 @@ for name in $RUNS; do
   longtail)
     args=("${static[@]}" --methods "$METHODS" --layers "$LAYERS" --grid "$GRID"
       --validate "$VALIDATE")
-    [ "$FIT" = 1 ] && args+=(--fit-calibration) ;;
+    [ "$FIT" = 1 ] && args+=(--fit-calibration --fit-objective "$FIT_OBJECTIVE") ;;
   tuned)
     args=("${static[@]}" --methods tokens,cost+tuned --layers "$TUNED_LAYERS" --grid "$GRID") ;;
   topp)
@@ -123,7 +125,7 @@ for name in $RUNS; do
   grid)
     args=("${static[@]}" --methods "$GRID_METHODS" --layers "$LAYERS" --grid "$GRID"
       --row-pairs "$ROW_PAIRS" --target "$TARGET")
-    [ "$FIT" = 1 ] && args+=(--fit-calibration) ;;
+    [ "$FIT" = 1 ] && args+=(--fit-calibration --fit-objective "$FIT_OBJECTIVE") ;;
   *)
     echo "unknown run $name (RUNS: longtail tuned topp measured grid)"
     failed=1

@@ -28,6 +28,8 @@ from balance_tool.budgets import (  # noqa: E402
 )
 from balance_tool.cli import METHODS, check_args, parser  # noqa: E402
 from balance_tool.measure import run  # noqa: E402
+from balance_tool.objectives import OBJECTIVES, shares  # noqa: E402
+from balance_tool.objectives import loss as fit_loss  # noqa: E402
 from balance_tool.pricing import (  # noqa: E402
     PairCounter,
     fit_calibration,
@@ -42,6 +44,7 @@ from balance_tool.workload import long_tail, read_lengths, scale_length  # noqa:
 
 __all__ = [
     "METHODS",
+    "OBJECTIVES",
     "PairCounter",
     "Runner",
     "Scales",
@@ -55,6 +58,7 @@ __all__ = [
     "doc_seed",
     "fit_calibration",
     "fit_linear",
+    "fit_loss",
     "head_budgets",
     "linear_flops_per_token",
     "linear_seconds",
@@ -67,6 +71,7 @@ __all__ = [
     "read_lengths",
     "run",
     "scale_length",
+    "shares",
     "validate",
     "write_budgets",
 ]

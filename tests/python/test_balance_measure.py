@@ -440,6 +440,33 @@ def test_fit_calibration_recovers_the_cost_model(
     assert max(abs(p["rel_error_fit"]) for p in r["calibration_fit"]["points"]) < 1e-9
 
 
+def test_fit_objective_is_used(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # calls that cost a power law (not the predictor's form): every objective gives its own
+    # table, stored with it, and each table is the best of the four under its own objective
+    _synthetic(monkeypatch)
+    lf = _lengths(tmp_path, [128 * k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)])
+    argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "2"]
+    argv += ["--methods", "cost", "--layers", "7", "--reps", "1", "--warmup", "0"]
+    argv += ["--fit-calibration", "--fit-points", "6", *SMALL]
+    fits = {o: bm.run([*argv, "--fit-objective", o], log=_quiet) for o in bm.OBJECTIVES}
+    assert bm.parser().parse_args(argv).fit_objective == "relative"  # the default
+    pts = fits["relative"]["calibration_fit"]["points"]
+    x = np.array([[p["pairs"], p["tokens"] * 2, 1.0] for p in pts])
+    y = np.array([p["seconds"] for p in pts])
+    w = bm.shares([p["tokens"] for p in pts], list(y), fits["relative"]["lengths"])
+    coefs = {}
+    for o, r in fits.items():
+        assert r["calibration_fit"]["objective"] == o
+        assert [p["seconds"] for p in r["calibration_fit"]["points"]] == list(y)
+        coefs[o] = np.array([r["calibration"][k] for k in ("pair_s", "row_s", "seq_s")])
+    for o in bm.OBJECTIVES:
+        own = bm.fit_loss(x, y, coefs[o], o, w)
+        for other in bm.OBJECTIVES:
+            if other != o:
+                assert not np.allclose(coefs[o], coefs[other], rtol=1e-3), (o, other)
+                assert own <= bm.fit_loss(x, y, coefs[other], o, w) * (1 + 1e-9), (o, other)
+
+
 def test_linear_layers(tmp_path: pathlib.Path) -> None:
     # the linear layers are timed up to --linear-chunk tokens and scaled in proportion above;
     # they enter the measured documents and (model dimensions) the predictions

@@ -10,6 +10,7 @@ import torch
 
 import mtrain
 
+from .objectives import OBJECTIVES
 from .usage import TEXT
 
 METHODS = (
@@ -160,6 +161,14 @@ def parser() -> argparse.ArgumentParser:
         "balance with that table (in-sample: the best the cost model can do here)",
     )
     m.add_argument("--fit-points", type=int, default=8, help="lengths of the fit (8)")
+    m.add_argument(
+        "--fit-objective",
+        default="relative",
+        choices=OBJECTIVES,
+        help="what --fit-calibration's least squares minimise: relative (x/y - 1, the default), "
+        "log (log(x/y)), seconds (x - y) or share (x/y - 1 weighted by each call's share of the "
+        "workload's time); also the linear layers' fit",
+    )
     m.add_argument(
         "--replay",
         metavar="JSON",

@@ -15,6 +15,8 @@ import numpy as np
 
 from mtrain import _lib as L
 
+from .objectives import nonneg_lstsq, shares
+
 
 def linear_flops_per_token(a: argparse.Namespace, layers: int) -> float:
     """The predictor's linear FLOPs per token (docs/BALANCE.md, "The cost predictor")."""
@@ -113,25 +115,6 @@ def _cols(mask: int, n: int) -> list[int]:
     return [t for t in range(n) if mask >> t & 1]
 
 
-def _nonneg_relative_lstsq(x: np.ndarray, y: np.ndarray, subsets: list[list[int]]) -> np.ndarray:
-    """Coefficients c >= 0 of y ~ x @ c by least squares on the relative error (x @ c / y - 1),
-    the best of the given column subsets whose unconstrained fit is non-negative (the others'
-    coefficients 0). Give at least one single-column subset: its coefficient is positive for
-    positive data, so some subset always fits."""
-    best: tuple[float, np.ndarray] | None = None
-    for cols in subsets:
-        coef, *_ = np.linalg.lstsq(x[:, cols] / y[:, None], np.ones_like(y), rcond=None)
-        if (coef < 0).any():
-            continue
-        full = np.zeros(x.shape[1])
-        full[cols] = coef
-        res = float(np.sum((x @ full / y - 1) ** 2))
-        if best is None or res < best[0]:
-            best = (res, full)
-    assert best is not None  # a single positive column always fits
-    return best[1]
-
-
 def fit_calibration(
     a: argparse.Namespace,
     lengths: list[int],
@@ -148,10 +131,11 @@ def fit_calibration(
     longest included) at every measured layer, untuned budgets; seconds = pair_s * pairs (the
     predictor's own count: the position model's allowed pairs, as the predictor will multiply
     them; the estimated plan's computed pairs are reported beside them) + row_s * N * heads +
-    seq_s, least squares on the
-    relative error, non-negative (the best subset of the three terms). linear_flops and
-    linear_seq_s: fitted on the measured linear layers (with --linear, fit_linear), else the
+    seq_s, least squares on --fit-objective (objectives.OBJECTIVES; relative by default),
+    non-negative (the best subset of the three terms). linear_flops and linear_seq_s: fitted on
+    the measured linear layers (with --linear, fit_linear, the same objective), else the
     file's."""
+    objective = getattr(a, "fit_objective", "relative")
     ns = sorted(set(lengths))
     c = min(a.fit_points, len(ns))
     pick = sorted({ns[round(j * (len(ns) - 1) / max(c - 1, 1))] for j in range(c)})
@@ -176,14 +160,15 @@ def fit_calibration(
                 }
             )
     x, y = np.asarray(rows), np.asarray(ys)
-    coef = _nonneg_relative_lstsq(x, y, [_cols(m, 3) for m in range(1, 8)])  # every subset
+    w = shares([p["tokens"] for p in pts], ys, lengths)
+    coef = nonneg_lstsq(x, y, [_cols(m, 3) for m in range(1, 8)], objective, w)  # every subset
     with open(a.calibration) as f:
         file_cal = json.load(f)
     flops = float(file_cal.get("linear_flops", 0.0))
     lin_seq = float(file_cal.get("linear_seq_s", 0.0))
     lin_report: dict[str, Any] | None = None
     if a.linear and linear_s:
-        flops, lin_seq, lin_report = fit_linear(a, linear_s, layers)
+        flops, lin_seq, lin_report = fit_linear(a, linear_s, layers, lengths)
         say(
             f"linear layers fitted on {lin_report['points']} lengths up to {lin_report['top']} "
             f"tokens: {1e3 * lin_seq:.4g} ms per sequence + FLOPs at {flops:.4g} FLOP/s; error "
@@ -208,27 +193,35 @@ def fit_calibration(
     say(
         f"calibration fitted on {len(pts)} measured calls ({len(pick)} lengths x "
         f"{len(a.layers)} layers): pair_s {coef[0]:.4g} s, row_s {coef[1]:.4g} s, seq_s "
-        f"{coef[2]:.4g} s, linear_flops {flops:.4g}; in-sample error max "
+        f"{coef[2]:.4g} s, linear_flops {flops:.4g} (objective {objective}); in-sample error max "
         f"{100 * float(np.abs(err).max()):.1f}%, mean {100 * float(np.abs(err).mean()):.1f}%"
     )
-    return cal, {"points": pts, "calibration": cal, "replaces": a.calibration, "linear": lin_report}
+    report = {"points": pts, "calibration": cal, "replaces": a.calibration, "linear": lin_report}
+    return cal, {**report, "objective": objective}
 
 
 def fit_linear(
-    a: argparse.Namespace, linear_s: dict[int, float], layers: int
+    a: argparse.Namespace,
+    linear_s: dict[int, float],
+    layers: int,
+    workload: Sequence[int] | None = None,
 ) -> tuple[float, float, dict[str, Any]]:
     """The linear layers' seconds at the workload's lengths up to --linear-chunk (timed, or
-    log-log between timed ones: linear_seconds) as c0 + c1 * N:
+    log-log between timed ones: linear_seconds) as c0 + c1 * N, on --fit-objective (workload:
+    the document lengths, for its share weights; by default one document per length):
     c0 the per-sequence constant (linear_seq_s: small matrix products run below the rate of
     large ones), c1 the seconds per token, so linear_flops = FLOPs per token / c1; least
-    squares on the relative error, non-negative (c0 = 0 when the data say so). Also reports
-    the error of the FLOPs-only model at the longest timed length's rate (the earlier fit)."""
+    squares (the relative error by default), non-negative (c0 = 0 when the data say so). Also
+    reports the error of the FLOPs-only model at the longest timed length's rate (the earlier
+    fit)."""
     top = min(max(linear_s), a.linear_chunk)
     ns = sorted(n for n in linear_s if n <= top)
     y = np.array([linear_s[n] for n in ns])
     x = np.array([[1.0, float(n)] for n in ns])
     fpt = linear_flops_per_token(a, layers)
-    coef = _nonneg_relative_lstsq(x, y, [[0, 1], [1]])
+    objective = getattr(a, "fit_objective", "relative")
+    w = shares(ns, list(y), workload if workload is not None else list(linear_s))
+    coef = nonneg_lstsq(x, y, [[0, 1], [1]], objective, w)
     c0, c1 = float(coef[0]), float(coef[1])
     err = x @ coef / y - 1
     ref = ns[-1]  # the longest length of the workload at or below the chunk

@@ -28,7 +28,11 @@ Method (every figure is on one device, ranks run one after another):
      measured too and the interpolation error is reported. With top-p budgets the pattern
      depends on the inputs: every document is measured on its own inputs (seed and structure
      strengths drawn per document and layer), no deduplication. --fit-calibration first fits
-     the cost model's pair_s, row_s and seq_s on these measurements and balances with them.
+     the cost model's pair_s, row_s and seq_s on these measurements and balances with them;
+     --fit-objective picks what its least squares minimise (and the linear layers' fit):
+     relative (x/y - 1, every call the same; the default), log (log(x/y)), seconds (x - y: the
+     longest calls dominate) or share (x/y - 1 weighted by the call's share of the workload's
+     time: its seconds times the workload's tokens nearest its length, over its tokens).
   5. A document's time = the sum over the measured --layers times (layers / measured layers)
      (the rest extrapolated, printed); plus, with --linear, the model's projection matmuls
      (torch, forward + backward, the predictor's shapes; norms and activations not counted),
