@@ -20,33 +20,21 @@
 #   6. the table: forward and forward+backward medians per tree, head_dim and round.
 # Logs and JSON to $OUT (default build-cuda/device-out): kernel_ab.log, ab-*.json.
 set -uo pipefail
-# shellcheck disable=SC2034 # out, MIN_S, t_end: read by device_lib.sh (dev_run_limit)
 # shellcheck source=scripts/device_lib.sh
 . "$(dirname "$0")/device_lib.sh" || exit 1
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
-OUT=${OUT:-$root/build-cuda/device-out}
-mkdir -p "$OUT"
-export OUT
-out=$OUT
-log=$OUT/kernel_ab.log
-: > "$log"
-CALL_S=${CALL_S:-560}
-MIN_S=10
-t_end=$(($(date +%s) + CALL_S))
-summary=()
+dev_call_start kernel_ab 560 10
 BASE=${BASE:-.device/base.tar.gz}
 ROUNDS=${ROUNDS:-2}
 DIMS=${DIMS:-128 64}
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "device_kernel_ab.sh: ROUNDS='$ROUNDS': expected a positive integer" >&2; exit 2; }
+for d in $DIMS; do
+  [ "$d" = 64 ] || [ "$d" = 128 ] || { echo "device_kernel_ab.sh: DIMS='$DIMS': head_dims 64 and 128 only" >&2; exit 2; }
+done
 base_dir=/tmp/kernel-ab-base
 dev_deps_openblas
-step() { # NAME LIMIT CMD...: dev_step under `timeout`, cut to what is left
-  local name=$1 want=$2
-  shift 2
-  RUN_S=$want
-  dev_run_limit "$name" || { summary+=("$name: not started"); return 1; }
-  dev_step "$name" timeout -k 5 "$to" "$@"
-}
+step() { dev_limited_step "$@"; } # NAME LIMIT CMD...
 bench() { # TREE_BUILD D TAG: mtrain-bench-cuda of one tree at head_dim D into ab-TAG.json
   step "bench-$3" 40 "$1/tools/mtrain-bench-cuda" --seq-len 32768 --heads 16 --kv-heads 2 \
     --head-dim "$2" --variants 3 --reps 10 --warmup 3 --validate-len 2048 --json "$OUT/ab-$3.json"
@@ -83,7 +71,7 @@ for d in $DIMS; do
 done
 echo "==== summary" | tee -a "$log"
 printf '  %s\n' "${summary[@]}" | tee -a "$log"
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tee -a /dev/null
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log"
 python3 - "$OUT" <<'EOF' | tee -a "$log"
 """The table: forward and forward+backward medians of every ab-*.json."""
 import glob

@@ -26,6 +26,13 @@
 #   dev_run_limit NAME       the next run's time limit in `to`: RUN_S, cut to what is left until
 #                            t_end (seconds since the epoch); 1, saying so, when less than MIN_S
 #                            is left (CALL_S: the call's budget, named in the message)
+#   dev_call_start NAME CALL MIN  a call of limited steps begins (device_peers.sh,
+#                            device_kernel_ab.sh): OUT (default ROOT/build-cuda/device-out, ROOT
+#                            the caller's $root) created and exported, out=$OUT, log=$OUT/NAME.log
+#                            emptied, CALL_S (default CALL seconds), MIN_S=MIN, t_end, summary=()
+#   dev_limited_step NAME LIMIT CMD...  dev_step of CMD under `timeout -k 10`, its limit LIMIT
+#                            seconds cut to what is left of CALL_S (dev_run_limit); "NAME: not
+#                            started" in summary and status 1 when less than MIN_S is left
 #   dev_timed_run NAME CMD...  removes $out/NAME.json, runs CMD under `timeout -k 10 $to` with its
 #                            output in $out/NAME.log; 0 ("NAME: done in S s") when CMD wrote
 #                            $out/NAME.json, else 1 with failed=1 and CMD's status in run_rc (the
@@ -91,6 +98,27 @@ dev_step() {
   tail -4 "$OUT/.step"
   rm -f "$OUT/.step"
   return $rc
+}
+
+dev_call_start() {
+  OUT=${OUT:-$root/build-cuda/device-out}
+  mkdir -p "$OUT"
+  export OUT
+  out=$OUT
+  log=$OUT/$1.log
+  : > "$log"
+  CALL_S=${CALL_S:-$2}
+  MIN_S=$3
+  t_end=$(($(date +%s) + CALL_S))
+  summary=()
+}
+
+dev_limited_step() {
+  local name=$1
+  RUN_S=$2
+  shift 2
+  dev_run_limit "$name" || { summary+=("$name: not started"); return 1; }
+  dev_step "$name" timeout -k 10 "$to" "$@"
 }
 
 dev_ensure_library() {

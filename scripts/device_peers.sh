@@ -14,32 +14,16 @@
 # Every step runs under `timeout`, cut to what is left of CALL_S (default 470 s), so the whole
 # script ends within 8 minutes. Logs and JSON to $OUT (default build-cuda/device-out): peers.log.
 set -uo pipefail
-# shellcheck disable=SC2034 # out, MIN_S, t_end: read by device_lib.sh (dev_run_limit, dev_timed_run)
 # shellcheck source=scripts/device_lib.sh
 . "$(dirname "$0")/device_lib.sh" || exit 1
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
-OUT=${OUT:-$root/build-cuda/device-out}
-mkdir -p "$OUT"
-export OUT
-out=$OUT
-log=$OUT/peers.log
-: > "$log"
-CALL_S=${CALL_S:-470}
-MIN_S=20
-t_end=$(($(date +%s) + CALL_S))
-summary=()
+dev_call_start peers 470 20
 work=/tmp/mtrain-peers
 mkdir -p "$work"
 dev_deps_openblas
 seq=${PEERS_SEQ:-32768}
-step() { # NAME LIMIT CMD...: dev_step under `timeout`, cut to what is left
-  local name=$1 want=$2
-  shift 2
-  RUN_S=$want
-  dev_run_limit "$name" || { summary+=("$name: not started"); return 1; }
-  dev_step "$name" timeout -k 10 "$to" "$@"
-}
+step() { dev_limited_step "$@"; } # NAME LIMIT CMD...
 step wheels 90 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$root/python${PYTHONPATH:+:$PYTHONPATH}

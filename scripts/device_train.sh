@@ -86,7 +86,11 @@ SIZE=${SIZE:-mini}
 task=(--task mix --num-keys 32 --num-values 32 --num-filler 256
   --mqar-pairs "${MQAR_PAIRS:-4}" --mqar-queries "${MQAR_QUERIES:-24}"
   --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4 --seed 0 --data-seed 1)
-[ "${MQAR_DISTINCT:-0}" = 1 ] && task+=(--mqar-distinct 1)
+case ${MQAR_DISTINCT:-0} in
+  0) ;;
+  1) task+=(--mqar-distinct 1) ;;
+  *) echo "device_train.sh: MQAR_DISTINCT='$MQAR_DISTINCT': expected 0 or 1" >&2; exit 2 ;;
+esac
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
 # 1500: on an H100 passkey was at 1.000 from step 1250 of a 1500-step schedule (2026-11-27;

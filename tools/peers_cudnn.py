@@ -69,10 +69,16 @@ class Graphs:
                          compute_data_type=c.data_type.FLOAT, handle=self.handle)  # fmt: skip
 
     def _tensor(self, g: Any, uid: int, shape: tuple, dtype: Any) -> Any:
-        stride = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            stride[i] = stride[i + 1] * shape[i + 1]
-        return g.tensor(uid=uid, dim=list(shape), stride=stride, data_type=dtype)
+        return g.tensor(
+            uid=uid, dim=list(shape), stride=self._tensor_stride(shape), data_type=dtype
+        )
+
+    def _qkv(self) -> tuple[Any, Any, Any, Any]:
+        """A new graph and its bf16 inputs q, k, v (uids 0, 1, 2), shared by both graphs."""
+        g = self._graph()
+        bf = self.cudnn.data_type.BFLOAT16
+        return (g, self._tensor(g, 0, self.q_shape, bf), self._tensor(g, 1, self.k_shape, bf),
+                self._tensor(g, 2, self.k_shape, bf))  # fmt: skip
 
     def _build(self, g: Any) -> Any:
         c = self.cudnn
@@ -89,11 +95,7 @@ class Graphs:
     def forward(self, stats: bool, block_mask: torch.Tensor | None = None) -> Any:
         """The causal forward graph; uids q 0, k 1, v 2, o 3, stats 4, block mask 5."""
         c = self.cudnn
-        g = self._graph()
-        bf = c.data_type.BFLOAT16
-        q = self._tensor(g, 0, self.q_shape, bf)
-        k = self._tensor(g, 1, self.k_shape, bf)
-        v = self._tensor(g, 2, self.k_shape, bf)
+        g, q, k, v = self._qkv()
         extra: dict[str, Any] = {}
         if block_mask is not None:
             extra["block_mask"] = self._tensor(g, 5, tuple(block_mask.shape), c.data_type.UINT8)
@@ -114,11 +116,8 @@ class Graphs:
     def backward(self) -> Any:
         """The causal backward graph; uids q 0, k 1, v 2, o 3, stats 4, dO 6, dQ 7, dK 8, dV 9."""
         c = self.cudnn
-        g = self._graph()
+        g, q, k, v = self._qkv()
         bf = c.data_type.BFLOAT16
-        q = self._tensor(g, 0, self.q_shape, bf)
-        k = self._tensor(g, 1, self.k_shape, bf)
-        v = self._tensor(g, 2, self.k_shape, bf)
         o = self._tensor(g, 3, self.q_shape, bf)
         st = self._tensor(g, 4, (*self.q_shape[:3], 1), c.data_type.FLOAT)
         do = self._tensor(g, 6, self.q_shape, bf)

@@ -125,7 +125,6 @@ __device__ __forceinline__ void fence_proxy_async() {
       MTRAIN_WG_MMA(N, "f16", MTRAIN_WG_REG##NR, A, DESC, SC, TN, MTRAIN_WG_OUT##NR);              \
   }
 
-MTRAIN_WG_WRAPPER(32, 16, "%16, %17, %18, %19", "%20", "%21", "%22")
 MTRAIN_WG_WRAPPER(64, 32, "%32, %33, %34, %35", "%36", "%37", "%38")
 MTRAIN_WG_WRAPPER(128, 64, "%64, %65, %66, %67", "%68", "%69", "%70")
 

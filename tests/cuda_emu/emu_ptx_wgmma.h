@@ -19,11 +19,6 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
                                                  uint64_t b) {
   emu::wgmma(d, a, b, 128, TNSP, std::is_same<T, __nv_bfloat16>::value);
 }
-template <typename T, int TNSP>
-__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], const uint32_t (&a)[4],
-                                                uint64_t b) {
-  emu::wgmma(d, a, b, 32, TNSP, std::is_same<T, __nv_bfloat16>::value);
-}
 template <typename T, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss_m64n64k16(float (&d)[32], uint64_t a, uint64_t b) {
   emu::wgmma_ss(d, a, TA, b, 64, TB, std::is_same<T, __nv_bfloat16>::value);

@@ -28,6 +28,8 @@ TOPK = str(ROOT / "data/budgets/Qwen2.5_3B_kv_out_v32_fit_o_best_pattern.json")
 TOPP = str(ROOT / "data/budgets/Qwen2.5_3B_flex_0.90.json")
 CAL = str(ROOT / "data/calibration/cpu-2core.json")
 SMALL = ["--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--profile-len", "256"]
+# the linear layers of a tiny model (--linear)
+TINY_LINEAR = ["--linear", "--hidden", "32", "--intermediate", "64", "--vocab", "100"]
 
 
 def _lengths(tmp_path: pathlib.Path, lengths: list[int]) -> str:
@@ -84,6 +86,15 @@ def _synthetic(monkeypatch: pytest.MonkeyPatch, cost: object = _power_law) -> No
         self.clock = clock
 
     monkeypatch.setattr(bm.Runner, "__init__", runner_init)
+
+
+def _synthetic_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runner.linear costs 1 ms per call + 1 us per token and shape, without torch."""
+
+    def linear(self: bm.Runner, n: int, shapes: list, reps: int, warmup: int) -> float:
+        return 1e-3 + 1e-6 * n * len(shapes)
+
+    monkeypatch.setattr(bm.Runner, "linear", linear)
 
 
 def test_long_tail_is_the_c_tools() -> None:
@@ -299,11 +310,7 @@ def test_proxy_prices_the_measured_layers_at_their_tuned_levels(
     5 of 36 it is 18 x their prices (by hand, from the predictor's pair count), which differs
     from the all-layers prediction where the tuner moved other layers' heads than these."""
     _synthetic(monkeypatch)
-
-    def linear(self: bm.Runner, n: int, shapes: list, reps: int, warmup: int) -> float:
-        return 1e-3 + 1e-6 * n * len(shapes)
-
-    monkeypatch.setattr(bm.Runner, "linear", linear)
+    _synthetic_linear(monkeypatch)
     cal = tmp_path / "cal.json"
     cal.write_text(
         '{"device": "test", "pair_s": 2e-8, "row_s": 1e-6, "seq_s": 1e-4, "linear_flops": 9e9, '
@@ -313,20 +320,7 @@ def test_proxy_prices_the_measured_layers_at_their_tuned_levels(
     lf = _lengths(tmp_path, [16 * n for n in (2048, 1280, 768, 512, 512, 256, 1024, 1536)])
     argv = ["--budgets", TOPK, "--calibration", str(cal), "--lengths", lf, "--world", "3"]
     argv += ["--methods", "cost,cost+tuned", "--reps", "1", "--warmup", "0", "--granularity"]
-    argv += [
-        "64",
-        "--scale",
-        "16",
-        "--scale-budgets",
-        "--linear",
-        "--hidden",
-        "32",
-        "--intermediate",
-        "64",
-        "--vocab",
-        "100",
-        *SMALL,
-    ]
+    argv += ["64", "--scale", "16", "--scale-budgets", *TINY_LINEAR, *SMALL]
     base = bm.run([*argv, "--layers", "0"], log=_quiet)
     argv += ["--target", str(0.8 * float(np.mean(base["methods"]["cost"]["predicted_s"])))]
     every = bm.run([*argv, "--layers", "0-35"], log=_quiet)
@@ -473,8 +467,7 @@ def test_linear_layers(tmp_path: pathlib.Path) -> None:
     lf = _lengths(tmp_path, [128, 256, 512, 1024, 2048])
     argv = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "2"]
     argv += ["--methods", "tokens", "--layers", "0", "--reps", "1", "--warmup", "0", *SMALL]
-    linear = ["--linear", "--hidden", "32", "--intermediate", "64", "--vocab", "100"]
-    with_linear = bm.run([*argv, *linear, "--linear-chunk", "512"], log=_quiet)
+    with_linear = bm.run([*argv, *TINY_LINEAR, "--linear-chunk", "512"], log=_quiet)
     lin = {int(n): t for n, t in with_linear["linear_s"].items()}
     assert sorted(lin) == [128, 256, 512, 1024, 2048]
     assert all(t > 0 for t in lin.values())
@@ -524,28 +517,14 @@ def test_replay_reproduces_a_run_without_timing(
     # timed (the runner's step and linear are made to fail), another calibration re-deals the
     # same measurements; a point the file lacks, another setting, --validate are refused
     _synthetic(monkeypatch)
-
-    def linear(self: bm.Runner, n: int, shapes: list, reps: int, warmup: int) -> float:
-        return 1e-3 + 1e-6 * n * len(shapes)
-
-    monkeypatch.setattr(bm.Runner, "linear", linear)
+    _synthetic_linear(monkeypatch)
     lf = _lengths(tmp_path, [128, 256, 384, 512, 1024, 1536, 2048])
     first_json = str(tmp_path / "first.json")
 
     def argv(layers: str = "0,5") -> list[str]:
         out = ["--budgets", TOPK, "--calibration", CAL, "--lengths", lf, "--world", "3"]
         out += ["--methods", "tokens,cost", "--layers", layers, "--reps", "1", "--warmup", "0"]
-        return [
-            *out,
-            "--linear",
-            "--hidden",
-            "32",
-            "--intermediate",
-            "64",
-            "--vocab",
-            "100",
-            *SMALL,
-        ]
+        return [*out, *TINY_LINEAR, *SMALL]
 
     first = bm.run([*argv(), "--json", first_json], log=_quiet)
 
