@@ -184,7 +184,7 @@ __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile
  * item's marker). */
 template <int D>
 __device__ __forceinline__ bool next_stage(const cuda_step_t &st, KeyWalk2 &w, StageTiles &t) {
-  t.h[1].kind = 0;
+  t.h[1] = KTile2{}; /* kind 0, and no field left undefined when the stage is copied */
   if (!w.next(st, t.h[0])) {
     t.h[0].kind = 0;
     return false;
