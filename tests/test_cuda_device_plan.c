@@ -8,6 +8,7 @@
  *      patterns (read back), the same pairs, and bitwise the same forward
  *      (o, lse) and deterministic backward (dq, dk, dv), for kernel
  *      variants 3 (Hopper), 2 and 0 (whose bar kernels see the padded tiles);
+ *      every case with top-p heads again with top_p_forced = 1;
  *  (b) the real Qwen2.5-3B budgets of layers 3, 15 and 31 on structured
  *      inputs of 16384 tokens, one sequence and a packed batch;
  *  (c) the host does not wait: behind a dense forward queued first, the
@@ -81,6 +82,7 @@ static mtrain_context_t *make_context(int32_t G, int variant) {
 typedef struct batch {
   int32_t count, hq, hkv, d;
   int64_t offsets[8], T;
+  int32_t top_p_forced; /* the estimate's option (0 unless a test sets it) */
   void *q, *k, *v, *dout, *o, *lse, *dq, *dk, *dv;
   size_t bq, bk, bl;
 } batch_t;
@@ -145,6 +147,7 @@ static mtrain_plan_t *estimated(mtrain_context_t *ctx, const batch_t *b,
   mtrain_tensor_t q = mtrain_tensor_3d(b->q, MTRAIN_BF16, b->T, b->hq, b->d);
   mtrain_tensor_t k = mtrain_tensor_3d(b->k, MTRAIN_BF16, b->T, b->hkv, b->d);
   mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
+  opt.top_p_forced = b->top_p_forced;
   mtrain_plan_t *plan = NULL;
   CHECK_OK(mtrain_plan_create_estimated(ctx, &seqs, &q, &k, budgets, &opt, &plan));
   unsetenv("MTRAIN_PLAN_ON_HOST");
@@ -254,6 +257,11 @@ static void test_random_batches(void **state) {
     for (int32_t h = 0; h < b.hq; h++) budgets[h] = budget_of(style, h, b.T);
     mtrain_context_t *ctx = make_context(G, variant);
     compare("random", seed, ctx, &b, budgets);
+    if (style != 0) { /* top-p heads: again with the sinks and the window forced */
+      b.top_p_forced = 1;
+      compare("random, top_p_forced", seed, ctx, &b, budgets);
+      b.top_p_forced = 0;
+    }
     mtrain_context_destroy(ctx);
     batch_free(&b);
   }

@@ -10,7 +10,10 @@
  * selects). Which path ran is checked through the estimate's timings (the
  * device path copies no scores). Packed batches (mtrain_pattern_estimate_batch):
  * each document's pattern equals its own estimate and the host selection,
- * timed against one call per document. Last: both paths timed at 131072
+ * timed against one call per document. Top-p with the sinks and the window
+ * forced (top_p_forced = 1): random and structured inputs, the real top-p
+ * budget files, sinks beyond the candidates, a window beyond N, caps below
+ * the forced prefixes, a packed batch. Last: both paths timed at 131072
  * tokens.
  * Skipped (exit 77) without a CUDA device. */
 #define _POSIX_C_SOURCE 200809L /* setenv, clock_gettime */
@@ -52,6 +55,7 @@ typedef struct problem {
   mtrain_dtype_t dtype;
   void *q, *k;
   mtrain_head_budget_t *budgets;
+  mtrain_estimate_options_t opt; /* MTRAIN_ESTIMATE_INIT unless a test sets it */
 } problem_t;
 
 static void *to_device(const void *host, size_t bytes) {
@@ -66,6 +70,7 @@ static void problem_init(problem_t *p, int64_t n, int32_t hq, int32_t hkv, int32
                          mtrain_dtype_t dtype, int structured, uint64_t seed) {
   memset(p, 0, sizeof *p);
   p->n = n, p->hq = hq, p->hkv = hkv, p->d = d, p->g = g, p->dtype = dtype;
+  p->opt = (mtrain_estimate_options_t)MTRAIN_ESTIMATE_INIT;
   const size_t es = mtrain_dtype_size(dtype);
   const size_t bq = (size_t)n * hq * d * es, bk = (size_t)n * hkv * d * es;
   void *q = malloc(bq), *k = malloc(bk), *v = malloc(bk);
@@ -123,10 +128,9 @@ static mtrain_pattern_t *estimate(mtrain_context_t *ctx, const problem_t *p, int
     unsetenv("MTRAIN_HOST_SELECT");
   const mtrain_tensor_t tq = mtrain_tensor_3d(p->q, p->dtype, p->n, p->hq, p->d);
   const mtrain_tensor_t tk = mtrain_tensor_3d(p->k, p->dtype, p->n, p->hkv, p->d);
-  const mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
   mtrain_pattern_t *pat = NULL;
   const double t0 = now();
-  CHECK_OK(mtrain_pattern_estimate(ctx, &tq, &tk, p->budgets, &opt, &pat));
+  CHECK_OK(mtrain_pattern_estimate(ctx, &tq, &tk, p->budgets, &p->opt, &pat));
   if (seconds) *seconds = now() - t0;
   if (copies) *copies = mtrain_estimate_last_times().copies;
   unsetenv("MTRAIN_HOST_SELECT");
@@ -248,12 +252,11 @@ static mtrain_pattern_t **estimate_packed(mtrain_context_t *ctx, const problem_t
     unsetenv("MTRAIN_HOST_SELECT");
   const mtrain_tensor_t tq = mtrain_tensor_3d(p->q, p->dtype, p->n, p->hq, p->d);
   const mtrain_tensor_t tk = mtrain_tensor_3d(p->k, p->dtype, p->n, p->hkv, p->d);
-  const mtrain_estimate_options_t opt = MTRAIN_ESTIMATE_INIT;
   const mtrain_seqs_t seqs = {count, offsets};
   mtrain_pattern_t **out = calloc((size_t)count, sizeof *out);
   assert_non_null(out);
   const double t0 = now();
-  CHECK_OK(mtrain_pattern_estimate_batch(ctx, &seqs, &tq, &tk, p->budgets, &opt, out));
+  CHECK_OK(mtrain_pattern_estimate_batch(ctx, &seqs, &tq, &tk, p->budgets, &p->opt, out));
   if (seconds) *seconds = now() - t0;
   if (copies) *copies = mtrain_estimate_last_times().copies;
   unsetenv("MTRAIN_HOST_SELECT");
@@ -401,6 +404,87 @@ static void test_scores_against_cpu_ref(void **state) {
   problem_free(&p);
 }
 
+/* Top-p with the sinks and the window forced (top_p_forced = 1): the device
+ * selection equals the host's bitwise, and the top-p heads keep the forced
+ * sinks (checked on the device's pattern). */
+static void check_forced(const char *name, problem_t *p) {
+  p->opt.top_p_forced = 1;
+  check_equal(name, p, 1);
+  mtrain_context_t *ctx = cuda_context(p->g);
+  mtrain_pattern_t *pat = estimate(ctx, p, 0, NULL, NULL);
+  const int64_t nv_cand = ((p->n - 1) / p->g) * p->g;
+  for (int32_t h = 0; h < p->hq; h++) {
+    const mtrain_head_budget_t *b = &p->budgets[h];
+    if (b->kind != MTRAIN_BUDGET_TOP_P) continue;
+    int64_t sinks = p->opt.num_sinks < nv_cand ? p->opt.num_sinks : nv_cand;
+    sinks = sinks < b->cap_v ? sinks : b->cap_v;
+    const int32_t *d;
+    const int64_t *v;
+    int32_t nd, nv;
+    CHECK_OK(mtrain_pattern_get_head(pat, h, &d, &nd, &v, &nv));
+    for (int64_t j = 0; j < sinks; j++)
+      if (j >= nv || v[j] != j)
+        fail_msg("%s: head %d: forced sink %lld is not a vertical", name, h, (long long)j);
+  }
+  mtrain_pattern_destroy(pat);
+  mtrain_context_destroy(ctx);
+  p->opt.top_p_forced = 0;
+}
+
+static void test_top_p_forced(void **state) {
+  (void)state;
+  require_gpu();
+  const uint64_t seed = 20261129;
+  print_message("seed %llu\n", (unsigned long long)seed);
+  srand((unsigned)seed);
+  problem_t p;
+  /* random inputs, mixed heads, GQA, N not a multiple of G */
+  problem_init(&p, 5001, 8, 2, 64, 64, MTRAIN_BF16, 0, seed);
+  for (int32_t h = 0; h < p.hq; h++) {
+    p.budgets[h].kind = h % 4 == 3 ? MTRAIN_BUDGET_TOP_K : MTRAIN_BUDGET_TOP_P;
+    p.budgets[h].v_size = 1 + rand() % 500, p.budgets[h].s_size = 1 + rand() % 500;
+    p.budgets[h].p_v = 0.3 + 0.1 * h, p.budgets[h].p_s = 0.2 + 0.1 * h;
+    p.budgets[h].cap_v = h == 0 ? 10 : 100 * h, p.budgets[h].cap_s = h == 1 ? 50 : 300 * h;
+  }
+  check_forced("top_p_forced, random, mixed (caps below the window)", &p);
+  /* sinks beyond the candidates, a window beyond N */
+  p.opt.num_sinks = 6000;
+  p.opt.window = 6000;
+  check_forced("top_p_forced, sinks and window beyond N", &p);
+  problem_free(&p);
+  /* structured inputs, the real top-p budgets */
+  const char *files[2] = {"Qwen2.5_3B_flex_0.90.json", "Qwen2.5_3B_flex_0.95.json"};
+  for (int f = 0; f < 2; f++) {
+    problem_init(&p, 16384 + 77 * f, 16, 2, 128, 128, MTRAIN_BF16, 1, seed + 1 + (uint64_t)f);
+    budgets_from_file(&p, files[f], 15);
+    char name[96];
+    snprintf(name, sizeof name, "top_p_forced, %s layer 15", files[f]);
+    check_forced(name, &p);
+    problem_free(&p);
+  }
+  /* the forced mass alone reaches p: small p, a long window */
+  problem_init(&p, 3000, 4, 1, 64, 128, MTRAIN_F32, 1, seed + 5);
+  for (int32_t h = 0; h < p.hq; h++) {
+    p.budgets[h].kind = MTRAIN_BUDGET_TOP_P;
+    p.budgets[h].p_v = p.budgets[h].p_s = 0.05;
+    p.budgets[h].cap_v = p.budgets[h].cap_s = 3000;
+  }
+  p.opt.num_sinks = 500;
+  p.opt.window = 2000;
+  check_forced("top_p_forced, the forced mass alone above p", &p);
+  problem_free(&p);
+  /* a packed batch: each document as alone, device equal to host */
+  const int64_t lens[] = {1, 100, 129, 4000, 777, 9001};
+  enum { COUNT = sizeof lens / sizeof lens[0] };
+  int64_t offsets[COUNT + 1] = {0};
+  for (int s = 0; s < COUNT; s++) offsets[s + 1] = offsets[s] + lens[s];
+  problem_init(&p, offsets[COUNT], 16, 2, 128, 128, MTRAIN_BF16, 1, seed + 6);
+  budgets_from_file(&p, "Qwen2.5_3B_flex_0.90.json", 3);
+  p.opt.top_p_forced = 1;
+  check_packed("packed, top_p_forced, Qwen2.5-3B top-p 0.90", &p, offsets, COUNT, 1);
+  problem_free(&p);
+}
+
 static void test_time_at_128k(void **state) {
   (void)state;
   require_gpu();
@@ -437,7 +521,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_random_top_k),           cmocka_unit_test(test_real_budgets),
       cmocka_unit_test(test_cap_beyond_device_sort), cmocka_unit_test(test_packed_batch),
-      cmocka_unit_test(test_scores_against_cpu_ref), cmocka_unit_test(test_time_at_128k),
+      cmocka_unit_test(test_scores_against_cpu_ref), cmocka_unit_test(test_top_p_forced),
+      cmocka_unit_test(test_time_at_128k),
   };
   const int failed = cmocka_run_group_tests(tests, NULL, NULL);
   if (failed) return 1;

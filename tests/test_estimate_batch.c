@@ -3,7 +3,8 @@
  * bitwise the one mtrain_pattern_estimate gives for its rows alone: on
  * "cpu-ref" (fp64) and "cpu" (fp32), random batches (seeds printed) with
  * lengths that are not multiples of G, sequences shorter than G and than L,
- * GQA, several head dims, top-k, top-p and mixed budgets. The selection on a
+ * GQA, several head dims, top-k, top-p and mixed budgets, top-p with and
+ * without the sinks and the window forced (top_p_forced). The selection on a
  * backend (the path the cuda backend takes) is checked with a table that
  * selects on the host through the pattern_select slot, with and without the
  * pattern_select_batch and pattern_scores_batch slots (one call per stage
@@ -27,7 +28,8 @@
 typedef struct batch_case {
   int32_t count, Hq, Hkv, d, G, L;
   int64_t offsets[9];
-  int budget_style; /* 0 top-k, 1 top-p, 2 mixed */
+  int budget_style;     /* 0 top-k, 1 top-p, 2 mixed */
+  int32_t top_p_forced; /* the estimate's option (random_case leaves it 0) */
 } batch_case_t;
 
 static mtrain_head_budget_t budget_of(int style, int32_t h) {
@@ -98,6 +100,7 @@ static void check_batch(mtrain_context_t *ctx, const batch_case_t *c, const char
   opt.last_q = c->L;
   opt.num_sinks = 3;
   opt.window = 7;
+  opt.top_p_forced = c->top_p_forced;
   const mtrain_seqs_t seqs = {c->count, c->offsets};
   const mtrain_tensor_t tq = mtrain_tensor_3d(q, dt, T, c->Hq, c->d);
   const mtrain_tensor_t tk = mtrain_tensor_3d(k, dt, T, c->Hkv, c->d);
@@ -119,9 +122,10 @@ static void check_batch(mtrain_context_t *ctx, const batch_case_t *c, const char
     assert_int_equal(mtrain_pattern_seq_len(batch[s]), n);
     if (!ts_patterns_equal(batch[s], alone, c->Hq, &head))
       fail_msg("%s seed %llu: sequence %d of %d (%lld tokens, G %d, L %d, %d:%d heads, d %d, "
-               "budgets %d): head %d differs from the estimate of the sequence alone",
+               "budgets %d, top_p_forced %d): head %d differs from the estimate of the sequence "
+               "alone",
                what, (unsigned long long)seed, s, c->count, (long long)n, c->G, c->L, c->Hq, c->Hkv,
-               c->d, c->budget_style, head);
+               c->d, c->budget_style, c->top_p_forced, head);
     mtrain_pattern_destroy(alone);
     if (keep)
       keep[s] = batch[s];
@@ -140,7 +144,7 @@ static void test_batch_equals_each_sequence(void **state) {
     const uint64_t seed = seed0 + (uint64_t)i;
     ts_rng_t rng;
     ts_rng_seed(&rng, seed);
-    const batch_case_t c = random_case(&rng);
+    batch_case_t c = random_case(&rng);
     const char *backend = backends[i % 2];
     printf("batch case %d seed %llu: %s, %d sequences (%lld tokens), G %d, L %d, %d:%d heads, "
            "d %d, budgets %d\n",
@@ -148,6 +152,10 @@ static void test_batch_equals_each_sequence(void **state) {
            c.Hq, c.Hkv, c.d, c.budget_style);
     mtrain_context_t *ctx = make_context(backend, c.G);
     check_batch(ctx, &c, backend, seed, NULL);
+    if (c.budget_style != 0) { /* top-p heads: again with the sinks and the window forced */
+      c.top_p_forced = 1;
+      check_batch(ctx, &c, backend, seed, NULL);
+    }
     mtrain_context_destroy(ctx);
   }
 }
@@ -198,37 +206,42 @@ static void test_batch_through_backend_selection(void **state) {
       printf("backend selection (%s), case %d seed %llu: %d sequences, G %d, L %d\n",
              with_batch_slot ? "batch slot" : "per sequence", i, (unsigned long long)seed, c.count,
              c.G, c.L);
-      mtrain_context_t *ctx = make_context("cpu-ref", c.G);
-      mtrain_backend_ops_t ops = *ctx->backend;
-      ops.pattern_select = host_pattern_select;
-      ops.pattern_select_batch = with_batch_slot ? host_pattern_select_batch : NULL;
-      real_scores = ops.pattern_scores;
-      ops.pattern_scores_batch = with_batch_slot ? counting_scores_batch : NULL;
-      assert_int_equal(mtrain_backend_table_check(&ops), MTRAIN_SUCCESS);
-      /* the reference: the core's own host selection */
-      mtrain_pattern_t *host[8] = {0}, *backend[8] = {0};
-      check_batch(ctx, &c, "host selection", seed, host);
-      const mtrain_backend_ops_t *real = ctx->backend;
-      ctx->backend = &ops;
-      select_calls = select_batch_calls = scores_batch_calls = 0;
-      check_batch(ctx, &c, "backend selection", seed, backend);
-      for (int32_t s = 0; s < c.count; s++) {
-        int32_t head = -1;
-        if (!ts_patterns_equal(host[s], backend[s], c.Hq, &head))
-          fail_msg("seed %llu: sequence %d head %d: the backend's selection differs from the "
-                   "host's",
-                   (unsigned long long)seed, s, head);
-        mtrain_pattern_destroy(host[s]);
-        mtrain_pattern_destroy(backend[s]);
+      /* top-p heads: also with the sinks and the window forced (top_p_forced reaches
+       * the backend's selection arguments) */
+      for (int32_t forced = 0; forced <= (c.budget_style != 0); forced++) {
+        c.top_p_forced = forced;
+        mtrain_context_t *ctx = make_context("cpu-ref", c.G);
+        mtrain_backend_ops_t ops = *ctx->backend;
+        ops.pattern_select = host_pattern_select;
+        ops.pattern_select_batch = with_batch_slot ? host_pattern_select_batch : NULL;
+        real_scores = ops.pattern_scores;
+        ops.pattern_scores_batch = with_batch_slot ? counting_scores_batch : NULL;
+        assert_int_equal(mtrain_backend_table_check(&ops), MTRAIN_SUCCESS);
+        /* the reference: the core's own host selection */
+        mtrain_pattern_t *host[8] = {0}, *backend[8] = {0};
+        check_batch(ctx, &c, "host selection", seed, host);
+        const mtrain_backend_ops_t *real = ctx->backend;
+        ctx->backend = &ops;
+        select_calls = select_batch_calls = scores_batch_calls = 0;
+        check_batch(ctx, &c, "backend selection", seed, backend);
+        for (int32_t s = 0; s < c.count; s++) {
+          int32_t head = -1;
+          if (!ts_patterns_equal(host[s], backend[s], c.Hq, &head))
+            fail_msg("seed %llu: sequence %d head %d: the backend's selection differs from the "
+                     "host's (top_p_forced %d)",
+                     (unsigned long long)seed, s, head, forced);
+          mtrain_pattern_destroy(host[s]);
+          mtrain_pattern_destroy(backend[s]);
+        }
+        /* one batch call for the batch, then one per sequence alone */
+        assert_int_equal(select_batch_calls, with_batch_slot ? 1 + c.count : 0);
+        assert_int_equal(select_calls, 2 * c.count);
+        /* one scores call per stage for the batch (three stages with top-p heads) */
+        const int stages = c.budget_style == 0 ? 1 : 3;
+        assert_int_equal(scores_batch_calls, with_batch_slot ? stages * (1 + c.count) : 0);
+        ctx->backend = real;
+        mtrain_context_destroy(ctx);
       }
-      /* one batch call for the batch, then one per sequence alone */
-      assert_int_equal(select_batch_calls, with_batch_slot ? 1 + c.count : 0);
-      assert_int_equal(select_calls, 2 * c.count);
-      /* one scores call per stage for the batch (three stages with top-p heads) */
-      const int stages = c.budget_style == 0 ? 1 : 3;
-      assert_int_equal(scores_batch_calls, with_batch_slot ? stages * (1 + c.count) : 0);
-      ctx->backend = real;
-      mtrain_context_destroy(ctx);
     }
 }
 

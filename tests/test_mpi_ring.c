@@ -12,7 +12,10 @@
  * lengths that are not multiples of G * W, both backends; and packed batches
  * (varlen: several sequences of uneven lengths, each with its own pattern
  * and layout, bars in the ring and gathered in one batch) against the
- * single-rank packed plan and the oracle. Exit 0 when every rank passed
+ * single-rank packed plan and the oracle. The distributed estimate
+ * (mtrain_pattern_estimate_ring, every layout, both backends, top-p heads
+ * with and without top_p_forced) equals the single-rank estimate bitwise.
+ * Exit 0 when every rank passed
  * every case; rank 0 prints one line per case and the summary.
  * usage: mpiexec -n W test_mpi_ring [ranks_per_node ...] */
 #include <math.h>
@@ -322,9 +325,10 @@ static int varlen_case(const char *backend, int32_t ranks_per_node, uint64_t see
   return all;
 }
 
-/* The distributed estimate equals the single-rank one bitwise (indices). */
+/* The distributed estimate equals the single-rank one bitwise (indices);
+ * top_p_forced: the top-p heads force the sinks and the window too. */
 static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_comm_t *comm,
-                         uint64_t seed) {
+                         uint64_t seed, int32_t top_p_forced) {
   const int64_t N = 16 * 2 * world_ * 3 + 53;
   const int32_t hq = 4, hkv = 2, d = 16, G = 16;
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
@@ -343,6 +347,7 @@ static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_
   ts_ring_estimate_budgets(b);
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = 40;
+  eo.top_p_forced = top_p_forced;
   mtrain_tensor_t tq = mtrain_tensor_3d(q, MTRAIN_F32, N, hq, d);
   mtrain_tensor_t tk = mtrain_tensor_3d(k, MTRAIN_F32, N, hkv, d);
   mtrain_status_t st = mtrain_context_create(&cfg, NULL, &single);
@@ -371,12 +376,26 @@ static int estimate_case(mtrain_layout_kind_t kind, const char *backend, mtrain_
   int32_t head = -1;
   if (ok && !(ok = ts_patterns_equal(p1, pd, hq, &head)))
     printf("  rank %d: head %d: distributed estimate differs\n", rank_, head);
+  /* top_p_forced reached the ring's selection: its top-p heads keep the sinks */
+  const int64_t nv_cand = ((N - 1) / G) * G;
+  for (int32_t h = 0; ok && top_p_forced && h < hq; h++) {
+    if (b[h].kind != MTRAIN_BUDGET_TOP_P) continue;
+    int64_t sinks = eo.num_sinks < nv_cand ? eo.num_sinks : nv_cand;
+    sinks = sinks < b[h].cap_v ? sinks : b[h].cap_v;
+    const int32_t *diags = NULL;
+    const int64_t *v = NULL;
+    int32_t nd = 0, nv = 0;
+    mtrain_pattern_get_head(pd, h, &diags, &nd, &v, &nv);
+    for (int64_t j = 0; ok && j < sinks; j++) ok = j < nv && v[j] == j;
+    if (!ok) printf("  rank %d: head %d: a forced sink is missing\n", rank_, h);
+  }
   int all = 0;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (rank_ == 0)
-    printf("%s: W=%d distributed estimate, %s layout, %s, N=%lld: %s\n", all ? "passed" : "FAILED",
-           world_, mtrain_layout_kind_name(kind), backend, (long long)N,
-           all ? "bitwise equal to one rank" : "differs");
+    printf("%s: W=%d distributed estimate, %s layout, %s, N=%lld, top_p_forced %d, seed %llu: "
+           "%s\n",
+           all ? "passed" : "FAILED", world_, mtrain_layout_kind_name(kind), backend, (long long)N,
+           top_p_forced, (unsigned long long)seed, all ? "bitwise equal to one rank" : "differs");
   free(q), free(k), free(lq), free(lk), free(index);
   mtrain_pattern_destroy(p1);
   mtrain_pattern_destroy(pd);
@@ -449,8 +468,10 @@ int main(int argc, char **argv) {
         run_case(&c, comm) ? passed++ : failed++;
       }
   for (int l = 0; l < 4; l++) {
-    estimate_case(layouts[l], "cpu", comm, 500 + l) ? passed++ : failed++;
-    estimate_case(layouts[l], "cpu-ref", comm, 600 + l) ? passed++ : failed++;
+    estimate_case(layouts[l], "cpu", comm, 500 + l, 0) ? passed++ : failed++;
+    estimate_case(layouts[l], "cpu-ref", comm, 600 + l, 0) ? passed++ : failed++;
+    estimate_case(layouts[l], "cpu", comm, 550 + l, 1) ? passed++ : failed++;
+    estimate_case(layouts[l], "cpu-ref", comm, 650 + l, 1) ? passed++ : failed++;
   }
   /* packed batches (varlen) on every schedule, both CPU backends */
   for (int sc = 0; sc < nsched; sc++) {

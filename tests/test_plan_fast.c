@@ -376,7 +376,7 @@ static void test_selection(void **state) {
     same_array(r1, r2, sizeof(int64_t) * (size_t)a, "top-k indices");
     const double pp = ts_rng_uniform(&rng);
     const int64_t cap = ts_rng_below(&rng, n + 3) - 1;
-    const int64_t x = mtrain_select_top_p(sc, n, pp, cap, o1, r1);
+    const int64_t x = mtrain_select_top_p(sc, NULL, n, pp, cap, o1, r1);
     const int64_t y = ref_select_top_p(sc, n, pp, cap, o2, r2);
     SAME(x, y, "top-p count");
     same_array(r1, r2, sizeof(int64_t) * (size_t)x, "top-p indices");

@@ -640,6 +640,9 @@ static void test_mass_curve(void **state) {
   assert_true(mass[0] < mass[3]);
   TS_ASSERT_STATUS(mtrain_balance_mass_curve(q, k, N, 3, hkv, d, 64, b, sc, 4, 0, &eo, mass),
                    MTRAIN_ERR_INVALID_ARGUMENT, "heads 3:2");
+  eo.top_p_forced = 2; /* checked as the estimate checks it */
+  TS_ASSERT_STATUS(mtrain_balance_mass_curve(q, k, N, hq, hkv, d, 64, b, sc, 4, 0, &eo, mass),
+                   MTRAIN_ERR_INVALID_ARGUMENT, "top_p_forced 2");
   free(q);
   free(k);
   free(v);

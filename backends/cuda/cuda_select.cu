@@ -155,6 +155,7 @@ extern "C" mtrain_status_t cuda_select_queue(cuda_state_t *s, const mtrain_selec
       pr->Hq = a->num_heads;
       pr->nf_v = a->num_sinks < pr->nv_cand ? a->num_sinks : pr->nv_cand;
       pr->nf_s = a->window < N ? a->window : N;
+      pr->top_p_forced = a->top_p_forced ? 1 : 0;
       pr->col = a->col;
       pr->diag = a->diag;
       pr->sscore = (double *)(b + x.sscore);

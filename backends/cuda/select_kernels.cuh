@@ -2,7 +2,8 @@
  * section 2 as CUDA kernels, bitwise the host's (core/runtime/select.c and
  * estimate.c's select_head): the same candidates, the same order (score
  * descending with forced candidates +inf, NaN lowest and -0 as +0, ties to
- * the lower index), the same top-p sum in rank order. One CTA per (head,
+ * the lower index), the same top-p sum in rank order (with top_p_forced the
+ * forced candidates kept whatever the sum). One CTA per (head,
  * side): side 0 selects the head's verticals among the column scores, side 1
  * its token diagonals among the slash scores (the per-slot sums added in
  * slot order, as the host does) and turns them into block diagonals.
@@ -52,16 +53,17 @@ struct Head {
 struct Params {
   int64_t N, nb, nv_cand; /* tokens, blocks, vertical candidates */
   int32_t G, slots, Hq;
-  int64_t nf_v, nf_s; /* top-k: forced prefixes (sinks, window) */
-  const double *col;  /* [Hq * N] */
-  const double *diag; /* [Hq * N * slots] */
-  double *sscore;     /* [Hq * N] slash scores (slash_sums_kernel) */
-  const Head *heads;  /* [Hq] */
-  int64_t *verticals; /* [Hq * N] head h's kept verticals at h * N */
-  int64_t *tokens;    /* [Hq * N] head h's kept token diagonals at h * N */
-  uint8_t *bitmap;    /* [Hq * nb] */
-  int32_t *diags;     /* [Hq * (nb + 1)] head h's block diagonals */
-  int32_t *counts;    /* [Hq * 2]: verticals, block diagonals */
+  int32_t top_p_forced; /* 1: top-p heads force the prefixes nf_v, nf_s too */
+  int64_t nf_v, nf_s;   /* forced prefixes (sinks, window): top-k, top-p with top_p_forced */
+  const double *col;    /* [Hq * N] */
+  const double *diag;   /* [Hq * N * slots] */
+  double *sscore;       /* [Hq * N] slash scores (slash_sums_kernel) */
+  const Head *heads;    /* [Hq] */
+  int64_t *verticals;   /* [Hq * N] head h's kept verticals at h * N */
+  int64_t *tokens;      /* [Hq * N] head h's kept token diagonals at h * N */
+  uint8_t *bitmap;      /* [Hq * nb] */
+  int32_t *diags;       /* [Hq * (nb + 1)] head h's block diagonals */
+  int32_t *counts;      /* [Hq * 2]: verticals, block diagonals */
 };
 
 /* Shared memory of select_kernel: histogram, scan buffer, broadcast words,
@@ -199,9 +201,12 @@ __device__ __forceinline__ bool before(unsigned long long ka, int32_t pa, unsign
   return ka > kb || (ka == kb && pa < pb);
 }
 
-/* Top-p on the m best (in out[0..m), index order): the largest count whose
- * rank-ordered scores sum below p, kept in index order at out[0..count). */
-__device__ int64_t top_p_count(const double *s, int64_t m, double p, int64_t *out,
+/* Top-p on the m best (in out[0..m), index order, with the forced prefix
+ * nf): walking down the ranking, a candidate of the forced prefix is kept
+ * and its score added whatever the sum; another is kept while the sum with
+ * it stays below p (the walk stops at the first that does not). The kept
+ * ones go in index order to out[0..count). */
+__device__ int64_t top_p_count(const double *s, int64_t m, int64_t nf, double p, int64_t *out,
                                unsigned char *sort_mem, unsigned long long *bcast,
                                long long *scan) {
   const int t = threadIdx.x;
@@ -210,7 +215,7 @@ __device__ int64_t top_p_count(const double *s, int64_t m, double p, int64_t *ou
   unsigned long long *key = (unsigned long long *)sort_mem;
   int32_t *pos = (int32_t *)(key + P);
   for (int64_t i = t; i < P; i += kThreads) {
-    key[i] = i < m ? key_of(s, out[i], 0) : 0ULL; /* padding sorts last */
+    key[i] = i < m ? key_of(s, out[i], nf) : 0ULL; /* padding sorts last */
     pos[i] = (int32_t)i;
   }
   __syncthreads();
@@ -236,8 +241,9 @@ __device__ int64_t top_p_count(const double *s, int64_t m, double p, int64_t *ou
     double sum = 0.0;
     int64_t count = 0;
     for (int64_t i = 0; i < m; i++) {
-      const double next = sum + s[out[pos[i]]];
-      if (!(next < p)) break;
+      const int64_t c = out[pos[i]];
+      const double next = sum + s[c];
+      if (!(next < p) && c >= nf) break;
       sum = next;
       count++;
     }
@@ -322,12 +328,13 @@ __device__ void select_head_side(const Params &p, int h, int side) {
     }
   } else {
     const int64_t cap = side == 0 ? hb.cap_v : hb.cap_s;
+    const int64_t nf = !p.top_p_forced ? 0 : side == 0 ? p.nf_v : p.nf_s;
     if (n > 0 && cap > 0) {
       const int64_t m = cap < n ? cap : n;
       int64_t ties;
-      const unsigned long long T = radix_select(s, n, 0, m, hist, bcast, &ties);
-      write_best(s, n, 0, T, ties, out, scan);
-      kept = top_p_count(s, m, side == 0 ? hb.p_v : hb.p_s, out, sort_mem, bcast, scan);
+      const unsigned long long T = radix_select(s, n, nf, m, hist, bcast, &ties);
+      write_best(s, n, nf, T, ties, out, scan);
+      kept = top_p_count(s, m, nf, side == 0 ? hb.p_v : hb.p_s, out, sort_mem, bcast, scan);
     }
   }
   if (side == 0) {

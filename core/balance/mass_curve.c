@@ -123,6 +123,9 @@ mtrain_status_t mtrain_balance_mass_curve(const float *q, const float *k, int64_
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "balance mass curve: last_q %d must be >= 1, sinks %d and window %d >= 0",
                         opt->last_q, opt->num_sinks, opt->window);
+  if (opt->top_p_forced != 0 && opt->top_p_forced != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
+                        "balance mass curve: top_p_forced %d must be 0 or 1", opt->top_p_forced);
   for (int32_t i = 0; i < K; i++)
     if (!(scales[i] > 0) || !isfinite(scales[i]))
       return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,

@@ -46,6 +46,9 @@ static mtrain_status_t check_inputs(mtrain_context_t *ctx, const mtrain_tensor_t
     return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT,
                         "estimate: options last_q %d (>= 1), num_sinks %d and window %d (>= 0)",
                         o->last_q, o->num_sinks, o->window);
+  if (o->top_p_forced != 0 && o->top_p_forced != 1)
+    return mtrain_error(MTRAIN_ERR_INVALID_ARGUMENT, "estimate: options top_p_forced %d (0 or 1)",
+                        o->top_p_forced);
   for (int64_t h = 0; h < q->shape[1]; h++) {
     mtrain_status_t st = mtrain_head_budget_validate(&budgets[h]);
     if (st) return mtrain_error_prefix(st, "estimate: budgets[%lld]", (long long)h);

@@ -192,20 +192,21 @@ static mtrain_status_t select_head(const mtrain_head_budget_t *bud,
     x->sscore[t] = sum;
   }
   int64_t nv, ns;
-  if (bud->kind == MTRAIN_BUDGET_TOP_K) {
-    /* forced candidates are a prefix: only that prefix is marked and cleared */
-    const int64_t nf_v = o->num_sinks < nv_cand ? o->num_sinks : nv_cand;
-    const int64_t nf_s = o->window < N ? o->window : N;
-    memset(x->forced, 1, (size_t)nf_v);
-    memset(x->forced + nf_v, 0, (size_t)(N - nf_v));
-    nv = mtrain_select_top_k(col, x->forced, nv_cand, bud->v_size, x->order, x->picked);
-    memset(x->forced, 0, (size_t)N);
-    memset(x->forced, 1, (size_t)nf_s);
-    ns = mtrain_select_top_k(x->sscore, x->forced, N, bud->s_size, x->order, x->tokens);
-  } else {
-    nv = mtrain_select_top_p(col, nv_cand, bud->p_v, bud->cap_v, x->order, x->picked);
-    ns = mtrain_select_top_p(x->sscore, N, bud->p_s, bud->cap_s, x->order, x->tokens);
-  }
+  const int top_k = bud->kind == MTRAIN_BUDGET_TOP_K;
+  /* forced candidates are a prefix (top-k always, top-p with top_p_forced;
+   * else none): only that prefix is marked and cleared */
+  const int force = top_k || o->top_p_forced;
+  const uint8_t *forced = force ? x->forced : NULL;
+  const int64_t nf_v = !force ? 0 : o->num_sinks < nv_cand ? o->num_sinks : nv_cand;
+  const int64_t nf_s = !force ? 0 : o->window < N ? o->window : N;
+  memset(x->forced, 1, (size_t)nf_v);
+  memset(x->forced + nf_v, 0, (size_t)(N - nf_v));
+  nv = top_k ? mtrain_select_top_k(col, x->forced, nv_cand, bud->v_size, x->order, x->picked)
+             : mtrain_select_top_p(col, forced, nv_cand, bud->p_v, bud->cap_v, x->order, x->picked);
+  memset(x->forced, 0, (size_t)N);
+  memset(x->forced, 1, (size_t)nf_s);
+  ns = top_k ? mtrain_select_top_k(x->sscore, x->forced, N, bud->s_size, x->order, x->tokens)
+             : mtrain_select_top_p(x->sscore, forced, N, bud->p_s, bud->cap_s, x->order, x->tokens);
   const int32_t nd = mtrain_token_to_block_diagonals(x->tokens, ns, G, nb, x->blocks);
   return mtrain_pattern_set_head(p, h, x->blocks, nd, x->picked, (int32_t)nv);
 }
@@ -256,7 +257,8 @@ static void select_args_of(const estimate_buffers_t *b, const mtrain_head_budget
                                      .window = o->window,
                                      .budgets = budgets,
                                      .col = (const double *)b->col + sp->col_off,
-                                     .diag = (const double *)b->diag + sp->diag_off};
+                                     .diag = (const double *)b->diag + sp->diag_off,
+                                     .top_p_forced = o->top_p_forced};
   }
 }
 

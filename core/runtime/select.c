@@ -132,15 +132,16 @@ int64_t mtrain_select_top_k(const double *scores, const uint8_t *forced, int64_t
   return k;
 }
 
-int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t cap, int64_t *order,
-                            int64_t *out) {
+int64_t mtrain_select_top_p(const double *scores, const uint8_t *forced, int64_t n, double p,
+                            int64_t cap, int64_t *order, int64_t *out) {
   if (n <= 0 || cap <= 0) return 0;
   const int64_t m = cap < n ? cap : n;
-  best_set(scores, NULL, n, m, order);
+  best_set(scores, forced, n, m, order);
   /* rank order is needed only as far as the mass goes: sort the best chunk
-   * of what is left, add it up, and go on with a twice larger chunk */
+   * of what is left, add it up, and go on with a twice larger chunk. Forced
+   * candidates rank first: they are kept whatever the sum, which they join */
   sort_scores = scores;
-  sort_forced = NULL;
+  sort_forced = forced;
   double sum = 0.0;
   int64_t count = 0, chunk = 256;
   int stop = 0;
@@ -150,7 +151,7 @@ int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t c
     qsort(order + lo, (size_t)c, sizeof *order, by_score_desc);
     for (int64_t i = lo; i < lo + c; i++) {
       const double next = sum + scores[order[i]];
-      if (!(next < p)) {
+      if (!(next < p) && !(forced && forced[order[i]])) {
         stop = 1;
         break;
       }
@@ -159,6 +160,7 @@ int64_t mtrain_select_top_p(const double *scores, int64_t n, double p, int64_t c
     }
   }
   sort_scores = NULL;
+  sort_forced = NULL;
   return keep_first(order, count, out);
 }
 

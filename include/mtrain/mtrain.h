@@ -30,8 +30,10 @@ extern "C" {
 #define MTRAIN_VERSION_PATCH 0
 /** Version of the config struct and of the backend/communicator tables
  *  (6: the communicator's allreduce_device, the backend's
- *  block_scores_noncausal and mtrain_block_options_t.noncausal). */
-#define MTRAIN_API_VERSION 7
+ *  block_scores_noncausal and mtrain_block_options_t.noncausal; 8:
+ *  mtrain_estimate_options_t.top_p_forced and mtrain_select_args_t's
+ *  top_p_forced). */
+#define MTRAIN_API_VERSION 8
 
 /* ------------------------------------------------------------------------ */
 /* Status codes                                                              */
@@ -529,15 +531,24 @@ MTRAIN_API mtrain_status_t mtrain_budgets_get(const mtrain_budgets_t *budgets, i
 /** Checks one budget's values (sizes >= 0, p in (0, 1], caps >= 0). */
 MTRAIN_API mtrain_status_t mtrain_head_budget_validate(const mtrain_head_budget_t *budget);
 
-/** Options of the estimation. Initialise with MTRAIN_ESTIMATE_INIT. */
+/** Options of the estimation. Initialise with MTRAIN_ESTIMATE_INIT (fields
+ *  added later go at the end, so that the initialiser keeps its order). The
+ *  estimate refuses with MTRAIN_ERR_INVALID_ARGUMENT, naming the field and
+ *  its value, last_q < 1, num_sinks < 0, window < 0 and a top_p_forced
+ *  other than 0 or 1. */
 typedef struct mtrain_estimate_options {
-  int32_t last_q;    /**< L: the last L queries score the keys (default 64; clamped to N) */
-  int32_t num_sinks; /**< top-k mode: first keys forced in as verticals (default 30) */
-  int32_t window;    /**< top-k mode: token diagonals 0..window-1 forced in (default 100) */
+  int32_t last_q;       /**< L: the last L queries score the keys (default 64; clamped to N) */
+  int32_t num_sinks;    /**< top-k mode (and top-p with top_p_forced): first keys forced in as
+                             verticals (default 30) */
+  int32_t window;       /**< top-k mode (and top-p with top_p_forced): token diagonals
+                             0..window-1 forced in (default 100) */
+  int32_t top_p_forced; /**< 1: top-p budgets force the sinks and the window too (as top-k
+                             does); 0 (default): nothing forced in top-p mode (SPEC.md
+                             section 2) */
 } mtrain_estimate_options_t;
 
 #define MTRAIN_ESTIMATE_INIT                                                                       \
-  { 64, 30, 100 }
+  { 64, 30, 100, 0 }
 
 /** Estimates the vertical-slash pattern of one sequence from its post-RoPE q
  *  [N, Hq, d] and k [N, Hkv, d] (SPEC.md section 2): per query head h,

@@ -242,8 +242,10 @@ typedef struct mtrain_select_args {
   int32_t granularity; /**< G */
   int32_t num_heads;   /**< Hq */
   int32_t slots;       /**< S = mtrain_scores_slots(L, G) */
-  int32_t num_sinks;   /**< top-k: the first num_sinks vertical candidates are forced */
-  int32_t window;      /**< top-k: token diagonals 0..window-1 are forced */
+  int32_t num_sinks;   /**< top-k (top-p with top_p_forced): the first num_sinks vertical
+                            candidates are forced */
+  int32_t window;      /**< top-k (top-p with top_p_forced): token diagonals 0..window-1
+                            are forced */
   const mtrain_head_budget_t *budgets; /**< host [Hq] */
   const double *col;                   /**< backend memory [Hq * N] column scores */
   const double *diag;                  /**< backend memory [Hq * N * S] slash partial sums */
@@ -252,6 +254,10 @@ typedef struct mtrain_select_args {
   int32_t *diagonals;     /**< host [Hq * (nb + 1)], nb = ceil(N / G): head h's block
                                diagonals, increasing, at h * (nb + 1) */
   int32_t *num_diagonals; /**< host [Hq] */
+  /** 1 (since MTRAIN_API_VERSION 8): top-p budgets force num_sinks and
+   *  window too (mtrain_estimate_options_t.top_p_forced, SPEC.md section 2);
+   *  0: nothing is forced in top-p mode. */
+  int32_t top_p_forced;
 } mtrain_select_args_t;
 
 /** The plan of a packed batch on one rank built on the backend from the

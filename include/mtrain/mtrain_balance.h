@@ -506,7 +506,9 @@ MTRAIN_API mtrain_status_t mtrain_balance_batch_split(
  *  G-block); mass[h * num_levels + k] receives the
  *  share of the score matrix the selected verticals and slashes cover
  *  (their union, each entry once). This is the attention mass kept by the
- *  budget on the rows the estimate sees. O(L * N * d * heads). */
+ *  budget on the rows the estimate sees. O(L * N * d * heads). The options'
+ *  top_p_forced is checked (0 or 1) and changes nothing here: every level
+ *  forces the sinks and the window as top-k does. */
 MTRAIN_API mtrain_status_t mtrain_balance_mass_curve(
     const float *q, const float *k, int64_t seq_len, int32_t q_heads, int32_t kv_heads,
     int32_t head_dim, int32_t granularity, const mtrain_head_budget_t *budgets,

@@ -18,7 +18,7 @@ from .errors import MtrainError
 
 # ---- constants of mtrain.h / mtrain_layout.h / mtrain_comm.h / mtrain_backend.h ----
 
-API_VERSION = 7
+API_VERSION = 8
 SUCCESS = 0
 
 F32, BF16, F16, F64 = 0, 1, 2, 3
@@ -106,12 +106,14 @@ class HeadBudget(ctypes.Structure):
 
 
 class EstimateOptions(ctypes.Structure):
-    """mtrain_estimate_options_t."""
+    """mtrain_estimate_options_t (top_p_forced: 1 forces the sinks and the window in top-p
+    mode too)."""
 
     _fields_ = (
         ("last_q", ctypes.c_int32),
         ("num_sinks", ctypes.c_int32),
         ("window", ctypes.c_int32),
+        ("top_p_forced", ctypes.c_int32),
     )
 
 

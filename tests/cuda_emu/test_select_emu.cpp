@@ -3,9 +3,12 @@
 // (core/runtime/select.c, wrapped as estimate.c's select_head wraps it): every head's verticals
 // and block diagonals must be equal, on random scores with ties, NaN, infinities and -0, forced
 // prefixes, top-k budgets of 0, in range and beyond the candidates, top-p budgets with caps below
-// and above the candidates, lengths that are not multiples of the granularity; and the batched
-// selection (one launch of each kernel for 1 to 6 such sequences, then the packing kernel).
-// Usage: test_select_emu [cases [seed]] (defaults 200 and 11); prints the seed and each case.
+// and above the candidates, with and without the forced prefixes (top_p_forced: sinks and windows
+// beyond the candidates, caps below the prefix, forced mass alone above p), lengths that are not
+// multiples of the granularity; and the batched selection (one launch of each kernel for 1 to 6
+// such sequences, then the packing kernel).
+// Usage: test_select_emu [cases [seed]] (defaults 200 and 11; each case runs without and with
+// top_p_forced); prints the seed and each case.
 #include "backends/cuda/select_kernels.cuh"
 #include "cuda_emu.h"
 #include <functional>
@@ -41,6 +44,7 @@ static double score(int style, bool specials) {
 struct Case {
   int64_t N;
   int G, slots, Hq, sinks, window;
+  int top_p_forced; // 1: top-p heads force the sinks and the window too
   vector<mtrain_head_budget_t> budgets;
 };
 
@@ -93,8 +97,14 @@ static void host_select(const Case &c, const double *col, const double *diag, in
     for (int64_t i = 0; i < N; i++) forced[i] = i < nf_s;
     ns = mtrain_select_top_k(ss.data(), forced.data(), N, b.s_size, order.data(), tokens.data());
   } else {
-    nv = mtrain_select_top_p(cs, nv_cand, b.p_v, b.cap_v, order.data(), picked.data());
-    ns = mtrain_select_top_p(ss.data(), N, b.p_s, b.cap_s, order.data(), tokens.data());
+    const int64_t nf_v = !c.top_p_forced ? 0 : std::min<int64_t>(c.sinks, nv_cand);
+    const int64_t nf_s = !c.top_p_forced ? 0 : std::min<int64_t>(c.window, N);
+    for (int64_t i = 0; i < N; i++) forced[i] = i < nf_v;
+    nv = mtrain_select_top_p(cs, forced.data(), nv_cand, b.p_v, b.cap_v, order.data(),
+                             picked.data());
+    for (int64_t i = 0; i < N; i++) forced[i] = i < nf_s;
+    ns = mtrain_select_top_p(ss.data(), forced.data(), N, b.p_s, b.cap_s, order.data(),
+                             tokens.data());
   }
   vert.assign(picked.begin(), picked.begin() + nv);
   diags.assign(2 * ns + 1, 0);
@@ -125,6 +135,7 @@ static sel::Params params_of(Selected &r) {
   p.G = c.G;
   p.slots = c.slots;
   p.Hq = c.Hq;
+  p.top_p_forced = c.top_p_forced;
   p.nf_v = std::min<int64_t>(c.sinks, p.nv_cand);
   p.nf_s = std::min<int64_t>(c.window, c.N);
   p.col = r.col.data();
@@ -145,8 +156,12 @@ static int smem_of(const Selected &r) {
   return (int)(any_top_p ? sel::smem_bytes(r.sort_pow2) : sel::kSmemFixed);
 }
 
-// A random case; with `launch`, selected by slash_sums_kernel and select_kernel.
-static Selected select_case(uint64_t seed, bool allow_big, bool launch = true) {
+// A random case; with `launch`, selected by slash_sums_kernel and select_kernel. `forced`: the
+// case's top-p heads force the sinks and the window (top_p_forced); drawn after everything else,
+// so that a seed gives the same scores and budgets either way, with (one time in three) sinks
+// and windows up to the whole sequence (prefixes beyond the candidates and the caps).
+static Selected select_case(uint64_t seed, bool allow_big, bool launch = true,
+                            bool forced = false) {
   R.seed(seed);
   Selected r;
   Case &c = r.c;
@@ -158,6 +173,7 @@ static Selected select_case(uint64_t seed, bool allow_big, bool launch = true) {
   c.Hq = irand(1, 3);
   c.sinks = irand(0, 40);
   c.window = irand(0, 120);
+
   for (int h = 0; h < c.Hq; h++) c.budgets.push_back(random_budget(c.N));
   r.style = irand(0, 4);
   r.specials = irand(0, 2) == 0;
@@ -166,6 +182,11 @@ static Selected select_case(uint64_t seed, bool allow_big, bool launch = true) {
   r.diag.resize((size_t)c.Hq * N * c.slots);
   for (double &x : r.col) x = score(r.style, r.specials);
   for (double &x : r.diag) x = score(r.style, r.specials);
+  c.top_p_forced = forced ? 1 : 0;
+  if (forced && irand(0, 2) == 0) {
+    c.sinks = irand(0, (int)N + 5);
+    c.window = irand(0, (int)N + 5);
+  }
   r.sscore.assign((size_t)c.Hq * N, 0.0);
   r.toks.assign((size_t)c.Hq * N, -1);
   r.bits.assign((size_t)c.Hq * nb, 7);
@@ -221,25 +242,26 @@ static int compare_with_host(const Selected &r) {
   return 0;
 }
 
-static int run_case(int index, uint64_t seed) {
-  const Selected r = select_case(seed, true);
+static int run_case(int index, uint64_t seed, bool forced) {
+  const Selected r = select_case(seed, true, true, forced);
   const Case &c = r.c;
-  printf("case %d seed %llu: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n", index,
-         (unsigned long long)seed, (long long)c.N, c.G, c.slots, c.Hq, c.sinks, c.window, r.style,
-         r.specials ? " specials" : "");
+  printf("case %d seed %llu%s: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n",
+         index, (unsigned long long)seed, forced ? " top_p_forced" : "", (long long)c.N, c.G,
+         c.slots, c.Hq, c.sinks, c.window, r.style, r.specials ? " specials" : "");
   return compare_with_host(r);
 }
 
 // A batch of 1 to 6 sequences selected as the batched selection does it: one launch of
 // slash_sums_batch_kernel and one of select_batch_kernel for all of them (parameter and prefix
 // tables), every head against the host's selection, then pack_kernel: every (sequence, head)
-// entry's kept verticals and block diagonals one after another, in entry order.
-static int run_batch_case(int index, uint64_t seed) {
+// entry's kept verticals and block diagonals one after another, in entry order. `forced`: every
+// sequence's top-p heads force the sinks and the window.
+static int run_batch_case(int index, uint64_t seed, bool forced) {
   R.seed(seed);
   const int count = irand(1, 6);
   vector<Selected> seqs;
   for (int q = 0; q < count; q++)
-    seqs.push_back(select_case(seed * 31 + (uint64_t)q, irand(0, 9) == 0, false));
+    seqs.push_back(select_case(seed * 31 + (uint64_t)q, irand(0, 9) == 0, false, forced));
   vector<sel::Params> params;
   vector<int64_t> first_sums{0}, first_ctas{0};
   int smem = (int)sel::kSmemFixed;
@@ -283,7 +305,8 @@ static int run_batch_case(int index, uint64_t seed) {
   const bool same = std::equal(want_v.begin(), want_v.end(), packed_v.begin()) &&
                     std::equal(want_d.begin(), want_d.end(), packed_d.begin()) &&
                     packed_v[want_v.size()] == -7 && packed_d[want_d.size()] == -7;
-  printf("batch case %d seed %llu: %d sequences (N", index, (unsigned long long)seed, count);
+  printf("batch case %d seed %llu%s: %d sequences (N", index, (unsigned long long)seed,
+         forced ? " top_p_forced" : "", count);
   for (const Selected &r : seqs) printf(" %lld", (long long)r.c.N);
   printf("), %zu entries, %zu verticals, %zu diagonals%s%s\n", entries.size(), want_v.size(),
          want_d.size(), bad ? " SELECTION DIFFERS" : "", same ? "" : " PACKING DIFFERS");
@@ -295,10 +318,14 @@ int main(int argc, char **argv) {
   const uint64_t seed = argc > 2 ? strtoull(argv[2], nullptr, 10) : 11;
   printf("test_select_emu: %d cases, seed %llu\n", cases, (unsigned long long)seed);
   int failed = 0;
-  for (int i = 0; i < cases; i++) failed += run_case(i, seed * 1000003ULL + (uint64_t)i);
   const int batch_cases = cases / 4 > 4 ? cases / 4 : 4;
-  for (int i = 0; i < batch_cases; i++) failed += run_batch_case(i, seed * 7919ULL + (uint64_t)i);
+  // every case without, then with the forced prefixes of top-p heads (top_p_forced)
+  for (int forced = 0; forced <= 1; forced++) {
+    for (int i = 0; i < cases; i++) failed += run_case(i, seed * 1000003ULL + (uint64_t)i, forced);
+    for (int i = 0; i < batch_cases; i++)
+      failed += run_batch_case(i, seed * 7919ULL + (uint64_t)i, forced);
+  }
   printf("%s: %d of %d cases differ from the host selection or its packing\n",
-         failed ? "FAILED" : "passed", failed, cases + batch_cases);
+         failed ? "FAILED" : "passed", failed, 2 * (cases + batch_cases));
   return failed ? 1 : 0;
 }

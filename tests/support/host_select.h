@@ -39,8 +39,11 @@ static inline mtrain_status_t ts_host_pattern_select(void *state, const mtrain_s
       for (int64_t i = 0; i < N; i++) forced[i] = i < a->window;
       ns = mtrain_select_top_k(ss, forced, N, b->s_size, order, tokens);
     } else {
-      nv = mtrain_select_top_p(col, nv_cand, b->p_v, b->cap_v, order, verticals);
-      ns = mtrain_select_top_p(ss, N, b->p_s, b->cap_s, order, tokens);
+      const int f = a->top_p_forced;
+      for (int64_t i = 0; i < N; i++) forced[i] = f && i < a->num_sinks;
+      nv = mtrain_select_top_p(col, forced, nv_cand, b->p_v, b->cap_v, order, verticals);
+      for (int64_t i = 0; i < N; i++) forced[i] = f && i < a->window;
+      ns = mtrain_select_top_p(ss, forced, N, b->p_s, b->cap_s, order, tokens);
     }
     const int32_t nd = mtrain_token_to_block_diagonals(tokens, ns, (int32_t)G, nb, blocks);
     memcpy(a->diagonals + h * (nb + 1), blocks, sizeof(int32_t) * (size_t)nd);
