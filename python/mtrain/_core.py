@@ -412,9 +412,20 @@ class Options:
     last_q: int = 64
     num_sinks: int = 30
     window: int = 100
+    top_p_forced: int = 0  # 1: top-p budgets force the sinks and the window too
 
     def encode(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True, separators=(",", ":"))
+
+
+def estimate_options(opts: Options) -> L.EstimateOptions:
+    """The mtrain_estimate_options_t of the ops' options."""
+    return L.EstimateOptions(
+        last_q=opts.last_q,
+        num_sinks=opts.num_sinks,
+        window=opts.window,
+        top_p_forced=opts.top_p_forced,
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -971,7 +982,7 @@ def _estimated_plan(
     budgets); elsewhere it is the estimate then the host plan."""
     num_heads = int(q.shape[1])
     budgets = head_budgets(json.loads(opts.budgets), num_heads)
-    eo = L.EstimateOptions(last_q=opts.last_q, num_sinks=opts.num_sinks, window=opts.window)
+    eo = estimate_options(opts)
     ctx.bind_stream()
     qd, kd = descriptor(q), descriptor(k)
     seqs, _keep = _seqs(seq_lens)
@@ -1026,7 +1037,7 @@ def _estimate(
     mtrain_pattern_estimate_ring (collective)."""
     num_heads = int(q.shape[1])
     budgets = head_budgets(json.loads(opts.budgets), num_heads)
-    eo = L.EstimateOptions(last_q=opts.last_q, num_sinks=opts.num_sinks, window=opts.window)
+    eo = estimate_options(opts)
     ctx.bind_stream()
     with _device_guard(q.device):
         if layouts is None:

@@ -131,6 +131,16 @@ def _budgets_json(budgets: Any, layer: int | None) -> str:
         ) from e
 
 
+def check_top_p_forced(value: Any) -> int:
+    """The estimate's top_p_forced option as the library takes it (0 or 1); anything but a
+    bool (or the ints 0 and 1) is refused with ERR_INVALID_ARGUMENT naming it."""
+    if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+        return int(value)
+    raise L.fail(
+        L.ERR_INVALID_ARGUMENT, f"top_p_forced {value!r} must be True or False (or 1 or 0)"
+    )
+
+
 @torch.compiler.assume_constant_result
 def _options(
     d: int,
@@ -147,7 +157,9 @@ def _options(
     last_q: int = 64,
     num_sinks: int = 30,
     window: int = 100,
+    top_p_forced: bool = False,
 ) -> str:
+    forced = check_top_p_forced(top_p_forced)
     scale = 0.0
     if softmax_scale is not None:
         scale = float(softmax_scale)
@@ -172,6 +184,7 @@ def _options(
         last_q=int(last_q),
         num_sinks=int(num_sinks),
         window=int(window),
+        top_p_forced=forced,
     ).encode()
 
 
@@ -193,6 +206,7 @@ def estimate_pattern(
     last_q: int = 64,
     num_sinks: int = 30,
     window: int = 100,
+    top_p_forced: bool = False,
 ) -> SparsePlan:
     """Estimates every sequence's vertical-slash pattern from post-RoPE q and k
     (docs/SPEC.md section 2) and builds the step's plan.
@@ -209,7 +223,12 @@ def estimate_pattern(
         seq_len: batched inputs under a group: the global length of each sequence
             (default: local length x world size).
         granularity: the block size G.
-        last_q, num_sinks, window: the estimation's options (SPEC.md section 2).
+        last_q, num_sinks, window: the estimation's options (SPEC.md section 2): the last
+            queries that vote, and the first keys (verticals) and token diagonals that top-k
+            budgets always keep.
+        top_p_forced: True: top-p budgets (mtrain.TopP) keep the num_sinks first keys and the
+            window's token diagonals too, before any other candidate, whatever their mass (at
+            most the caps in all); False (default): top-p forces nothing (SPEC.md section 2).
 
     Returns:
         The SparsePlan to pass as ``pattern=`` to mtrain.attention.
@@ -223,7 +242,7 @@ def estimate_pattern(
         int(q3.shape[-1]), group=group, layout=layout, ranks_per_node=ranks_per_node,
         granularity=granularity, softmax_scale=softmax_scale, backend=backend,
         deterministic=deterministic, pattern="estimate", budgets=spec, last_q=last_q,
-        num_sinks=num_sinks, window=window,
+        num_sinks=num_sinks, window=window, top_p_forced=top_p_forced,
     )  # fmt: skip
     handle = torch.ops.mtrain.estimate_plan(q3.detach(), k3.detach(), cu, options)
     return SparsePlan(handle, options)
@@ -511,6 +530,7 @@ def attention(
     last_q: int = 64,
     num_sinks: int = 30,
     window: int = 100,
+    top_p_forced: bool = False,
     return_lse: bool = False,
     dense_above: float | str | None = None,
     dense_recheck: int = 1,
@@ -529,6 +549,8 @@ def attention(
             parallel: q, k, v are this rank's slots (mtrain.dispatch); collective.
         cu_seqlens: FlashAttention offsets of packed sequences (global under a group).
         budgets, layer: estimate the pattern online (see estimate_pattern).
+        last_q, num_sinks, window, top_p_forced: the estimate's options (see
+            estimate_pattern; with budgets= only).
         layout, ranks_per_node, seq_len: the context-parallel layout and ring.
         granularity: block size G (default: the pattern's, else 128).
         softmax_scale: default 1/sqrt(d).
@@ -595,7 +617,8 @@ def attention(
         if pattern is None and budgets is not None:
             plan = estimate_pattern(
                 q3, k3, budgets, layer, cu_seqlens=cu, granularity=granularity or 128,
-                last_q=last_q, num_sinks=num_sinks, window=window, **common,
+                last_q=last_q, num_sinks=num_sinks, window=window, top_p_forced=top_p_forced,
+                **common,
             )  # fmt: skip
             handle = plan.handle
         elif pattern is None:

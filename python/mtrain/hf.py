@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _lib as L
-from .api import _block_options, attention, select_blocks
+from .api import _block_options, attention, check_top_p_forced, select_blocks
 
 __all__ = ["register_transformers"]
 
@@ -30,7 +30,7 @@ class _Settings:
     deterministic: bool = True
     dense_above: float | str | None = None
     dense_recheck: int = 1
-    estimate: dict[str, int] = field(default_factory=dict)
+    estimate: dict[str, Any] = field(default_factory=dict)
 
 
 _settings: dict[str, _Settings] = {}
@@ -187,6 +187,7 @@ def register_transformers(
     last_q: int = 64,
     num_sinks: int = 30,
     window: int = 100,
+    top_p_forced: bool = False,
     dense_above: float | str | None = None,
     dense_recheck: int = 1,
 ) -> str:
@@ -208,8 +209,9 @@ def register_transformers(
         group, layout, granularity: context parallel defaults; a model call can
             instead pass ``mtrain_dispatch=info`` (mtrain.dispatch's DispatchInfo),
             which transformers hands to the attention function.
-        backend, deterministic, last_q, num_sinks, window, dense_above, dense_recheck: as in
-            mtrain.attention (dense_above: a layer whose estimated pattern is denser runs
+        backend, deterministic, last_q, num_sinks, window, top_p_forced, dense_above,
+            dense_recheck: as in mtrain.attention (top_p_forced: top-p budgets keep the sinks
+            and the window too; dense_above: a layer whose estimated pattern is denser runs
             torch's dense attention; "auto" for the device's measured threshold).
 
     Returns:
@@ -234,7 +236,12 @@ def register_transformers(
         dense_above=dense_above,
         dense_recheck=dense_recheck,
         estimate=(
-            {"last_q": last_q, "num_sinks": num_sinks, "window": window}
+            {
+                "last_q": last_q,
+                "num_sinks": num_sinks,
+                "window": window,
+                "top_p_forced": bool(check_top_p_forced(top_p_forced)),
+            }
             if budgets is not None
             else {}
         ),

@@ -88,6 +88,38 @@ def test_budget_file_and_sparse_budgets(gen: torch.Generator) -> None:
     assert (outs[sparse_name] - outs["sdpa"]).abs().max() > 0.05 * scale
 
 
+def test_top_p_forced_reaches_the_estimate(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """register_transformers(top_p_forced=True): every layer's mtrain.attention call gets it,
+    and the model's outputs differ from the unforced estimate's (top-p budgets that keep little
+    mass: the forced sinks and window change the pattern); a bad value is refused at
+    registration."""
+    from mtrain import hf
+
+    seen: list[object] = []
+    real = hf.attention
+
+    def spy(*args: object, **kw: object) -> object:
+        seen.append(kw.get("top_p_forced"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    budget = mtrain.TopP(0.2, 0.2, 64, 64)
+    forced = mtrain.register_transformers(
+        "mtrain_topp_forced", budgets=budget, granularity=32, top_p_forced=True
+    )
+    plain = mtrain.register_transformers("mtrain_topp_plain", budgets=budget, granularity=32)
+    ids = torch.randint(0, 512, (1, 256), generator=gen)
+    logits = {name: step(qwen2(4, 2, 2, seed, name), ids)["logits"] for name in (forced, plain)}
+    assert seen == [True, True, False, False]  # two layers each
+    assert all(torch.isfinite(x).all() for x in logits.values())
+    assert (logits[forced] - logits[plain]).abs().max() > 1e-3
+    with pytest.raises(mtrain.MtrainError, match="top_p_forced"):
+        mtrain.register_transformers("mtrain_bad", budgets=budget, top_p_forced=2)
+
+
 def test_packed_and_masks(gen: torch.Generator) -> None:
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     name = mtrain.register_transformers("mtrain_dense", granularity=32)
