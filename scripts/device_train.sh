@@ -20,6 +20,11 @@
 # arms-* phases, in order; default "dense mtrain-static window mtrain-topp"; any arm of
 # examples/train/arms.py, e.g. ARMS="dense mtrain-static window mtrain-topp mtrain-block" adds
 # the block-sparse selection, antidiag top-p 0.9; window needs mtrain-static before it).
+# TOPP_FORCED: 1 (default) or 0, given as --topp-forced to the mtrain-topp runs: 1 forces the
+# sinks and the local window into its top-p patterns (the program's default since 2026-11-29),
+# 0 is the arm as the runs of 2026-11-27 ran it. A finished OUT_DIR/mtrain-topp-LENGTH.json is
+# skipped whatever its setting (its config records it), and a checkpoint written with another
+# setting is refused on resume: give forced and unforced runs different OUT_DIRs.
 # BLOCK_ARGS: extra options of the mtrain-block runs (e.g. "--block-method meanpool
 # --block-top-k 4"; default none: --block-top-p 0.9 --block-stride 8).
 # The arm name mtrain-block-cached (ARMS="... mtrain-block mtrain-block-cached") runs mtrain-block
@@ -90,6 +95,11 @@ case ${MQAR_DISTINCT:-0} in
   0) ;;
   1) task+=(--mqar-distinct 1) ;;
   *) echo "device_train.sh: MQAR_DISTINCT='$MQAR_DISTINCT': expected 0 or 1" >&2; exit 2 ;;
+esac
+TOPP_FORCED=${TOPP_FORCED:-1}
+case $TOPP_FORCED in
+  0 | 1) ;;
+  *) echo "device_train.sh: TOPP_FORCED='$TOPP_FORCED': expected 0 or 1" >&2; exit 2 ;;
 esac
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
@@ -168,6 +178,9 @@ arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
     fi
     if [[ $arm == mtrain-block* ]] && [ -n "${BLOCK_ARGS:-}" ]; then
       read -r -a extra <<<"$BLOCK_ARGS"
+    fi
+    if [ "$arm" = mtrain-topp ]; then
+      extra=(--topp-forced "$TOPP_FORCED")
     fi
     if [ "$arm" = mtrain-block-cached ]; then # the block arm through the pattern cache
       real=mtrain-block

@@ -37,7 +37,9 @@ class Budget:
     mtrain-static keeps TopK(sinks + v_frac * N, window + s_frac * N): the
     sinks and the local window are forced by SPEC.md section 2, the rest is
     chosen by score, so the budget grows with the sequence length N.
-    mtrain-topp keeps TopP(p_v, p_s) with caps N. window computes the block
+    mtrain-topp keeps TopP(p_v, p_s) with caps N; with topp_forced (the default) the sinks and
+    the local window are forced as in mtrain-static (the estimate's top_p_forced), then the
+    best other candidates are added by mass (SPEC.md section 2). window computes the block
     diagonals 0 .. window_blocks - 1 (a sliding window of that many blocks of
     G tokens, no verticals); window_blocks 0 means: as many as give
     match_density (the density measured in another run, --match), else the
@@ -56,6 +58,7 @@ class Budget:
     s_frac: float = 1 / 64
     p_v: float = 0.9
     p_s: float = 0.9
+    topp_forced: bool = True  # mtrain-topp: force the sinks and the local window (top_p_forced)
     window_blocks: int = 0
     match_density: float = 0.0
     block_method: str = "antidiag"
@@ -153,10 +156,22 @@ class Arm:
         # BlockRefresh), made at the first training call
         self.refresh: BlockRefresh | None = None
 
+    def estimate_options(self) -> dict[str, Any]:
+        """mtrain's estimate options of this arm (mtrain.estimate_pattern's keywords): the
+        sinks and the local window, forced in top-p mode too for mtrain-topp with
+        topp_forced."""
+        b = self.budget
+        return {
+            "last_q": b.last_q,
+            "num_sinks": b.sinks,
+            "window": b.local_window,
+            "top_p_forced": self.name == "mtrain-topp" and b.topp_forced,
+        }
+
     def set_length(self, n: int) -> None:
         b, self.seq_len = self.budget, n
         common = {"granularity": b.granularity}
-        est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
+        est = self.estimate_options()
         if self.name == "dense" and not (self.cp or self.packed):
             base: Any = sdpa_attention_forward
             mask = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
@@ -203,7 +218,7 @@ class Arm:
             raise ValueError(f"tuned budgets apply to the mtrain-static arm, not {self.name}")
         b = self.budget
         common = {"granularity": b.granularity}
-        est = {"last_q": b.last_q, "num_sinks": b.sinks, "window": b.local_window}
+        est = self.estimate_options()
         budgets = path if path is not None else self.budgets
         mtrain.register_transformers(
             self.inner, budgets=budgets, **common, **est, **self._fallback()
@@ -228,11 +243,7 @@ class Arm:
         )
         if self.budgets is not None:
             out["budgets"] = {type(self.budgets).__name__: list(self.budgets)}
-            out["estimate"] = {
-                "last_q": self.budget.last_q,
-                "num_sinks": self.budget.sinks,
-                "window": self.budget.local_window,
-            }
+            out["estimate"] = self.estimate_options()
         if self.blocks is not None:
             out["blocks"] = dict(self.blocks)
             out["block_refresh"] = self.budget.block_refresh
@@ -275,10 +286,7 @@ class Arm:
             return patterns
         if self.budgets is None:
             return None
-        plan = mtrain.estimate_pattern(
-            q, k, self.budgets, last_q=b.last_q, num_sinks=b.sinks, window=b.local_window,
-            **where,
-        )  # fmt: skip
+        plan = mtrain.estimate_pattern(q, k, self.budgets, **self.estimate_options(), **where)
         return plan.patterns
 
 

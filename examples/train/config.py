@@ -57,6 +57,7 @@ class RunConfig:
     s_frac: float = 1 / 64
     p_v: float = 0.9
     p_s: float = 0.9
+    topp_forced: int = 1  # mtrain-topp: 1 forces the sinks and the local window (top_p_forced)
     window_blocks: int = 0
     match: str = ""  # window arm: a results JSON whose measured density the window matches
     block_method: str = "antidiag"  # mtrain-block: antidiag (XAttention) or meanpool (MoBA)
@@ -145,13 +146,17 @@ HELP = {
     "0: off; docs/TRAINING.md, 'Pricing fitted from the measured times')",
     "probe_every": "time the attention and read the pattern every k steps (0: about 8 probes)",
     "granularity": "mtrain block size G (0: 64 on CPU, 128 on GPU)",
-    "sinks": "mtrain estimate: forced sink keys (top-k)",
-    "local_window": "mtrain estimate: forced local token diagonals (top-k)",
+    "sinks": "mtrain estimate: forced sink keys (top-k; mtrain-topp with --topp-forced 1)",
+    "local_window": "mtrain estimate: forced local token diagonals (top-k; mtrain-topp with "
+    "--topp-forced 1)",
     "last_q": "mtrain estimate: the last queries that vote",
     "v_frac": "mtrain-static: verticals kept = sinks + v_frac * seq_len",
     "s_frac": "mtrain-static: slashes kept = local_window + s_frac * seq_len",
     "p_v": "mtrain-topp: vertical mass kept",
     "p_s": "mtrain-topp: slash mass kept",
+    "topp_forced": "mtrain-topp: 1 keeps the --sinks first keys and the --local-window token "
+    "diagonals before any other candidate, as top-k does (the estimate's top_p_forced); 0: top-p "
+    "forces nothing (the arm before 2026-11-29)",
     "window_blocks": "window arm: block diagonals computed (0: match the static budget's density)",
     "match": "window arm: width matched to the mean density measured in this results JSON "
     "(for example the mtrain-static run's)",

@@ -169,6 +169,8 @@ def check_options(cfg: RunConfig) -> None:
         raise ValueError(f"--block-measure-rows {cfg.block_measure_rows}: must be >= 0")
     if cfg.mqar_distinct not in (0, 1):
         raise ValueError(f"--mqar-distinct {cfg.mqar_distinct}: 0 or 1")
+    if cfg.topp_forced not in (0, 1):
+        raise ValueError(f"--topp-forced {cfg.topp_forced}: 0 or 1")
     check_dense_fallback(cfg)
     if cfg.mqar_distinct and cfg.task in ("mqar", "mix") and cfg.mqar_queries > cfg.mqar_pairs:
         raise ValueError(
@@ -298,6 +300,7 @@ def run(
     budget = Budget(
         granularity=g, sinks=cfg.sinks, local_window=cfg.local_window, last_q=cfg.last_q,
         v_frac=cfg.v_frac, s_frac=cfg.s_frac, p_v=cfg.p_v, p_s=cfg.p_s,
+        topp_forced=bool(cfg.topp_forced),
         window_blocks=cfg.window_blocks, match_density=measured_density(cfg.match),
         block_method=cfg.block_method, block_top_p=cfg.block_top_p, block_top_k=cfg.block_top_k,
         block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
@@ -938,9 +941,13 @@ def load_checkpoint(cfg: RunConfig) -> dict[str, Any] | None:
         return None
     ckpt = torch.load(cfg.resume, map_location="cpu", weights_only=False)
     now = asdict(cfg)
+    saved = dict(ckpt["config"])
+    if saved.get("arm") == "mtrain-topp":
+        # written before --topp-forced: that arm forced nothing (--topp-forced 0)
+        saved.setdefault("topp_forced", 0)
     diff = [
         f"{k}: {v!r} (checkpoint) != {now.get(k)!r}"
-        for k, v in ckpt["config"].items()
+        for k, v in saved.items()
         if k not in RESUME_FREE and now.get(k) != v
     ]
     if diff:
