@@ -14,10 +14,10 @@
  * of W GPUs); dense, random sparse, diagonal-only and budget-like patterns;
  * non-causal block masks (blocks above the diagonal, no causal mask; every
  * ring chunk's padding slots excluded all the same); GQA; lengths that are
- * not multiples of G * W; the distributed estimate
- * equal to one GPU's bitwise. Inputs and patterns: the ring tests' helpers
- * of tests/support (as test_mpi_ring); faults: test_nccl_fault. Skips (exit
- * 77) where fewer GPUs than ranks are visible.
+ * not multiples of G * W; the distributed estimate equal to one GPU's
+ * bitwise (top-p heads with and without top_p_forced). Inputs and patterns:
+ * the ring tests' helpers of tests/support (as test_mpi_ring); faults:
+ * test_nccl_fault. Skips (exit 77) where fewer GPUs than ranks are visible.
  * usage: mpiexec -n W test_nccl_ring [ranks_per_node ...] */
 #include <math.h>
 #include <mpi.h>
@@ -218,8 +218,10 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
 /* The distributed estimate on GPUs equals one GPU's bitwise (indices). The
  * scores are combined on the GPUs (the nccl device all-reduce) and selected
  * there; `wide`: top-p caps above what the device selection sorts (8192), so
- * that the device-combined scores go to the host selection instead. */
-static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_t seed, int wide) {
+ * that the device-combined scores go to the host selection instead;
+ * `forced`: the top-p heads force the sinks and the window (top_p_forced). */
+static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_t seed, int wide,
+                         int32_t forced) {
   const int64_t N = wide ? 20000 + 64 * world_ + 7 : 64 * 2 * world_ * 3 + 53;
   const int32_t hq = 4, hkv = 2, d = 64, G = 64;
   mtrain_config_t cfg = MTRAIN_CONFIG_INIT;
@@ -239,6 +241,7 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
     for (int h = 1; h < 4; h += 2) b[h].cap_v = b[h].cap_s = 12000;
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = 40;
+  eo.top_p_forced = forced;
   void *dq = NULL, *dk = NULL, *lq = NULL, *lk = NULL;
   mtrain_status_t st = mtrain_cuda_malloc(sizeof(float) * (size_t)(N * hq * d), &dq);
   if (!st) st = mtrain_cuda_malloc(sizeof(float) * (size_t)(N * hkv * d), &dk);
@@ -278,9 +281,9 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
     printf("  rank %d: head %d: distributed estimate differs\n", rank_, head);
   const int all = all_ranks(ok);
   if (rank_ == 0)
-    printf("%s: W=%d distributed estimate on GPUs, %s layout, N=%lld%s: %s\n",
+    printf("%s: W=%d distributed estimate on GPUs, %s layout, N=%lld%s%s: %s\n",
            all ? "passed" : "FAILED", world_, mtrain_layout_kind_name(kind), (long long)N,
-           wide ? " (top-p caps 12000: host selection)" : "",
+           wide ? " (top-p caps 12000: host selection)" : "", forced ? ", top_p_forced" : "",
            all ? "bitwise equal to one GPU" : "differs");
   mtrain_cuda_free(dq), mtrain_cuda_free(dk), mtrain_cuda_free(lq), mtrain_cuda_free(lk);
   free(q), free(k), free(hq_loc), free(hk_loc), free(index);
@@ -359,8 +362,11 @@ int main(int argc, char **argv) {
         b.N = 64 * 3 * world_ * 2 + 45;
         run_case(&b, comm) ? passed++ : failed++;
       }
-  for (int l = 0; l < 4; l++) estimate_case(layouts[l], comm, 500 + l, 0) ? passed++ : failed++;
-  estimate_case(MTRAIN_LAYOUT_STRIPED, comm, 510, 1) ? passed++ : failed++;
+  for (int l = 0; l < 4; l++) estimate_case(layouts[l], comm, 500 + l, 0, 0) ? passed++ : failed++;
+  estimate_case(MTRAIN_LAYOUT_STRIPED, comm, 510, 1, 0) ? passed++ : failed++;
+  /* top-p with the sinks and the window forced, selected on the GPUs and on the host */
+  estimate_case(MTRAIN_LAYOUT_STRIPED, comm, 520, 0, 1) ? passed++ : failed++;
+  estimate_case(MTRAIN_LAYOUT_ZIGZAG, comm, 521, 1, 1) ? passed++ : failed++;
   /* a larger case: 16:2 heads, d 128, the real shape */
   ring_case_t big = {
       MTRAIN_BF16, MTRAIN_LAYOUT_STRIPED, schedules[nsched - 1], 4000, 16, 2, 128, 128, 3, 100};
