@@ -86,11 +86,18 @@ fi
 
 # The settings the CPU study supports (docs/TRAINING.md, "Learnability study on the CPU").
 SIZE=${SIZE:-mini}
+# DATA_SEED (default 1): the training sequences and, through data_seed + 10**6, the evaluation
+# ones; another seed in another OUT_DIR repeats a phase on other data from the same weights.
+DATA_SEED=${DATA_SEED:-1}
+if ! [[ $DATA_SEED =~ ^[0-9]+$ ]]; then
+  echo "device_train.sh: DATA_SEED='$DATA_SEED': expected a non-negative integer" >&2
+  exit 2
+fi
 # MQAR_PAIRS, MQAR_QUERIES (default 4, 24) and MQAR_DISTINCT (1: every query a distinct key,
 # which needs MQAR_QUERIES <= MQAR_PAIRS; docs/TRAINING.md, "The tasks") set the MQAR half.
 task=(--task mix --num-keys 32 --num-values 32 --num-filler 256
   --mqar-pairs "${MQAR_PAIRS:-4}" --mqar-queries "${MQAR_QUERIES:-24}"
-  --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4 --seed 0 --data-seed 1)
+  --passkey-digits 5 --eval-seqs "${EVAL_SEQS:-64}" --eval-batch 4 --seed 0 --data-seed "$DATA_SEED")
 case ${MQAR_DISTINCT:-0} in
   0) ;;
   1) task+=(--mqar-distinct 1) ;;
