@@ -112,6 +112,22 @@ check_drawn "$work/big2.png" 1024
 expect_exit 2 "exactly one of" --pattern "$work/p.json" --estimate --v-size 1 --s-size 1 --head 0 \
   --out "$work/x.png"
 expect_exit 2 "needs --budgets" --estimate --head 0 --out "$work/x.png"
+expect_exit 2 "top-p-forced applies" --estimate --v-size 8 --s-size 8 --top-p-forced --head 0 \
+  --out "$work/x.png"
+# --top-p-forced on a budget file's top-p heads: the 30 sinks are among the verticals
+printf '%s' '[{"0": ["flex_vertical_and_slash", [0.3, 500], [0.3, 500], 0.9],' \
+  ' "1": ["flex_vertical_and_slash", [0.3, 500], [0.3, 500], 0.9]}]' > "$work/topp.json"
+for forced in "" --top-p-forced; do
+  "$bin" --estimate --budgets "$work/topp.json" --layer 0 --seq-len 512 --heads 2 --kv-heads 1 \
+    --head-dim 16 --granularity 32 --head 0 --out "$work/topp.png" $forced > "$work/out.txt" ||
+    fail "top-p budgets $forced: $(cat "$work/out.txt")"
+  nv=$(sed -n 's/.* \([0-9]*\) verticals .*/\1/p' "$work/out.txt")
+  if [ -n "$forced" ]; then
+    [ "${nv:-0}" -ge 30 ] || fail "--top-p-forced kept ${nv:-no} verticals, fewer than the 30 sinks"
+  else
+    [ "${nv:-99}" -lt 30 ] || fail "top-p 0.3 alone kept ${nv:-no} verticals: the forced check above proves nothing"
+  fi
+done
 
 expect_exit 1 "cannot open" --pattern "$work/missing.json" --head 0 --out "$work/x.png"
 expect_exit 1 "out of range" --pattern "$work/p.json" --head 2 --out "$work/x.png"

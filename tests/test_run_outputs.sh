@@ -6,7 +6,9 @@
 #  - flags that have no effect are named in a warning on stderr, once (rank 0
 #    under mpiexec): generator flags with input files, --seed with --do, --do
 #    with --forward-only, --layout, --schedule and --timeout on one rank,
-#    --last-q without an estimate, --top-p-cap without --top-p; a run with
+#    --last-q without an estimate, --top-p-cap without --top-p, --top-p-forced
+#    without top-p budgets; --top-p-forced keeps the sinks and the window in
+#    every head (pattern.json, JSON report); a run with
 #    only effective flags warns about nothing;
 #  - --out is all or nothing: a write that fails (MTRAIN_RUN_FAULT=
 #    fail-write:dv) or an output name taken by a directory leaves no new file
@@ -88,6 +90,26 @@ warns "ring flags on one rank" "--layout" "--schedule" "--timeout" -- "$bin" "${
 warns "--last-q without an estimate" "--last-q" -- "$bin" "${shape[@]}" --last-q 32
 warns "--top-p-cap without --top-p" "--top-p-cap" -- "$bin" "${shape[@]}" --v-size 64 \
   --s-size 64 --top-p-cap 100
+warns "--top-p-forced without top-p budgets" "--top-p-forced" -- "$bin" "${shape[@]}" \
+  --v-size 64 --s-size 64 --top-p-forced
+# --top-p-forced: every head keeps the 30 sinks and the window's block diagonals (0, 1, 2 at
+# G 64), where top-p 0.3 alone keeps fewer on these inputs; the report says so
+for forced in 0 1; do
+  flag=()
+  [ $forced = 1 ] && flag=(--top-p-forced)
+  rm -rf "$work/forced$forced"
+  "$bin" "${shape[@]}" --top-p 0.3 "${flag[@]}" --out "$work/forced$forced" --json > "$out" \
+    2> "$err" || fail "--top-p 0.3 ${flag[*]}: $(cat "$err")"
+  grep -q "\"top_p_forced\": $([ $forced = 1 ] && echo true || echo false)" "$out" ||
+    fail "the JSON does not say top_p_forced $forced: $(cat "$out")"
+  python3 - "$work/forced$forced/pattern.json" $forced <<'PY' || fail "--top-p-forced $forced: the pattern"
+import json, sys
+heads = json.load(open(sys.argv[1]))["heads"]
+full = [set(range(30)) <= set(h.get("verticals", [])) and {0, 1, 2} <= set(h["diagonals"])
+        for h in heads]
+sys.exit(0 if (all(full) if sys.argv[2] == "1" else not all(full)) else 1)
+PY
+done
 sed -n 's/^/  /p' "$err"
 "$bin" "${files[@]}" --seed 5 --granularity 64 --v-size 64 --s-size 64 --last-q 32 > "$out" \
   2> "$err" || fail "effective flags: $(cat "$err")"
@@ -98,6 +120,12 @@ if [ ${#mpi[@]} -gt 0 ]; then
   "${mpi[@]}" "$bin" "${shape[@]}" --layout zigzag --timeout 30 > "$out" 2> "$err" ||
     fail "3 ranks, --layout: $(cat "$err")"
   ! grep -q "warning" "$err" || fail "3 ranks: --layout and --timeout have an effect: $(cat "$err")"
+  # the ring's estimate with --top-p-forced: the pattern of one rank's run, sinks and window kept
+  rm -rf "$work/forced-ring"
+  "${mpi[@]}" "$bin" "${shape[@]}" --top-p 0.3 --top-p-forced --out "$work/forced-ring" \
+    > "$out" 2> "$err" || fail "3 ranks, --top-p-forced: $(cat "$err")"
+  cmp -s "$work/forced-ring/pattern.json" "$work/forced1/pattern.json" ||
+    fail "3 ranks, --top-p-forced: the pattern differs from one rank's"
 fi
 
 # ---- --out all or nothing ----------------------------------------------------------

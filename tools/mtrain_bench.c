@@ -36,6 +36,8 @@ static const char usage[] =
     "  --v-size N --s-size N  or, without --budgets, static top-k for every head\n"
     "  --top-p P              or top-p for every head, --top-p-cap C its cap (default 4096)\n"
     "  --last-q L             queries that score the keys in the estimate (default 64)\n"
+    "  --top-p-forced         top-p budgets force the sinks (30 keys) and the local window\n"
+    "                         (100 token diagonals) too, as top-k does (SPEC.md section 2)\n"
     "  --skip-dense-above N   no dense ring at lengths above N (default: never skip)\n"
     "  --warmup W             untimed runs before the timed ones (default 1)\n"
     "  --repeat R             timed runs, median reported (default 1)\n"

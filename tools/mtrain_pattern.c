@@ -51,6 +51,8 @@ static const char usage[] =
     "  --seed S              their seed (default 1)\n"
     "  --granularity G       block size of the estimate (default 128)\n"
     "  --last-q L            queries that score the keys (default 64)\n"
+    "  --top-p-forced        the budget file's top-p heads force the sinks (30 keys) and\n"
+    "                        the local window (100 token diagonals), as top-k does\n"
     "  --head H              the query head to draw (0-based)\n"
     "  --out FILE.png        the image to write\n"
     "  --size PX             the plot's width and height in pixels (default: whole pixels\n"
@@ -78,8 +80,9 @@ typedef struct viewer_options {
   int32_t top_k; /* -1: top-p */
   const char *out_path;
   int32_t head;
-  int32_t size;  /* the plot's side; 0: default */
-  int no_legend; /* the plot alone */
+  int top_p_forced; /* --top-p-forced: the budget file's top-p heads force the sinks and window */
+  int32_t size;     /* the plot's side; 0: default */
+  int no_legend;    /* the plot alone */
 } viewer_options_t;
 
 /* Pixel classes, ordered for max-pooling. */
@@ -117,18 +120,29 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
   o->seq_len = 4096;
   o->top_p = 0.9;
   o->top_k = -1;
-  static const struct option longs[] = {
-      {"pattern", required_argument, 0, 'p'},  {"head", required_argument, 0, 'H'},
-      {"out", required_argument, 0, 'o'},      {"size", required_argument, 0, 's'},
-      {"help", no_argument, 0, 'h'},           {"estimate", no_argument, 0, 'e'},
-      {"budgets", required_argument, 0, 'B'},  {"layer", required_argument, 0, 'L'},
-      {"v-size", required_argument, 0, 'V'},   {"s-size", required_argument, 0, 'S'},
-      {"seq-len", required_argument, 0, 'N'},  {"heads", required_argument, 0, 'q'},
-      {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
-      {"seed", required_argument, 0, 'r'},     {"granularity", required_argument, 0, 'G'},
-      {"last-q", required_argument, 0, 'l'},   {"no-legend", no_argument, 0, 'n'},
-      {"block", required_argument, 0, 'b'},    {"top-p", required_argument, 0, 'P'},
-      {"top-k", required_argument, 0, 'K'},    {0, 0, 0, 0}};
+  static const struct option longs[] = {{"pattern", required_argument, 0, 'p'},
+                                        {"head", required_argument, 0, 'H'},
+                                        {"out", required_argument, 0, 'o'},
+                                        {"size", required_argument, 0, 's'},
+                                        {"help", no_argument, 0, 'h'},
+                                        {"estimate", no_argument, 0, 'e'},
+                                        {"budgets", required_argument, 0, 'B'},
+                                        {"layer", required_argument, 0, 'L'},
+                                        {"v-size", required_argument, 0, 'V'},
+                                        {"s-size", required_argument, 0, 'S'},
+                                        {"seq-len", required_argument, 0, 'N'},
+                                        {"heads", required_argument, 0, 'q'},
+                                        {"kv-heads", required_argument, 0, 'k'},
+                                        {"head-dim", required_argument, 0, 'd'},
+                                        {"seed", required_argument, 0, 'r'},
+                                        {"granularity", required_argument, 0, 'G'},
+                                        {"last-q", required_argument, 0, 'l'},
+                                        {"no-legend", no_argument, 0, 'n'},
+                                        {"block", required_argument, 0, 'b'},
+                                        {"top-p", required_argument, 0, 'P'},
+                                        {"top-k", required_argument, 0, 'K'},
+                                        {"top-p-forced", no_argument, 0, 'F'},
+                                        {0, 0, 0, 0}};
   int c, bad = 0;
   opterr = 0;
   while (!bad && (c = getopt_long(argc, argv, "", longs, NULL)) != -1) {
@@ -197,6 +211,9 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
     case 'K':
       bad = parse_int("top-k", optarg, 0, INT32_MAX, &o->top_k);
       break;
+    case 'F':
+      o->top_p_forced = 1;
+      break;
     case 'h':
       fputs(usage, stdout);
       return 2;
@@ -219,6 +236,14 @@ static int parse_options(int argc, char **argv, viewer_options_t *o) {
     fprintf(stderr,
             "%s: --estimate needs --budgets FILE --layer L, --v-size N --s-size N or --block "
             "METHOD\n",
+            prog);
+    return 1;
+  }
+  if (o->top_p_forced && !(o->estimate && o->budgets_path && !o->block_method)) {
+    fprintf(stderr,
+            "%s: --top-p-forced applies to the top-p heads of --estimate --budgets FILE (top-k "
+            "budgets force the sinks and the window anyway; a --pattern file or a --block "
+            "selection has none)\n",
             prog);
     return 1;
   }
@@ -335,6 +360,7 @@ static int estimate_pattern(const viewer_options_t *o, mtrain_pattern_t **out) {
   if (!rc) rc = tool_failed(prog, "context", mtrain_context_create(&cfg, NULL, &ctx));
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = o->last_q;
+  eo.top_p_forced = o->top_p_forced;
   if (!rc && o->block_method)
     rc = select_blocks(o, ctx, &tq, &tk, &tv, out);
   else if (!rc)

@@ -35,6 +35,7 @@ static int make_pattern(mtrain_context_t *ctx, const run_options_t *o, run_input
     if (run_make_budgets(prog, o, in->heads, &budgets)) return 1;
     mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
     eo.last_q = o->last_q;
+    eo.top_p_forced = o->top_p_forced;
     const double t0 = tool_now();
     int rc = tool_failed(prog, "estimating the pattern",
                          mtrain_pattern_estimate(ctx, &in->q, &in->k, budgets, &eo, out));
@@ -172,6 +173,7 @@ static void report_json(const run_options_t *o, const run_inputs_t *in, const ru
   if (run_options_estimate(o)) {
     json_object_set_new(j, "estimate_seconds", json_real(r->t_estimate));
     json_object_set_new(j, "last_q", json_integer(o->last_q));
+    json_object_set_new(j, "top_p_forced", json_boolean(o->top_p_forced));
   }
   json_object_set_new(j, "computed_pairs", json_integer(r->pairs));
   json_object_set_new(j, "dense_pairs", json_integer(r->dense_pairs));

@@ -302,6 +302,7 @@ int ring_estimate(const char *prog, const ring_env_t *env, const run_options_t *
   if (run_make_budgets(prog, o, in->host.heads, &budgets)) return 1;
   mtrain_estimate_options_t eo = MTRAIN_ESTIMATE_INIT;
   eo.last_q = o->last_q;
+  eo.top_p_forced = o->top_p_forced;
   run_inputs_t *work = ring_inputs_work(env, in);
   ring_barrier(env, "before the estimate");
   const double t0 = tool_now();

@@ -4,6 +4,7 @@
  * (single rank and ring), mtrain-bench and mtrain-bench-cuda. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "run_common.h"
 #include "tool_common.h"
@@ -60,5 +61,9 @@ const char *run_pattern_source(const run_options_t *o) {
              (long long)o->s_size);
   else
     return "dense causal";
+  if (o->top_p_forced && (o->top_p > 0 || o->budgets_path)) {
+    const size_t n = strlen(text);
+    snprintf(text + n, sizeof text - n, ", sinks and window forced in top-p");
+  }
   return text;
 }

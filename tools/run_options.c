@@ -34,6 +34,8 @@ static const char usage[] =
     "  --budgets FILE --layer L   estimate online with the per-head budgets of a\n"
     "                        MInference budget file\n"
     "  --last-q L            queries that score the keys (default 64)\n"
+    "  --top-p-forced        top-p budgets force the sinks (30 keys) and the local window\n"
+    "                        (100 token diagonals) too, as top-k does (SPEC.md section 2)\n"
     "  --granularity G       block size (default: a --pattern file's, else 128; when\n"
     "                        given with --pattern it must equal the file's)\n"
     "Several ranks (run under mpiexec -n W):\n"
@@ -149,6 +151,7 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
                                         {"budgets", required_argument, 0, 'B'},
                                         {"layer", required_argument, 0, 'L'},
                                         {"last-q", required_argument, 0, 'Q'},
+                                        {"top-p-forced", no_argument, 0, 'F'},
                                         {"input", required_argument, 0, 'I'},
                                         {"layout", required_argument, 0, 'y'},
                                         {"schedule", required_argument, 0, 'x'},
@@ -253,6 +256,9 @@ int run_options_parse(int argc, char **argv, run_options_t *o) {
       break;
     case 'Q':
       bad = parse_i32("last-q", optarg, 1, 1 << 20, &o->last_q);
+      break;
+    case 'F':
+      o->top_p_forced = 1;
       break;
     case 'I':
       if (strcmp(optarg, "structured") != 0 && strcmp(optarg, "normal") != 0) {
@@ -411,6 +417,10 @@ void run_options_warn(const char *prog, const run_options_t *o, int single_rank,
   if (o->given['Q'] && !run_options_estimate(o))
     warn_one(prog, "--last-q",
              "the pattern is not estimated (give --v-size/--s-size, --top-p or --budgets)");
+  if (o->given['F'] && !(o->top_p > 0) && !o->budgets_path)
+    warn_one(prog, "--top-p-forced",
+             "it forces the sinks and the window into top-p budgets, and none is given (--top-p "
+             "or a --budgets file)");
   if (o->given['C'] && !(o->top_p > 0))
     warn_one(prog, "--top-p-cap", "it caps --top-p, which is not given");
   if (single_rank) {

@@ -21,6 +21,7 @@ typedef struct run_options {
   int64_t top_p_cap;        /* its cap (default 4096) */
   const char *budgets_path; /* per-head budgets of --layer from a budget file */
   int32_t layer, last_q;
+  int top_p_forced;  /* --top-p-forced: the sinks and the window forced into top-p budgets too */
   const char *input; /* generated inputs: "structured" or "normal" */
   /* several ranks (under mpiexec) */
   const char *layout;     /* contiguous|zigzag|striped|balanced (default striped) */
