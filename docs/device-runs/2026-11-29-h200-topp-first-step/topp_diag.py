@@ -7,9 +7,15 @@ docs/TRAINING.md): the first training batch of the arm, on the dense 16K weights
               of selection <sel>: lib (the library's own top-p pattern), below (SPEC's rule:
               keep while the running sum stays < p), reach (keep through the candidate that
               reaches p), below+forced / reach+forced (sinks 30 and window 100 forced as well)
+  libpat:topp[+sinks|+window|+forced]  the library's top-p pattern with keys 0..29 and/or block
+              diagonals 0 and 1 added, through mtrain's kernels
 and per mode: the answer-token loss, the recall (dense softmax mass inside the pattern) on all
 rows and on answer rows, verticals kept, heads with no vertical, whether key 0 is kept.
-Usage: python topp_diag.py WEIGHTS N BATCH [OUT.json [MODES,...]]"""
+Usage: python topp_diag.py WEIGHTS N BATCH [OUT.json [MODES,...]]
+The published table (docs/TRAINING.md) comes from the modes dense, lib-topp, lib-static and
+libpat:* (cpu-diag-*.json, DIAG_DEVICE=cpu) and the first three on the GPU
+(weights-and-gpu-diag.log, where the ref:* modes stopped on a dtype error, fixed since; the
+ref:* modes were not run to completion and no figure comes from them)."""
 import json
 import sys
 import time
