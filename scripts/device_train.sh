@@ -25,6 +25,8 @@
 # 0 is the arm as the runs of 2026-11-27 ran it. A finished OUT_DIR/mtrain-topp-LENGTH.json is
 # skipped whatever its setting (its config records it), and a checkpoint written with another
 # setting is refused on resume: give forced and unforced runs different OUT_DIRs.
+# TOPP_P: the mass (0, 1] the mtrain-topp runs keep, given as --p-v and --p-s (default: the
+# program's 0.9); as with TOPP_FORCED, give runs of other masses their own OUT_DIRs.
 # BLOCK_ARGS: extra options of the mtrain-block runs (e.g. "--block-method meanpool
 # --block-top-k 4"; default none: --block-top-p 0.9 --block-stride 8).
 # The arm name mtrain-block-cached (ARMS="... mtrain-block mtrain-block-cached") runs mtrain-block
@@ -108,6 +110,12 @@ case $TOPP_FORCED in
   0 | 1) ;;
   *) echo "device_train.sh: TOPP_FORCED='$TOPP_FORCED': expected 0 or 1" >&2; exit 2 ;;
 esac
+# TOPP_P (default: the program's 0.9): the mass p_v = p_s the mtrain-topp runs keep
+TOPP_P=${TOPP_P:-}
+if [ -n "$TOPP_P" ] && ! [[ $TOPP_P =~ ^(0\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]]; then
+  echo "device_train.sh: TOPP_P='$TOPP_P': expected a number in (0, 1]" >&2
+  exit 2
+fi
 PRE_LEN=${PRE_LEN:-512}
 PRE_BATCH=${PRE_BATCH:-64}
 # 1500: on an H100 passkey was at 1.000 from step 1250 of a 1500-step schedule (2026-11-27;
@@ -188,6 +196,7 @@ arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
     fi
     if [ "$arm" = mtrain-topp ]; then
       extra=(--topp-forced "$TOPP_FORCED")
+      [ -n "$TOPP_P" ] && extra+=(--p-v "$TOPP_P" --p-s "$TOPP_P")
     fi
     if [ "$arm" = mtrain-block-cached ]; then # the block arm through the pattern cache
       real=mtrain-block

@@ -10,7 +10,10 @@
  *      variants 3 (Hopper), 2 and 0 (whose bar kernels see the padded tiles);
  *      every case with top-p heads again with top_p_forced = 1;
  *  (b) the real Qwen2.5-3B budgets of layers 3, 15 and 31 on structured
- *      inputs of 16384 tokens, one sequence and a packed batch;
+ *      inputs of 16384 tokens, one sequence and a packed batch; top-p 0.95
+ *      with caps of the whole sequence (20011 and 3001 + 9000 tokens: walks
+ *      through several of the device selection's 8192-rank chunks), with and
+ *      without top_p_forced;
  *  (c) the host does not wait: behind a dense forward queued first, the
  *      estimated plan of a top-k batch returns in under a quarter of that
  *      forward's synchronous time (a stream-ordered allocator on the
@@ -296,6 +299,39 @@ static void test_real_budgets(void **state) {
   mtrain_budgets_destroy(file);
 }
 
+/* Top-p heads whose caps are the whole sequence: the device selection walks
+ * their ranking through several chunks of 8192 ranks (a plan on the device,
+ * equal to the host plan), with and without the forced sinks and window. */
+static void test_wide_top_p(void **state) {
+  (void)state;
+  if (!have_gpu || quick) skip();
+  for (int packed = 0; packed <= 1; packed++) {
+    batch_t b;
+    memset(&b, 0, sizeof b);
+    b.count = packed ? 2 : 1;
+    const int64_t lens[2] = {packed ? 3001 : 20011, 9000};
+    for (int32_t s = 0; s < b.count; s++) b.offsets[s + 1] = b.offsets[s] + lens[s];
+    const uint64_t seed = 7300 + (uint64_t)packed;
+    printf("top-p 0.95, caps of the whole sequence, %d sequence(s) (%lld tokens), seed %llu\n",
+           b.count, (long long)b.offsets[b.count], (unsigned long long)seed);
+    batch_init(&b, 8, 2, 64, seed, 1);
+    mtrain_head_budget_t budgets[8];
+    for (int32_t h = 0; h < 8; h++) {
+      memset(&budgets[h], 0, sizeof budgets[h]);
+      budgets[h].kind = MTRAIN_BUDGET_TOP_P;
+      budgets[h].p_v = h == 0 ? 1.0 : 0.95;
+      budgets[h].p_s = 0.95;
+      budgets[h].cap_v = budgets[h].cap_s = b.T;
+    }
+    mtrain_context_t *ctx = make_context(128, 3);
+    compare("top-p, whole-sequence caps", seed, ctx, &b, budgets);
+    b.top_p_forced = 1;
+    compare("top-p, whole-sequence caps, top_p_forced", seed, ctx, &b, budgets);
+    mtrain_context_destroy(ctx);
+    batch_free(&b);
+  }
+}
+
 static void test_host_does_not_wait(void **state) {
   (void)state;
   if (!have_gpu || quick) skip();
@@ -367,6 +403,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_random_batches),
       cmocka_unit_test(test_real_budgets),
+      cmocka_unit_test(test_wide_top_p),
       cmocka_unit_test(test_host_does_not_wait),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -5,17 +5,15 @@
  * bitwise equal. Random and structured inputs (printed seeds), GQA, head dims
  * 64 and 128, lengths that are not multiples of the granularity, bf16, fp16
  * and fp32, random top-k budgets (some beyond the candidates), the real
- * budget files (Qwen2.5-3B static and top-p, Llama-3.1-8B static), and a
- * top-p cap beyond the device sort (the backend declines, the host
- * selects). Which path ran is checked through the estimate's timings (the
- * device path copies no scores). Packed batches (mtrain_pattern_estimate_batch):
- * each document's pattern equals its own estimate and the host selection,
- * timed against one call per document. Top-p with the sinks and the window
- * forced (top_p_forced = 1): random and structured inputs, the real top-p
- * budget files, sinks beyond the candidates, a window beyond N, caps below
- * the forced prefixes, a packed batch. Last: both paths timed at 131072
- * tokens.
- * Skipped (exit 77) without a CUDA device. */
+ * budget files (Qwen2.5-3B static and top-p, Llama-3.1-8B static), and
+ * top-p caps beyond the device's 8192-rank sort (up to the whole sequence of
+ * 32K tokens: the walk goes through chunks of 8192 ranks). Which path ran is checked through the
+ * estimate's timings (the device path copies no scores). Packed batches
+ * (mtrain_pattern_estimate_batch): each document's pattern equals its own estimate and the host
+ * selection, timed against one call per document. Top-p with the sinks and the window forced
+ * (top_p_forced = 1): random and structured inputs, the real top-p budget files, sinks beyond the
+ * candidates, a window beyond N, caps below the forced prefixes, a packed batch. Last: both paths
+ * timed at 131072 tokens. Skipped (exit 77) without a CUDA device. */
 #define _POSIX_C_SOURCE 200809L /* setenv, clock_gettime */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -224,6 +222,10 @@ static void test_real_budgets(void **state) {
   }
 }
 
+/* Top-p caps beyond the device's sort of 8192 ranks: the walk goes through
+ * chunks of 8192 (still on the device, bitwise the host's): one head's cap of
+ * 12000, then every cap the whole sequence of 32768 tokens (p 0.95 and 1.0:
+ * walks through every chunk), with and without top_p_forced. */
 static void test_cap_beyond_device_sort(void **state) {
   (void)state;
   require_gpu();
@@ -234,14 +236,25 @@ static void test_cap_beyond_device_sort(void **state) {
     p.budgets[h].p_v = p.budgets[h].p_s = 0.95;
     p.budgets[h].cap_v = 2000, p.budgets[h].cap_s = h == 3 ? 12000 : 2000;
   }
-  check_equal("top-p cap 12000 (the host selects)", &p, 0);
+  check_equal("top-p cap 12000 (chunks of 8192)", &p, 1);
+  problem_free(&p);
+  problem_init(&p, 32768, 8, 2, 64, 128, MTRAIN_BF16, 1, 78);
+  for (int32_t h = 0; h < p.hq; h++) {
+    p.budgets[h].kind = MTRAIN_BUDGET_TOP_P;
+    p.budgets[h].p_v = h % 4 == 0 ? 1.0 : 0.95;
+    p.budgets[h].p_s = h % 4 == 1 ? 1.0 : 0.9;
+    p.budgets[h].cap_v = p.budgets[h].cap_s = 32768;
+  }
+  check_equal("top-p caps 32768 at 32K", &p, 1);
+  p.opt.top_p_forced = 1;
+  check_equal("top-p caps 32768 at 32K, top_p_forced", &p, 1);
   problem_free(&p);
 }
 
 /* A packed batch (mtrain_pattern_estimate_batch): every document's pattern
  * from the batch's one call equals the estimate of that document alone on
- * the device and the batch's host selection, bitwise; with a top-p cap
- * beyond the device sort the whole batch is selected on the host. Then the
+ * the device and the batch's host selection, bitwise, also with a top-p cap
+ * beyond the device's 8192-rank sort (walked in chunks). Then the
  * batch's time against one estimate per document. */
 static mtrain_pattern_t **estimate_packed(mtrain_context_t *ctx, const problem_t *p,
                                           const int64_t *offsets, int32_t count, int host_select,
@@ -331,7 +344,7 @@ static void test_packed_batch(void **state) {
     p.budgets[h].p_v = p.budgets[h].p_s = 0.95;
     p.budgets[h].cap_v = 2000, p.budgets[h].cap_s = h == 5 ? 12000 : 2000;
   }
-  check_packed("packed, top-p cap 12000 (host selects)", &p, offsets, COUNT, 0);
+  check_packed("packed, top-p cap 12000 (chunks of 8192)", &p, offsets, COUNT, 1);
   problem_free(&p);
   /* many short documents, the training program's shapes (8:2 heads, d 64) */
   enum { MANY = 64 };

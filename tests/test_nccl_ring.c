@@ -217,8 +217,8 @@ static int run_case(const ring_case_t *c, mtrain_comm_t *comm) {
 
 /* The distributed estimate on GPUs equals one GPU's bitwise (indices). The
  * scores are combined on the GPUs (the nccl device all-reduce) and selected
- * there; `wide`: top-p caps above what the device selection sorts (8192), so
- * that the device-combined scores go to the host selection instead;
+ * there; `wide`: top-p caps above what the device selection sorts at a time
+ * (8192 ranks), so that its walk goes through several chunks;
  * `forced`: the top-p heads force the sinks and the window (top_p_forced). */
 static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_t seed, int wide,
                          int32_t forced) {
@@ -283,7 +283,7 @@ static int estimate_case(mtrain_layout_kind_t kind, mtrain_comm_t *comm, uint64_
   if (rank_ == 0)
     printf("%s: W=%d distributed estimate on GPUs, %s layout, N=%lld%s%s: %s\n",
            all ? "passed" : "FAILED", world_, mtrain_layout_kind_name(kind), (long long)N,
-           wide ? " (top-p caps 12000: host selection)" : "", forced ? ", top_p_forced" : "",
+           wide ? " (top-p caps 12000: chunks of 8192)" : "", forced ? ", top_p_forced" : "",
            all ? "bitwise equal to one GPU" : "differs");
   mtrain_cuda_free(dq), mtrain_cuda_free(dk), mtrain_cuda_free(lq), mtrain_cuda_free(lk);
   free(q), free(k), free(hq_loc), free(hk_loc), free(index);

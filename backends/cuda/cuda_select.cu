@@ -24,7 +24,8 @@ size_t align_up(size_t x) { return (x + 255) & ~(size_t)255; }
 } // namespace
 
 /* One sequence's checks and its heads' device budgets; NOT_SUPPORTED for
- * budgets the device cannot select. *sort_n grows to its largest top-p set. */
+ * lengths the device cannot select. *sort_n grows to its largest top-p sort
+ * (a cap's candidates, at most sel::kSortMax: the chunk of the walk). */
 static mtrain_status_t check_sequence(const mtrain_select_args_t *a, int32_t s, sel::Head *heads,
                                       int64_t *sort_n) {
   const int64_t N = a->seq_len;
@@ -51,13 +52,8 @@ static mtrain_status_t check_sequence(const mtrain_select_args_t *a, int32_t s, 
     d->p_s = b->p_s;
     if (!d->top_p) continue;
     const int64_t mv = b->cap_v < nv_cand ? b->cap_v : nv_cand, ms = b->cap_s < N ? b->cap_s : N;
-    const int64_t m = mv > ms ? mv : ms;
-    if (m > sel::kSortMax)
-      return mtrain_error(MTRAIN_ERR_NOT_SUPPORTED,
-                          "cuda select: head %d is top-p with a cap of %lld candidates at N = "
-                          "%lld; the device sorts at most %d (the host selects it)",
-                          h, (long long)(b->cap_v > b->cap_s ? b->cap_v : b->cap_s), (long long)N,
-                          sel::kSortMax);
+    int64_t m = mv > ms ? mv : ms;
+    if (m > sel::kSortMax) m = sel::kSortMax; /* larger caps walk in chunks of it */
     if (m > *sort_n) *sort_n = m;
   }
   return MTRAIN_SUCCESS;
@@ -156,6 +152,7 @@ extern "C" mtrain_status_t cuda_select_queue(cuda_state_t *s, const mtrain_selec
       pr->nf_v = a->num_sinks < pr->nv_cand ? a->num_sinks : pr->nv_cand;
       pr->nf_s = a->window < N ? a->window : N;
       pr->top_p_forced = a->top_p_forced ? 1 : 0;
+      pr->sort_chunk = sel::kSortMax;
       pr->col = a->col;
       pr->diag = a->diag;
       pr->sscore = (double *)(b + x.sscore);

@@ -24,8 +24,8 @@ typedef struct cuda_select_plan {
 } cuda_select_plan_t;
 
 /** Checks `count` sequences' selection arguments and sizes their scratch:
- *  MTRAIN_ERR_NOT_SUPPORTED naming the head for budgets the device cannot
- *  select (top-p caps beyond 8192 candidates, N >= 2^31),
+ *  MTRAIN_ERR_NOT_SUPPORTED for lengths the device cannot select (N >= 2^31;
+ *  top-p caps of any size are selected, in chunks of 8192 ranks),
  *  MTRAIN_ERR_INVALID_ARGUMENT for bad geometry. Host only. */
 mtrain_status_t cuda_select_plan(const mtrain_select_args_t *args, int32_t count,
                                  cuda_select_plan_t *p);

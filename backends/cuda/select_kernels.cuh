@@ -11,9 +11,14 @@
  * The best m candidates are found without sorting: a radix select (eight
  * passes over 8-bit digits of the ranking keys, a shared histogram each)
  * gives the m-th largest key T and how many of the keys equal to T are kept;
- * one ordered pass writes the kept indices in increasing order. Top-p then
- * sorts those m (bitonic, in shared memory, at most kSortMax) by rank and one
- * thread adds their scores in rank order until the mass reaches p.
+ * one ordered pass writes the kept indices in increasing order. Top-p walks
+ * the ranking in chunks of at most sort_chunk ranks (kSortMax on the GPU):
+ * the radix select bounds chunk c (ranks [c * chunk, (c + 1) * chunk) of the
+ * cap's m), one ordered pass writes its candidates, a bitonic sort in shared
+ * memory puts them in rank order, and one thread goes on adding their scores
+ * in rank order until the mass reaches p. A walk that ends in its first
+ * chunk keeps the flagged part of it; a longer one selects its kept count
+ * K's best again (index order), so any cap up to N is selected.
  *
  * Written in the subset of CUDA that the CPU emulator of tests/cuda_emu runs
  * (block barriers, shared memory, shared-memory atomics): MTRAIN_CUDA_EMU
@@ -39,7 +44,10 @@ namespace sel {
 constexpr int kThreads = 256;
 constexpr int kPerThread = 8; /* consecutive candidates per thread in a tile */
 constexpr int64_t kTile = (int64_t)kThreads * kPerThread;
-constexpr int kSortMax = 8192; /* top-p: largest m sorted in shared memory */
+constexpr int kSortMax = 8192; /* top-p: ranks sorted at a time in shared memory */
+/* A key above every ranking key (key_of is at most +inf's 0xfff0...): with 0
+ * ties it bounds the empty best set. */
+constexpr unsigned long long kNoKey = ~0ULL;
 
 /* One head's budget (mtrain_head_budget_t, device copy). */
 struct Head {
@@ -54,6 +62,7 @@ struct Params {
   int64_t N, nb, nv_cand; /* tokens, blocks, vertical candidates */
   int32_t G, slots, Hq;
   int32_t top_p_forced; /* 1: top-p heads force the prefixes nf_v, nf_s too */
+  int64_t sort_chunk;   /* top-p ranks sorted at a time (>= 1; kSortMax) */
   int64_t nf_v, nf_s;   /* forced prefixes (sinks, window): top-k, top-p with top_p_forced */
   const double *col;    /* [Hq * N] */
   const double *diag;   /* [Hq * N * slots] */
@@ -194,28 +203,75 @@ __device__ int64_t compact_flagged(T *a, const F *flag, int64_t n, long long *sc
   return base;
 }
 
+/* The candidates of ranks [lo, hi) of the ranking, best(hi) minus best(lo),
+ * in increasing index order to out[0..hi - lo): best(m) is the keys above T
+ * and the first `ties` keys equal to T (T_lo = kNoKey with ties_lo = 0: the
+ * empty best(0)); best(lo) lies within best(hi). One pass of tiles as
+ * write_best, four counts per thread scanned at once in 16-bit fields (each
+ * at most kTile = 2048 a tile, so no field carries into the next). */
+__device__ void write_rank_range(const double *s, int64_t n, int64_t nf, unsigned long long T_lo,
+                                 int64_t ties_lo, unsigned long long T_hi, int64_t ties_hi,
+                                 int64_t *out, long long *scan) {
+  const int t = threadIdx.x;
+  int64_t gt_hi_seen = 0, eq_hi_seen = 0, gt_lo_seen = 0, eq_lo_seen = 0;
+  for (int64_t lo = 0; lo < n; lo += kTile) {
+    const int64_t i0 = lo + (int64_t)t * kPerThread;
+    long long gt_hi = 0, eq_hi = 0, gt_lo = 0, eq_lo = 0;
+    for (int e = 0; e < kPerThread; e++) {
+      const int64_t i = i0 + e;
+      if (i >= n) break;
+      const unsigned long long k = key_of(s, i, nf);
+      gt_hi += k > T_hi;
+      eq_hi += k == T_hi;
+      gt_lo += k > T_lo;
+      eq_lo += k == T_lo;
+    }
+    long long total;
+    const long long ex = bscan::block_scan<kThreads>(
+        gt_hi | (eq_hi << 16) | (gt_lo << 32) | (eq_lo << 48), scan, &total);
+    int64_t rank_hi = eq_hi_seen + ((ex >> 16) & 0xffff);
+    int64_t rank_lo = eq_lo_seen + ((ex >> 48) & 0xffff);
+    const int64_t in_hi = gt_hi_seen + (ex & 0xffff) + (rank_hi < ties_hi ? rank_hi : ties_hi);
+    const int64_t in_lo =
+        gt_lo_seen + ((ex >> 32) & 0xffff) + (rank_lo < ties_lo ? rank_lo : ties_lo);
+    int64_t pos = in_hi - in_lo;
+    for (int e = 0; e < kPerThread; e++) {
+      const int64_t i = i0 + e;
+      if (i >= n) break;
+      const unsigned long long k = key_of(s, i, nf);
+      const bool hi_has = k > T_hi || (k == T_hi && rank_hi < ties_hi);
+      const bool lo_has = k > T_lo || (k == T_lo && rank_lo < ties_lo);
+      rank_hi += k == T_hi;
+      rank_lo += k == T_lo;
+      if (hi_has && !lo_has) out[pos++] = i;
+    }
+    gt_hi_seen += total & 0xffff;
+    eq_hi_seen += (total >> 16) & 0xffff;
+    gt_lo_seen += (total >> 32) & 0xffff;
+    eq_lo_seen += (total >> 48) & 0xffff;
+  }
+  __syncthreads();
+}
+
 /* Ascending position in [0, count) of a sorted top-p pass: the host's
- * by_score_desc order on (key, position in the index-ordered best set). */
+ * by_score_desc order on (key, position in the index-ordered chunk). */
 __device__ __forceinline__ bool before(unsigned long long ka, int32_t pa, unsigned long long kb,
                                        int32_t pb) {
   return ka > kb || (ka == kb && pa < pb);
 }
 
-/* Top-p on the m best (in out[0..m), index order, with the forced prefix
- * nf): walking down the ranking, a candidate of the forced prefix is kept
- * and its score added whatever the sum; another is kept while the sum with
- * it stays below p (the walk stops at the first that does not). The kept
- * ones go in index order to out[0..count). */
-__device__ int64_t top_p_count(const double *s, int64_t m, int64_t nf, double p, int64_t *out,
-                               unsigned char *sort_mem, unsigned long long *bcast,
-                               long long *scan) {
+/* Sorts the candidates idx[0..cnt) (index order) by rank, in shared memory:
+ * pos[r] = the position in idx of rank r (key[] its keys, then padding).
+ * pos starts at key + P, P the power of two >= cnt. Bitonic. */
+__device__ void sort_by_rank(const double *s, const int64_t *idx, int64_t cnt, int64_t nf,
+                             unsigned char *sort_mem) {
   const int t = threadIdx.x;
   int64_t P = 1;
-  while (P < m) P <<= 1;
+  while (P < cnt) P <<= 1;
   unsigned long long *key = (unsigned long long *)sort_mem;
   int32_t *pos = (int32_t *)(key + P);
   for (int64_t i = t; i < P; i += kThreads) {
-    key[i] = i < m ? key_of(s, out[i], nf) : 0ULL; /* padding sorts last */
+    key[i] = i < cnt ? key_of(s, idx[i], nf) : 0ULL; /* padding sorts last */
     pos[i] = (int32_t)i;
   }
   __syncthreads();
@@ -237,29 +293,72 @@ __device__ int64_t top_p_count(const double *s, int64_t m, int64_t nf, double p,
       __syncthreads();
     }
   }
-  if (t == 0) {
-    double sum = 0.0;
-    int64_t count = 0;
-    for (int64_t i = 0; i < m; i++) {
-      const int64_t c = out[pos[i]];
-      const double next = sum + s[c];
-      if (!(next < p) && c >= nf) break;
-      sum = next;
-      count++;
+}
+
+/* Top-p among the m best (the cap) of s[0..n) with the forced prefix nf:
+ * walking down the ranking, a candidate of the forced prefix is kept and its
+ * score added whatever the sum; another is kept while the sum with it stays
+ * below p (the walk stops at the first that does not). The walk goes through
+ * chunks of `chunk` ranks (see the top of the file). The kept ones go in
+ * index order to out[0..count); out[0..m) is scratch on the way. */
+__device__ int64_t top_p_select(const double *s, int64_t n, int64_t nf, int64_t m, double p,
+                                int64_t chunk, int64_t *out, unsigned char *sort_mem,
+                                unsigned *hist, unsigned long long *bcast, long long *scan) {
+  const int t = threadIdx.x;
+  unsigned long long T_lo = kNoKey;
+  int64_t ties_lo = 0, lo = 0, kept = 0;
+  double sum = 0.0; /* thread 0's running mass, across chunks */
+  for (;;) {
+    const int64_t hi = m - lo > chunk ? lo + chunk : m, cnt = hi - lo;
+    int64_t ties_hi;
+    const unsigned long long T_hi = radix_select(s, n, nf, hi, hist, bcast, &ties_hi);
+    write_rank_range(s, n, nf, T_lo, ties_lo, T_hi, ties_hi, out + lo, scan);
+    sort_by_rank(s, out + lo, cnt, nf, sort_mem);
+    int64_t P = 1;
+    while (P < cnt) P <<= 1;
+    const int32_t *pos = (const int32_t *)((unsigned long long *)sort_mem + P);
+    if (t == 0) {
+      int64_t count = 0, stopped = 0;
+      for (int64_t i = 0; i < cnt; i++) {
+        const int64_t c = out[lo + pos[i]];
+        const double next = sum + s[c];
+        if (!(next < p) && c >= nf) {
+          stopped = 1;
+          break;
+        }
+        sum = next;
+        count++;
+      }
+      bcast[2] = (unsigned long long)count;
+      bcast[3] = (unsigned long long)stopped;
     }
-    bcast[2] = (unsigned long long)count;
+    __syncthreads();
+    const int64_t count = (int64_t)bcast[2];
+    const bool stopped = bcast[3] != 0;
+    kept = lo + count;
+    if (!stopped && hi < m) {
+      lo = hi;
+      T_lo = T_hi;
+      ties_lo = ties_hi;
+      __syncthreads(); /* bcast[2..3] read by every thread before they change */
+      continue;
+    }
+    if (lo > 0) break;
+    /* the walk ended in its first chunk: out[0..cnt) is best(cnt) in index
+     * order; keep the flagged positions of the first `count` ranks (flags
+     * over the sorted keys' space: the keys are no longer needed) */
+    unsigned char *flag = sort_mem;
+    for (int64_t i = t; i < cnt; i += kThreads) flag[i] = 0;
+    __syncthreads();
+    for (int64_t i = t; i < count; i += kThreads) flag[pos[i]] = 1;
+    __syncthreads();
+    return compact_flagged(out, flag, cnt, scan);
   }
-  __syncthreads();
-  const int64_t count = (int64_t)bcast[2];
-  /* flags over the best set's positions, in the keys' space (sorted keys are
-   * no longer needed; positions are) */
-  unsigned char *flag = (unsigned char *)key;
-  __syncthreads();
-  for (int64_t i = t; i < m; i += kThreads) flag[i] = 0;
-  __syncthreads();
-  for (int64_t i = t; i < count; i += kThreads) flag[pos[i]] = 1;
-  __syncthreads();
-  return compact_flagged(out, flag, m, scan);
+  /* several chunks: ranks [0, kept) are the best `kept`, in index order */
+  int64_t ties;
+  const unsigned long long T = radix_select(s, n, nf, kept, hist, bcast, &ties);
+  write_best(s, n, nf, T, ties, out, scan);
+  return kept;
 }
 
 /* sscore[h * N + t] = the slash score of token diagonal t of head h: its
@@ -331,10 +430,8 @@ __device__ void select_head_side(const Params &p, int h, int side) {
     const int64_t nf = !p.top_p_forced ? 0 : side == 0 ? p.nf_v : p.nf_s;
     if (n > 0 && cap > 0) {
       const int64_t m = cap < n ? cap : n;
-      int64_t ties;
-      const unsigned long long T = radix_select(s, n, nf, m, hist, bcast, &ties);
-      write_best(s, n, nf, T, ties, out, scan);
-      kept = top_p_count(s, m, nf, side == 0 ? hb.p_v : hb.p_s, out, sort_mem, bcast, scan);
+      kept = top_p_select(s, n, nf, m, side == 0 ? hb.p_v : hb.p_s, p.sort_chunk, out, sort_mem,
+                          hist, bcast, scan);
     }
   }
   if (side == 0) {

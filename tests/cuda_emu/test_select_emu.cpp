@@ -3,7 +3,9 @@
 // (core/runtime/select.c, wrapped as estimate.c's select_head wraps it): every head's verticals
 // and block diagonals must be equal, on random scores with ties, NaN, infinities and -0, forced
 // prefixes, top-k budgets of 0, in range and beyond the candidates, top-p budgets with caps below
-// and above the candidates, with and without the forced prefixes (top_p_forced: sinks and windows
+// and above the candidates and above the GPU's sort of 8192 ranks, walked in one or many chunks
+// (the GPU's chunk, or 1 rank up to N: walks that end in the first chunk, in a later one, or
+// run through every chunk), with and without the forced prefixes (top_p_forced: sinks and windows
 // beyond the candidates, caps below the prefix, forced mass alone above p), lengths that are not
 // multiples of the granularity; and the batched selection (one launch of each kernel for 1 to 6
 // such sequences, then the packing kernel).
@@ -44,7 +46,8 @@ static double score(int style, bool specials) {
 struct Case {
   int64_t N;
   int G, slots, Hq, sinks, window;
-  int top_p_forced; // 1: top-p heads force the sinks and the window too
+  int top_p_forced;   // 1: top-p heads force the sinks and the window too
+  int64_t sort_chunk; // top-p ranks sorted at a time (the GPU's sel::kSortMax, or fewer)
   vector<mtrain_head_budget_t> budgets;
 };
 
@@ -69,8 +72,6 @@ static mtrain_head_budget_t random_budget(int64_t N) {
                         : urand();
     b.cap_v = irand(0, 3) == 0 ? N + 7 : irand(1, (int)N);
     b.cap_s = irand(1, (int)N);
-    if (b.cap_v > sel::kSortMax) b.cap_v = sel::kSortMax;
-    if (b.cap_s > sel::kSortMax) b.cap_s = sel::kSortMax;
   }
   return b;
 }
@@ -136,6 +137,7 @@ static sel::Params params_of(Selected &r) {
   p.slots = c.slots;
   p.Hq = c.Hq;
   p.top_p_forced = c.top_p_forced;
+  p.sort_chunk = c.sort_chunk;
   p.nf_v = std::min<int64_t>(c.sinks, p.nv_cand);
   p.nf_s = std::min<int64_t>(c.window, c.N);
   p.col = r.col.data();
@@ -187,6 +189,17 @@ static Selected select_case(uint64_t seed, bool allow_big, bool launch = true,
     c.sinks = irand(0, (int)N + 5);
     c.window = irand(0, (int)N + 5);
   }
+  // the top-p walk's chunk: the GPU's, or smaller so that walks cross chunks (1 to 8 ranks on
+  // short sequences, up to 12 chunks on longer ones)
+  const int pick = irand(0, 2);
+  c.sort_chunk = pick == 0 ? sel::kSortMax
+                 : N <= 64 ? irand(1, 8)
+                           : irand((int)(N / 12) + 1, (int)N);
+  // with small chunks, half the time masses that walks reach late: through several chunks, ties
+  // at their boundaries (styles 0, 3 and 4), or to the cap
+  if (pick != 0 && irand(0, 1))
+    for (mtrain_head_budget_t &b : c.budgets)
+      if (b.kind == MTRAIN_BUDGET_TOP_P) b.p_v = b.p_s = irand(0, 1) ? 1.0 : 0.99;
   r.sscore.assign((size_t)c.Hq * N, 0.0);
   r.toks.assign((size_t)c.Hq * N, -1);
   r.bits.assign((size_t)c.Hq * nb, 7);
@@ -204,6 +217,7 @@ static Selected select_case(uint64_t seed, bool allow_big, bool launch = true,
       sort_n = std::max(sort_n, std::max(std::min(b.cap_v, nv_cand), std::min(b.cap_s, N)));
     }
   }
+  sort_n = std::min(sort_n, c.sort_chunk);
   while (r.sort_pow2 < sort_n) r.sort_pow2 <<= 1;
   if (!launch) return r;
   const sel::Params p = params_of(r);
@@ -245,9 +259,11 @@ static int compare_with_host(const Selected &r) {
 static int run_case(int index, uint64_t seed, bool forced) {
   const Selected r = select_case(seed, true, true, forced);
   const Case &c = r.c;
-  printf("case %d seed %llu%s: N %lld G %d slots %d heads %d sinks %d window %d style %d%s\n",
+  printf("case %d seed %llu%s: N %lld G %d slots %d heads %d sinks %d window %d style %d%s, "
+         "top-p chunk %lld\n",
          index, (unsigned long long)seed, forced ? " top_p_forced" : "", (long long)c.N, c.G,
-         c.slots, c.Hq, c.sinks, c.window, r.style, r.specials ? " specials" : "");
+         c.slots, c.Hq, c.sinks, c.window, r.style, r.specials ? " specials" : "",
+         (long long)c.sort_chunk);
   return compare_with_host(r);
 }
 
