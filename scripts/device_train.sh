@@ -7,7 +7,11 @@
 #
 #   MTRAIN_LIBRARY=build-cuda/libmtrain.so scripts/device_train.sh PHASE OUT_DIR
 #
-# PHASE: pretrain   dense, short sequences, from random weights (weights: OUT_DIR/pretrain.pt)
+# PHASE: curriculum dense, MQAR alone at CURRICULUM=LENGTH:BATCH:STEPS (default 128:32:2000),
+#                   from random weights (weights: OUT_DIR/curriculum.pt): the setting in which the
+#                   CPU study learned MQAR (docs/TRAINING.md, "What learns"); optional
+#        pretrain   dense, short sequences, from random weights, or from curriculum.pt when the
+#                   curriculum phase ran in OUT_DIR (weights: OUT_DIR/pretrain.pt)
 #        extend     dense, 2K then 8K tokens (LADDER), from pretrain.pt (weights: extended.pt)
 #        arms-16k   dense, mtrain-static, window (matched to static's density), mtrain-topp at
 #                   16K tokens, each continuing from extended.pt
@@ -272,9 +276,21 @@ extend() { # dense, each rung of LADDER from the one before; the last rung's wei
 
 run_phase() {
   case "$1" in
+  curriculum)
+    local n b k
+    IFS=: read -r n b k <<<"${CURRICULUM:-128:32:2000}"
+    if ! [[ $n =~ ^[1-9][0-9]*$ && $b =~ ^[1-9][0-9]*$ && $k =~ ^[1-9][0-9]*$ ]]; then
+      echo "device_train.sh: CURRICULUM='${CURRICULUM:-}': expected LENGTH:BATCH:STEPS" >&2
+      exit 2
+    fi
+    train curriculum --arm dense --task mqar --seq-len "$n" --batch "$b" --steps "$k" \
+      --lr "$PRE_LR" --warmup 100 --eval-every 500 --save "$out/curriculum.pt"
+    ;;
   pretrain)
+    local init=()
+    [ -f "$out/curriculum.pt" ] && init=(--init-from "$out/curriculum.pt")
     train pretrain --arm dense --seq-len "$PRE_LEN" --batch "$PRE_BATCH" --steps "$PRE_STEPS" \
-      --lr "$PRE_LR" --warmup 100 --eval-every 250 --save "$out/pretrain.pt"
+      --lr "$PRE_LR" --warmup 100 --eval-every 250 --save "$out/pretrain.pt" "${init[@]}"
     ;;
   extend) extend ;;
   arms-16k) arms "${LEN_16K:-16384}" "${BATCH_16K:-4}" "$FROM_DIR/extended.pt" ;;
@@ -295,7 +311,7 @@ run_phase() {
     done
     ;;
   *)
-    echo "unknown phase $1 (pretrain, extend, arms-16k, arms-32k, report, status)" >&2
+    echo "unknown phase $1 (curriculum, pretrain, extend, arms-16k, arms-32k, report, status)" >&2
     exit 2
     ;;
   esac
