@@ -1,6 +1,7 @@
 """The loss on answer tokens and the evaluation: accuracy of the greedy
 prediction of every answer token, per task and per bucket (MQAR: distance
-buckets; passkey: depth buckets). Under context parallel (cp.py) each rank
+buckets, and the same answers again by the distance to the nearest earlier
+copy of their key, `nearest`; passkey: depth buckets). Under context parallel (cp.py) each rank
 computes its slots' answers, under data parallel (dp.py) its share of the
 evaluation batches; the counts are summed over the ranks."""
 
@@ -13,7 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from .cp import Cp, Shard
-from .tasks import IGNORE, Mqar, Task, batch
+from .tasks import IGNORE, Mqar, Task
+
+# MQAR's two bucketings travel through the context-parallel dispatch as one
+# extra value per slot: (bucket + 1) * _PACK + nearest + 1 (both -1 off the answers)
+_PACK = 1 << 16
 
 
 def answer_logits(
@@ -78,29 +83,46 @@ def evaluate(
     out: dict[str, Any] = {}
     for t, name in zip(tasks, names, strict=True):
         nb = len(t.buckets)
+        near = isinstance(t, Mqar)
+        nn = len(t.nearest_buckets) if isinstance(t, Mqar) else 0  # nearest-copy buckets
         correct = torch.zeros(nb, dtype=torch.long)
         count = torch.zeros(nb, dtype=torch.long)
+        ncorrect = torch.zeros(nn, dtype=torch.long)
+        ncount = torch.zeros(nn, dtype=torch.long)
         for b_index, s in enumerate(range(0, seqs, batch_size)):
             if dp is not None and dp.on and b_index % dp.world != dp.rank:
                 continue
-            ids, labels, bucket, _ = batch([t], seed, s, min(batch_size, seqs - s), True)
+            samples = [t.eval_sample(seed, i) for i in range(s, min(seqs, s + batch_size))]
+            ids = torch.stack([x.ids for x in samples])
+            labels = torch.stack([x.labels for x in samples])
+            bucket = torch.stack([x.bucket for x in samples])
+            if near:
+                nearest = torch.stack([x.nearest for x in samples])  # MQAR samples carry it
+                packed = (bucket + 1) * _PACK + nearest + 1
+            else:
+                packed = (bucket + 1) * _PACK
             if cp is not None and cp.on:
-                sh = cp.shard(ids, labels, granularity, device, extra=bucket)
+                sh = cp.shard(ids, labels, granularity, device, extra=packed)
                 with autocast:
                     logits, target, mask = shard_logits(model, sh)
                 assert sh.extra is not None
-                b = sh.extra[mask.cpu()]
+                pk = sh.extra[mask.cpu()]
             else:
                 with autocast:
                     logits, target, mask = answer_logits(model, ids.to(device), labels.to(device))
-                b = bucket[:, 1:][mask.cpu()]
+                pk = packed[:, 1:][mask.cpu()]
+            b, near_b = pk // _PACK - 1, pk % _PACK - 1
             hit = (logits.argmax(-1) == target).cpu().long()
             correct += torch.bincount(b, weights=hit, minlength=nb).long()
             count += torch.bincount(b, minlength=nb)
+            if near:
+                ncorrect += torch.bincount(near_b, weights=hit, minlength=nn).long()
+                ncount += torch.bincount(near_b, minlength=nn)
         summed = cp if cp is not None and cp.on else dp if dp is not None and dp.on else None
         if summed is not None:
-            both = summed.all_reduce(torch.stack([correct, count]).to(device)).cpu()
-            correct, count = both[0], both[1]
+            both = summed.all_reduce(torch.cat([correct, count, ncorrect, ncount]).to(device)).cpu()
+            correct, count = both[:nb], both[nb : 2 * nb]
+            ncorrect, ncount = both[2 * nb : 2 * nb + nn], both[2 * nb + nn :]
         acc = [float(c) / float(n) if n else None for c, n in zip(correct, count, strict=True)]
         out[name] = {
             "buckets": t.buckets,
@@ -109,5 +131,14 @@ def evaluate(
             "overall": float(correct.sum()) / max(1, int(count.sum())),
             "chance": chance(t),
         }
+        if isinstance(t, Mqar):
+            out[name]["nearest"] = {
+                "buckets": t.nearest_buckets,
+                "accuracy": [
+                    float(c) / float(n) if n else None
+                    for c, n in zip(ncorrect, ncount, strict=True)
+                ],
+                "count": ncount.tolist(),
+            }
     model.train(was)
     return out

@@ -67,14 +67,22 @@ def heatmaps(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
     paths = []
     tasks = sorted({t for r in runs for t in r["eval"]})
-    for task in tasks:
-        rows = [r for r in runs if task in r["eval"]]
+    # every task's buckets, then MQAR's by the distance to the nearest copy of the key (runs
+    # written before that bucketing existed have none and are left out of its chart)
+    views = [(t, "") for t in tasks] + [
+        (t, "nearest") for t in tasks if any("nearest" in r["eval"].get(t, {}) for r in runs)
+    ]
+    for task, view in views:
+
+        def of(r: dict[str, Any], task: str = task, view: str = view) -> dict[str, Any]:
+            e = r["eval"][task]
+            return e[view] if view else e
+
+        rows = [r for r in runs if task in r["eval"] and (not view or view in r["eval"][task])]
         # runs of several lengths: MQAR's distance buckets of a shorter run are a prefix of a
         # longer run's; the grid takes the longest list and leaves the rest blank
-        buckets = max((r["eval"][task]["buckets"] for r in rows), key=len)
-        grid = [
-            [float("nan") if a is None else a for a in r["eval"][task]["accuracy"]] for r in rows
-        ]
+        buckets = max((of(r)["buckets"] for r in rows), key=len)
+        grid = [[float("nan") if a is None else a for a in of(r)["accuracy"]] for r in rows]
         grid = [row + [float("nan")] * (len(buckets) - len(row)) for row in grid]
         fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(buckets), 1.2 + 0.5 * len(rows)))
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
@@ -85,11 +93,13 @@ def heatmaps(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                 if not math.isnan(a):
                     ax.text(j, i, f"{a:.2f}", ha="center", va="center", fontsize=8, color="w")
         what = "distance (tokens)" if task == "mqar" else "needle depth"
+        if view:
+            what = "distance to the nearest earlier copy of the key (tokens)"
         ax.set_xlabel(f"{task}: {what}")
         ax.set_title(f"{task} accuracy per bucket (chance {rows[0]['eval'][task]['chance']:.2f})")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
-        p = out_dir / f"accuracy_{task}.png"
+        p = out_dir / (f"accuracy_{task}_{view}.png" if view else f"accuracy_{task}.png")
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(p)

@@ -49,11 +49,15 @@ class Vocab:
 class Sample:
     """One sequence: input ids [N], labels [N] (the token itself at answer
     positions, else -100), and for each answer token its bucket (an index
-    into the task's bucket list), -1 elsewhere."""
+    into the task's bucket list), -1 elsewhere. MQAR also gives `nearest`: for
+    each answer token the bucket (into Mqar.nearest_buckets) of the distance
+    to the nearest earlier copy of its key, the context pair or an earlier
+    query of the same key, -1 elsewhere (None for the other tasks)."""
 
     ids: torch.Tensor
     labels: torch.Tensor
     bucket: torch.Tensor
+    nearest: torch.Tensor | None = None
 
 
 def _gen(seed: int, index: int) -> torch.Generator:
@@ -84,7 +88,11 @@ class Mqar:
     the most frequent, and every log2 bucket is about equally likely); the
     pair is drawn among those whose key lands p in [2P + 1, N - 2] on a free
     slot (queries never overlap). Buckets: log2 of the distance,
-    [2^b, 2^(b+1)).
+    [2^b, 2^(b+1)). A second bucketing, `nearest`, takes the distance to the
+    nearest earlier copy of the key instead (an earlier query of the same key
+    when there is one, else the context pair): what a model that copies from
+    the nearest copy has to reach (see distinct below); buckets [2^b,
+    2^(b+1)) from b = 1 (two queries can be adjacent).
 
     distinct (issue 19): each pair is queried at most once (Q <= P, refused
     otherwise), so a queried key occurs twice in the sequence, in the context
@@ -130,6 +138,16 @@ class Mqar:
     def bucket_of(self, distance: int) -> int:
         return int(math.log2(distance)) - int(math.log2(self.min_distance))
 
+    @property
+    def nearest_buckets(self) -> list[str]:
+        """The buckets of the distance to the nearest earlier copy of a key (>= 2)."""
+        return [
+            f"{2**b}-{2 ** (b + 1) - 1}" for b in range(1, int(math.log2(self.max_distance)) + 1)
+        ]
+
+    def nearest_bucket_of(self, distance: int) -> int:
+        return int(math.log2(distance)) - 1
+
     def sample(self, seed: int, index: int) -> Sample:
         g = _gen(seed, index)
         v, n, p = self.vocab, self.seq_len, self.num_pairs
@@ -154,6 +172,7 @@ class Mqar:
         answer_at: list[int] = []
         answer: list[int] = []
         answer_bucket: list[int] = []
+        queried: list[tuple[int, int]] = []  # (query position, pair)
         placed = 0
         # distinct: the pairs not queried yet (the default never reads it, so it draws as before)
         free = [True] * p
@@ -179,6 +198,7 @@ class Mqar:
             answer_at.append(pos + 1)
             answer.append(value_list[i])
             answer_bucket.append(self.bucket_of(d))
+            queried.append((pos, i))
             used[pos] = used[pos + 1] = 1
             free[i] = False
             placed += 1
@@ -188,7 +208,14 @@ class Mqar:
             bucket[answer_at] = torch.tensor(answer_bucket)
         if placed < self.num_queries:
             raise RuntimeError(f"could not place {self.num_queries} queries in {n} tokens")
-        return Sample(ids, labels, bucket)
+        # the distance to the nearest earlier copy of each query's key, in position order
+        # (no random draw: the sequences are those drawn before this existed)
+        nearest = torch.full((n,), -1, dtype=torch.long)
+        last = list(key_pos)
+        for pos, i in sorted(queried):
+            nearest[pos + 1] = self.nearest_bucket_of(pos - last[i])
+            last[i] = pos
+        return Sample(ids, labels, bucket, nearest)
 
     def eval_sample(self, seed: int, index: int) -> Sample:
         return self.sample(seed, index)
