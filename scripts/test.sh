@@ -27,14 +27,14 @@ echo "== the CPU test suite cross-compiled for aarch64 and run under qemu-user (
 bash "$root/scripts/test_aarch64.sh"
 echo "== the repository stands alone: a clone of this commit, alone in an empty folder, builds without CUDA, passes the tests that read data/budgets and runs the main job (scripts/check_standalone.sh)"
 bash "$root/scripts/check_standalone.sh"
-echo "== the Python package (docs/PYTORCH.md): pip install . into a virtual environment (build/venv) with torch and transformers from PyPI, ruff, then pytest tests/python"
+echo "== the Python package (docs/PYTORCH.md): pip install . into a virtual environment (build/venv) with torch, transformers and matplotlib (the training report's charts) from PyPI, ruff, then pytest tests/python"
 # CPU build of the package (the tests run on the CPU; the CUDA kernels are
 # compiled and tested by the ctest build above); the environment is kept
 # between runs (torch is large), the package is reinstalled every time.
 venv="$root/build/venv"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -c "import torch, transformers, pytest, ruff" 2>/dev/null ||
-  "$venv/bin/python" -m pip install -q torch transformers pytest ruff
+"$venv/bin/python" -c "import torch, transformers, pytest, ruff, matplotlib" 2>/dev/null ||
+  "$venv/bin/python" -m pip install -q torch transformers pytest ruff matplotlib
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root" -C cmake.define.MTRAIN_WITH_CUDA=OFF
 lint=(python tests/python examples tools/cp_check.py tools/bench_cp_torch.py tools/cp_launch.py tools/balance_measure.py tools/balance_tool tools/peers_common.py tools/peers_cudnn.py tools/peers_minference.py tools/peers_run.py)
 (cd "$root" && "$venv/bin/ruff" check "${lint[@]}" && "$venv/bin/ruff" format --check "${lint[@]}")
