@@ -117,7 +117,7 @@ esac
 # TOPP_P (default: the program's 0.9): the mass p_v = p_s the mtrain-topp runs keep
 TOPP_P=${TOPP_P:-}
 if [ -n "$TOPP_P" ] && ! [[ $TOPP_P =~ ^(0\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]]; then
-  echo "device_train.sh: TOPP_P='$TOPP_P': expected a number in (0, 1]" >&2
+  echo "device_train.sh: TOPP_P='$TOPP_P': expected a decimal in (0, 1] written as 0.95 or 1" >&2
   exit 2
 fi
 PRE_LEN=${PRE_LEN:-512}
