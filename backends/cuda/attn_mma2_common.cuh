@@ -186,11 +186,9 @@ __device__ __forceinline__ void load_rows_n(uint32_t sdst, const T *g, int64_t s
 }
 
 /* The same rows into the panel layout that wgmma reads (variant 3,
- * attn_wgmma_ptx.cuh): D / 64 panels of PANEL_ROWS rows x 128 bytes (the R
- * rows at the panels' first rows; PANEL_ROWS > R: a tile of several such
- * loads, each at its own row offset), chunk c of row i at chunk c ^ (i & 7)
- * of the row (the 128-byte swizzle). */
-template <int D, int NT, int R, int PANEL_ROWS = R, typename T>
+ * attn_wgmma_ptx.cuh): D / 64 panels of R rows x 128 bytes, chunk c of row i
+ * at chunk c ^ (i & 7) of the row (the 128-byte swizzle). */
+template <int D, int NT, int R, typename T>
 __device__ __forceinline__ void load_rows_panel(uint32_t sdst, const T *g, int64_t stride,
                                                 const int64_t (&rows)[LoadShape<NT, R>::kRows],
                                                 int tid) {
@@ -204,8 +202,7 @@ __device__ __forceinline__ void load_rows_panel(uint32_t sdst, const T *g, int64
     const T *src = ok ? g + rows[r] * stride + c0 * 8 : g;
 #pragma unroll
     for (int p = 0; p < D / 64; ++p)
-      cp_async16(sdst + (uint32_t)(p * PANEL_ROWS * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g,
-                 ok);
+      cp_async16(sdst + (uint32_t)(p * R * 128 + i * 128 + cx * 16), ok ? src + 64 * p : g, ok);
   }
 }
 

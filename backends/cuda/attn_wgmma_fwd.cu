@@ -6,19 +6,19 @@
  *    consumer warpgroups of 4 warps, each owning 64 query rows (NWG = 2
  *    when G is a multiple of 128, else 1), and one producer warpgroup;
  *  - the producer walks the item's key tiles (runs, then bars 64 at a
- *    time) and copies each stage's K and V rows (two walk tiles: 128 keys)
- *    with cp.async into one of four stages (three at d 128), in the
- *    128-byte-swizzle panel layout that wgmma reads through descriptors;
- *    mbarriers hand stages over (full: copies landed and the tile's
- *    descriptor published; empty: every consumer done), so the two
+ *    time) and copies each stage's K and V rows (one walk tile at d 128,
+ *    two at d 64: 128 keys) with cp.async into one of four stages, in
+ *    the 128-byte-swizzle panel layout that wgmma reads through
+ *    descriptors; mbarriers hand stages over (full: copies landed and the
+ *    tile's descriptor published; empty: every consumer done), so the two
  *    warpgroups run at their own pace, without CTA barriers;
- *  - Q: at d 64 in registers as A fragments (loaded once per item with
- *    ldmatrix), at d 128 read from the query tile in shared memory (panel
- *    layout); per stage S = Q K^T is D / 16 wgmma m64n128k16 reading K
- *    K-major, O += P V is 4 wgmma m64n{d}k16 per 64 keys with P from
- *    registers and V read N-major; the consumer loop is software-pipelined,
- *    and at d 128 the two consumer warpgroups issue their products in turns
- *    (attn_wgmma_fwd_common.cuh, shared by the two kernels below);
+ *  - Q stays in registers as A fragments (loaded once per item with
+ *    ldmatrix); per stage S = Q K^T is 8 wgmma m64n64k16 (d 128) or 4
+ *    m64n128k16 (d 64) reading K K-major, O += P V is 4 wgmma m64n{d}k16
+ *    per 64 keys with P from registers and V read N-major; the consumer
+ *    loop is software-pipelined, and at d 128 the two consumer warpgroups
+ *    issue their products in turns (attn_wgmma_fwd_common.cuh, shared by
+ *    the two kernels below);
  *  - the masks, the online softmax in the log2 domain, the skipped O
  *    rescale and the epilogue's merge into o_acc / lse_acc are variant 2's.
  * Two kernels, chosen per context (MTRAIN_CUDA_WGMMA_FWD_PERSISTENT):
@@ -26,10 +26,9 @@
  *  - wgmma_fwd_persistent_kernel: min(items, SMs x CTAs per SM) CTAs, CTA
  *    b takes items b, b + grid, b + 2 grid, ... (the same order); its
  *    producer runs ahead across items: it loads the next item's Q into the
- *    second of two query buffers (d 64; at d 128, whose one query buffer
- *    the consumers read until an item's end, once they have ended the
- *    current item) and its first key tiles into the stage ring
- *    (CUDA_KERNELS.md, "The persistent forward").
+ *    second of two query buffers and its first key tiles into the stage
+ *    ring while the consumers finish the current item (CUDA_KERNELS.md,
+ *    "The persistent forward").
  * The backward of variant 3 is attn_wgmma_bwd.cu. */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -47,6 +46,8 @@ namespace wg {
 
 using mma::cp_async_commit;
 using mma::cp_async_wait;
+using mma2::contiguous_rows_n;
+using mma2::load_rows_n;
 
 /* One CTA per query item (the cuda_q_items grid). */
 template <int D, typename T, int NWG>
@@ -60,6 +61,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   extern __shared__ __align__(1024) unsigned char smem[];
   using S = FwdShape<D, NWG>;
   constexpr int NC = S::NC, BM = S::BM, TBK = S::TBK, NST = S::kStages;
+  constexpr int NKS = D / 16; /* k-slices of Q K^T */
   const int tid = threadIdx.x;
 
   mma2::QItem item; /* heaviest (last) query tiles first, the heads of one tile together */
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
         publish(n - 2, prev2);
       }
       StageTiles t;
-      const bool have = next_stage(st, w, t);
+      const bool have = next_stage<D>(st, w, t);
       const int sn = n % NST;
       if (n >= NST)
         while (!mbar_try_wait(empty0 + 8 * sn, (uint32_t)((n / NST - 1) & 1))) {
@@ -140,23 +142,24 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, 1)
   if constexpr (R::kMoveRegs) setmaxnreg_inc<R::kConsumerRegs>();
   {
     const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
-    load_q_tile<D, NC, BM>(sQ, q + (int64_t)h * D, (int64_t)st.Hq * D, qrow0, rows_here, tid);
+    int64_t rows[LoadShape<NC, BM>::kRows];
+    contiguous_rows_n<NC, BM>(rows, qrow0, rows_here, tid);
+    load_rows_n<D, NC, BM>(sQ, q + (int64_t)h * D, (int64_t)st.Hq * D, rows, tid);
     cp_async_commit();
   }
   cp_async_wait<0>();
-  if constexpr (kQFromSmem<D>) fence_proxy_async(); /* ... visible to wgmma's reads */
   named_barrier(1, NC);
-  QFrags<D> qf;
+  uint32_t qf[NKS][4];
   load_q_fragments<D>(qf, sQ);
   if constexpr (R::kPingPong) fwd_pingpong_start();
-  fwd_consume_item<D, T, NWG, 1, false, R::kPingPong>(st, item, qf, sQ, ctl, sKV, full0, empty0, 0,
-                                                      o_acc, lse_acc);
+  fwd_consume_item<D, T, NWG, false, R::kPipelined, R::kPingPong>(st, item, qf, ctl, sKV, full0,
+                                                                  empty0, 0, o_acc, lse_acc);
   if constexpr (R::kPingPong) fwd_pingpong_end();
 #endif
 }
 
-/* The persistent kernel's registers: compiled for one CTA per SM (its
- * query buffers and stages leave no room for a second). */
+/* The persistent kernel's registers: compiled for one CTA per SM (two Q
+ * buffers and four 32 KB stages leave no room for a second). */
 template <int D, int NWG> using PersistRegs = FwdRegs<D, NWG, 1>;
 
 /* CTAs that loop over the query items: CTA b takes one item of each wave of
@@ -167,17 +170,14 @@ template <int D, int NWG> using PersistRegs = FwdRegs<D, NWG, 1>;
  * the CTA's life sits in stage n % NST; an item takes one slot per key tile,
  * then one for its marker (kind 0: no copies, published at once; the
  * consumers release it like a tile). The producer walks the items: item j
- * (j: the CTA's item count) gets query buffer j % NQ (NQ = kPersistQBufs:
- * 2 at d 64, 1 at d 128) once the consumers have arrived on qempty[j % NQ]
- * for item j - NQ; the producer writes the item's index to qitem[j % NQ],
- * loads its Q with the copies of the item's first tile and arrives on
- * qfull[j % NQ] when it publishes that tile (an item without tiles: at
- * once, no copies: its Q is never used). The consumers wait on qfull[j % NQ], read the index
- * (-1: no more items, the producer's last signal), and arrive on
- * qempty[j % NQ] once they no longer read the buffer: at d 64 after reading
- * Q's fragments, at d 128 (Q read from shared memory) after the item's last
- * product. Phases: full/empty by slot (n / NST), qfull/qempty by item
- * (j / NQ). */
+ * (j: the CTA's item count) gets query buffer j % 2 once the consumers have
+ * arrived on qempty[j % 2] for item j - 2; the producer writes the item's
+ * index to qitem[j % 2], loads its Q with the copies of the item's first
+ * tile and arrives on qfull[j % 2] when it publishes that tile (an item
+ * without tiles: at once, no copies: its Q is never used). The consumers
+ * wait on qfull[j % 2], read the index (-1: no more items, the producer's
+ * last signal) and Q's fragments, arrive on qempty[j % 2], and compute the
+ * item. Phases: full/empty by slot (n / NST), qfull/qempty by item (j / 2). */
 template <int D, typename T, int NWG>
 __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::kMinBlocks))
     wgmma_fwd_persistent_kernel(const cuda_step_t st, const T *__restrict__ q,
@@ -187,9 +187,10 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
   __trap(); /* wgmma exists on sm_90a only; the host side refuses other devices */
 #else
   extern __shared__ __align__(1024) unsigned char smem[];
-  using S = FwdShape<D, NWG, kPersistQBufs<D>>;
+  using S = FwdShape<D, NWG, 2>;
   constexpr int NC = S::NC, NP = S::NP, BM = S::BM, TBK = S::TBK, TBQ = S::TBQ;
-  constexpr int NST = S::kStages, NQ = S::kQBufs;
+  constexpr int NST = S::kStages;
+  constexpr int NKS = D / 16; /* k-slices of Q K^T */
   const int tid = threadIdx.x;
   const unsigned items = (unsigned)st.num_q_blocks * (unsigned)(st.G / BM) * (unsigned)st.Hq;
 
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
       mbar_init(full0 + 8 * x, NP);
       mbar_init(empty0 + 8 * x, NC);
     }
-    for (int b = 0; b < NQ; ++b) {
+    for (int b = 0; b < 2; ++b) {
       mbar_init(qfull0 + 8 * b, NP);
       mbar_init(qempty0 + 8 * b, NC);
     }
@@ -233,11 +234,11 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
       if (d.h[0].kind != 0) publish(x, d);
       if (qbuf >= 0) mbar_arrive(qfull0 + 8 * qbuf);
     };
-    /* query buffer j % NQ, once the consumers are done with item j - NQ's Q */
+    /* query buffer j % 2, once the consumers have read item j - 2's Q */
     auto claim_qbuf = [&](int j) {
-      const int qbuf = j % NQ;
-      if (j >= NQ)
-        while (!mbar_try_wait(qempty0 + 8 * qbuf, (uint32_t)((j / NQ - 1) & 1))) {
+      const int qbuf = j & 1;
+      if (j >= 2)
+        while (!mbar_try_wait(qempty0 + 8 * qbuf, (uint32_t)(((j >> 1) - 1) & 1))) {
         }
       return qbuf;
     };
@@ -252,29 +253,17 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
       KeyWalk2 w;
       w.init(st, item.h, item.qb, item.gq, item.qt * BM, item.rows);
       StageTiles t;
-      bool have = next_stage(st, w, t);
-      int qsig = -1; /* the buffer signalled with the item's first tile */
-      /* the item's query buffer, once free: with one buffer (d 128) the
-       * consumers hold it until the end of the previous item, so the
-       * producer waits here for that end before it issues the item's copies
-       * (issuing the first tile's copies before this wait made ptxas spill
-       * the producer's registers), and publishes the previous item's last
-       * tiles first, without which the consumers could not end it */
-      if constexpr (NQ == 1) {
-        cp_async_wait<0>();  /* every slot has landed (this thread's copies) */
-        fence_proxy_async(); /* ... visible to wgmma's reads */
-        publish_landed(n - 2, prev2, qbuf2);
-        publish_landed(n - 1, prev1, qbuf1);
-        prev2.h[0].kind = prev1.h[0].kind = 0; /* nothing left to publish */
-        qbuf2 = qbuf1 = -1;
-      }
+      bool have = next_stage<D>(st, w, t);
       const int qbuf = claim_qbuf(j);
       if (p == 0) ctl.qitem[qbuf] = (int)it;
+      int qsig = -1; /* the buffer signalled with the item's first tile */
       if (have) {
         /* Q's copies: committed with the first tile's, below */
-        load_q_tile<D, NP, BM>(sQ0 + (uint32_t)(qbuf * TBQ), q + (int64_t)item.h * D,
-                               (int64_t)st.Hq * D, (int64_t)item.qb * st.G + (int64_t)item.qt * BM,
-                               item.rows, p);
+        const int64_t qrow0 = (int64_t)item.qb * st.G + (int64_t)item.qt * BM;
+        int64_t rows[LoadShape<NP, BM>::kRows];
+        contiguous_rows_n<NP, BM>(rows, qrow0, item.rows, p);
+        load_rows_n<D, NP, BM>(sQ0 + (uint32_t)(qbuf * TBQ), q + (int64_t)item.h * D,
+                               (int64_t)st.Hq * D, rows, p);
         qsig = qbuf;
       } else {
         mbar_arrive(qfull0 + 8 * qbuf); /* no tile reads this item's Q */
@@ -288,7 +277,7 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
           fence_proxy_async(); /* ... visible to wgmma's reads */
           publish_landed(n - 2, prev2, qbuf2);
         }
-        if (!first) have = next_stage(st, w, t);
+        if (!first) have = next_stage<D>(st, w, t);
         const int sn = n % NST;
         if (n >= NST)
           while (!mbar_try_wait(empty0 + 8 * sn, (uint32_t)((n / NST - 1) & 1))) {
@@ -325,30 +314,27 @@ __global__ void __launch_bounds__(128 * NWG + kProducers, (PersistRegs<D, NWG>::
     return;
   }
 
-  /* ---- consumer warpgroups: per item, Q's A fragments from its buffer (or
-   * the buffer itself, kQFromSmem), then the item's key tiles and
-   * epilogue ---- */
+  /* ---- consumer warpgroups: per item, Q's A fragments from its buffer, then
+   * the item's key tiles and epilogue ---- */
   if constexpr (PersistRegs<D, NWG>::kMoveRegs)
     setmaxnreg_inc<PersistRegs<D, NWG>::kConsumerRegs>();
   if constexpr (PersistRegs<D, NWG>::kPingPong) fwd_pingpong_start();
-  QFrags<D> qf;
+  uint32_t qf[NKS][4];
   int n = 0; /* the item's first slot */
   int j = 0; /* the CTA's items so far */
   for (;; ++j) {
-    const int qbuf = j % NQ;
-    while (!mbar_try_wait(qfull0 + 8 * qbuf, (uint32_t)((j / NQ) & 1))) {
+    const int qbuf = j & 1;
+    while (!mbar_try_wait(qfull0 + 8 * qbuf, (uint32_t)((j >> 1) & 1))) {
     }
     const int it = ctl.qitem[qbuf]; /* the producer's item j, -1 past the last */
     if (it < 0) break;
     mma2::QItem item;
     mma2::q_item_at<BM>(st, (unsigned)it, item);
-    const uint32_t sQ = sQ0 + (uint32_t)(qbuf * TBQ);
-    load_q_fragments<D>(qf, sQ);
-    /* this thread's reads of the buffer are done */
-    if constexpr (!kQFromSmem<D>) mbar_arrive(qempty0 + 8 * qbuf);
-    n = fwd_consume_item<D, T, NWG, NQ, true, PersistRegs<D, NWG>::kPingPong>(
-        st, item, qf, sQ, ctl, sKV, full0, empty0, n, o_acc, lse_acc);
-    if constexpr (kQFromSmem<D>) mbar_arrive(qempty0 + 8 * qbuf); /* its products completed */
+    load_q_fragments<D>(qf, sQ0 + (uint32_t)(qbuf * TBQ));
+    mbar_arrive(qempty0 + 8 * qbuf); /* this thread's reads of the buffer are done */
+    n = fwd_consume_item<D, T, NWG, true, PersistRegs<D, NWG>::kPipelined,
+                         PersistRegs<D, NWG>::kPingPong>(st, item, qf, ctl, sKV, full0, empty0, n,
+                                                         o_acc, lse_acc);
   }
   if constexpr (PersistRegs<D, NWG>::kPingPong) fwd_pingpong_end();
 #endif
@@ -397,7 +383,7 @@ static mtrain_status_t ctas_per_sm(const cuda_state_t *s, const void *kernel, co
 template <int D, typename T, int NWG>
 static mtrain_status_t launch_fwd_persistent(cuda_state_t *s, const cuda_step_t *st,
                                              const mtrain_fwd_step_args_t *a) {
-  using S = FwdShape<D, NWG, kPersistQBufs<D>>;
+  using S = FwdShape<D, NWG, 2>;
   static cuda_smem_attr_t attr;
   static int per_sm[CUDA_MAX_DEVICES];
   const char *name = "wgmma_fwd_persistent_kernel";

@@ -33,33 +33,15 @@ using mma2::LoadShape;
  * up to two tiles in flight (a single warp could not feed the consumers). */
 constexpr int kProducers = 128;
 
-/* Walk tiles (64 keys each, KeyWalk2) per stage: two, so that a stage
- * holds 128 keys and S = Q K^T is one m64n128k16 product per k-slice. A
- * stage's K (and V) is D / 64 panels of 128 rows (attn_wgmma_ptx.cuh),
- * walk tile h at rows 64 h of each. */
-constexpr int kStageHalves = 2;
-constexpr int kStageKeys = kStageHalves * kKT;
+/* Stages of (K, V) tiles: the producer keeps three tiles in flight while
+ * the consumers read a fourth. */
+constexpr int kFwdStages = 4;
 
-/* Stages of (K, V) tiles: at d 64 (32 KB stages) four, the producer keeping
- * up to three in flight while the consumers read a fourth; at d 128 (64 KB
- * stages) three, which with the query tile fill the SM's shared memory.
- * The producer publishes slot n - 2 before it waits for the stage of slot
- * n, and the consumers, which look one slot ahead, release slot n - 3 once
- * slot n - 2 is published: three stages are the fewest without a deadlock. */
-template <int D> constexpr int kFwdStages = D == 128 ? 3 : 4;
-constexpr int kFwdStagesMax = 4;
-
-/* Q's operand of S = Q K^T: at d 64 A fragments in registers (loaded once
- * per item with ldmatrix); at d 128 the query tile in shared memory, read by
- * wgmma through a descriptor (an SS product), which leaves the consumers'
- * registers for the 128-key S beside O and P (with Q's 32 registers a
- * thread besides, ptxas spilled and serialized the products at the 224 a
- * consumer thread gets). The query tile then stays in use until the item's
- * last product, so the persistent kernel keeps one query buffer at d 128
- * (two at d 64, where the producer loads the next item's Q while the
- * consumers work on the current one). */
-template <int D> constexpr bool kQFromSmem = D == 128;
-template <int D> constexpr int kPersistQBufs = kQFromSmem<D> ? 1 : 2;
+/* Walk tiles (64 keys each, KeyWalk2) per stage: two at d 64, so that a
+ * stage holds 128 keys and S = Q K^T is one m64n128k16 product per k-slice
+ * (a stage of the same 32 KB as d 128's 64-key one); one at d 128. */
+template <int D> constexpr int kStageHalves = D == 64 ? 2 : 1;
+template <int D> constexpr int kStageKeys = D == 64 ? 2 * kKT : kKT; /* kStageHalves x kKT */
 
 /* The walk tiles of one stage: h[0], then h[1] at d 64 (kind 0: the walk
  * ended after h[0]; its rows are loaded as zeros and masked). A stage
@@ -70,11 +52,11 @@ struct StageTiles {
 
 /* The forward CTA: NWG consumer warpgroups (64 query rows each) and one
  * producer warpgroup. Shared memory: kStages stages of (K, V) panel tiles
- * (stage x: K at 2 * TBK * x, V at + TBK); NQ query tiles (at d 64 the
- * layout of attn_mma_common.cuh, read with ldmatrix; at d 128 the panel
- * layout that wgmma reads; NQ = kPersistQBufs in the persistent kernel);
- * the control block (FwdCtl). 1024 bytes of slack align the base to the
- * 128-byte swizzle's 1024-byte period. */
+ * (stage x: K at 2 * TBK * x, V at + TBK); NQ query tiles (the layout of
+ * attn_mma_common.cuh, read with ldmatrix; NQ = 2 in the persistent
+ * kernel, whose producer loads the next item's Q while the consumers work
+ * on the current one); the control block (FwdCtl). 1024 bytes of slack
+ * align the base to the 128-byte swizzle's 1024-byte period. */
 constexpr int kFwdCtlBytes = 512; /* the control block's room (FwdCtl) */
 
 template <int D, int NWG, int NQ = 1> struct FwdShape {
@@ -82,15 +64,14 @@ template <int D, int NWG, int NQ = 1> struct FwdShape {
   static constexpr int NP = kProducers; /* producer threads */
   static constexpr int NT = NC + NP;
   static constexpr int BM = 64 * NWG;
-  static constexpr int TBK = kStageKeys * D * 2; /* K (or V) bytes of a stage */
+  static constexpr int TBK = kStageKeys<D> * D * 2; /* K (or V) bytes of a stage */
   static constexpr int TBQ = BM * D * 2;
-  static constexpr int kStages = kFwdStages<D>;
-  static constexpr int kQBufs = NQ;
+  static constexpr int kStages = kFwdStages;
   static constexpr int kQOff = kStages * 2 * TBK;
   static constexpr int kCtlOff = kQOff + NQ * TBQ;
   static constexpr int kSmem = kCtlOff + kFwdCtlBytes + 1024;
   static_assert(TBK % 1024 == 0, "panel tiles keep the 1024-byte alignment");
-  static_assert(TBQ % 1024 == 0, "query tiles keep the swizzle's (and ldmatrix's) alignment");
+  static_assert(TBQ % 16 == 0, "query tiles keep the 16-byte alignment of ldmatrix");
   static_assert(mma2::fits_sm90(kSmem, 1), "shared memory per SM");
 };
 
@@ -103,12 +84,14 @@ template <int D, int NWG, int NQ = 1> struct FwdShape {
  *    bytes);
  *  - two consumer warpgroups: 168 at launch (384 threads), the producer
  *    keeps kProducerRegs and the consumers get the rest, so that their
- *    software-pipelined loop (a 128-key S and P beside O, and at d 64 Q's
- *    fragments) fits without spills; at 168 each it does not (ptxas
+ *    software-pipelined loop (two S fragments beside O and Q; at d 64 a
+ *    128-key S) fits without spills; at 168 each d 128's does not (ptxas
  *    serializes the wgmma, C7512);
  *  - else every thread keeps its launch count (one warpgroup at one CTA
  *    per SM: 255).
- * Every kernel runs the software-pipelined loop of fwd_consume_item. */
+ * kPipelined: the consumers run the software-pipelined loop of
+ * fwd_consume_item (every case but d 128 with two warpgroups and no
+ * registers moved, which no kernel compiles). */
 template <int D, int NWG, int MIN_BLOCKS> struct FwdRegs {
   static constexpr int kMinBlocks = MIN_BLOCKS;
   static constexpr int NT = 128 * NWG + kProducers;
@@ -118,11 +101,11 @@ template <int D, int NWG, int MIN_BLOCKS> struct FwdRegs {
   static constexpr int kConsumerRegs =
       kMoveRegs ? ((NT * kLaunchRegs - kProducers * kProducerRegs) / (128 * NWG)) & ~7
                 : kLaunchRegs;
-  static_assert(NWG == 1 || kMoveRegs, "two consumer warpgroups need the producer's registers");
+  static constexpr bool kPipelined = D == 64 || NWG == 1 || kMoveRegs;
   /* the two consumer warpgroups take turns at issuing their products
    * (fwd_pingpong_start, fwd_consume_item, fwd_pingpong_end): at d 128;
    * at d 64 it measured 1.0-1.3% slower on an H200 (CUDA_KERNELS.md) */
-  static constexpr bool kPingPong = NWG == 2 && D == 128;
+  static constexpr bool kPingPong = kPipelined && NWG == 2 && D == 128;
   static_assert(!kMoveRegs ||
                     (kConsumerRegs > kLaunchRegs && kConsumerRegs <= 256 &&
                      NT * kLaunchRegs >= kProducers * kProducerRegs + 128 * NWG * kConsumerRegs),
@@ -162,8 +145,8 @@ __device__ __forceinline__ void fwd_pingpong_end() {
  * index of the item whose Q the buffer holds (written by the producer
  * before its qfull arrival; -1: the CTA has no more items). */
 struct FwdCtl {
-  StageTiles tile[kFwdStagesMax];
-  uint64_t full[kFwdStagesMax], empty[kFwdStagesMax];
+  StageTiles tile[kFwdStages];
+  uint64_t full[kFwdStages], empty[kFwdStages];
   uint64_t qfull[2], qempty[2];
   int qitem[2]; /* the item whose Q is in buffer b (-1: no more items) */
 };
@@ -196,30 +179,33 @@ __device__ __forceinline__ void producer_rows(const cuda_step_t &st, const KTile
   }
 }
 
-/* The next stage of the walk: h[0] and h[1] (kind 0 when the walk ends
- * after h[0]). False at the walk's end (h[0].kind = 0: the item's
- * marker). */
+/* The next stage of the walk: h[0] and, at d 64, h[1] (kind 0 when the
+ * walk ends after h[0]). False at the walk's end (h[0].kind = 0: the
+ * item's marker). */
+template <int D>
 __device__ __forceinline__ bool next_stage(const cuda_step_t &st, KeyWalk2 &w, StageTiles &t) {
   t.h[1] = KTile2{}; /* kind 0, and no field left undefined when the stage is copied */
   if (!w.next(st, t.h[0])) {
     t.h[0].kind = 0;
     return false;
   }
-  if (!w.next(st, t.h[1])) t.h[1].kind = 0;
+  if constexpr (kStageHalves<D> == 2)
+    if (!w.next(st, t.h[1])) t.h[1].kind = 0;
   return true;
 }
 
 /* Issues the producer thread's copies of stage t's K and V rows into the
  * stage at sk (K at sk, V at sk + TBK), in the panel layout: half h's 64
- * rows at rows 64 h of the stage's panels of 128 rows, an absent half
- * (kind 0) as zeros. */
+ * rows at rows 64 h of the stage's panels (d 64: one panel of 128 rows),
+ * an absent half (kind 0) as zeros. */
 template <int D, typename T>
 __device__ __forceinline__ void
 producer_load_stage(const cuda_step_t &st, const StageTiles &t, const KeyWalk2 &w, int p,
                     uint32_t sk, const T *kbase, const T *vbase, int64_t kv_stride) {
-  constexpr int TBK = kStageKeys * D * 2;
+  constexpr int TBK = kStageKeys<D> * D * 2;
+  static_assert(kStageHalves<D> == 1 || D == 64, "two halves in one panel: d 64");
 #pragma unroll
-  for (int h = 0; h < kStageHalves; ++h) {
+  for (int h = 0; h < kStageHalves<D>; ++h) {
     int64_t rows[kPRows];
     if (t.h[h].kind != 0) {
       producer_rows(st, t.h[h], w, p, rows);
@@ -228,9 +214,8 @@ producer_load_stage(const cuda_step_t &st, const StageTiles &t, const KeyWalk2 &
       for (int r = 0; r < kPRows; ++r) rows[r] = -1;
     }
     const uint32_t off = (uint32_t)(h * kKT * 128);
-    mma2::load_rows_panel<D, kProducers, kKT, kStageKeys>(sk + off, kbase, kv_stride, rows, p);
-    mma2::load_rows_panel<D, kProducers, kKT, kStageKeys>(sk + TBK + off, vbase, kv_stride, rows,
-                                                          p);
+    mma2::load_rows_panel<D, kProducers, kKT>(sk + off, kbase, kv_stride, rows, p);
+    mma2::load_rows_panel<D, kProducers, kKT>(sk + TBK + off, vbase, kv_stride, rows, p);
   }
 }
 
@@ -244,57 +229,31 @@ __device__ __forceinline__ unsigned persistent_item(unsigned w, unsigned b, unsi
   return w * grid + ((w & 1u) ? grid - 1u - b : b);
 }
 
-/* Issues S += Q K^T for a stage of 128 keys: D / 16 wgmma m64n128k16
- * k-slices, K read K-major from the stage's panels at sK. Q from registers
- * (qf, the A fragments; d 64) or, QSMEM, from the query tile at sQ in the
- * panel layout (BM rows a panel), the calling warpgroup's 64 rows from row
- * qrow0 (d 128). O = P V is m64n64k16 at d 64, so the two products never
- * have the same shape there: with both m64n64k16 (64-key stages), the H200
- * computed the second and later key tiles wrong (deterministically; one
- * tile was right), which a one-tile test with the same instructions does
- * not show; the cause was not found (64-key stages at d 64 computed S as
- * two m64n32k16 per k-slice). */
-template <int D, typename T, int BM, bool QSMEM>
-__device__ __forceinline__ void qk_product(float (&s)[32 * kStageHalves],
-                                           const uint32_t (&qf)[QSMEM ? 1 : D / 16][4], uint32_t sQ,
-                                           int qrow0, uint32_t sK) {
+/* Issues S += Q K^T for a stage (64 keys at d 128, 128 at d 64): NKS
+ * wgmma k-slices, Q's A fragments from registers, K read K-major from the
+ * panel tile at sK. At d 64 S is m64n128k16 and O = P V m64n64k16, never
+ * products of the same shape: with both m64n64k16 (64-key stages), the
+ * H200 computed the second and later key tiles wrong (deterministically;
+ * one tile was right), which a one-tile test with the same instructions
+ * does not show; the cause was not found (64-key stages at d 64 computed S
+ * as two m64n32k16 per k-slice). */
+template <int D, typename T>
+__device__ __forceinline__ void qk_product(float (&s)[32 * kStageHalves<D>],
+                                           const uint32_t (&qf)[D / 16][4], uint32_t sK) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const uint32_t kaddr = sK + (uint32_t)((kk >> 2) * kStageKeys * 128 + (kk & 3) * 32);
-    if constexpr (QSMEM) {
-      const uint32_t qaddr = sQ + (uint32_t)((kk >> 2) * BM * 128 + qrow0 * 128 + (kk & 3) * 32);
-      wgmma_ss_m64n128k16<T, 0, 0>(s, sw128_desc(qaddr, 16, 1024), sw128_desc(kaddr, 16, 1024));
-    } else {
-      (void)sQ;
-      (void)qrow0;
+    const uint32_t kaddr = sK + (uint32_t)((kk >> 2) * kKT * 128 + (kk & 3) * 32);
+    if constexpr (D == 128)
+      wgmma_m64n64k16<T, 0>(s, qf[kk], sw128_desc(kaddr, 16, 1024));
+    else /* the stage's 128 keys: one panel of 128 rows */
       wgmma_m64n128k16<T, 0>(s, qf[kk], sw128_desc(kaddr, 16, 1024));
-    }
   }
 }
 
-/* Q's A fragments in registers (d 64; a placeholder where Q is read from
- * shared memory). */
-template <int D> using QFrags = uint32_t[kQFromSmem<D> ? 1 : D / 16][4];
-
-/* Issues the calling thread's copies (cp.async) of a query tile of BM rows,
- * rows row0 .. row0 + nvalid - 1 of q (the head's first column; rows past
- * nvalid zero), into the query buffer at sQ: the ldmatrix layout at d 64,
- * the panel layout at d 128 (kQFromSmem). */
-template <int D, int NT, int BM, typename T>
-__device__ __forceinline__ void load_q_tile(uint32_t sQ, const T *q, int64_t stride, int64_t row0,
-                                            int nvalid, int tid) {
-  int64_t rows[LoadShape<NT, BM>::kRows];
-  mma2::contiguous_rows_n<NT, BM>(rows, row0, nvalid, tid);
-  if constexpr (kQFromSmem<D>)
-    mma2::load_rows_panel<D, NT, BM>(sQ, q, stride, rows, tid);
-  else
-    mma2::load_rows_n<D, NT, BM>(sQ, q, stride, rows, tid);
-}
-
 /* The Q tile's A fragments of the calling consumer warp's 16 rows, from the
- * query tile at sQ (ldmatrix; nothing where Q is read from shared memory). */
-template <int D> __device__ __forceinline__ void load_q_fragments(QFrags<D> &qf, uint32_t sQ) {
-  if constexpr (kQFromSmem<D>) return;
+ * query tile at sQ (ldmatrix). */
+template <int D>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[D / 16][4], uint32_t sQ) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const mma::Frag<D> fr(lane);
 #pragma unroll
@@ -303,38 +262,42 @@ template <int D> __device__ __forceinline__ void load_q_fragments(QFrags<D> &qf,
 }
 
 /* The consumer warpgroups' work on one query item (consumer threads only,
- * Q's A fragments in qf, or its tile in the query buffer at sQ where
- * kQFromSmem): the key tiles of stage-ring slots n0, n0 + 1, ... up to the
- * item's marker (kind 0), then the merge of the item's (lse, O) into
- * o_acc / lse_acc. Returns the slot after the marker, every product that
- * read the query buffer completed. RELEASE_MARKER: the consumers also
- * release the marker's slot (arrive on its empty barrier, after any
- * product that read its stage has completed), which the persistent
- * kernel's producer waits for before it reuses the stage; the one-item
- * kernel never reuses it. NQ: the query buffers of the kernel's FwdShape.
- * The loop is software-pipelined inside the warpgroup: S of tile n + 1 is
- * issued before P V of tile n, and its softmax runs while P V is on the
- * tensor cores (the producer publishes each tile as soon as it has landed,
- * so that looking one tile ahead does not wait); PINGPONG
- * (FwdRegs::kPingPong): its products issued in turns of the two
- * warpgroups (fwd_pingpong_start above). */
-template <int D, typename T, int NWG, int NQ, bool RELEASE_MARKER, bool PINGPONG>
+ * Q's A fragments in qf): the key tiles of stage-ring slots n0, n0 + 1, ...
+ * up to the item's marker (kind 0), then the merge of the item's (lse, O)
+ * into o_acc / lse_acc. Returns the slot after the marker. RELEASE_MARKER:
+ * the consumers also release the marker's slot (arrive on its empty
+ * barrier, after any product that read its stage has completed), which the
+ * persistent kernel's producer waits for before it reuses the stage; the
+ * one-item kernel never reuses it.
+ *  - PIPELINED (FwdRegs::kPipelined): the loop is software-pipelined inside
+ *    the warpgroup: S of tile n + 1 is issued before P V of tile n, and its
+ *    softmax runs while P V is on the tensor cores (the producer publishes
+ *    each tile as soon as it has landed, so that looking one tile ahead does
+ *    not wait);
+ *  - else (d 128 with two consumer warpgroups at 168 registers a thread:
+ *    the second S fragment does not fit) one tile at a time;
+ *  - PINGPONG (FwdRegs::kPingPong): the pipelined loop's products issued in
+ *    turns of the two warpgroups (fwd_pingpong_start above). */
+template <int D, typename T, int NWG, bool RELEASE_MARKER, bool PIPELINED, bool PINGPONG>
 __device__ __forceinline__ int
-fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const QFrags<D> &qf, uint32_t sQ,
+fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const uint32_t (&qf)[D / 16][4],
                  const FwdCtl &ctl, uint32_t sKV, uint32_t full0, uint32_t empty0, int n0,
                  float *__restrict__ o_acc, float *__restrict__ lse_acc) {
-  using S = FwdShape<D, NWG, NQ>;
+  using S = FwdShape<D, NWG>;
   constexpr int TBK = S::TBK, NST = S::kStages, BM = S::BM;
   constexpr int NO = D / 2;          /* O accumulators per thread (64 rows x D per warpgroup) */
-  constexpr int H = kStageHalves;    /* walk tiles per stage */
+  constexpr int H = kStageHalves<D>; /* walk tiles per stage */
   constexpr int NS = 32 * H;         /* S accumulators per thread (64 rows x the stage's keys) */
-  constexpr bool QS = kQFromSmem<D>; /* Q read from the query buffer */
+  /* the software pipeline of the consumer loop (below), where the
+   * consumers' registers allow it (FwdRegs::kPipelined) */
+  constexpr bool kPipelined = PIPELINED;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int h = item.h, qb = item.qb, qt = item.qt, rows_here = item.rows;
   const int g = lane >> 2, t4 = lane & 3;
   const int wgr0 = (warp >> 2) * 64; /* the warpgroup's first tile row */
   const int wr0 = warp * 16;         /* the warp's first tile row */
   const int64_t qrow0 = (int64_t)qb * st.G + (int64_t)qt * BM;
+  (void)wgr0;
 
   /* o[4n + e]: C fragment of the warp's rows (e < 2: row g, else g + 8),
    * output columns 8n + 2 t4 + (e & 1). m[hh], l[hh]: running max (log2
@@ -426,9 +389,8 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const QFrags<D>
   auto pv_product = [&](uint32_t sk) {
 #pragma unroll
     for (int hf = 0; hf < H; ++hf)
-      wgmma_regs_by_rows64<D, T, kStageKeys>(
-          o, *reinterpret_cast<const uint32_t(*)[4][4]>(&pa[4 * hf]),
-          sk + TBK + (uint32_t)(hf * kKT * 128));
+      wgmma_regs_by_rows64<D, T>(o, *reinterpret_cast<const uint32_t(*)[4][4]>(&pa[4 * hf]),
+                                 sk + TBK + (uint32_t)(hf * kKT * 128));
   };
   auto stage_k = [&](int n) { return sKV + (uint32_t)(((n0 + n) % NST) * 2 * TBK); };
   auto release = [&](int n) { mbar_arrive(empty0 + 8 * ((n0 + n) % NST)); };
@@ -444,7 +406,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const QFrags<D>
   float s[NS];
   float alpha[2];
   int marker; /* the item's marker: its tile index */
-  {
+  if constexpr (kPipelined) {
     /* Software pipeline inside the warpgroup: while P_n V_n runs on the tensor
      * cores, the softmax of tile n + 1 (whose S was issued just before it)
      * runs on the other pipes. Per iteration: issue S_{n+1} = Q K_{n+1}^T,
@@ -458,7 +420,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const QFrags<D>
     bool have = next_tile(0, t);
     zero_s(s);
     wgmma_fence();
-    qk_product<D, T, BM, QS>(s, qf, sQ, wgr0, stage_k(0));
+    qk_product<D, T>(s, qf, stage_k(0));
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
@@ -474,7 +436,7 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const QFrags<D>
       zero_s(s);
       if constexpr (PINGPONG) named_barrier(kBarTurn0 + (warp >> 2), 256); /* our turn */
       wgmma_fence();
-      qk_product<D, T, BM, QS>(s, qf, sQ, wgr0, stage_k(n + 1)); /* S_{n+1} */
+      qk_product<D, T>(s, qf, stage_k(n + 1)); /* S_{n+1} */
       wgmma_commit();
       pv_product(stage_k(n)); /* O += P_n V_n */
       wgmma_commit();
@@ -499,9 +461,41 @@ fwd_consume_item(const cuda_step_t &st, const mma2::QItem &item, const QFrags<D>
       have = have1;
       marker = n + 1;
     }
+  } else {
+    /* one tile at a time: S, softmax, P V, each product waited for (64-key
+     * stages only) */
+    static_assert(H == 1, "the one-tile loop takes 64-key stages");
+    for (int n = 0;; ++n) {
+      StageTiles t;
+      if (!next_tile(n, t)) {
+        marker = n;
+        break;
+      }
+      /* the warpgroup's 64 rows all padding, or all before the tile's keys
+       * (uniform over the warpgroup, as wgmma requires) */
+      const bool skip = wgr0 >= rows_here || (t.h[0].causal && t.h[0].off > wgr0 + 63);
+      if (!skip) {
+        zero_s(s);
+        wgmma_fence();
+        qk_product<D, T>(s, qf, stage_k(n));
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int x = 0; x < NS; ++x) reg_fence(s[x]);
+        if (softmax(s, t, alpha)) rescale(alpha);
+        pack_p(s);
+        wgmma_fence();
+        pv_product(stage_k(n)); /* O += P V */
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int x = 0; x < NO; ++x) reg_fence(o[x]);
+      }
+      release(n); /* this thread's reads of the stage are done */
+    }
   }
-  /* the marker's stage (read by the dropped S, whose product has completed
-   * at the last wait) */
+  /* the marker's stage (read by the dropped S at d 64, whose product has
+   * completed at the last wait) */
   if constexpr (RELEASE_MARKER) release(marker);
 
     /* merge the step's (lse_s, O / l) into the running values, row by row */

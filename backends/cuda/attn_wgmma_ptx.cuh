@@ -214,13 +214,13 @@ template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
  * (columns 16 j ..) as the A fragments a[j] in registers, B a 64-row panel
  * tile at sB read N-major (k-slice j = rows 16 j ..): O += P V of the
  * forward, dV += P^T dO and dK += dS^T Q of the backward. */
-template <int D, typename T, int PANEL_ROWS = 64>
+template <int D, typename T>
 __device__ __forceinline__ void wgmma_regs_by_rows64(float (&acc)[D / 2], const uint32_t (&a)[4][4],
                                                      uint32_t sB) {
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint64_t bd = sw128_desc(sB + (uint32_t)(j * 16 * 128), PANEL_ROWS * 128, 1024);
+    const uint64_t bd = sw128_desc(sB + (uint32_t)(j * 16 * 128), 64 * 128, 1024);
     if constexpr (D == 128)
       wgmma_m64n128k16<T, 1>(acc, a[j], bd);
     else

@@ -477,7 +477,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
     regs = R1::kMoveRegs ? R1::kLaunchRegs : 0;                                                    \
     fn = [&]() { wg::wgmma_fwd_kernel<D, T, NWG>(st, qp, kp, vp, op, lp); };                       \
   } else if (nwg == NWG) {                                                                         \
-    using S = wg::FwdShape<D, NWG, wg::kPersistQBufs<D>>;                                          \
+    using S = wg::FwdShape<D, NWG, 2>;                                                             \
     using PR = wg::PersistRegs<D, NWG>;                                                            \
     items = (int)cuda_q_items(&st, S::BM);                                                         \
     grid = std::min(items, sms * PR::kMinBlocks);                                                  \
