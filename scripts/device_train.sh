@@ -31,6 +31,8 @@
 # setting is refused on resume: give forced and unforced runs different OUT_DIRs.
 # TOPP_P: the mass (0, 1] the mtrain-topp runs keep, given as --p-v and --p-s (default: the
 # program's 0.9); as with TOPP_FORCED, give runs of other masses their own OUT_DIRs.
+# DETERMINISTIC: 1 (default) or 0, given as --deterministic to the arms-* runs (0: mtrain's
+# fused backward); their own OUT_DIRs too.
 # BLOCK_ARGS: extra options of the mtrain-block runs (e.g. "--block-method meanpool
 # --block-top-k 4"; default none: --block-top-p 0.9 --block-stride 8).
 # The arm name mtrain-block-cached (ARMS="... mtrain-block mtrain-block-cached") runs mtrain-block
@@ -113,6 +115,14 @@ TOPP_FORCED=${TOPP_FORCED:-1}
 case $TOPP_FORCED in
   0 | 1) ;;
   *) echo "device_train.sh: TOPP_FORCED='$TOPP_FORCED': expected 0 or 1" >&2; exit 2 ;;
+esac
+# DETERMINISTIC: 1 (default) or 0, given as --deterministic to the arms-* runs: 0 runs
+# mtrain's fused backward (on GPUs faster, not reproducible bit for bit); as with TOPP_FORCED,
+# give such runs their own OUT_DIRs (a checkpoint of the other setting is refused on resume)
+DETERMINISTIC=${DETERMINISTIC:-1}
+case $DETERMINISTIC in
+  0 | 1) ;;
+  *) echo "device_train.sh: DETERMINISTIC='$DETERMINISTIC': expected 0 or 1" >&2; exit 2 ;;
 esac
 # TOPP_P (default: the program's 0.9): the mass p_v = p_s the mtrain-topp runs keep
 TOPP_P=${TOPP_P:-}
@@ -209,7 +219,7 @@ arm_run() { # arm_run ARM LENGTH BATCH WEIGHTS: one arm's run
     fi
     train "$arm-$n" --arm "$real" --seq-len "$n" --batch "$b" --steps "$EXT_STEPS" \
       --lr "$EXT_LR" --warmup 20 --init-from "$from" --eval-every "$EXT_EVAL" \
-      "${extra[@]}"
+      --deterministic "$DETERMINISTIC" "${extra[@]}"
   }
 }
 

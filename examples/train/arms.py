@@ -72,6 +72,7 @@ class Budget:
     block_measure_rows: int = 0  # 0: BlockPatternCache.measure; R > 0: on R sampled rows
     dense_above: float | str | None = None  # the estimating arms' dense fallback (None: never)
     dense_recheck: int = 1
+    deterministic: bool = True  # mtrain's attention: the deterministic backward (False: fused)
 
     def block_options(self) -> dict[str, Any]:
         """mtrain.select_blocks' options of the mtrain-block arm."""
@@ -170,7 +171,7 @@ class Arm:
 
     def set_length(self, n: int) -> None:
         b, self.seq_len = self.budget, n
-        common = {"granularity": b.granularity}
+        common = {"granularity": b.granularity, "deterministic": b.deterministic}
         est = self.estimate_options()
         if self.name == "dense" and not (self.cp or self.packed):
             base: Any = sdpa_attention_forward
@@ -217,7 +218,7 @@ class Arm:
         if self.name != "mtrain-static":
             raise ValueError(f"tuned budgets apply to the mtrain-static arm, not {self.name}")
         b = self.budget
-        common = {"granularity": b.granularity}
+        common = {"granularity": b.granularity, "deterministic": b.deterministic}
         est = self.estimate_options()
         budgets = path if path is not None else self.budgets
         mtrain.register_transformers(
@@ -260,6 +261,8 @@ class Arm:
         if self.budgets is not None and self.budget.dense_above is not None:
             out["dense_above"] = self.budget.dense_above
             out["dense_recheck"] = self.budget.dense_recheck
+        if out["attention"] != "sdpa":
+            out["deterministic"] = self.budget.deterministic
         return out
 
     def plan_of(

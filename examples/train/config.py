@@ -81,6 +81,7 @@ class RunConfig:
     # the estimating arms' dense fallback (mtrain.attention's dense_above, dense_recheck)
     dense_above: str = ""  # "": never; "auto": the device's threshold; or a density in [0, 1]
     dense_recheck: int = 1  # with --dense-above: a layer found dense re-estimates every K calls
+    deterministic: int = 1  # mtrain's attention: 1 the deterministic backward, 0 the fused one
 
 
 HELP = {
@@ -176,6 +177,9 @@ HELP = {
     'density in [0, 1], or "auto": the device\'s measured threshold; "": never)',
     "dense_recheck": "with --dense-above: a layer found dense runs dense for K - 1 more calls "
     "without estimating (1: estimate every call)",
+    "deterministic": "the arms that run mtrain's attention: 1 (default, the Python API's) its "
+    "deterministic backward, bitwise reproducible; 0 the fused backward (on GPUs dQ added with "
+    "atomics in the dK/dV kernel: faster, not reproducible bit for bit; docs/USAGE.md)",
     "depth_buckets": "passkey depth buckets",
 }
 

@@ -171,6 +171,8 @@ def check_options(cfg: RunConfig) -> None:
         raise ValueError(f"--mqar-distinct {cfg.mqar_distinct}: 0 or 1")
     if cfg.topp_forced not in (0, 1):
         raise ValueError(f"--topp-forced {cfg.topp_forced}: 0 or 1")
+    if cfg.deterministic not in (0, 1):
+        raise ValueError(f"--deterministic {cfg.deterministic}: 0 or 1")
     check_dense_fallback(cfg)
     if cfg.mqar_distinct and cfg.task in ("mqar", "mix") and cfg.mqar_queries > cfg.mqar_pairs:
         raise ValueError(
@@ -306,7 +308,7 @@ def run(
         block_stride=cfg.block_stride, block_sinks=cfg.block_sinks, block_local=cfg.block_local,
         block_refresh=cfg.block_refresh, block_measure_every=cfg.block_measure_every,
         block_measure_rows=cfg.block_measure_rows, dense_above=dense_above_of(cfg),
-        dense_recheck=cfg.dense_recheck,
+        dense_recheck=cfg.dense_recheck, deterministic=bool(cfg.deterministic),
     )  # fmt: skip
     arm = Arm(cfg.arm, size.heads, budget, cp=par, packed=mix)
     arm.set_length(cfg.seq_len)
@@ -945,6 +947,8 @@ def load_checkpoint(cfg: RunConfig) -> dict[str, Any] | None:
     if saved.get("arm") == "mtrain-topp":
         # written before --topp-forced: that arm forced nothing (--topp-forced 0)
         saved.setdefault("topp_forced", 0)
+    # written before --deterministic: the deterministic backward (the API's default)
+    saved.setdefault("deterministic", 1)
     diff = [
         f"{k}: {v!r} (checkpoint) != {now.get(k)!r}"
         for k, v in saved.items()
