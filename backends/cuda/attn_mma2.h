@@ -48,14 +48,15 @@ mtrain_status_t cuda_mma2_bwd_dq(cuda_state_t *s, const cuda_step_t *st,
 
 /* The long-item split of a key-major launch of bn-key items (attn_mma2_bwd.cu):
  * begin makes the work list on the device (kv_split_schedule_kernel, queued
- * on s->stream; no host read-back), points st's kv_work and part rows at
- * it and sets *blocks to the launch's bound (bar tiles + run items + 2
- * SMs + 1); nothing when the step has no run items. end queues the reduce
- * of the split items' parts into dk_acc/dv_acc (nothing without a work
- * list). */
+ * on s->stream; no host read-back) over the bar items and the run items,
+ * points st's kv_work and part rows at it and sets *blocks to the launch's
+ * bound (bar tiles + run items + 2 SMs + 1); nothing when the step has no
+ * items. end queues the reduce of the split items' parts: added into
+ * dk_acc/dv_acc for run items, written to the bar scratch rows dk_bar/dv_bar
+ * for bar items (nothing without a work list). */
 mtrain_status_t cuda_kv_split_begin(cuda_state_t *s, cuda_step_t *st, int bn, int64_t *blocks);
 mtrain_status_t cuda_kv_split_end(cuda_state_t *s, const cuda_step_t *st, int bn, float *dk_acc,
-                                  float *dv_acc);
+                                  float *dv_acc, float *dk_bar, float *dv_bar);
 
 #ifdef __cplusplus
 }

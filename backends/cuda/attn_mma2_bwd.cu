@@ -282,12 +282,13 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
   QRing &ring = *reinterpret_cast<QRing *>(smem + S::kRingOff);
 
   /* the item (uniform over the CTA) */
-  const bool bars = (int)blockIdx.x < st.num_bar_tiles;
+  bool bars; /* a bar item (its keys gathered through the bar list) */
   {
     QWalk2 qw;
     int hk, nk, slot;
     int64_t row0;
     if (!kv_item_begin(st, BN, qw, hk, nk, row0, slot)) return;
+    bars = qw.bars != 0;
     /* a part of a split item writes the scratch rows of its slot */
     if (tid == 0)
       ring.start(st, qw, slot >= 0 ? (int64_t)slot * BN : row0, hk, nk, bars, slot >= 0);
@@ -579,33 +580,46 @@ __global__ void __launch_bounds__(32 * NW, KvShape<D, NW>::kMinBlocks)
 
 /* ---- the long-item split of the key-major backward ----
  *
- * Block-sparse patterns list a "sink" key block in every query block: its
- * run items walk group x (query blocks) entries where the others walk a
- * handful, and the whole launch waits on them. kv_split_schedule_kernel
- * (one CTA, queued before the key-major launch; it reads kv_off on the
+ * Two kinds of key-major item walk far more entries than the others, and
+ * the whole launch waits on them: a bar item (a tile of vertical keys) walks
+ * every query block after its first bar, up to all of them, and a
+ * block-sparse pattern's "sink" key block walks group x (query blocks)
+ * entries where the others walk a handful. kv_split_schedule_kernel (one
+ * CTA, queued before the key-major launch; it reads bt_off and kv_off on the
  * device, so that a plan built on the device needs no read-back) cuts every
- * run item of more than C entries into ceil(len / C) parts of consecutive
- * entries, C = max(C_MIN, ceil(W / (2 SMs))), W = tiles per block x the
- * step's entries (the run items' total work). Why C is bounded below by
- * W / (2 SMs): a split item has len > C, so its extra parts number
+ * item, bar or run, of more than C entries into ceil(len / C) parts of
+ * consecutive entries, C = max(C_MIN, ceil(W / (2 SMs))), W = the items'
+ * total work in entries (tiles per block x the run entries, plus the bar
+ * items' entries: an entry is one query block either way). Why C is bounded
+ * below by W / (2 SMs): a split item has len > C, so its extra parts number
  * ceil(len / C) - 1 < len / C, and over all items fewer than W / C <= 2 SMs;
  * the host sizes the grid without reading anything back (bar tiles + run
  * items + 2 SMs + 1, CTAs past the parts exit at once), and the parts of
  * split items, at most ceil(len / C) <= 2 len / C each, need at most 2 W / C
  * <= 4 SMs scratch slots of BN rows (the scratch bound). C_MIN keeps a part
  * long enough to pay for its K/V loads and its scratch rows.
- * The work list keeps the run items' grid order (parts of one item next to
- * each other, entry ranges ascending); an unsplit item keeps slot -1 and
- * adds into dk_acc/dv_acc as before; a part WRITES its rows to its slot
- * (slots ascending along the list), and kv_split_reduce_kernel adds, per
- * split item, the sum of its parts taken in part order: the same bits every
- * run whichever CTA finishes first (deterministic mode). */
+ * The work list keeps the grid's item order, bar items first (parts of one
+ * item next to each other, entry ranges ascending); an unsplit item keeps
+ * slot -1 and writes its bar scratch rows or adds into dk_acc/dv_acc as
+ * before; a part WRITES its rows to its slot (slots ascending along the
+ * list), and kv_split_reduce_kernel takes, per split item, the sum of its
+ * parts in part order and adds it into the run item's rows or writes it to
+ * the bar item's scratch rows: the same bits every run whichever CTA
+ * finishes first (deterministic mode). */
 constexpr int kSplitThreads = 512; /* the emulator runs at most 512 */
 
-/* The entries of run item u (kv_run_item). */
+/* Item u of the work list's order (bar tiles [0, num_bar_tiles), then the
+ * run items): its entry range [e0, e0 + len); len 0 for the second tile of
+ * a bar pair (walked with the first) and for nothing to walk. */
 __device__ __forceinline__ int kv_item_len(const cuda_step_t &st, int BN, unsigned u, int &e0) {
+  if ((int)u < st.num_bar_tiles) {
+    const int t = (int)u;
+    e0 = st.bt_off[t];
+    if (BN == 128 && bar_tiles_pair(st, t - 1)) return 0;
+    return st.bt_off[BN == 128 && bar_tiles_pair(st, t) ? t + 2 : t + 1] - e0;
+  }
   int hk, kb, kt, x;
-  kv_run_item(st, BN, u, hk, kb, kt, x);
+  kv_run_item(st, BN, u - (unsigned)st.num_bar_tiles, hk, kb, kt, x);
   e0 = st.kv_off[x];
   return st.kv_off[x + 1] - e0;
 }
@@ -613,8 +627,10 @@ __device__ __forceinline__ int kv_item_len(const cuda_step_t &st, int BN, unsign
 /* One CTA of kSplitThreads threads, 3 kSplitThreads int32 of dynamic shared
  * memory: the work list of a launch of BN-key items into `work` (header
  * CUDA_KV_WORK_HEADER int32: parts, slots, C, split items; then per part
- * (run item, e0, e1, slot)). Thread t takes a contiguous range of run items;
- * one exclusive scan of the threads' part and slot counts orders the list. */
+ * (item, e0, e1, slot), item < num_bar_tiles a bar tile, else
+ * num_bar_tiles + the run item). Thread t takes a contiguous range of
+ * items; one exclusive scan of the threads' part and slot counts orders the
+ * list. The second tile of a bar pair gets no part. */
 __global__ void __launch_bounds__(kSplitThreads)
     kv_split_schedule_kernel(const cuda_step_t st, int BN, int cmin, int num_sms,
                              int32_t *__restrict__ work) {
@@ -623,9 +639,11 @@ __global__ void __launch_bounds__(kSplitThreads)
   int *s_split = s_slots + kSplitThreads;
   const int tid = threadIdx.x;
   const int tpb = st.G / BN;
-  const int n = st.num_k_blocks * tpb * st.Hkv;
+  const int nbt = st.num_bar_tiles;
+  const int n = nbt + st.num_k_blocks * tpb * st.Hkv;
   const int nx = st.Hkv * st.num_k_blocks;
-  const int64_t W = (int64_t)tpb * (st.kv_off[nx] - st.kv_off[0]);
+  const int64_t W = (int64_t)tpb * (st.kv_off[nx] - st.kv_off[0]) +
+                    (nbt > 0 ? (int64_t)(st.bt_off[nbt] - st.bt_off[0]) : 0);
   const int64_t c2 = (W + 2 * (int64_t)num_sms - 1) / (2 * (int64_t)num_sms);
   const int C = (int)(c2 > cmin ? c2 : (int64_t)cmin);
   const int per = (n + kSplitThreads - 1) / kSplitThreads;
@@ -634,6 +652,7 @@ __global__ void __launch_bounds__(kSplitThreads)
   for (int u = a; u < b; ++u) {
     int e0;
     const int len = kv_item_len(st, BN, (unsigned)u, e0);
+    if (u < nbt && BN == 128 && bar_tiles_pair(st, u - 1)) continue; /* no part */
     if (len > C) {
       const int k = (len + C - 1) / C;
       np += k;
@@ -667,6 +686,7 @@ __global__ void __launch_bounds__(kSplitThreads)
   for (int u = a; u < b; ++u) {
     int e0;
     const int len = kv_item_len(st, BN, (unsigned)u, e0);
+    if (u < nbt && BN == 128 && bar_tiles_pair(st, u - 1)) continue;
     const int k = len > C ? (len + C - 1) / C : 1;
     for (int j = 0; j < k; ++j, ++p) {
       int32_t *w = work + CUDA_KV_WORK_HEADER + 4 * (size_t)p;
@@ -679,27 +699,40 @@ __global__ void __launch_bounds__(kSplitThreads)
 }
 
 /* One CTA per work-list entry (the launch's bound; CTAs past the parts
- * exit): the CTA of a split item's first part adds into the item's dk_acc
- * / dv_acc rows, element by element, the sum of its parts' rows taken in
- * part order (p0 + p1 + ...: a fixed order, so the same bits every run). */
+ * exit): the CTA of a split item's first part takes, element by element, the
+ * sum of its parts' rows in part order (p0 + p1 + ...: a fixed order, so the
+ * same bits every run) and adds it into a run item's dk_acc / dv_acc rows,
+ * or writes it to a bar item's scratch rows dk_bar / dv_bar. */
 __global__ void __launch_bounds__(kSplitThreads)
     kv_split_reduce_kernel(const cuda_step_t st, int BN, float *__restrict__ dk_acc,
-                           float *__restrict__ dv_acc) {
+                           float *__restrict__ dv_acc, float *__restrict__ dk_bar,
+                           float *__restrict__ dv_bar) {
   const int32_t *wl = st.kv_work;
   const int P = wl[0], w = blockIdx.x;
   if (w >= P) return;
   const int32_t *e = wl + CUDA_KV_WORK_HEADER + 4 * (size_t)w;
   if (e[3] < 0) return;               /* not split */
   if (w > 0 && e[-4] == e[0]) return; /* not the item's first part */
-  int hk, kb, kt, x;
-  kv_run_item(st, BN, (unsigned)e[0], hk, kb, kt, x);
-  const int nc = block_rows_dev(st.k_tokens, st.G, kb, st.k_block_global[kb], st.seq_len);
-  const int nk = min(BN, nc - kt * BN);
+  const bool bars = e[0] < st.num_bar_tiles;
+  int64_t row0;
+  int hk = 0, nk;
+  if (bars) {
+    const int t = e[0];
+    const int32_t *bt = st.bt_tile + 3 * t;
+    const int b_end = BN == 128 && bar_tiles_pair(st, t) ? bt[5] : bt[2];
+    nk = min(BN, b_end - bt[1]);
+    row0 = st.head_meta[(int64_t)bt[0] * CUDA_HM_STRIDE + CUDA_HM_BAR_BASE] + bt[1];
+  } else {
+    int kb, kt, x;
+    kv_run_item(st, BN, (unsigned)(e[0] - st.num_bar_tiles), hk, kb, kt, x);
+    const int nc = block_rows_dev(st.k_tokens, st.G, kb, st.k_block_global[kb], st.seq_len);
+    nk = min(BN, nc - kt * BN);
+    row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
+  }
   if (nk <= 0) return; /* the kernel wrote nothing either */
   int m = 1;
   while (w + m < P && e[4 * m] == e[0]) ++m;
   const int D = st.d;
-  const int64_t row0 = (int64_t)kb * st.G + (int64_t)kt * BN;
   for (int i = threadIdx.x; i < nk * D; i += kSplitThreads) {
     const int r = i / D, c = i - r * D;
     float sk = 0.f, sv = 0.f;
@@ -708,9 +741,15 @@ __global__ void __launch_bounds__(kSplitThreads)
       sk += st.kv_dk_part[src];
       sv += st.kv_dv_part[src];
     }
-    const int64_t dst = ((row0 + r) * st.Hkv + hk) * D + c;
-    dk_acc[dst] += sk;
-    dv_acc[dst] += sv;
+    if (bars) {
+      const int64_t dst = (row0 + r) * D + c;
+      dk_bar[dst] = sk;
+      dv_bar[dst] = sv;
+    } else {
+      const int64_t dst = ((row0 + r) * st.Hkv + hk) * D + c;
+      dk_acc[dst] += sk;
+      dv_acc[dst] += sv;
+    }
   }
 }
 
@@ -782,17 +821,16 @@ extern "C" mtrain_status_t cuda_mma2_bwd_dq(cuda_state_t *s, const cuda_step_t *
 
 /* The long-item split (see kv_split_schedule_kernel). Scratch (one buffer,
  * cuda_kv_split_scratch): the work list (header + 4 int32 per part, parts
- * <= run items + 2 SMs + 1), then the parts' dK and dV rows, 4 SMs slots
- * of bn rows each (at most 2 W / C <= 4 SMs slots; never more than the
- * parts). */
+ * <= bar tiles + run items + 2 SMs + 1), then the parts' dK and dV rows,
+ * 4 SMs slots of bn rows each (at most 2 W / C <= 4 SMs slots; never more
+ * than the parts). */
 static int64_t kv_split_max_parts(const cuda_state_t *s, const cuda_step_t *st, int bn) {
-  return (int64_t)st->num_k_blocks * (st->G / bn) * st->Hkv + 2 * (int64_t)s->num_sms + 1;
+  return cuda_kv_items(st, bn) + 2 * (int64_t)s->num_sms + 1;
 }
 
 extern "C" mtrain_status_t cuda_kv_split_begin(cuda_state_t *s, cuda_step_t *st, int bn,
                                                int64_t *blocks) {
-  const int64_t items = (int64_t)st->num_k_blocks * (st->G / bn) * st->Hkv;
-  if (items <= 0 || !st->kv_off || s->num_sms <= 0) return MTRAIN_SUCCESS;
+  if (cuda_kv_items(st, bn) <= 0 || !st->kv_off || s->num_sms <= 0) return MTRAIN_SUCCESS;
   const int64_t max_parts = kv_split_max_parts(s, st, bn);
   int64_t max_slots = 4 * (int64_t)s->num_sms;
   if (max_slots > max_parts) max_slots = max_parts;
@@ -814,12 +852,13 @@ extern "C" mtrain_status_t cuda_kv_split_begin(cuda_state_t *s, cuda_step_t *st,
       *st, bn, s->kv_split_min, s->num_sms, work);
   rc = cuda_check_launch("kv_split_schedule_kernel");
   if (rc != MTRAIN_SUCCESS) return rc;
-  *blocks = st->num_bar_tiles + max_parts;
+  *blocks = max_parts;
   return MTRAIN_SUCCESS;
 }
 
 extern "C" mtrain_status_t cuda_kv_split_end(cuda_state_t *s, const cuda_step_t *st, int bn,
-                                             float *dk_acc, float *dv_acc) {
+                                             float *dk_acc, float *dv_acc, float *dk_bar,
+                                             float *dv_bar) {
   if (!st->kv_work) return MTRAIN_SUCCESS;
   const int64_t max_parts = kv_split_max_parts(s, st, bn);
   mtrain_status_t rc =
@@ -827,6 +866,7 @@ extern "C" mtrain_status_t cuda_kv_split_end(cuda_state_t *s, const cuda_step_t 
                           "kv_split_reduce_kernel", max_parts, 1, 0, NULL);
   if (rc != MTRAIN_SUCCESS) return rc;
   mma2::kv_split_reduce_kernel<<<(unsigned)max_parts, mma2::kSplitThreads, 0,
-                                 (cudaStream_t)s->stream>>>(*st, bn, dk_acc, dv_acc);
+                                 (cudaStream_t)s->stream>>>(*st, bn, dk_acc, dv_acc, dk_bar,
+                                                            dv_bar);
   return cuda_check_launch("kv_split_reduce_kernel");
 }

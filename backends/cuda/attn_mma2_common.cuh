@@ -522,21 +522,34 @@ __device__ __forceinline__ void kv_run_item(const cuda_step_t &st, int BN, unsig
 /* The key-major item of CTA blockIdx.x with BN keys (64 or 128; the
  * cuda_kv_items grid): bar items first (block indices [0, num_bar_tiles):
  * one bar tile, or with BN = 128 a pair of them), then the run key tiles
- * (kv head, key tile of BN keys): one CTA per run item over its whole
- * kv_off range, or with a work list (st.kv_work, the long-item split) one
- * CTA per part: part w = blockIdx.x - num_bar_tiles walks the entries [e0,
- * e1) of its run item; the grid is a bound, CTAs past the parts exit.
- * Sets the query walk qw, the kv head hk, the item's keys nk and row0 (runs:
- * first local key row; bars: first bar scratch row), and slot: the part's
- * scratch slot when its item is split (its rows are WRITTEN to
- * st.kv_dk_part / kv_dv_part rows slot * BN.., and kv_split_reduce_kernel
- * adds them), else -1. False: the CTA has nothing to do (the second tile of
- * a bar pair, a key tile past the block's rows, or no part). Uniform over
- * the CTA. */
+ * (kv head, key tile of BN keys): one CTA per item over its whole entry
+ * range. With a work list (st.kv_work, the long-item split) one CTA per
+ * part instead: part w = blockIdx.x walks the entries [e0, e1) of its item,
+ * a bar item (item < num_bar_tiles: the bar tile, or the first of a pair)
+ * or a run item (item - num_bar_tiles); the grid is a bound, CTAs past the
+ * parts exit.
+ * Sets the query walk qw (qw.bars: a bar item, its keys gathered through the
+ * bar list), the kv head hk, the item's keys nk and row0 (runs: first local
+ * key row; bars: first bar scratch row), and slot: the part's scratch slot
+ * when its item is split (its rows are WRITTEN to st.kv_dk_part /
+ * kv_dv_part rows slot * BN.., and kv_split_reduce_kernel adds them, or for
+ * a bar item writes their sum to its bar scratch rows), else -1. False: the
+ * CTA has nothing to do (the second tile of a bar pair, a key tile past the
+ * block's rows, or no part). Uniform over the CTA. */
 __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWalk2 &qw, int &hk,
                                               int &nk, int64_t &row0, int &slot) {
   slot = -1;
-  const bool bars = (int)blockIdx.x < st.num_bar_tiles;
+  unsigned item = blockIdx.x;
+  int e0 = 0, e1 = 0;
+  if (st.kv_work) {
+    if (item >= (unsigned)st.kv_work[0]) return false; /* past the parts */
+    const int32_t *w = st.kv_work + CUDA_KV_WORK_HEADER + 4 * (size_t)item;
+    item = (unsigned)w[0];
+    e0 = w[1];
+    e1 = w[2];
+    slot = w[3];
+  }
+  const bool bars = (int)item < st.num_bar_tiles;
   qw.bars = bars;
   qw.qt = qw.qt_end = 0;
   qw.kpos = 0;
@@ -546,7 +559,7 @@ __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWa
   qw.h = qw.nr = qw.jlo = qw.jhi = qw.diag = 0;
   qw.rbase = 0;
   if (bars) {
-    const int t = blockIdx.x;
+    const int t = (int)item;
     if (BN == 128 && bar_tiles_pair(st, t - 1)) return false; /* walked with tile t - 1 */
     const bool pair = BN == 128 && bar_tiles_pair(st, t);
     qw.h_bar = st.bt_tile[3 * t];
@@ -557,20 +570,15 @@ __device__ __forceinline__ bool kv_item_begin(const cuda_step_t &st, int BN, QWa
     if (nk <= 0) return false;
     hk = qw.h_bar / st.group;
     row0 = st.head_meta[(int64_t)qw.h_bar * CUDA_HM_STRIDE + CUDA_HM_BAR_BASE] + qw.b0;
-    qw.e = st.bt_off[t] - 1;
-    qw.e_end = st.bt_off[pair ? t + 2 : t + 1];
-    qw.e_mid = pair ? st.bt_off[t + 1] : qw.e_end;
-  } else {
-    unsigned item = blockIdx.x - (unsigned)st.num_bar_tiles;
-    int e0 = 0, e1 = 0;
-    if (st.kv_work) {
-      if (item >= (unsigned)st.kv_work[0]) return false; /* past the parts */
-      const int32_t *w = st.kv_work + CUDA_KV_WORK_HEADER + 4 * (size_t)item;
-      item = (unsigned)w[0];
-      e0 = w[1];
-      e1 = w[2];
-      slot = w[3];
+    if (!st.kv_work) {
+      e0 = st.bt_off[t];
+      e1 = st.bt_off[pair ? t + 2 : t + 1];
     }
+    qw.e = e0 - 1;
+    qw.e_end = e1;
+    qw.e_mid = st.bt_off[t + 1]; /* a pair's second tile from here (a single tile ends here) */
+  } else {
+    item -= (unsigned)st.num_bar_tiles;
     int kb, kt, x;
     kv_run_item(st, BN, item, hk, kb, kt, x);
     if (!st.kv_work) {
@@ -654,20 +662,21 @@ __device__ __forceinline__ void kv_item_rows(int64_t (&rows)[LoadShape<NT, BN>::
 }
 
 /* The dK and dV output rows of key kr of a key-major item (bars: a bar
- * item; part: a part of a split run item; krow0: the first scratch row of
- * either, or a run item's first local key row; hk: the kv head): a bar
- * item's scratch rows or a part's (written), a run item's dk_acc / dv_acc
- * rows (added). */
+ * item; part: a part of a split item, bar or run; krow0: the first scratch
+ * row of either, or a run item's first local key row; hk: the kv head): a
+ * part's slot rows (written; a part of a split bar item too), an unsplit bar
+ * item's bar scratch rows (written), a run item's dk_acc / dv_acc rows
+ * (added). */
 __device__ __forceinline__ void kv_out_rows(const cuda_step_t &st, bool bars, bool part,
                                             int64_t krow0, int hk, int kr, int D, float *dk_acc,
                                             float *dv_acc, float *dk_bar, float *dv_bar,
                                             float *&dkr, float *&dvr) {
-  if (bars) {
-    dkr = dk_bar + (krow0 + kr) * D;
-    dvr = dv_bar + (krow0 + kr) * D;
-  } else if (part) {
+  if (part) {
     dkr = st.kv_dk_part + (krow0 + kr) * D;
     dvr = st.kv_dv_part + (krow0 + kr) * D;
+  } else if (bars) {
+    dkr = dk_bar + (krow0 + kr) * D;
+    dvr = dv_bar + (krow0 + kr) * D;
   } else {
     dkr = dk_acc + ((krow0 + kr) * st.Hkv + hk) * D;
     dvr = dv_acc + ((krow0 + kr) * st.Hkv + hk) * D;
@@ -775,7 +784,7 @@ inline mtrain_status_t launch_kv_kernel(cuda_state_t *s,
       (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
   rc = cuda_check_launch(name);
   if (rc != MTRAIN_SUCCESS) return rc;
-  return cuda_kv_split_end(s, &sk, bn, (float *)a->dk_acc, (float *)a->dv_acc);
+  return cuda_kv_split_end(s, &sk, bn, (float *)a->dk_acc, (float *)a->dv_acc, dk_bar, dv_bar);
 }
 
 } /* namespace mma2 */

@@ -290,12 +290,13 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const uint32_t sL = s0 + S::kLdOff;
 
   /* the item (uniform over the CTA), K and V of its keys */
-  const bool bars = (int)blockIdx.x < st.num_bar_tiles;
+  bool bars; /* a bar item (its keys gathered through the bar list) */
   {
     QWalk2 qw;
     int hk, nk, slot;
     int64_t row0;
     if (!kv_item_begin(st, BN, qw, hk, nk, row0, slot)) return;
+    bars = qw.bars != 0;
     /* a part of a split item writes the scratch rows of its slot */
     if (tid == 0)
       ring.start(st, qw, slot >= 0 ? (int64_t)slot * BN : row0, hk, nk, bars, slot >= 0);
@@ -665,12 +666,12 @@ __global__ void __launch_bounds__(WsShape<D, NWG>::NT, WsShape<D, NWG>::kMinBloc
 
   /* the item (uniform over the CTA); thread 0 sets up the control block and
    * finds the walk's first tile */
-  const bool bars = (int)blockIdx.x < st.num_bar_tiles;
   QWalk2 qw;
   int hk, nk, slot;
   int64_t row0;
   if (!kv_item_begin(st, BN, qw, hk, nk, row0, slot)) return;
-  const bool part = slot >= 0; /* a part of a split item: writes its slot's rows */
+  const bool bars = qw.bars != 0; /* a bar item (its keys gathered through the bar list) */
+  const bool part = slot >= 0;    /* a part of a split item: writes its slot's rows */
   const int64_t orow0 = part ? (int64_t)slot * BN : row0;
   if (tid == 0) {
     for (int x = 0; x < NST; ++x) {

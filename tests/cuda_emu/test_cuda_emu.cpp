@@ -4,12 +4,13 @@
 // bf16 and fp16; causal, and non-causal with key blocks on both sides of the diagonal and no
 // mask but the sequence end): every forward tiling of variant 2 and variant 3's forward (its
 // one-item kernel and its persistent kernel, on a grid of a few emulated SMs so that every CTA
-// loops over items, compared bit for bit; configurations 28-29: items of 0, 1 and few tiles),
+// loops over items, compared bit for bit; configurations 29-30: items of 0, 1 and few tiles),
 // variant 2's deterministic and fused backward, and variant 3's with each of its two kernels
 // (kv0: wgmma_bwd_kernel, kv3: the warp-specialised wgmma_bwd_ws_kernel). Every key-major
 // backward runs as the dispatcher runs it: the long-item split's schedule kernel, the kernel over
-// the work list's parts, the reduce of the split items' parts (configurations 22-27: a sink
-// column, so that items split; the deterministic backward twice, compared bit for bit).
+// the work list's parts, the reduce of the split items' parts (configurations 22-28: a sink
+// column, so that items split, or bar items split with C 1 (28); the deterministic backward
+// twice, compared bit for bit).
 // Usage: test_cuda_emu [config|-1 [seed [fwd kind [bwd]]]]; without arguments the
 // configurations of kQuick with seed 7. bwd: one backward of the list `all` in run() (4, 5:
 // variant 3's first kernel, deterministic and fused; 6, 7: its warp-specialised kernel); a fwd
@@ -577,10 +578,17 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
     cuda_step_t sk = st;
     vector<int32_t> work;
     vector<float> dk_part, dv_part;
-    int split_total = 0; // split items over the backward kernels run
+    int split_total = 0;     // split items over the backward kernels run
+    int bar_split_total = 0; // of them bar items
+    // a bar tile that is the second of a 128-key pair (walked with the first; no part)
+    auto pair_at = [&](int BN, int t) {
+      if (BN != 128 || t < 0 || t + 1 >= num_bar_tiles) return false;
+      const int32_t *x = &bt_tile[3 * (size_t)t];
+      return x[1] % 128 == 0 && x[2] - x[1] == 64 && x[3] == x[0] && x[4] == x[2];
+    };
     auto split_prep = [&](int BN, bool verbose) -> int {
       sk = st;
-      const int items = nkb * (G / BN) * Hkv;
+      const int runs = nkb * (G / BN) * Hkv, items = num_bar_tiles + runs;
       if (items <= 0) return (int)cuda_kv_items(&st, BN);
       const int max_parts = items + 2 * sms + 1, max_slots = std::min(4 * sms, max_parts);
       work.assign(CUDA_KV_WORK_HEADER + 4 * (size_t)max_parts, -7);
@@ -593,24 +601,37 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
       sk.kv_work = work.data();
       sk.kv_dk_part = dk_part.data();
       sk.kv_dv_part = dv_part.data();
-      // the list: every run item in order, its parts covering [kv_off[x], kv_off[x + 1]) in
-      // order, at most C entries a part when split, slots 0, 1, ... along the list
+      // the list: every item in order (bar tiles, the second of a pair left out, then the run
+      // items), its parts covering its entries in order, at most C entries a part when split,
+      // slots 0, 1, ... along the list; C from the total work W
       const int P = work[0], S = work[1], C = work[2];
-      bool good = P <= max_parts && S <= max_slots && C >= cmin;
-      int p = 0, slot = 0, nsplit = 0;
+      const int64_t W = (int64_t)(G / BN) * (kv_off[Hkv * nkb] - kv_off[0]) +
+                        (num_bar_tiles ? bt_off[num_bar_tiles] - bt_off[0] : 0);
+      const int64_t c_want = std::max<int64_t>(cmin, (W + 2 * sms - 1) / (2 * sms));
+      bool good = P <= max_parts && S <= max_slots && C == c_want;
+      int p = 0, slot = 0, nsplit = 0, bar_split = 0;
       for (int u = 0; u < items && good; ++u) {
-        const int ktg = u / Hkv, hk = u % Hkv, kb = ktg / (G / BN), x = hk * nkb + kb;
-        int e = kv_off[x];
-        const bool split = kv_off[x + 1] - kv_off[x] > C;
+        int e, e_end;
+        if (u < num_bar_tiles) {
+          if (pair_at(BN, u - 1)) continue;
+          e = bt_off[u];
+          e_end = bt_off[pair_at(BN, u) ? u + 2 : u + 1];
+        } else {
+          const int r = u - num_bar_tiles;
+          const int ktg = r / Hkv, hk = r % Hkv, kb = ktg / (G / BN), x = hk * nkb + kb;
+          e = kv_off[x];
+          e_end = kv_off[x + 1];
+        }
+        const bool split = e_end - e > C;
         nsplit += split;
+        bar_split += split && u < num_bar_tiles;
         do {
           const int32_t *w = &work[CUDA_KV_WORK_HEADER + 4 * (size_t)p];
-          good = good && p < P && w[0] == u && w[1] == e && w[2] > e - (e == kv_off[x + 1]) &&
-                 w[2] <= kv_off[x + 1] && (!split || w[2] - w[1] <= C) &&
-                 w[3] == (split ? slot++ : -1);
+          good = good && p < P && w[0] == u && w[1] == e && w[2] > e - (e == e_end) &&
+                 w[2] <= e_end && (!split || w[2] - w[1] <= C) && w[3] == (split ? slot++ : -1);
           e = w[2];
           ++p;
-        } while (good && e < kv_off[x + 1]);
+        } while (good && e < e_end);
       }
       good = good && p == P && slot == S && nsplit == work[3];
       if (!good) {
@@ -618,16 +639,18 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
         ok = false;
       }
       split_total += work[3];
+      bar_split_total += bar_split;
       if (verbose)
-        printf("    split BN %d: C %d, %d run items -> %d parts, %d items split (%d slots)\n", BN,
-               C, items, P, work[3], S);
-      return num_bar_tiles + max_parts;
+        printf("    split BN %d: C %d, %d bar + %d run items -> %d parts, %d items split (%d bar; "
+               "%d slots)\n",
+               BN, C, num_bar_tiles, runs, P, work[3], bar_split, S);
+      return max_parts;
     };
-    auto split_done = [&](int BN, float *dkp, float *dvp) {
+    auto split_done = [&](int BN, float *dkp, float *dvp, float *dkbp, float *dvbp) {
       if (!sk.kv_work) return;
-      const int max_parts = nkb * (G / BN) * Hkv + 2 * sms + 1;
+      const int max_parts = num_bar_tiles + nkb * (G / BN) * Hkv + 2 * sms + 1;
       emu::launch(
-          max_parts, 0, [&]() { mma2::kv_split_reduce_kernel(sk, BN, dkp, dvp); }, true,
+          max_parts, 0, [&]() { mma2::kv_split_reduce_kernel(sk, BN, dkp, dvp, dkbp, dvbp); }, true,
           mma2::kSplitThreads);
     };
     for (const BV &bv : bvs) {
@@ -668,7 +691,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
                                                  dvbp);                                            \
         },                                                                                         \
         true, S::NT);                                                                              \
-    split_done(S::BN, dkp, dvp);                                                                   \
+    split_done(S::BN, dkp, dvp, dkbp, dvbp);                                                       \
   }
 #define WG_LAUNCH(NWG, FU)                                                                         \
   {                                                                                                \
@@ -680,7 +703,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
                                               dvbp);                                               \
         },                                                                                         \
         true, S::NC);                                                                              \
-    split_done(S::BN, dkp, dvp);                                                                   \
+    split_done(S::BN, dkp, dvp, dkbp, dvbp);                                                       \
   }
 #define WS_LAUNCH(NWG, FU)                                                                         \
   {                                                                                                \
@@ -695,7 +718,7 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
         },                                                                                         \
         true, S::NT);                                                                              \
     emu::set_launch_regs(0);                                                                       \
-    split_done(S::BN, dkp, dvp);                                                                   \
+    split_done(S::BN, dkp, dvp, dkbp, dvbp);                                                       \
   }
         if (bv.kv_nw == 3) {
           if (G % 128 == 0) {
@@ -756,7 +779,8 @@ template <int D, typename T> static bool run(const Cfg &c, uint64_t seed) {
         report(nm, compare(dv2.data(), dv64.data(), nk), tol);
       }
     }
-    printf("    split items over the backward kernels: %d\n", split_total);
+    printf("    split items over the backward kernels: %d (bar items %d)\n", split_total,
+           bar_split_total);
   }
   return ok;
 }
@@ -802,6 +826,10 @@ int main(int argc, char **argv) {
        2, 0},
       {"sink G64 d128 bf16 4:2 unsplit", 64, 128, true, 4, 2, 500, 0, 0.3, 0, 0, 0, 1.0, 0, 1,
        1000000, 0},
+      // bar items split too (C 1): 64-key bar tiles walked in parts, each part's rows summed
+      // into the bar scratch rows by the reduce kernel
+      {"bars split G64 d64 bf16 4:2 C1", 64, 64, true, 4, 2, 700, 0, 0.2, 120, 0, 1, 1.0, 0, 1, 1,
+       0},
       // short items for the persistent forward (fwd_sms last): sparse ring-like steps, so that
       // many query tiles have no key tile or one (a bar tile, a short last block), and each CTA
       // of the small grid loops over items of 0, 1 and more tiles
@@ -825,8 +853,9 @@ int main(int argc, char **argv) {
    * (128-row tiles, two consumer warpgroups), d 64 and 128, bf16 and fp16, bars in 64-bar
    * pairs and tiles of random size, counting data, N = 1; non-causal steps (16: single-rank,
    * G 64, d 64; 18: ring-like, counting data, d 128); the long-item split with a sink column
-   * (22: C 2, G 64, d 64; 25: non-causal, C 1, d 128; 26: ring-like, counting data, G 128) */
-  static const int kQuick[] = {0, 2, 5, 6, 7, 8, 14, 16, 18, 22, 25, 26};
+   * (22: C 2, G 64, d 64; 25: non-causal, C 1, d 128; 26: ring-like, counting data, G 128);
+   * bar items split (28: C 1, G 64, 64-key bar tiles; 14 and 26 split 128-key bar pairs) */
+  static const int kQuick[] = {0, 2, 5, 6, 7, 8, 14, 16, 18, 22, 25, 26, 28};
   int only = argc > 1 ? atoi(argv[1]) : -2;
   uint64_t seed = argc > 2 ? strtoull(argv[2], 0, 10) : 7;
   if (argc > 3) only_kind = atoi(argv[3]);
