@@ -35,43 +35,85 @@ TOP_K = (1, 2, 4, 8)
 VS = ((32, 32), (64, 64), (64, 128), (128, 128), (128, 192), (256, 256))  # (v, s) at N = 2048
 
 
-def recall(q: torch.Tensor, k: torch.Tensor, pattern: Any, scale: float) -> float:
-    """The share of the dense causal softmax mass inside `pattern`, over every query row and
-    head, in float64 (q [N, Hq, d], k [N, Hkv, d])."""
+ROW_ELEMENTS = 1 << 25  # query rows x keys of one chunk of float64 scores (256 MiB)
+
+
+def _head_masks(pattern: Any, h: int) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """Head h of a pattern as the tables its chunk masks index: ("block", the block mask,
+    None) or ("vs", the block diagonals kept (index: query block - key block), the vertical
+    key positions kept)."""
+    if pattern.is_block_mask(h):
+        return "block", pattern.block_mask(h), None
+    diagonals, verticals = pattern.head(h)
+    on = torch.zeros(pattern.num_blocks + 1, dtype=torch.bool)
+    on[torch.tensor(diagonals, dtype=torch.long)] = True
+    vert = None
+    if verticals:
+        vert = torch.zeros(pattern.seq_len, dtype=torch.bool)
+        vert[torch.tensor(verticals, dtype=torch.long)] = True
+    return "vs", on, vert
+
+
+def recalls(
+    q: torch.Tensor, k: torch.Tensor, patterns: list[Any], scale: float, rows: int = 0
+) -> list[float]:
+    """For each pattern, the share of the dense causal softmax mass inside it, over every query
+    row and head, in float64 (q [N, Hq, d], k [N, Hkv, d]). The dense probabilities of a head
+    are computed once for all the patterns, `rows` query rows at a time (0: as many as keep a
+    chunk within ROW_ELEMENTS scores), so that long sequences fit in memory."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
-    g = pattern.granularity
+    if not patterns:
+        return []
+    g = patterns[0].granularity
+    if any(p.granularity != g or p.seq_len != n for p in patterns):
+        raise ValueError("recalls: every pattern must have the granularity and length of the first")
+    step = rows if rows > 0 else max(1, ROW_ELEMENTS // max(1, n))
     i = torch.arange(n)
-    qb, kb = (i // g)[:, None], (i // g)[None, :]
-    causal = i[None, :] <= i[:, None]
-    total = 0.0
+    kb = (i // g)[None, :]
+    total = [0.0] * len(patterns)
     for h in range(hq):
-        if pattern.is_block_mask(h):
-            allowed = pattern.block_mask(h)[qb, kb] & (qb >= kb)
-        else:
-            diagonals, verticals = pattern.head(h)
-            on = torch.zeros(pattern.num_blocks + 1, dtype=torch.bool)
-            on[torch.tensor(diagonals, dtype=torch.long)] = True
-            allowed = on[(qb - kb).clamp(min=0, max=pattern.num_blocks)] & (qb >= kb)
-            if verticals:
-                vert = torch.zeros(n, dtype=torch.bool)
-                vert[torch.tensor(verticals, dtype=torch.long)] = True
-                allowed = allowed | (vert[None, :] & (kb < qb))
-        s = (q[:, h].double() @ k[:, h // group].double().T) * scale
-        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
-        total += float((p * (allowed & causal)).sum(-1).mean())
-    return total / hq
+        masks = [_head_masks(p, h) for p in patterns]
+        kh = k[:, h // group].double()
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            rows_i = i[r0:r1, None]
+            qb = rows_i // g
+            causal = i[None, :] <= rows_i
+            s = (q[r0:r1, h].double() @ kh.T) * scale
+            p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+            below = qb >= kb
+            for j, (kind, table, vert) in enumerate(masks):
+                if kind == "block":
+                    allowed = table[qb, kb] & below
+                else:
+                    allowed = table[(qb - kb).clamp(min=0, max=table.numel() - 1)] & below
+                    if vert is not None:
+                        allowed = allowed | (vert[None, :] & (kb < qb))
+                total[j] += float(torch.where(allowed & causal, p, 0.0).sum())
+    return [t / (n * hq) for t in total]
 
 
-def dense_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """[N, Hq] float64 log-sum-exp of the dense causal scores (the precise search's input)."""
+def recall(q: torch.Tensor, k: torch.Tensor, pattern: Any, scale: float) -> float:
+    """recalls() of one pattern."""
+    return recalls(q, k, [pattern], scale)[0]
+
+
+def dense_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 0) -> torch.Tensor:
+    """[N, Hq] float64 log-sum-exp of the dense causal scores (the precise search's input),
+    `rows` query rows at a time (0: as recalls chooses)."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    step = rows if rows > 0 else max(1, ROW_ELEMENTS // max(1, n))
+    i = torch.arange(n)
     out = torch.empty(n, hq, dtype=torch.float64)
     for h in range(hq):
-        s = (q[:, h].double() @ k[:, h // group].double().T) * scale
-        out[:, h] = torch.logsumexp(s.masked_fill(~causal, float("-inf")), dim=-1)
+        kh = k[:, h // group].double()
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            causal = i[None, :] <= i[r0:r1, None]
+            s = (q[r0:r1, h].double() @ kh.T) * scale
+            out[r0:r1, h] = torch.logsumexp(s.masked_fill(~causal, float("-inf")), dim=-1)
     return out
 
 
@@ -89,18 +131,24 @@ def budgets(n: int) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-def point(
+def select(
     q: torch.Tensor, k: torch.Tensor, opts: dict[str, Any], g: int, scale: float, lse: Any
-) -> tuple[float, float]:
-    """The density and recall of one selection on one (sequence, layer)."""
+) -> Any:
+    """The pattern of one point of the table on one (sequence, layer)."""
     if "v" in opts:
         plan = mtrain.estimate_pattern(
             q, k, mtrain.TopK(opts["v"], opts["s"]), granularity=g, softmax_scale=scale
         )
-        pat = plan.patterns[0]
-    else:
-        extra = {"lse": lse.float()} if opts["method"] == "precise" else {}
-        pat = mtrain.select_blocks(q, k, granularity=g, softmax_scale=scale, **opts, **extra)[0]
+        return plan.patterns[0]
+    extra = {"lse": lse.float()} if opts["method"] == "precise" else {}
+    return mtrain.select_blocks(q, k, granularity=g, softmax_scale=scale, **opts, **extra)[0]
+
+
+def point(
+    q: torch.Tensor, k: torch.Tensor, opts: dict[str, Any], g: int, scale: float, lse: Any
+) -> tuple[float, float]:
+    """The density and recall of one selection on one (sequence, layer)."""
+    pat = select(q, k, opts, g, scale, lse)
     return pat.density(), recall(q, k, pat, scale)
 
 
@@ -145,8 +193,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for layer in sorted(taken):
             q, k = taken[layer]
             lse = dense_lse(q, k, scale)
-            for i, (_, _, opts) in enumerate(points):
-                acc[i].append(point(q, k, opts, a.granularity, scale, lse))
+            pats = [select(q, k, opts, a.granularity, scale, lse) for _, _, opts in points]
+            # one pass of the dense probabilities for all the points (a pass per point took
+            # 95% of a run's time)
+            for i, (pat, rec) in enumerate(zip(pats, recalls(q, k, pats, scale), strict=True)):
+                acc[i].append((pat.density(), rec))
     rows = []
     for i, (method, label, _) in enumerate(points):
         dens = statistics.mean(x for x, _ in acc[i])
