@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # 95% of a run's time)
             for i, (pat, rec) in enumerate(zip(pats, recalls(q, k, pats, scale), strict=True)):
                 acc[i].append((pat.density(), rec))
+            print(
+                f"sequence {seq} layer {layer}: {len(points)} points, "
+                f"{time.perf_counter() - t0:.0f} s so far",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     for i, (method, label, _) in enumerate(points):
         dens = statistics.mean(x for x, _ in acc[i])
