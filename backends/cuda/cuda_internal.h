@@ -81,20 +81,22 @@ typedef struct cuda_step {
   int32_t num_bar_tiles;
   int32_t total_bars;        /* sum over heads of num_bars (scratch rows) */
   int32_t max_runs_per_item; /* informational */
-  /* backward of variants 2 and 3 only (NULL otherwise: one CTA per run item
-   * over its whole kv_off range): the work list of the long-item split
-   * (kv_split_schedule_kernel, attn_mma2_common.cuh), written on the device
+  /* backward of variants 2 and 3 only (NULL otherwise: one CTA per bar or
+   * run item over its whole entry range): the work list of the long-item
+   * split (kv_split_schedule_kernel, attn_mma2_bwd.cu), written on the device
    * before the key-major launch: [0] parts, [1] scratch slots, [2] chunk C,
-   * [3] split items, then per part (run item, e0, e1, slot) */
+   * [3] split items, then per part (item, e0, e1, slot), item < num_bar_tiles
+   * a bar tile, else num_bar_tiles + the run item */
   const int32_t *kv_work;
   float *kv_dk_part, *kv_dv_part; /* [slots * BN, d] fp32: the split parts' rows */
 } cuda_step_t;
 
 /* The long-item split of the key-major backward (variants 2 and 3; see
- * CUDA_KERNELS.md "Long key-major items split"): a run item of more than C
- * entries is walked by ceil(len / C) CTAs, C = max(C_MIN, ceil(W / (2 SMs))),
- * W = tiles per block x the step's entries. C_MIN is CUDA_KV_SPLIT_MIN
- * unless MTRAIN_CUDA_KV_SPLIT_CHUNK says otherwise (cuda_state_t.kv_split_min). */
+ * CUDA_KERNELS.md "Long key-major items split"): an item, bar or run, of more
+ * than C entries is walked by ceil(len / C) CTAs, C = max(C_MIN, ceil(W /
+ * (2 SMs))), W = tiles per block x the step's run entries + the bar items'
+ * entries. C_MIN is CUDA_KV_SPLIT_MIN unless MTRAIN_CUDA_KV_SPLIT_CHUNK says
+ * otherwise (cuda_state_t.kv_split_min). */
 #define CUDA_KV_SPLIT_MIN 8
 #define CUDA_KV_WORK_HEADER 4 /* int32 header of the work list */
 
